@@ -1,0 +1,147 @@
+"""Ranks, devices, backends and reductions.
+
+Every helper works without a process group: then rank is 0, world size is 1
+and reductions return their input, so the training code has no
+`if distributed:` branches.
+"""
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .args import UsageError
+
+
+@dataclass
+class Runtime:
+    """Where this process runs and who it is among the others."""
+    mode: str                 # "dp", "ddp" or "spawn"
+    device: torch.device
+    rank: int = 0             # global rank, 0 .. world_size-1
+    local_rank: int = 0       # rank on this node = which local GPU
+    world_size: int = 1       # processes in the job
+    num_devices: int = 1      # devices this process drives (several under DataParallel)
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def writes_checkpoints(self, save_on):
+        # One writer for the whole job on a shared file system; with
+        # --save-on node, one per node, for nodes that share no file system.
+        return self.local_rank == 0 if save_on == "node" else self.rank == 0
+
+
+def world_info_from_env():
+    """(rank, local_rank, world_size) set by torchrun / torch.distributed.launch or by Slurm."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        return rank, int(env.get("LOCAL_RANK", rank)), world_size
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
+    return 0, 0, 1
+
+
+def select_device(choice, local_rank=0):
+    """The device of the process with this node-local rank (cuda:LOCAL_RANK on GPUs)."""
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise UsageError("--device cuda asked for, but no CUDA GPU is visible: use --device cpu")
+    if choice == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if count == 1:  # the launcher gave each process its own GPU via CUDA_VISIBLE_DEVICES
+        return torch.device("cuda", 0)
+    raise UsageError(f"local rank {local_rank} needs GPU {local_rank}, but only {count} are visible: "
+                     "start at most one process per GPU")
+
+
+def choose_backend(requested, device):
+    backend = requested or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("the nccl backend needs CUDA GPUs and this process runs on the CPU: "
+                         "use --dist-backend gloo (or unset BACKEND)")
+    return backend
+
+
+def init_process_group(backend, init_method, rank, world_size, device, timeout_minutes=30):
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def destroy_process_group():
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank():
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
+def barrier():
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor):
+    """Sum of `tensor` over all ranks (in place, returned)."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(value, device):
+    """The largest of a Python number over all ranks."""
+    tensor = torch.tensor(float(value), device=device)
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def broadcast_buffers(module):
+    """Give every rank rank 0's buffers (BatchNorm running statistics), so all
+    ranks evaluate exactly the weights that rank 0 saves."""
+    if is_initialized():
+        for buffer in module.buffers():
+            dist.broadcast(buffer.data, src=0)
+
+
+def shared_seed(seed):
+    """`seed`, or when None a random one drawn by rank 0 and given to every rank."""
+    if seed is not None:
+        return seed
+    drawn = [random.SystemRandom().randrange(2**31)]
+    if is_initialized():
+        dist.broadcast_object_list(drawn, src=0)
+    return drawn[0]
+
+
+def check_port_free(address, port):
+    """Fail early and clearly when the rendezvous port is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, port))
+        except OSError as error:
+            raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): "
+                             "the port is in use; choose another --master-port")

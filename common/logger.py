@@ -1,0 +1,71 @@
+"""What a run leaves behind: console lines (rank 0), log.csv, TensorBoard, args.json, summary.json.
+
+Only the process that writes checkpoints writes files; every other process
+gets a RunLogger that prints and writes nothing.
+"""
+import csv
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
+              "val_acc1", "val_acc5", "images_per_second"]
+
+
+def atomic_write_text(path, text):
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def describe_environment(device, num_devices):
+    """One line with versions and hardware, for the top of every run's output."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        hardware = f"{num_devices} x {name}, CUDA {torch.version.cuda}"
+    else:
+        hardware = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"torch {torch.__version__}, python {platform.python_version()}, {hardware}"
+
+
+class RunLogger:
+    def __init__(self, output_dir, prints, writes):
+        self.output_dir, self.prints, self.writes = Path(output_dir), prints, writes
+        self.tensorboard = None
+
+    def print(self, message):
+        if self.prints:
+            print(message, flush=True)
+
+    def start(self, args, resumed):
+        """Create the output dir and write args.json; a fresh run starts a fresh log.csv."""
+        if not self.writes:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
+        log = self.output_dir / "log.csv"
+        if not resumed or not log.exists():
+            with open(log, "w", newline="") as file:
+                csv.writer(file).writerow(CSV_FIELDS)
+        from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
+        self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def log_epoch(self, row):
+        if not self.writes:
+            return
+        with open(self.output_dir / "log.csv", "a", newline="") as file:
+            csv.writer(file).writerow([row[field] for field in CSV_FIELDS])
+        for key in ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "images_per_second"):
+            self.tensorboard.add_scalar(key, row[key], row["epoch"])
+        self.tensorboard.flush()
+
+    def finish(self, summary):
+        if not self.writes:
+            return
+        atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
+        if self.tensorboard:
+            self.tensorboard.close()

@@ -1,0 +1,40 @@
+"""Any torchvision classification model by name."""
+import torch.nn as nn
+import torchvision
+
+from .args import UsageError
+
+
+def _replace_head(model, num_classes):
+    """Swap the last classifier layer of a pretrained model for one with `num_classes` outputs."""
+    for name, module in reversed(list(model.named_modules())):
+        if isinstance(module, nn.Linear):
+            new = nn.Linear(module.in_features, num_classes)
+        elif isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1):  # squeezenet
+            new = nn.Conv2d(module.in_channels, num_classes, kernel_size=1)
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        return model
+    raise UsageError("cannot find the classifier layer to resize for --pretrained")
+
+
+def build_model(arch, num_classes, pretrained=False, dropout=None):
+    kwargs = {} if dropout is None else {"dropout": dropout}
+    try:
+        if not pretrained:
+            return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
+        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        try:
+            model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+        except (OSError, RuntimeError) as error:  # URLError is an OSError
+            raise UsageError(f"cannot get pretrained weights {weights} ({error}): download them "
+                             "into $TORCH_HOME/hub/checkpoints or train without --pretrained")
+    except TypeError as error:
+        if "dropout" in str(error):
+            raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")
+        raise
+    if len(weights.meta["categories"]) != num_classes:
+        model = _replace_head(model, num_classes)
+    return model

@@ -1,0 +1,62 @@
+"""Train an image classifier with nn.DataParallel: one process drives every GPU.
+
+    python train_dp.py                                  # the built-in demo set, on CPU or all GPUs
+    python train_dp.py --data /path/to/imagenet -a resnet50 -b 256 --gpus 0,1,2,3
+
+DataParallel splits each batch over the GPUs, runs a replica of the model on
+each, and gathers the outputs on the first one. It is one line of code, but
+the first GPU does more work than the others and one Python process feeds
+them all; train_ddp.py (one process per GPU) is faster. With no GPU this
+script runs on the CPU.
+"""
+import sys
+
+import torch
+import torch.nn as nn
+
+from common import args as cli
+from common.distributed import Runtime, select_device
+from common.trainer import Trainer
+
+
+def parse_args(argv=None):
+    parser = cli.build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=lambda text: [int(i) for i in text.split(",")], default=None,
+                        metavar="0,1,..", help="GPU ids to use (default: every visible GPU)")
+    return cli.parse_args(parser, argv)
+
+
+def setup(args):
+    """The device list: every visible GPU (or --gpus); none on the CPU."""
+    device = select_device(args.device)
+    if device.type == "cpu":
+        if args.gpus:
+            raise cli.UsageError(f"--gpus {args.gpus} asked for, but this run uses no GPU "
+                                 f"({torch.cuda.device_count()} visible)")
+        print("no GPU in use: DataParallel runs the model on the CPU", flush=True)
+        return device, []
+    visible = list(range(torch.cuda.device_count()))
+    gpus = args.gpus if args.gpus is not None else visible
+    missing = [gpu for gpu in gpus if gpu not in visible]
+    if missing:
+        raise cli.UsageError(f"--gpus names GPU {missing[0]}, but the visible GPUs are {visible}")
+    if args.sync_bn and len(gpus) > 1:
+        raise cli.UsageError("DataParallel cannot synchronise BatchNorm over GPUs: "
+                             "use train_ddp.py or train_spawn.py for --sync-bn")
+    # The model and each batch go to the first GPU; DataParallel scatters from there.
+    torch.cuda.set_device(gpus[0])
+    return torch.device("cuda", gpus[0]), gpus
+
+
+def main(args):
+    device, gpus = setup(args)
+    runtime = Runtime("dp", device, num_devices=max(len(gpus), 1))
+    trainer = Trainer(args, runtime)
+    model = trainer.model
+    if gpus:
+        model = nn.DataParallel(model, device_ids=gpus, output_device=gpus[0])
+    return trainer.fit(train_model=model, eval_model=model)
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_main(main, parse_args))
