@@ -71,6 +71,11 @@ def choose_backend(requested, device):
     return backend
 
 
+def check_sync_bn(sync_bn, device):
+    if sync_bn and device.type != "cuda":
+        raise UsageError("--sync-bn needs GPUs: SyncBatchNorm does not run on the CPU")
+
+
 def init_process_group(backend, init_method, rank, world_size, device, timeout_minutes=30):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU

@@ -32,8 +32,7 @@ class Trainer:
     def __init__(self, args, runtime):
         self.args, self.runtime = args, runtime
         device = runtime.device
-        if args.sync_bn and device.type != "cuda":
-            raise UsageError("--sync-bn needs GPUs: SyncBatchNorm does not run on the CPU")
+        distributed.check_sync_bn(args.sync_bn, device)
         args.output_dir = args.output_dir or default_output_dir(args, runtime.mode)
         resume_path = checkpoint.resolve_resume(args.resume, args.output_dir)
         resumed = checkpoint.load_checkpoint(resume_path) if resume_path else None

@@ -1,0 +1,65 @@
+"""Train an image classifier with DistributedDataParallel: one process per device, started by torchrun.
+
+    torchrun --standalone --nproc_per_node=4 train_ddp.py --data /path/to/imagenet -a resnet50 -b 256
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=HOST:29500 train_ddp.py ...
+    python -m torch.distributed.launch --nproc_per_node=4 train_ddp.py ...   # the legacy launcher
+    torchrun --standalone --nproc_per_node=2 train_ddp.py                   # no GPU: 2 CPU processes, gloo
+
+The launcher starts the processes and gives each one RANK (global), LOCAL_RANK
+(on its node: which GPU) and WORLD_SIZE, plus MASTER_ADDR/MASTER_PORT to meet
+at. Every process holds a full replica of the model, trains on its own shard
+of each batch, and DDP averages the gradients over all processes during
+backward(). Under Slurm, `srun` with one task per GPU works too (SLURM_PROCID,
+SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR/MASTER_PORT exported by the job script).
+"""
+import argparse
+import os
+import sys
+
+from torch.nn.parallel import DistributedDataParallel
+
+from common import args as cli
+from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group,
+                                select_device, world_info_from_env)
+from common.trainer import Trainer, per_process_batch
+
+
+def parse_args(argv=None):
+    parser = cli.build_parser(__doc__.splitlines()[0])
+    # torch.distributed.launch passes --local-rank (--local_rank before torch 2.0);
+    # LOCAL_RANK in the environment says the same, and is what we read.
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return cli.parse_args(parser, argv)
+
+
+def setup(args):
+    """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT)."""
+    rank, local_rank, world_size = world_info_from_env()
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise cli.UsageError("MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
+                             "or export them in the job script when srun starts it")
+    device = select_device(args.device, local_rank)
+    backend = choose_backend(args.dist_backend, device)
+    per_process_batch(args.batch_size, world_size)  # fail before the rendezvous, not after
+    init_process_group(backend, "env://", rank, world_size, device)
+    return Runtime("ddp", device, rank, local_rank, world_size)
+
+
+def main(args):
+    runtime = setup(args)
+    try:
+        trainer = Trainer(args, runtime)
+        # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids)
+        # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
+        # forward would wait for the others.
+        trainer.fit(train_model=model, eval_model=trainer.model)
+    finally:
+        destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_main(main, parse_args))

@@ -1,0 +1,122 @@
+"""Train an image classifier with DistributedDataParallel: one process per device, started by this script.
+
+    python train_spawn.py --data /path/to/imagenet -a resnet50 -b 256           # every GPU of this node
+    python train_spawn.py --nproc-per-node 2                                    # no GPU: 2 CPU processes, gloo
+    python train_spawn.py --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 ...  # then node 1
+    python train_spawn.py --dist-url file:///shared/dir/rendezvous ...          # or tcp://HOST:PORT, env://
+
+torch.multiprocessing.spawn starts --nproc-per-node processes on this node and
+calls worker(local_rank, ...) in each; the global rank is
+node_rank * nproc_per_node + local_rank. Everything else is as in train_ddp.py:
+each process holds a replica, trains on its shard of each batch, and DDP
+averages the gradients during backward().
+"""
+import logging
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from common import args as cli
+from common.distributed import (Runtime, check_port_free, check_sync_bn, choose_backend,
+                                destroy_process_group, init_process_group, select_device)
+from common.trainer import Trainer, per_process_batch
+
+
+def parse_args(argv=None):
+    parser = cli.build_parser(__doc__.splitlines()[0])
+    parser.add_argument("--nproc-per-node", type=int, default=cli.env_default("WORKER_PER_NODE", int),
+                        help="processes on this node (default: the visible GPUs; env WORKER_PER_NODE)")
+    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 .. nnodes-1")
+    parser.add_argument("--master-addr", default=cli.env_default("MASTER_ADDR") or "127.0.0.1",
+                        help="address of node 0 (env MASTER_ADDR)")
+    parser.add_argument("--master-port", type=int, default=cli.env_default("MASTER_PORT", int) or 29500,
+                        help="free port on node 0 (env MASTER_PORT)")
+    parser.add_argument("--dist-url", default=None,
+                        help="tcp://HOST:PORT, file:///shared/path or env:// (default: tcp://MASTER_ADDR:MASTER_PORT)")
+    return cli.parse_args(parser, argv)
+
+
+def setup(args):
+    """Check the launch before starting anything; returns the init_method URL."""
+    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    if args.nproc_per_node is None:
+        if not gpus:
+            raise cli.UsageError("--nproc-per-node is required when no GPU is used (e.g. --nproc-per-node 2)")
+        args.nproc_per_node = gpus
+    if args.nproc_per_node < 1 or (gpus and args.nproc_per_node > gpus):
+        raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} needs one GPU per process, "
+                             f"but {gpus} are visible")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise cli.UsageError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    per_process_batch(args.batch_size, args.nnodes * args.nproc_per_node)
+    device = select_device(args.device)
+    choose_backend(args.dist_backend, device)
+    check_sync_bn(args.sync_bn, device)
+    url = args.dist_url or f"tcp://{args.master_addr}:{args.master_port}"
+    if url.startswith("tcp://") and args.node_rank == 0:
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        check_port_free(host, int(port))  # rank 0 will listen there
+    elif url.startswith("file://"):
+        path = Path(url[len("file://"):])
+        if args.node_rank == 0 and path.exists() and path.stat().st_size:
+            raise cli.UsageError(f"rendezvous file {path} is left from an earlier run: delete it first")
+    elif url == "env://":
+        os.environ.setdefault("MASTER_ADDR", args.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(args.master_port))
+    elif not url.startswith("tcp://"):
+        raise cli.UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
+    return url
+
+
+def worker(local_rank, args, init_method):
+    """Runs in each spawned process."""
+    # Global rank: the processes of node 0 come first, then those of node 1, ...
+    rank = args.node_rank * args.nproc_per_node + local_rank
+    world_size = args.nnodes * args.nproc_per_node
+    device = select_device(args.device, local_rank)
+    backend = choose_backend(args.dist_backend, device)
+    init_process_group(backend, init_method, rank, world_size, device)
+    runtime = Runtime("spawn", device, rank, local_rank, world_size)
+    try:
+        trainer = Trainer(args, runtime)
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids)
+        trainer.fit(train_model=model, eval_model=trainer.model)
+    except cli.UsageError:
+        raise  # reported by main() as one line
+    except Exception:
+        # spawn re-raises one failed process's error, often a rank that merely lost its
+        # peer; print each rank's own traceback so the first cause is always shown.
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        destroy_process_group()
+
+
+def main(args):
+    init_method = setup(args)
+    # When a worker fails, spawn stops the others and logs each; our error line says what failed.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        mp.spawn(worker, args=(args, init_method), nprocs=args.nproc_per_node, join=True)
+    except mp.ProcessRaisedException as error:
+        # A bad-input error in a worker arrives as its traceback text: report its one line.
+        usage = re.search(r"UsageError: (.*)\s*$", str(error))
+        if usage:
+            raise cli.UsageError(usage.group(1)) from None
+        raise
+    except mp.ProcessExitedException as error:
+        print(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
+              "see the errors above", file=sys.stderr)
+        raise SystemExit(error.exit_code or 1) from None
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_main(main, parse_args))
