@@ -31,9 +31,8 @@ def setup(args):
     device = select_device(args.device)
     if device.type == "cpu":
         if args.gpus:
-            raise cli.UsageError(f"--gpus {args.gpus} asked for, but this run uses no GPU "
-                                 f"({torch.cuda.device_count()} visible)")
-        print("no GPU in use: DataParallel runs the model on the CPU", flush=True)
+            raise cli.UsageError(f"--gpus {','.join(map(str, args.gpus))} asked for, but this run uses "
+                                 f"no GPU ({torch.cuda.device_count()} visible)")
         return device, []
     visible = list(range(torch.cuda.device_count()))
     gpus = args.gpus if args.gpus is not None else visible
@@ -55,6 +54,8 @@ def main(args):
     model = trainer.model
     if gpus:
         model = nn.DataParallel(model, device_ids=gpus, output_device=gpus[0])
+    else:
+        trainer.log.print("no GPU in use: DataParallel runs the model on the CPU")
     return trainer.fit(train_model=model, eval_model=model)
 
 

@@ -139,10 +139,13 @@ def parse_args(parser, argv=None):
 
     from_env = {"epochs": env_default("EPOCHS", int), "batch_size": env_default("BATCH_SIZE", int),
                 "lr": env_default("LR", float), "dist_backend": env_default("BACKEND")}
+    warmup_given = args.warmup_epochs is not None
     for name, value in {**preset, **from_env}.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value if value is not None else preset.get(name))
     args.min_crop_scale = preset["min_crop_scale"]
+    if not warmup_given and args.warmup_epochs >= args.epochs:
+        args.warmup_epochs = 0.0  # the preset's warmup does not fit a run this short
 
     _check_positive(args, ["epochs", "batch_size", "lr", "print_freq", "train_crop_size",
                            "val_resize_size", "val_crop_size", "dummy_size", "lr_step_size"])

@@ -7,6 +7,7 @@ A checkpoint is a dict of plain data and tensors:
 """
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -96,12 +97,14 @@ def load_checkpoint(path):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UsageError(f"refusing to load {path}: it holds more than tensors and plain data "
-                         f"(weights_only=True; {first_line})")
-    except (RuntimeError, EOFError, OSError) as error:
-        raise UsageError(f"cannot read checkpoint {path}: truncated or not a PyTorch file "
-                         f"({str(error).strip().splitlines()[0]})")
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        if unsafe:
+            raise UsageError(f"refusing to load {path}: it holds a Python object ({unsafe.group(1)}), "
+                             "not only tensors and plain data; nothing in it was run")
+        raise UsageError(f"cannot read checkpoint {path}: not a PyTorch checkpoint")
+    except Exception as error:  # truncated zip, text, random bytes: the unpickler raises many kinds
+        raise UsageError(f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint "
+                         f"({type(error).__name__})")
     if isinstance(checkpoint, dict) and "state_dict" not in checkpoint and checkpoint and all(
             isinstance(value, torch.Tensor) for value in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
@@ -111,11 +114,15 @@ def load_checkpoint(path):
     return checkpoint
 
 
-def load_weights(model, checkpoint, arch, path):
-    """Load the checkpoint's weights into the bare `model`, refusing another arch or class count."""
+def load_weights(model, checkpoint, arch, classes, path):
+    """Load the checkpoint's weights into the bare `model`, refusing another arch or other classes."""
     saved_arch = checkpoint.get("arch")
     if saved_arch and saved_arch != arch:
         raise UsageError(f"{path} holds a {saved_arch} model, not {arch}: pass --arch {saved_arch}")
+    saved_classes = checkpoint.get("classes")
+    if saved_classes and len(saved_classes) == len(classes) and list(saved_classes) != list(classes):
+        raise UsageError(f"{path} was trained on other classes ({', '.join(saved_classes[:3])}, ...) "
+                         f"than the data's ({', '.join(classes[:3])}, ...)")
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:

@@ -51,7 +51,7 @@ class Trainer:
                                pin_memory=device.type == "cuda")
         model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout)
         if resumed:
-            checkpoint.load_weights(model, resumed, args.arch, resume_path)
+            checkpoint.load_weights(model, resumed, args.arch, self.data.classes, resume_path)
         if args.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         memory_format = torch.channels_last if args.channels_last else torch.preserve_format
@@ -73,6 +73,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, args, steps_per_epoch,
                                          start_step=self.start_epoch * steps_per_epoch)
         self.resume_path = resume_path if resumed else None
+        self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
         self.log = RunLogger(args.output_dir, prints=runtime.is_main,
                              writes=runtime.writes_checkpoints(args.save_on))
 
@@ -94,7 +95,7 @@ class Trainer:
         log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
                   f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images)")
         if self.resume_path:
-            log.print(f"resumed from {self.resume_path} (epoch {self.start_epoch})")
+            log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch})")
         if args.evaluate:
             evaluate(eval_model, self.criterion, self.data.val_loader, runtime.device, args, log.print)
             return
