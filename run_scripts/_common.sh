@@ -1,0 +1,42 @@
+# Sourced by the launchers in this folder: the repository, the Python to use, and helpers.
+set -euo pipefail
+REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The repository's .venv (made by `make demo` / `make test`) unless PYTHON says otherwise.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$REPO_DIR/.venv/bin/python" ]; then PYTHON="$REPO_DIR/.venv/bin/python"; else PYTHON=python3; fi
+fi
+TORCHRUN=("$PYTHON" -m torch.distributed.run)  # the same program as `torchrun`, from this Python
+
+fail() {  # fail "message": one line on stderr, exit code 2
+  echo "error: $(basename "$0"): $1" >&2
+  exit 2
+}
+
+require() {  # require VAR "what it is": stop unless VAR is set and non-empty
+  [ -n "${!1:-}" ] || fail "set $1 ($2)"
+}
+
+visible_gpus() {  # GPUs this node's processes may use (CUDA_VISIBLE_DEVICES respected)
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    [ -z "$CUDA_VISIBLE_DEVICES" ] && echo 0 || echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+nproc_per_node() {  # NPROC_PER_NODE, else WORKER_PER_NODE, else Slurm's GPUs, else one per visible GPU
+  local n="${NPROC_PER_NODE:-${WORKER_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}}"
+  if [ -z "$n" ]; then
+    n=$(visible_gpus)
+    [ "$n" -gt 0 ] || fail "no GPU visible: set NPROC_PER_NODE (e.g. NPROC_PER_NODE=2 for 2 CPU processes)"
+  fi
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || fail "NPROC_PER_NODE=$n is not a positive number"
+  echo "$n"
+}
+
+run() {  # print the command, then become it
+  echo "+ $*" >&2
+  exec "$@"
+}
