@@ -63,45 +63,49 @@ def env_default(name, kind=str):
 
 def build_parser(description):
     """The shared flags; each script adds its launch flags to the returned parser."""
-    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description)
     add = p.add_argument
     add("data_positional", nargs="?", metavar="DIR", help="same as --data")
-    add("--data", metavar="DIR", help="ImageFolder root with train/ and val/ "
-        "(default: $DATASETS_PATH/$DATASETS, else the built-in demo set)")
-    add("--dummy", action="store_true", help="synthetic tensors instead of images (throughput only)")
-    add("--dummy-size", type=int, default=1281167, help="training images per --dummy epoch")
-    add("-a", "--arch", default="resnet18", help="any torchvision classification model")
-    add("--pretrained", action="store_true", help="start from torchvision's default weights")
-    add("--dropout", type=float, default=None, help="override the model's dropout (archs that take one)")
-    add("-j", "--workers", type=int, default=None, help="data loading workers per process")
-    add("--epochs", type=int, default=None, help="total epochs (env EPOCHS)")
-    add("-b", "--batch-size", type=int, default=None,
-        help="GLOBAL batch size over all processes (env BATCH_SIZE)")
-    add("--lr", "--learning-rate", type=float, default=None, dest="lr",
-        help="initial learning rate for the global batch (env LR)")
-    add("--momentum", type=float, default=0.9)
-    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    add("--label-smoothing", type=float, default=0.0)
-    add("--lr-schedule", choices=["step", "cosine", "constant"], default=None)
-    add("--lr-step-size", type=int, default=30, help="epochs between x gamma decays (step schedule)")
-    add("--lr-gamma", type=float, default=0.1, help="decay factor of the step schedule")
-    add("--warmup-epochs", type=float, default=None, help="linear warmup from 1%% of the lr")
-    add("-p", "--print-freq", type=int, default=None, help="steps between progress lines")
-    add("--train-crop-size", type=int, default=None)
-    add("--val-resize-size", type=int, default=None)
-    add("--val-crop-size", type=int, default=None)
+    add("--data", metavar="DIR", help="ImageFolder root with train/<class>/* and val/<class>/* "
+        "(default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)")
+    add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
+    add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
+    add("-a", "--arch", default="resnet18", help="any torchvision classification model (%(default)s)")
+    add("--pretrained", action="store_true", help="start from torchvision's default weights for --arch")
+    add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
+    add("-j", "--workers", type=int, default=None, metavar="N", help="data loading workers per process (4; demo 1)")
+    add("--epochs", type=int, default=None, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
+    add("-b", "--batch-size", type=int, default=None, metavar="N",
+        help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)")
+    add("--lr", "--learning-rate", type=float, default=None, dest="lr", metavar="LR",
+        help="learning rate for the global batch (env LR; 0.1; demo 0.04)")
+    add("--momentum", type=float, default=0.9, metavar="M", help="SGD momentum (%(default)s)")
+    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay", metavar="W",
+        help="weight decay (%(default)s)")
+    add("--label-smoothing", type=float, default=0.0, metavar="E", help="label smoothing (%(default)s)")
+    add("--lr-schedule", choices=["step", "cosine", "constant"], default=None,
+        help="step: x gamma every --lr-step-size epochs (default; demo: cosine)")
+    add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
+    add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
+    add("--warmup-epochs", type=float, default=None, metavar="N",
+        help="linear warmup from 1%% of --lr (0; demo 1)")
+    add("-p", "--print-freq", type=int, default=None, metavar="N", help="steps between progress lines (10; demo 20)")
+    add("--train-crop-size", type=int, default=None, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
+    add("--val-resize-size", type=int, default=None, metavar="PX", help="validation resize (256; demo 36)")
+    add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
     add("--resume", metavar="PATH|auto", default="",
-        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if present")
-    add("-e", "--evaluate", action="store_true", help="only evaluate (the --resume weights)")
-    add("--seed", type=int, default=None, help="seed everything (same seed, same trajectory)")
-    add("--output-dir", default=None, help="default: $WORKSPACE/<run name>, else runs/<run name>")
-    add("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    add("--dist-backend", default=None, help="nccl on CUDA, gloo otherwise (env BACKEND)")
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPU only)")
+        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh")
+    add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
+    add("--seed", type=int, default=None, help="seed everything: the same seed gives the same run")
+    add("--output-dir", default=None, metavar="DIR",
+        help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
+    add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU only)")
     add("--save-on", choices=["global", "node"], default="global",
-        help="'node': local rank 0 of every node writes checkpoints (no shared file system)")
-    add("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision")
-    add("--channels-last", action="store_true", help="NHWC memory format")
+        help="global: rank 0 writes; node: local rank 0 of every node writes (no shared file system)")
+    add("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision (%(default)s)")
+    add("--channels-last", action="store_true", help="NHWC memory format for model and images")
     add("--compile", action="store_true", help="torch.compile the model")
     return p
 
