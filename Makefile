@@ -5,13 +5,22 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The sbatch scripts under a real one-node Slurm on this machine (root: installs slurm-wlm and munge).
+# The cluster is stopped afterwards whatever happened; the exit status is pytest's (or start's).
+test-slurm: $(STAMP)
+	run_scripts/slurm_local_cluster.sh install
+	status=0; \
+	run_scripts/slurm_local_cluster.sh start && $(PY) -m pytest -q tests/test_slurm.py || status=$$?; \
+	run_scripts/slurm_local_cluster.sh stop; \
+	exit $$status
 
 venv: $(STAMP)
 
