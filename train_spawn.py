@@ -14,6 +14,7 @@ averages the gradients during backward().
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -82,7 +83,7 @@ def worker(local_rank, args, init_method):
     world_size = args.nnodes * args.nproc_per_node
     device = select_device(args.device, local_rank)
     backend = choose_backend(args.dist_backend, device)
-    init_process_group(backend, init_method, rank, world_size, device)
+    init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
     runtime = Runtime("spawn", device, rank, local_rank, world_size)
     try:
         trainer = Trainer(args, runtime)
@@ -91,6 +92,8 @@ def worker(local_rank, args, init_method):
         trainer.fit(train_model=model, eval_model=trainer.model)
     except cli.UsageError:
         raise  # reported by main() as one line
+    except cli.Preempted:
+        sys.exit(cli.PREEMPTED_EXIT_CODE)  # rank 0 saved and said so
     except Exception:
         # spawn re-raises one failed process's error, often a rank that merely lost its
         # peer; print each rank's own traceback so the first cause is always shown.
@@ -104,8 +107,16 @@ def main(args):
     init_method = setup(args)
     # When a worker fails, spawn stops the others and logs each; our error line says what failed.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    context = mp.start_processes(worker, args=(args, init_method), nprocs=args.nproc_per_node,
+                                 join=False, start_method="spawn")
+    # A scheduler's stop signal reaches this process only: pass it to the workers, which
+    # agree on a step, save a checkpoint and exit.
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, lambda signum, _frame: [os.kill(process.pid, signum)
+                                                      for process in context.processes if process.is_alive()])
     try:
-        mp.spawn(worker, args=(args, init_method), nprocs=args.nproc_per_node, join=True)
+        while not context.join():
+            pass
     except mp.ProcessRaisedException as error:
         # A bad-input error in a worker arrives as its traceback text: report its one line.
         usage = re.search(r"UsageError: (.*)\s*$", str(error))
@@ -113,8 +124,9 @@ def main(args):
             raise cli.UsageError(usage.group(1)) from None
         raise
     except mp.ProcessExitedException as error:
-        print(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
-              "see the errors above", file=sys.stderr)
+        if error.exit_code != cli.PREEMPTED_EXIT_CODE:
+            print(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
+                  "see the errors above", file=sys.stderr)
         raise SystemExit(error.exit_code or 1) from None
 
 

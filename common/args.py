@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 class UsageError(Exception):
     """Bad input from the user: reported as one line and exit code 2."""
+    exit_code = 2
 
 
 def run_main(main, parse_args):
@@ -26,9 +27,18 @@ def run_main(main, parse_args):
         return 0
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return error.exit_code
+    except Preempted:
+        return PREEMPTED_EXIT_CODE  # the checkpoint is written and the trainer said so
     except KeyboardInterrupt:
         return 130
+
+
+class Preempted(Exception):
+    """Stopped on SIGTERM / SIGUSR1 after writing a checkpoint; exit code PREEMPTED_EXIT_CODE."""
+
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --resume auto
 
 
 class Parser(argparse.ArgumentParser):
@@ -95,12 +105,16 @@ def build_parser(description):
     add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
     add("--resume", metavar="PATH|auto", default="",
         help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh")
+    add("--checkpoint-interval", type=int, default=0, metavar="STEPS",
+        help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)")
     add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
     add("--seed", type=int, default=None, help="seed everything: the same seed gives the same run")
     add("--output-dir", default=None, metavar="DIR",
         help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
     add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
+    add("--dist-timeout", type=float, default=1800, metavar="SECONDS",
+        help="a collective waiting this long for a stalled rank fails the job (%(default)s)")
     add("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU only)")
     add("--save-on", choices=["global", "node"], default="global",
         help="global: rank 0 writes; node: local rank 0 of every node writes (no shared file system)")
@@ -153,6 +167,10 @@ def parse_args(parser, argv=None):
 
     _check_positive(args, ["epochs", "batch_size", "lr", "print_freq", "train_crop_size",
                            "val_resize_size", "val_crop_size", "dummy_size", "lr_step_size"])
+    if args.checkpoint_interval < 0:
+        raise UsageError(f"--checkpoint-interval must be 0 (off) or positive, got {args.checkpoint_interval}")
+    if args.dist_timeout <= 0:
+        raise UsageError(f"--dist-timeout must be positive, got {args.dist_timeout}")
     if args.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {args.workers}")
     if not 0.0 <= args.label_smoothing < 1.0:

@@ -15,7 +15,13 @@ import torch
 
 from .args import UsageError
 
+
+class CheckpointWriteError(UsageError):
+    """A checkpoint could not be written: reported as one line, exit code 1."""
+    exit_code = 1
+
 CHECKPOINT = "checkpoint.pth"
+PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in case the latest is damaged
 BEST = "model_best.pth"
 # Added to parameter names by DataParallel / DistributedDataParallel and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -54,30 +60,58 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
-def _atomic_write(path, write):
-    """Run write(file) on a temp file beside `path`, fsync it, then rename it over `path`:
-    a reader (or a crash) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _write_synced(path, write):
+    """Run write(file) on a new file at `path` and fsync it: its bytes are on disk when this returns."""
     try:
-        with open(tmp, "wb") as file:
+        with open(path, "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(path).unlink(missing_ok=True)
         raise
 
 
+def _atomic_write(path, write):
+    """Write beside `path`, then rename over it: a reader (or a crash) sees the old file or the
+    new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _write_synced(tmp, write)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _keep_as_previous(latest, previous):
+    """Give the current latest checkpoint the name `previous`, leaving `latest` in place."""
+    link = previous.with_name(f".{previous.name}.tmp-{os.getpid()}")
+    link.unlink(missing_ok=True)
+    try:
+        os.link(latest, link)  # a second name for the same bytes: no copy
+    except OSError:  # a file system without hard links
+        shutil.copyfile(latest, link)
+    os.replace(link, previous)
+
+
 def save_checkpoint(state, output_dir, is_best):
-    """Write checkpoint.pth (and model_best.pth when is_best). Call it from the writer rank only."""
+    """Write checkpoint.pth, keeping the one before as checkpoint_prev.pth (and copy it to
+    model_best.pth when is_best). Call it from the writer rank only. On failure (a full disk, say)
+    the checkpoints already there stay as they were, and CheckpointWriteError says so."""
     output_dir = Path(output_dir)
-    _atomic_write(output_dir / CHECKPOINT, lambda file: torch.save(state, file))
-    if is_best:
-        with open(output_dir / CHECKPOINT, "rb") as source:
-            _atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+    latest, new = output_dir / CHECKPOINT, output_dir / f".{CHECKPOINT}.tmp-{os.getpid()}"
+    try:
+        _write_synced(new, lambda file: torch.save(state, file))
+        if latest.exists():
+            _keep_as_previous(latest, output_dir / PREVIOUS)
+        os.replace(new, latest)
+        _fsync_dir(output_dir)
+        if is_best:
+            with open(latest, "rb") as source:
+                _atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+    except OSError as error:
+        new.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({error.strerror or error}); "
+                                   "the checkpoints already there are intact") from None
 
 
 def resolve_resume(resume, output_dir):
@@ -85,17 +119,37 @@ def resolve_resume(resume, output_dir):
     if not resume:
         return None
     if resume == "auto":
-        path = Path(output_dir) / CHECKPOINT
-        return path if path.is_file() else None
+        for name in (CHECKPOINT, PREVIOUS):
+            path = Path(output_dir) / name
+            if path.is_file():
+                return path
+        return None
     if not Path(resume).is_file():
         raise UsageError(f"--resume {resume}: no such file (give a checkpoint.pth, or --resume auto)")
     return Path(resume)
 
 
-def load_checkpoint(path):
-    """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed)."""
+def load_resume(resume, output_dir, warn):
+    """(path, checkpoint) that --resume asks for, or (None, None). With 'auto', a damaged latest
+    checkpoint is reported through warn() and the previous one is used."""
+    path = resolve_resume(resume, output_dir)
+    if path is None:
+        return None, None
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        return path, load_checkpoint(path)
+    except UsageError as error:
+        previous = path.with_name(PREVIOUS)
+        if resume != "auto" or path.name != CHECKPOINT or not previous.is_file():
+            raise
+        warn(f"warning: {error}; resuming from the previous checkpoint {previous}")
+        return previous, load_checkpoint(previous)
+
+
+def load_checkpoint(path, mmap=False):
+    """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed).
+    mmap=True maps the tensors instead of reading them (to look at the metadata alone)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
         if unsafe:

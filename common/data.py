@@ -20,6 +20,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .args import UsageError
 from .demo_data import ensure_demo_dataset
+from .preemption import ignore_stop_signals
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -88,6 +89,24 @@ class SyntheticImages(Dataset):
         return self.image, index % self.num_classes
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can begin an epoch part-way: after a mid-epoch resume it skips the
+    batches already trained on. Batch k of every rank together is batch k of the global order,
+    so skipping k batches per rank skips the same k global batches whatever the world size."""
+
+    start = 0  # samples of this rank's shard to skip in the current epoch
+
+    def set_epoch(self, epoch, start=0):
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return self.num_samples - self.start
+
+
 class ShardSampler(Sampler):
     """Indices rank, rank + world, ...: every index on exactly one rank, no padding.
     (DistributedSampler pads by repeating the first indices, which would count
@@ -139,7 +158,7 @@ class Data(NamedTuple):
     classes: list
     train_loader: DataLoader
     val_loader: DataLoader
-    train_sampler: DistributedSampler
+    train_sampler: ResumableSampler
 
 
 def build_data(args, seed, rank, world_size, per_process_batch, pin_memory):
@@ -158,10 +177,12 @@ def build_data(args, seed, rank, world_size, per_process_batch, pin_memory):
         val_set = datasets.ImageFolder(root / "val", EvalPreset(args.val_resize_size, args.val_crop_size))
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
-                                       shuffle=True, seed=seed)
-    loader_options = dict(num_workers=args.workers, pin_memory=pin_memory)
-    train_loader = DataLoader(train_set, batch_size=per_process_batch, sampler=train_sampler, **loader_options)
-    val_loader = DataLoader(val_set, batch_size=per_process_batch,
-                            sampler=ShardSampler(len(val_set), rank, world_size), **loader_options)
+    train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    # The loaders draw their worker seeds from generators of their own, not from the global RNG
+    # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
+    loader_options = dict(num_workers=args.workers, pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
+    train_loader = DataLoader(train_set, batch_size=per_process_batch, sampler=train_sampler,
+                              generator=torch.Generator().manual_seed(seed), **loader_options)
+    val_loader = DataLoader(val_set, batch_size=per_process_batch, sampler=ShardSampler(len(val_set), rank, world_size),
+                            generator=torch.Generator().manual_seed(seed), **loader_options)
     return Data(classes, train_loader, val_loader, train_sampler)

@@ -76,11 +76,13 @@ def check_sync_bn(sync_bn, device):
         raise UsageError("--sync-bn needs GPUs: SyncBatchNorm does not run on the CPU")
 
 
-def init_process_group(backend, init_method, rank, world_size, device, timeout_minutes=30):
+def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800):
+    """Join the group. A collective that waits longer than timeout_seconds for a stalled
+    rank fails instead of hanging, and the launcher then stops the job."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+                            timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
 def destroy_process_group():
@@ -116,12 +118,13 @@ def all_reduce_sum(tensor):
     return tensor
 
 
-def all_reduce_max(value, device):
-    """The largest of a Python number over all ranks."""
-    tensor = torch.tensor(float(value), device=device)
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+def all_gather_object(obj):
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if not is_initialized():
+        return [obj]
+    gathered = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def broadcast_buffers(module):

@@ -25,13 +25,18 @@ def to_device(images, target, device, channels_last):
     return images, target.to(device, non_blocking=True)
 
 
-def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, device, epoch, args, print_fn):
-    """One pass over `loader`; returns the epoch's metrics summed over all ranks, with images/s."""
+def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, device, epoch, args, print_fn,
+                    metrics, first_step=0, after_step=None):
+    """Train on `loader`, whose batches are steps first_step, first_step+1, ... of the epoch
+    (a resumed epoch starts part-way, with the metric sums it had). after_step(steps_done) may
+    return True to stop early. Returns (the epoch's metrics over all ranks, stopped)."""
     model.train()
-    metrics = MetricSums(device)
-    progress = ProgressMeter(len(loader), f"Epoch: [{epoch}]", print_fn)
+    total_steps = first_step + len(loader)
+    counted_before = metrics.base[3]  # images of this epoch trained on before a resume
+    progress = ProgressMeter(total_steps, f"Epoch: [{epoch}]", print_fn, first_step, counted_before)
     start = time.perf_counter()
-    for step, (images, target) in enumerate(loader):
+    stopped = False
+    for step, (images, target) in enumerate(loader, start=first_step):
         images, target = to_device(images, target, device, args.channels_last)
         with autocast(device, args.amp):
             output = model(images)
@@ -42,13 +47,17 @@ def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, devi
         scaler.update()
         scheduler.step()
         metrics.update(loss, output, target)
-        if (step + 1) % args.print_freq == 0 or step + 1 == len(loader):
+        if (step + 1) % args.print_freq == 0 or step + 1 == total_steps:
             summary = metrics.summary()  # a collective, at the same steps on every rank
             progress.display(step, summary, lr=optimizer.param_groups[0]["lr"])
+        if after_step is not None and after_step(step + 1):
+            stopped = True
+            break
     seconds = time.perf_counter() - start
     summary = metrics.summary()
-    summary["images_per_second"] = summary["count"] / seconds if seconds > 0 else 0.0
-    return summary
+    images = summary["count"] - counted_before
+    summary["images_per_second"] = images / seconds if seconds > 0 else 0.0
+    return summary, stopped
 
 
 def evaluate(model, criterion, loader, device, args, print_fn, prefix="Test"):

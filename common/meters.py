@@ -48,11 +48,13 @@ class AverageMeter:
 class MetricSums:
     """Loss and top-1/top-5 hits summed on the device, without a host sync per step.
 
-    Values are read (and summed over all ranks) only when `summary()` is called."""
+    Values are read (and summed over all ranks) only when `summary()` is called. `base` holds
+    totals over all ranks carried over from before a mid-epoch resume: [loss, hits@1, hits@5, count]."""
 
-    def __init__(self, device):
+    def __init__(self, device, base=None):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, hits@1, hits@5
         self.count = 0  # known on the host: no need to read it from the device
+        self.base = list(base) if base else [0.0, 0.0, 0.0, 0]
 
     def update(self, loss, output, target):
         n = target.size(0)
@@ -60,30 +62,40 @@ class MetricSums:
         self.sums += torch.stack([loss.detach().double() * n, hits1.double(), hits5.double()])
         self.count += n
 
-    def summary(self, reduce=True):
-        """{'loss', 'acc1', 'acc5', 'count'}, over all ranks when `reduce` (a collective: every rank calls it)."""
+    def totals(self, reduce=True):
+        """[loss sum, hits@1, hits@5, count], over all ranks when `reduce` (a collective: every rank calls it)."""
         count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.sums.device)
         sums = torch.cat([self.sums, count])
         if reduce:
             distributed.all_reduce_sum(sums)
-        loss, hits1, hits5, count = sums.tolist()
+            return [value + base for value, base in zip(sums.tolist(), self.base)]
+        return sums.tolist()
+
+    def summary(self, reduce=True):
+        """{'loss', 'acc1', 'acc5', 'count'}: averages over all ranks when `reduce`, else this rank's."""
+        loss, hits1, hits5, count = self.totals(reduce)
         denominator = max(count, 1.0)
         return {"loss": loss / denominator, "acc1": 100.0 * hits1 / denominator,
                 "acc5": 100.0 * hits5 / denominator, "count": int(count)}
 
 
 class ProgressMeter:
-    """Prints `Epoch [e][i/n]  loss ..  acc@1 ..  img/s ..  eta ..` lines on rank 0."""
+    """Prints `Epoch [e][i/n]  loss ..  acc@1 ..  img/s ..  eta ..` lines on rank 0.
 
-    def __init__(self, num_batches, prefix, print_fn):
+    Throughput and ETA count only the steps run since this meter started (a resumed
+    epoch starts at `first_step` with `first_count` images already in its sums)."""
+
+    def __init__(self, num_batches, prefix, print_fn, first_step=0, first_count=0):
         self.num_batches, self.prefix, self.print_fn = num_batches, prefix, print_fn
+        self.first_step, self.first_count = first_step, first_count
         self.start = time.perf_counter()
 
     def display(self, batch, metrics, lr=None):
         elapsed = time.perf_counter() - self.start
-        images_per_second = metrics["count"] / elapsed if elapsed > 0 else 0.0
+        images_per_second = (metrics["count"] - self.first_count) / elapsed if elapsed > 0 else 0.0
         done = batch + 1
-        eta = datetime.timedelta(seconds=int(elapsed / done * (self.num_batches - done)))
+        steps_run = max(done - self.first_step, 1)
+        eta = datetime.timedelta(seconds=int(elapsed / steps_run * (self.num_batches - done)))
         width = len(str(self.num_batches))
         parts = [f"{self.prefix} [{done:>{width}}/{self.num_batches}]",
                  f"loss {metrics['loss']:.4f}", f"acc@1 {metrics['acc1']:6.2f}",

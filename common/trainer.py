@@ -4,19 +4,27 @@ A script sets up its launch mode (process group, device, Runtime), builds a
 Trainer (data sharded by rank, bare model on the device, optimizer, resumed
 state), wraps `trainer.model` its own way (DataParallel or
 DistributedDataParallel), and calls `trainer.fit(train_model, eval_model)`.
+
+A run can stop at any step and go on from its last checkpoint as if it had not
+stopped: checkpoints hold the position in the epoch, the partial epoch's
+metric sums and every rank's RNG state; the data order and augmentation are
+functions of (seed, epoch, index) alone.
 """
 import random
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from . import checkpoint, distributed
-from .args import UsageError, default_output_dir
+from .args import Preempted, UsageError, default_output_dir
 from .data import build_data
 from .engine import evaluate, train_one_epoch
 from .logger import RunLogger, describe_environment
+from .meters import MetricSums
 from .models import build_model
+from .preemption import StopSignal
 from .schedule import build_scheduler
 
 
@@ -28,14 +36,27 @@ def per_process_batch(batch_size, world_size):
     return batch_size // world_size
 
 
+def rng_state(device):
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 class Trainer:
     def __init__(self, args, runtime):
         self.args, self.runtime = args, runtime
         device = runtime.device
         distributed.check_sync_bn(args.sync_bn, device)
         args.output_dir = args.output_dir or default_output_dir(args, runtime.mode)
-        resume_path = checkpoint.resolve_resume(args.resume, args.output_dir)
-        resumed = checkpoint.load_checkpoint(resume_path) if resume_path else None
+        self.log = RunLogger(args.output_dir, prints=runtime.is_main,
+                             writes=runtime.writes_checkpoints(args.save_on))
+        self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
 
         # The same seed on every rank: same initial weights and same data order.
         seed = args.seed if args.seed is not None else (resumed or {}).get("seed")
@@ -46,12 +67,14 @@ class Trainer:
         torch.backends.cudnn.benchmark = args.seed is None
         torch.backends.cudnn.deterministic = args.seed is not None
 
-        batch = per_process_batch(args.batch_size, runtime.world_size)
-        self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, batch,
+        self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
+        self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
                                pin_memory=device.type == "cuda")
+        if not args.resume:
+            self._refuse_another_runs_output_dir()
         model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout)
         if resumed:
-            checkpoint.load_weights(model, resumed, args.arch, self.data.classes, resume_path)
+            checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
         if args.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         memory_format = torch.channels_last if args.channels_last else torch.preserve_format
@@ -61,32 +84,77 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum,
                                          weight_decay=args.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-        self.start_epoch, self.best_acc1 = 0, 0.0
-        if resumed and not args.evaluate:
-            self.start_epoch = int(resumed.get("epoch", 0))
-            self.best_acc1 = float(resumed.get("best_acc1", 0.0))
-            if "optimizer" in resumed:
-                self.optimizer.load_state_dict(resumed["optimizer"])
-            if resumed.get("scaler"):
-                self.scaler.load_state_dict(resumed["scaler"])
-        steps_per_epoch = len(self.data.train_loader)
-        self.scheduler = build_scheduler(self.optimizer, args, steps_per_epoch,
-                                         start_step=self.start_epoch * steps_per_epoch)
-        self.resume_path = resume_path if resumed else None
+        self.steps_per_epoch = len(self.data.train_loader)
+        self.start_epoch, self.start_step, self.best_acc1, self.resumed_totals = 0, 0, 0.0, None
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
-        self.log = RunLogger(args.output_dir, prints=runtime.is_main,
-                             writes=runtime.writes_checkpoints(args.save_on))
+        if resumed and not args.evaluate:
+            self._restore(resumed)
+        self.scheduler = build_scheduler(self.optimizer, args, self.steps_per_epoch,
+                                         start_step=self.start_epoch * self.steps_per_epoch + self.start_step)
+        self.stop_signal = StopSignal()
 
-    def _state(self, epoch):
-        return {"epoch": epoch, "arch": self.args.arch, "num_classes": len(self.data.classes),
-                "classes": list(self.data.classes), "seed": self.seed,
+    def _refuse_another_runs_output_dir(self):
+        """Starting fresh would overwrite checkpoints: only those of the same arch and classes."""
+        latest = Path(self.args.output_dir) / checkpoint.CHECKPOINT
+        if not latest.is_file():
+            return
+        try:
+            other = checkpoint.load_checkpoint(latest, mmap=True)
+        except UsageError:
+            return  # unreadable: nothing of value to protect
+        if other.get("arch") != self.args.arch or other.get("classes", self.data.classes) != self.data.classes:
+            raise UsageError(f"{self.args.output_dir} holds checkpoints of another run ({other.get('arch')}, "
+                             f"{len(other.get('classes', []))} classes): choose another --output-dir, "
+                             "or continue that run with --resume")
+
+    def _restore(self, resumed):
+        args = self.args
+        self.start_epoch = int(resumed.get("epoch", 0))
+        self.start_step = int(resumed.get("step_in_epoch", 0))
+        if self.start_step:
+            saved_batch = resumed.get("args", {}).get("batch_size")
+            if saved_batch != args.batch_size:
+                raise UsageError(f"{self.resume_path} stopped part-way through an epoch with global batch "
+                                 f"{saved_batch}: resume it with -b {saved_batch}")
+            self.resumed_totals = resumed.get("train_totals")
+        self.best_acc1 = float(resumed.get("best_acc1", 0.0))
+        if "optimizer" in resumed:
+            self.optimizer.load_state_dict(resumed["optimizer"])
+        if resumed.get("scaler"):
+            self.scaler.load_state_dict(resumed["scaler"])
+        states = resumed.get("rng_states")
+        if states and len(states) == self.runtime.world_size:  # else: another world size, fresh streams
+            set_rng_state(states[self.runtime.rank], self.runtime.device)
+
+    def _state(self, epoch, step_in_epoch, train_totals, rng_states):
+        return {"epoch": epoch, "step_in_epoch": step_in_epoch, "arch": self.args.arch,
+                "num_classes": len(self.data.classes), "classes": list(self.data.classes), "seed": self.seed,
                 "state_dict": checkpoint.unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1,
-                "args": {key: value for key, value in vars(self.args).items()}}
+                "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "train_totals": train_totals,
+                "rng_states": rng_states, "world_size": self.runtime.world_size, "args": dict(vars(self.args))}
+
+    def save(self, epoch, step_in_epoch=0, train_totals=None, is_best=False):
+        """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete).
+        A collective: every rank calls it; the writer rank(s) write."""
+        rng_states = distributed.all_gather_object(rng_state(self.runtime.device))
+        if self.runtime.writes_checkpoints(self.args.save_on):
+            state = self._state(epoch, step_in_epoch, train_totals, rng_states)
+            checkpoint.save_checkpoint(state, self.args.output_dir, is_best)
+
+    def _after_step(self, epoch, steps_done, metrics):
+        """Between two steps: a checkpoint every --checkpoint-interval steps, and the clean stop
+        that a SIGTERM / SIGUSR1 asks for. Returns True to stop."""
+        stop = self.stop_signal.poll()
+        interval = self.args.checkpoint_interval
+        global_step = epoch * self.steps_per_epoch + steps_done
+        if stop or (interval and global_step % interval == 0 and steps_done < self.steps_per_epoch):
+            self.save(epoch, steps_done, metrics.totals())
+        self.steps_done = steps_done
+        return stop
 
     def fit(self, train_model, eval_model):
-        """Train from the start (or resumed) epoch to --epochs, evaluating and checkpointing each epoch."""
+        """Train from the start (or resumed) position to --epochs, evaluating and checkpointing each epoch."""
         args, runtime, log = self.args, self.runtime, self.log
         if args.compile:
             train_model, eval_model = torch.compile(train_model), torch.compile(eval_model)
@@ -95,33 +163,44 @@ class Trainer:
         log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
                   f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images)")
         if self.resume_path:
-            log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch})")
+            log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
+                      + (f", step {self.start_step})" if self.start_step else ")"))
         if args.evaluate:
             evaluate(eval_model, self.criterion, self.data.val_loader, runtime.device, args, log.print)
-            return
+            return None
         if self.start_epoch >= args.epochs:
             log.print(f"already trained {self.start_epoch} of --epochs {args.epochs}: nothing to do")
-            return
+            return None
         log.print(f"output: {args.output_dir}")
         log.start(args, resumed=self.resume_path is not None)
         wall_start = time.time()
         val = {"acc1": 0.0, "acc5": 0.0, "loss": float("nan")}
         train = {"images_per_second": 0.0}
         for epoch in range(self.start_epoch, args.epochs):
-            # A new shuffle every epoch, the same on every rank; also reseeds augmentation.
-            self.data.train_sampler.set_epoch(epoch)
+            first_step = self.start_step if epoch == self.start_epoch else 0
+            # A new shuffle every epoch, the same on every rank (and a resumed epoch skips
+            # the batches it had done); also reseeds augmentation.
+            self.data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
             if hasattr(self.data.train_loader.dataset, "set_epoch"):
                 self.data.train_loader.dataset.set_epoch(epoch)
+            metrics = MetricSums(runtime.device, base=self.resumed_totals if first_step else None)
             epoch_start, lr = time.time(), self.optimizer.param_groups[0]["lr"]
-            train = train_one_epoch(train_model, self.criterion, self.optimizer, self.scheduler, self.scaler,
-                                    self.data.train_loader, runtime.device, epoch, args, log.print)
+            train, stopped = train_one_epoch(
+                train_model, self.criterion, self.optimizer, self.scheduler, self.scaler, self.data.train_loader,
+                runtime.device, epoch, args, log.print, metrics, first_step,
+                after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics))
+            if stopped:
+                distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
+                log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
+                          f"epoch {epoch} step {self.steps_done} in {args.output_dir}; "
+                          "continue with --resume auto")
+                raise Preempted()
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)
             val = evaluate(eval_model, self.criterion, self.data.val_loader, runtime.device, args, log.print)
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
-            if runtime.writes_checkpoints(args.save_on):
-                checkpoint.save_checkpoint(self._state(epoch + 1), args.output_dir, is_best)
+            self.save(epoch + 1, is_best=is_best)
             log.log_epoch({"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch_start)),
                            "seconds": round(time.time() - epoch_start, 3), "lr": lr,
                            "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],

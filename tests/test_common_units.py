@@ -236,16 +236,18 @@ def assert_same_weights(state_a, state_b):
         assert torch.equal(state_a[name], state_b[name]), name
 
 
-def test_save_checkpoint_round_trip_leaves_no_temp_files(tmp_path):
+def test_save_checkpoint_round_trip_keeps_the_previous_one_and_no_temp_files(tmp_path):
     model = small_resnet()
     state = {"epoch": 3, "arch": "resnet18", "state_dict": model.state_dict(), "best_acc1": 12.5,
              "args": {"lr": 0.1, "data": "/x", "gpus": None}}
     checkpoint.save_checkpoint(state, tmp_path, is_best=True)
-    checkpoint.save_checkpoint({**state, "epoch": 4}, tmp_path, is_best=False)  # overwrite in place
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint.pth", "model_best.pth"]
+    checkpoint.save_checkpoint({**state, "epoch": 4}, tmp_path, is_best=False)  # replaces the latest
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "checkpoint.pth", "checkpoint_prev.pth", "model_best.pth"]
     latest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    previous = torch.load(tmp_path / "checkpoint_prev.pth", weights_only=True)
     best = torch.load(tmp_path / "model_best.pth", weights_only=True)
-    assert latest["epoch"] == 4 and best["epoch"] == 3
+    assert latest["epoch"] == 4 and previous["epoch"] == 3 and best["epoch"] == 3
     loaded = checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")
     assert loaded["arch"] == "resnet18" and loaded["best_acc1"] == 12.5 and loaded["args"]["lr"] == 0.1
     assert_same_weights(loaded["state_dict"], model.state_dict())
