@@ -3,8 +3,9 @@
 Flag names follow pytorch/examples' imagenet/main.py where they overlap.
 Defaults come, in order of precedence, from: the command line, the platform
 environment variables (EPOCHS, LR, BATCH_SIZE, DATASETS_PATH + DATASETS,
-WORKSPACE, BACKEND), and the preset of the dataset in use (ImageNet-style
-folder, the built-in demo set, or --dummy).
+WORKSPACE, BACKEND; train_spawn.py also WORKER_PER_NODE, MASTER_ADDR,
+MASTER_PORT), and the preset of the dataset in use (ImageNet-style folder,
+the built-in demo set, or --dummy).
 """
 import argparse
 import difflib

@@ -1,9 +1,12 @@
 """Checkpoints: written atomically by one process, read with weights_only=True.
 
 A checkpoint is a dict of plain data and tensors:
-  epoch (epochs completed), arch, num_classes, classes, state_dict (of the bare
-  model: loads into torchvision.models.<arch>(num_classes=K) as it is),
-  optimizer, scheduler, scaler, best_acc1, args (a plain dict).
+  epoch (epochs completed), step_in_epoch (steps done of the next epoch; 0 at an
+  epoch's end), arch, num_classes, classes, seed, state_dict (of the bare model:
+  loads into torchvision.models.<arch>(num_classes=K) as it is), optimizer,
+  scheduler, scaler, best_acc1, train_totals (the partial epoch's metric sums),
+  rng_states (one per rank), world_size, args (a plain dict).
+checkpoint.pth is the latest; checkpoint_prev.pth the one before it.
 """
 import os
 import pickle
@@ -108,9 +111,10 @@ def save_checkpoint(state, output_dir, is_best):
         if is_best:
             with open(latest, "rb") as source:
                 _atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         new.unlink(missing_ok=True)
-        raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({error.strerror or error}); "
+        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({reason}); "
                                    "the checkpoints already there are intact") from None
 
 

@@ -81,8 +81,17 @@ def init_process_group(backend, init_method, rank, world_size, device, timeout_s
     rank fails instead of hanging, and the launcher then stops the job."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_seconds))
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if init_method == "env://" and attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # After torchrun restarts the workers, its store still holds the addresses that the
+        # dead workers published; meet under a fresh prefix so no rank connects to those.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/restart_{attempt}", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def destroy_process_group():
@@ -148,6 +157,8 @@ def shared_seed(seed):
 def check_port_free(address, port):
     """Fail early and clearly when the rendezvous port is taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the store will: a port left in TIME_WAIT by the previous run is free to reuse.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((address, port))
         except OSError as error:

@@ -14,7 +14,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 NNODES="${NNODES:-1}"
 if [ "$NNODES" -gt 1 ]; then
   require MASTER_ADDR "the address of node 0, reachable from every node"
-  require NODE_RANK "this node's index, 0..$((NNODES - 1)); each node needs its own"
+  [ "${RDZV_BACKEND:-static}" != static ] || require NODE_RANK "this node's index, 0..$((NNODES - 1)); each node needs its own"
 fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" NODE_RANK="${NODE_RANK:-0}" MASTER_PORT="${MASTER_PORT:-29500}"
 nproc=$(nproc_per_node)
