@@ -40,3 +40,13 @@ run() {  # print the command, then become it
   echo "+ $*" >&2
   exec "$@"
 }
+
+run_requeueing() {  # under sbatch: run the job step; on SIGUSR1 or SIGTERM, stop it with a checkpoint and requeue
+  echo "+ $*" >&2
+  "$@" &
+  local step=$!
+  # srun passes SIGTERM to the tasks: every rank stops after the same step and rank 0 saves;
+  # the requeued job goes on from that checkpoint (--resume auto).
+  trap 'echo "caught a stop signal: checkpointing, then requeueing job $SLURM_JOB_ID" >&2; kill -TERM $step; wait $step || true; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1 TERM
+  wait $step
+}
