@@ -53,7 +53,8 @@ def main(args):
         trainer = Trainer(args, runtime)
         # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        model = DistributedDataParallel(trainer.model, device_ids=device_ids)
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True)
         # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)

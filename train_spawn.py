@@ -88,7 +88,8 @@ def worker(local_rank, args, init_method):
     try:
         trainer = Trainer(args, runtime)
         device_ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(trainer.model, device_ids=device_ids)
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True)
         trainer.fit(train_model=model, eval_model=trainer.model)
     except cli.UsageError:
         raise  # reported by main() as one line

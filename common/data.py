@@ -1,5 +1,6 @@
 """Datasets, transforms, samplers and loaders.
 
+Images stay uint8 from decoding to the device (DeviceLoader normalises them there).
 Two properties the scripts rely on:
 - Augmentation is seeded per image from (seed, epoch, index), so an image gets
   the same crop whichever process or loader worker reads it: DP, DDP and spawn
@@ -9,14 +10,21 @@ Two properties the scripts rely on:
 """
 import math
 import os
+import random
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import datasets, transforms
+from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
+try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL decodes when it is gone
+    from torchvision.io import ImageReadMode, decode_image, read_file
+except ImportError:
+    decode_image = None
+from torchvision.transforms.v2 import functional as F
 
 from .args import UsageError
 from .demo_data import ensure_demo_dataset
@@ -26,36 +34,64 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def load_image(path):
+    """An RGB image as a uint8 CHW tensor. JPEG and PNG are decoded by torchvision.io
+    (libjpeg-turbo, about 2.7x faster than PIL here: docs/benchmarks.md); other formats, and
+    files it cannot decode, go through PIL (whose error names a broken file)."""
+    if decode_image is not None and path.lower().endswith((".jpg", ".jpeg", ".png")):
+        try:
+            return decode_image(read_file(path), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass
+    with open(path, "rb") as file:
+        return F.pil_to_tensor(Image.open(file).convert("RGB"))
+
+
 class TrainPreset:
-    """RandomResizedCrop + horizontal flip, then normalised tensors."""
+    """RandomResizedCrop + horizontal flip on uint8, its randomness drawn from `rng` (a random.Random)
+    so that it depends on nothing but the seed it was given."""
 
-    def __init__(self, crop_size, min_scale=0.08):
-        self.transform = transforms.Compose([
-            transforms.RandomResizedCrop(crop_size, scale=(min_scale, 1.0), antialias=True),
-            transforms.RandomHorizontalFlip(),
-            transforms.ToTensor(),
-            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3)):
+        self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
 
-    def __call__(self, image):
-        return self.transform(image)
+    def crop_box(self, height, width, rng):
+        """torchvision's RandomResizedCrop.get_params, drawing from `rng`."""
+        area = height * width
+        for _ in range(10):
+            target_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*self.log_ratio))
+            w, h = round(math.sqrt(target_area * aspect)), round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+        ratio = width / height  # fall back to a central crop of the allowed aspect range
+        if ratio < math.exp(self.log_ratio[0]):
+            w, h = width, round(width / math.exp(self.log_ratio[0]))
+        elif ratio > math.exp(self.log_ratio[1]):
+            h, w = height, round(height * math.exp(self.log_ratio[1]))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, image, rng):
+        top, left, height, width = self.crop_box(*image.shape[-2:], rng)
+        image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size], antialias=True)
+        return F.horizontal_flip(image) if rng.random() < 0.5 else image
 
 
 class EvalPreset:
-    """Resize the short side, centre crop, then normalised tensors."""
+    """Resize the short side, centre crop; uint8 in, uint8 out."""
 
     def __init__(self, resize_size, crop_size):
-        self.transform = transforms.Compose([
-            transforms.Resize(resize_size, antialias=True),
-            transforms.CenterCrop(crop_size),
-            transforms.ToTensor(),
-            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        self.resize_size, self.crop_size = resize_size, crop_size
 
     def __call__(self, image):
-        return self.transform(image)
+        return F.center_crop(F.resize(image, [self.resize_size], antialias=True), [self.crop_size])
 
 
 class SeededTransform(Dataset):
-    """Applies `transform` to `base[index]` under a torch seed fixed by (seed, epoch, index)."""
+    """Applies `transform` to `base[index]` with a random.Random seeded by (seed, epoch, index):
+    an image gets the same augmentation whichever process or loader worker reads it, and
+    the global RNGs (which dropout uses) are left alone."""
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
@@ -69,24 +105,69 @@ class SeededTransform(Dataset):
 
     def __getitem__(self, index):
         image, label = self.base[index]
-        sample_seed = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + index) % 2**63
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed)
-            return self.transform(image), label
+        return self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}")), label
 
 
 class SyntheticImages(Dataset):
-    """--dummy: one random image repeated, labels cycling through the classes (throughput only)."""
+    """--dummy: one random uint8 image repeated, labels cycling through the classes (throughput only)."""
 
     def __init__(self, length, image_size, num_classes=1000):
         self.length, self.num_classes = length, num_classes
-        self.image = torch.randn(3, image_size, image_size, generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        self.image = torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=generator)
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, index):
         return self.image, index % self.num_classes
+
+
+class DeviceLoader:
+    """The batches of `loader` on `device`, as normalised float images.
+
+    Images travel as uint8 (a quarter of float32's bytes) and are converted, normalised and
+    made channels-last on the device. On CUDA the copy of the next batch runs on a side
+    stream while the current one computes."""
+
+    def __init__(self, loader, device, channels_last=False):
+        self.loader, self.device, self.channels_last = loader, device, channels_last
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _prepare(self, images, target):
+        images = images.to(self.device, non_blocking=True)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images.float().sub_(self.mean).div_(self.std), target.to(self.device, non_blocking=True)
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            return (self._prepare(images, target) for images, target in self.loader)
+        return self._prefetching()
+
+    def _prefetching(self):
+        stream, batches = torch.cuda.Stream(self.device), iter(self.loader)
+
+        def load_next():
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            with torch.cuda.stream(stream):
+                return self._prepare(*batch)
+
+        upcoming = load_next()
+        while upcoming is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            images, target = upcoming
+            # These tensors were made on the side stream; tell the allocator the main stream uses them.
+            images.record_stream(torch.cuda.current_stream(self.device))
+            target.record_stream(torch.cuda.current_stream(self.device))
+            upcoming = load_next()
+            yield images, target
 
 
 class ResumableSampler(DistributedSampler):
@@ -172,9 +253,10 @@ def build_data(args, seed, rank, world_size, per_process_batch, pin_memory):
         root = Path(args.data) if args.data else ensure_demo_dataset()
         args.data = str(root)
         classes = check_image_folder(root)
-        train_set = SeededTransform(datasets.ImageFolder(root / "train"),
+        train_set = SeededTransform(datasets.ImageFolder(root / "train", loader=load_image),
                                     TrainPreset(args.train_crop_size, args.min_crop_scale), seed)
-        val_set = datasets.ImageFolder(root / "val", EvalPreset(args.val_resize_size, args.val_crop_size))
+        val_set = datasets.ImageFolder(root / "val", EvalPreset(args.val_resize_size, args.val_crop_size),
+                                       loader=load_image)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
     train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)

@@ -18,13 +18,6 @@ def autocast(device, amp):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def to_device(images, target, device, channels_last):
-    images = images.to(device, non_blocking=True)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images, target.to(device, non_blocking=True)
-
-
 def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, device, epoch, args, print_fn,
                     metrics, first_step=0, after_step=None):
     """Train on `loader`, whose batches are steps first_step, first_step+1, ... of the epoch
@@ -36,8 +29,7 @@ def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, devi
     progress = ProgressMeter(total_steps, f"Epoch: [{epoch}]", print_fn, first_step, counted_before)
     start = time.perf_counter()
     stopped = False
-    for step, (images, target) in enumerate(loader, start=first_step):
-        images, target = to_device(images, target, device, args.channels_last)
+    for step, (images, target) in enumerate(loader, start=first_step):  # batches already on the device
         with autocast(device, args.amp):
             output = model(images)
             loss = criterion(output, target)
@@ -70,7 +62,6 @@ def evaluate(model, criterion, loader, device, args, print_fn, prefix="Test"):
     progress = ProgressMeter(len(loader), prefix, print_fn)
     with torch.inference_mode():
         for step, (images, target) in enumerate(loader):
-            images, target = to_device(images, target, device, args.channels_last)
             with autocast(device, args.amp):
                 output = model(images)
                 loss = criterion(output, target)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from . import checkpoint, distributed
 from .args import Preempted, UsageError, default_output_dir
-from .data import build_data
+from .data import DeviceLoader, build_data
 from .engine import evaluate, train_one_epoch
 from .logger import RunLogger, describe_environment
 from .meters import MetricSums
@@ -84,6 +84,8 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum,
                                          weight_decay=args.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+        self.train_batches = DeviceLoader(self.data.train_loader, device, args.channels_last)
+        self.val_batches = DeviceLoader(self.data.val_loader, device, args.channels_last)
         self.steps_per_epoch = len(self.data.train_loader)
         self.start_epoch, self.start_step, self.best_acc1, self.resumed_totals = 0, 0, 0.0, None
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
@@ -166,7 +168,7 @@ class Trainer:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
                       + (f", step {self.start_step})" if self.start_step else ")"))
         if args.evaluate:
-            evaluate(eval_model, self.criterion, self.data.val_loader, runtime.device, args, log.print)
+            evaluate(eval_model, self.criterion, self.val_batches, runtime.device, args, log.print)
             return None
         if self.start_epoch >= args.epochs:
             log.print(f"already trained {self.start_epoch} of --epochs {args.epochs}: nothing to do")
@@ -186,7 +188,7 @@ class Trainer:
             metrics = MetricSums(runtime.device, base=self.resumed_totals if first_step else None)
             epoch_start, lr = time.time(), self.optimizer.param_groups[0]["lr"]
             train, stopped = train_one_epoch(
-                train_model, self.criterion, self.optimizer, self.scheduler, self.scaler, self.data.train_loader,
+                train_model, self.criterion, self.optimizer, self.scheduler, self.scaler, self.train_batches,
                 runtime.device, epoch, args, log.print, metrics, first_step,
                 after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics))
             if stopped:
@@ -197,7 +199,7 @@ class Trainer:
                 raise Preempted()
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)
-            val = evaluate(eval_model, self.criterion, self.data.val_loader, runtime.device, args, log.print)
+            val = evaluate(eval_model, self.criterion, self.val_batches, runtime.device, args, log.print)
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
             self.save(epoch + 1, is_best=is_best)

@@ -15,7 +15,8 @@ from PIL import Image
 from common import args as cli
 from common import checkpoint
 from common.args import UsageError
-from common.data import ShardSampler, SeededTransform, TrainPreset, build_data, check_image_folder
+from common.data import (DeviceLoader, EvalPreset, ShardSampler, SeededTransform, TrainPreset, build_data,
+                         check_image_folder, load_image)
 from common.meters import AverageMeter, MetricSums, ProgressMeter, accuracy, correct_counts
 from common.models import build_model
 from common.schedule import LrFactor, build_scheduler
@@ -474,10 +475,54 @@ def test_shard_sampler_covers_every_index_exactly_once(world_size):
 
 
 def seeded_dataset(seed=0):
-    images = [(Image.new("RGB", (40, 40), (10 * i, 200 - 10 * i, 50)), i) for i in range(4)]
-    for index, (image, _) in enumerate(images):  # some structure, so crops and flips differ
-        image.paste((255, 255, 255), (0, 0, 10 + 5 * index, 8))
+    # Every pixel different, so that any two different crops or flips give different images.
+    pattern = (torch.arange(3 * 40 * 40) * 7919 % 251).to(torch.uint8).view(3, 40, 40)
+    images = [(pattern.roll(i, dims=2), i) for i in range(4)]
     return SeededTransform(images, TrainPreset(16, min_scale=0.1), seed)
+
+
+def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with_pil(tmp_path):
+    picture = Image.new("RGB", (30, 20), (200, 40, 10))
+    picture.paste((10, 220, 30), (5, 5, 20, 15))
+    for name in ("a.jpg", "a.png", "a.bmp"):
+        picture.save(tmp_path / name)
+        image = load_image(str(tmp_path / name))
+        assert image.dtype == torch.uint8 and image.shape == (3, 20, 30), name
+        reference = torchvision.transforms.v2.functional.pil_to_tensor(Image.open(tmp_path / name).convert("RGB"))
+        assert (image.int() - reference.int()).abs().max() <= 2, name  # two JPEG decoders may round apart
+    Image.new("L", (8, 6), 90).save(tmp_path / "grey.png")
+    assert load_image(str(tmp_path / "grey.png")).shape == (3, 6, 8)  # always RGB
+
+
+def test_load_image_of_a_broken_file_names_it(tmp_path):
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(Exception, match="cannot identify image file"):
+        load_image(str(tmp_path / "broken.jpg"))
+
+
+def test_train_preset_crops_inside_the_image_and_returns_the_crop_size():
+    import random
+    preset = TrainPreset(24, min_scale=0.08)
+    rng = random.Random(0)
+    for height, width in [(375, 500), (500, 375), (40, 40), (30, 300)]:
+        for _ in range(200):
+            top, left, h, w = preset.crop_box(height, width, rng)
+            assert 0 <= top and 0 <= left and top + h <= height and left + w <= width and h > 0 and w > 0
+    out = preset(torch.zeros(3, 60, 80, dtype=torch.uint8), rng)
+    assert out.shape == (3, 24, 24) and out.dtype == torch.uint8
+    assert EvalPreset(36, 32)(torch.zeros(3, 40, 60, dtype=torch.uint8)).shape == (3, 32, 32)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_device_loader_normalises_uint8_batches_on_the_device(channels_last):
+    images = torch.randint(0, 256, (2, 3, 5, 5), dtype=torch.uint8)
+    loader = DeviceLoader([(images, torch.tensor([1, 2]))], torch.device("cpu"), channels_last)
+    (batch, target), = list(loader)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    assert torch.allclose(batch, (images.float() / 255 - mean) / std, atol=1e-5)
+    assert batch.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert target.tolist() == [1, 2] and len(loader) == 1
 
 
 def test_seeded_transform_is_a_function_of_seed_epoch_and_index():

@@ -1,0 +1,248 @@
+"""Speed benchmark: prints one table (markdown) from one run.
+
+    python run_scripts/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
+    python run_scripts/benchmark.py --quick              # fewer images, for a smoke test
+    python run_scripts/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
+
+a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (generated,
+   500x375, when --jpeg-dir is not given): ours (torchvision.io decode, uint8 crop/flip, uint8
+   batches), the articles' classic pipeline (PIL -> RandomResizedCrop -> ToTensor -> Normalize),
+   and decoding alone (the bound).
+b. Training images/s of train_dp.py, train_ddp.py (torchrun) and train_spawn.py on --dummy
+   data and on the JPEG folder at two global batch sizes, and of the articles' classic loop
+   (classic pipeline, a .item() per step) on the same model and data.
+c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channels_last
+   (+ torch.compile): images/s and peak memory.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.data import IMAGENET_MEAN, IMAGENET_STD, TrainPreset, load_image  # noqa: E402
+
+
+def make_jpegs(root, per_class, classes=2, seed=0):
+    """An ImageFolder of photo-like 500x375 JPEGs (smooth colour fields, edges and grain; about
+    the size and decode cost of ImageNet's)."""
+    from PIL import Image, ImageDraw, ImageFilter
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", per_class), ("val", max(per_class // 8, 1))):
+        for label in range(classes):
+            folder = Path(root) / split / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                field = rng.normal(128, 50, (6, 8, 3)).clip(0, 255).astype(np.uint8)
+                image = Image.fromarray(field).resize((500, 375), Image.BICUBIC)
+                draw = ImageDraw.Draw(image)
+                for _ in range(12):
+                    x, y = rng.integers(0, 500), rng.integers(0, 375)
+                    draw.ellipse([x, y, x + rng.integers(10, 150), y + rng.integers(10, 150)],
+                                 fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+                grain = rng.normal(0, 18, (375, 500, 3))
+                pixels = (np.asarray(image.filter(ImageFilter.GaussianBlur(1.0)), dtype=float) + grain)
+                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"{index:05d}.jpg", quality=90)
+    return Path(root)
+
+
+def pipeline_rates(jpeg_dir, images, batch=64):
+    """Images/s of one DataLoader worker for each pipeline."""
+    from PIL import Image
+    from torch.utils.data import DataLoader, Dataset
+    from torchvision import transforms
+    from torchvision.io import decode_jpeg, read_file
+
+    paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
+    paths = (paths * math.ceil(images / len(paths)))[:images]
+    ours = TrainPreset(224)
+    classic = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                                  transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+    class Images(Dataset):
+        def __init__(self, load):
+            self.load = load
+
+        def __len__(self):
+            return len(paths)
+
+        def __getitem__(self, index):
+            return self.load(index), 0
+
+    cases = {
+        "ours: torchvision.io decode, uint8 crop+flip, uint8 batch":
+            (lambda i: ours(load_image(paths[i]), random.Random(i)), batch),
+        "classic: PIL, RandomResizedCrop, ToTensor, Normalize":
+            (lambda i: classic(Image.open(paths[i]).convert("RGB")), batch),
+        # Only the size leaves the worker: this measures decoding, not moving full-size images.
+        "decode alone (torchvision.io, the bound)": (lambda i: decode_jpeg(read_file(paths[i])).shape[0], batch),
+    }
+    rates = {}
+    for name, (load, size) in cases.items():
+        batches = iter(DataLoader(Images(load), batch_size=size, num_workers=1))
+        next(batches)  # the worker is up and warm
+        start, count = time.perf_counter(), 0
+        for _ in batches:
+            count += size
+        rates[name] = count / (time.perf_counter() - start)
+    return rates
+
+
+def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
+    """train_images_per_second from summary.json of one real run of a script."""
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    common = [*data_args, *model_args, "-b", str(batch), *epochs_args, "--output-dir", str(out), "-p", "1000",
+              "--seed", "0"]
+    # On CPU the processes share the cores: dp one process with all, ddp/spawn two with half each.
+    threads = os.cpu_count() if mode == "dp" else max(1, os.cpu_count() // 2)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    nproc = str(max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 2)
+    command = {"dp": [sys.executable, REPO / "train_dp.py"],
+               "ddp": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       REPO / "train_ddp.py"],
+               "spawn": [sys.executable, REPO / "train_spawn.py", "--nproc-per-node", nproc,
+                         "--master-port", str(29500 + random.randrange(2000))]}[mode]
+    result = subprocess.run([str(part) for part in command + common], env=env, capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"{mode} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())["train_images_per_second"]
+
+
+def classic_loop_rate(jpeg_dir, batch, crop, workers, images, arch):
+    """The articles' loop (pytorch/examples main.py train()): classic PIL pipeline, float batches,
+    and host reads of loss and accuracy every step."""
+    from torchvision import datasets, models, transforms
+    from common.meters import AverageMeter, accuracy
+    torch.manual_seed(0)
+    dataset = datasets.ImageFolder(Path(jpeg_dir) / "train", transforms.Compose([
+        transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
+    model = models.get_model(arch, num_classes=len(dataset.classes))
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
+    losses, top1 = AverageMeter("Loss"), AverageMeter("Acc@1")
+    model.train()
+    seen, start = 0, time.perf_counter()
+    while seen < images:
+        for images_batch, target in loader:
+            output = model(images_batch)
+            loss = criterion(output, target)
+            acc1, = accuracy(output, target, topk=(1,))
+            losses.update(loss.item(), images_batch.size(0))  # a host read every step
+            top1.update(acc1.item(), images_batch.size(0))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen += images_batch.size(0)
+            if seen >= images:
+                break
+    return seen / (time.perf_counter() - start)
+
+
+def gpu_rows(steps):
+    """ResNet-50 at 224 px, synthetic data, on the first GPU."""
+    from torchvision import models
+    rows = []
+    for name, amp, channels_last, compiled in [("fp32", None, False, False),
+                                               ("bf16 + channels_last", torch.bfloat16, True, False),
+                                               ("bf16 + channels_last + compile", torch.bfloat16, True, True)]:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = models.resnet50().cuda()
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        model = model.to(memory_format=memory_format)
+        optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
+        step_model = torch.compile(model) if compiled else model
+        images = torch.randn(256, 3, 224, 224, device="cuda").contiguous(memory_format=memory_format)
+        target = torch.randint(0, 1000, (256,), device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+                loss = torch.nn.functional.cross_entropy(step_model(images), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        rate = steps * 256 / (time.perf_counter() - start)
+        rows.append((name, rate, torch.cuda.max_memory_allocated() / 2**30))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jpeg-dir", help="an ImageFolder of JPEGs (train/ and val/); default: generated")
+    parser.add_argument("--quick", action="store_true", help="fewer images: a smoke test, not a measurement")
+    parser.add_argument("--arch", default="resnet18", help="model of the training table (%(default)s)")
+    parser.add_argument("--crop", type=int, default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
+    parser.add_argument("--batches", default="32,128", help="two global batch sizes (%(default)s)")
+    parser.add_argument("--workers", type=int, default=1, help="loader workers per process (%(default)s)")
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    crop = args.crop or (224 if gpu else 112)
+    pipeline_images, train_images = (128, 256) if args.quick else (1024, 1024 if not gpu else 8192)
+    jpeg_dir = Path(args.jpeg_dir) if args.jpeg_dir else REPO / "data" / "bench-jpegs-500x375"
+    if not args.jpeg_dir and not (jpeg_dir / "val").is_dir():
+        make_jpegs(jpeg_dir, per_class=256)
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+          + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ", no GPU"))
+    sizes = [path.stat().st_size for path in (jpeg_dir / "train").rglob("*.jpg")]
+    print(f"jpegs: {jpeg_dir} ({len(sizes)} train images, {sum(sizes) / len(sizes) / 1024:.0f} KB on average)\n")
+
+    print("a. input pipeline, one DataLoader worker, 224 px crops\n")
+    print("| pipeline | images/s per worker | vs classic |\n|---|---:|---:|")
+    rates = pipeline_rates(jpeg_dir, pipeline_images)
+    classic = next(rate for name, rate in rates.items() if name.startswith("classic"))
+    for name, rate in rates.items():
+        print(f"| {name} | {rate:.0f} | {rate / classic:.2f}x |")
+
+    batches = [int(b) for b in args.batches.split(",")]
+    workdir = tempfile.mkdtemp(prefix="bench-")
+    model_args = ["-a", args.arch, "--train-crop-size", str(crop), "--val-resize-size", str(crop),
+                  "--val-crop-size", str(crop), "-j", str(args.workers)]
+    print(f"\nb. training images/s, {args.arch} at {crop} px, {args.workers} loader worker(s) per process"
+          f" ({'GPU' if gpu else 'CPU: 2 processes for ddp/spawn, the cores split between them'})\n")
+    print("| data | global batch | " + " | ".join(["dp", "ddp (torchrun)", "spawn", "classic loop"]) + " |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for data_name, data_args in [("dummy", ["--dummy", "--dummy-size", str(train_images)]),
+                                 ("jpeg", ["--data", str(jpeg_dir)])]:
+        for batch in batches:
+            epochs = ["--epochs", "1"] if data_name == "dummy" else \
+                ["--epochs", str(max(1, round(train_images / len(sizes))))]
+            cells = [training_rate(mode, data_args, batch, epochs, workdir, model_args) for mode in ("dp", "ddp", "spawn")]
+            classic_cell = (f"{classic_loop_rate(jpeg_dir, batch, crop, args.workers, train_images, args.arch):.0f}"
+                            if data_name == "jpeg" else "-")
+            print(f"| {data_name} | {batch} | " + " | ".join(f"{cell:.0f}" for cell in cells) + f" | {classic_cell} |",
+                  flush=True)
+
+    print("\nc. GPU: ResNet-50, 224 px, batch 256, synthetic data\n")
+    if not gpu:
+        print("skipped: no CUDA GPU on this machine")
+        return
+    print("| precision | images/s | peak memory (GiB) |\n|---|---:|---:|")
+    for name, rate, memory in gpu_rows(steps=10 if args.quick else 50):
+        print(f"| {name} | {rate:.0f} | {memory:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
