@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slurm venv clean
+.PHONY: benchmark demo test test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py
@@ -21,6 +21,9 @@ test-slurm: $(STAMP)
 	run_scripts/slurm_local_cluster.sh start && $(PY) -m pytest -q tests/test_slurm.py || status=$$?; \
 	run_scripts/slurm_local_cluster.sh stop; \
 	exit $$status
+
+benchmark: $(STAMP)
+	$(PY) run_scripts/benchmark.py
 
 venv: $(STAMP)
 

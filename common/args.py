@@ -81,7 +81,8 @@ def build_parser(description):
         "(default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)")
     add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
     add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
-    add("-a", "--arch", default="resnet18", help="any torchvision classification model (%(default)s)")
+    add("-a", "--arch", default="resnet18",
+        help="any torchvision classification model, or package.module:callable for your own (%(default)s)")
     add("--pretrained", action="store_true", help="start from torchvision's default weights for --arch")
     add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
     add("-j", "--workers", type=int, default=None, metavar="N", help="data loading workers per process (4; demo 1)")
@@ -134,6 +135,10 @@ def _check_positive(args, names):
 
 
 def check_arch(arch):
+    if ":" in arch:  # package.module:callable
+        from .models import custom_builder
+        custom_builder(arch)
+        return
     import torchvision.models
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:

@@ -1,4 +1,6 @@
-"""Any torchvision classification model by name."""
+"""Any torchvision classification model by name, or your own as `package.module:callable`."""
+import importlib
+
 import torch.nn as nn
 import torchvision
 
@@ -20,8 +22,24 @@ def _replace_head(model, num_classes):
     raise UsageError("cannot find the classifier layer to resize for --pretrained")
 
 
+def custom_builder(arch):
+    """The callable that `--arch package.module:callable` names (None for torchvision names)."""
+    if ":" not in arch:
+        return None
+    module_name, _, name = arch.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"--arch {arch}: cannot import {name} from {module_name} ({error})")
+
+
 def build_model(arch, num_classes, pretrained=False, dropout=None):
     kwargs = {} if dropout is None else {"dropout": dropout}
+    builder = custom_builder(arch)
+    if builder is not None:  # called as builder(num_classes=K[, dropout=P])
+        if pretrained:
+            raise UsageError(f"--pretrained needs a torchvision --arch, not {arch}")
+        return builder(num_classes=num_classes, **kwargs)
     try:
         if not pretrained:
             return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)

@@ -192,10 +192,10 @@ class Trainer:
                 runtime.device, epoch, args, log.print, metrics, first_step,
                 after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics))
             if stopped:
-                distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
                 log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
                           f"epoch {epoch} step {self.steps_done} in {args.output_dir}; "
                           "continue with --resume auto")
+                distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
                 raise Preempted()
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)

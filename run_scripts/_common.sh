@@ -45,8 +45,22 @@ run_requeueing() {  # under sbatch: run the job step; on SIGUSR1 or SIGTERM, sto
   echo "+ $*" >&2
   "$@" &
   local step=$!
-  # srun passes SIGTERM to the tasks: every rank stops after the same step and rank 0 saves;
-  # the requeued job goes on from that checkpoint (--resume auto).
-  trap 'echo "caught a stop signal: checkpointing, then requeueing job $SLURM_JOB_ID" >&2; kill -TERM $step; wait $step || true; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1 TERM
+  # A signal to this script (sbatch --signal=B:USR1@120, scancel --batch) reaches only this shell. It
+  # passes SIGTERM to the tasks of the job's steps through Slurm (scancel without --batch: not to this
+  # shell, nor to srun, which answers a SIGTERM of its own by SIGKILLing the tasks); every rank stops
+  # after the same step, rank 0 saves, and the requeued job goes on from there (--resume auto).
+  # That scancel fails when the job is ending already (scancel JOBID, time limit, preemption: Slurm
+  # sends the tasks SIGTERM itself): then the job is not requeued. Further signals are ignored
+  # meanwhile (the requeue itself sends this shell a SIGTERM).
+  trap 'trap "" USR1 TERM
+        if scancel --signal=TERM "$SLURM_JOB_ID"; then
+          echo "caught a stop signal: checkpointing, then requeueing job $SLURM_JOB_ID" >&2
+          wait $step || true
+          scontrol requeue "$SLURM_JOB_ID"
+        else
+          echo "caught a stop signal while job $SLURM_JOB_ID ends: waiting for its checkpoint; not requeueing" >&2
+          wait $step || true
+        fi
+        exit 0' USR1 TERM
   wait $step
 }

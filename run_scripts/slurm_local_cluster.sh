@@ -10,8 +10,10 @@
 #
 # `start` is safe to run twice: running daemons are left alone. It writes /etc/slurm/slurm.conf
 # (one node, <hostname -s> with <nproc> CPUs, partition "debug") and refuses to replace a slurm.conf
-# it did not write. No cgroup.conf: proctrack/linuxproc and task/none need none (and with
-# CgroupPlugin=disabled slurmd refuses to start). Logs: /var/log/slurm/slurm{ctld,d}.log.
+# it did not write. A requeued job may start again 11 s after the requeue (AuthInfo=cred_expire=10;
+# Slurm's default: 121 s), and starts within 2 s of that (sched_interval=2; default: 60 s). No
+# cgroup.conf: proctrack/linuxproc and task/none need none (and with CgroupPlugin=disabled slurmd
+# refuses to start). Logs: /var/log/slurm/slurm{ctld,d}.log.
 # SLURM_START_TIMEOUT: seconds to wait for the node to become idle (default 60).
 set -euo pipefail
 
@@ -73,12 +75,14 @@ ClusterName=local
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 CryptoType=crypto/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+SchedulerParameters=sched_interval=2
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -171,5 +175,5 @@ case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
-  *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

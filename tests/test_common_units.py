@@ -678,3 +678,12 @@ def test_build_model_sets_dropout_where_the_arch_has_one():
 def test_dropout_on_an_arch_without_one_raises_usage_error():
     with pytest.raises(UsageError, match="resnet18 has no dropout"):
         build_model("resnet18", num_classes=3, dropout=0.5)
+
+
+def test_arch_may_name_your_own_model_as_module_and_callable():
+    model = build_model("tests.tiny_models:TinyNet", num_classes=4, dropout=0.25)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 4)
+    with pytest.raises(UsageError, match="cannot import Missing from tests.tiny_models"):
+        build_model("tests.tiny_models:Missing", num_classes=4)
+    with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
+        build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)

@@ -12,7 +12,7 @@ from conftest import (PYTHON, REPO, TINY, assert_ok, clean_env, free_port, make_
                       run_script, torchrun)
 
 # BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ.
-EXACT_MODEL = ["-a", "squeezenet1_1", "--dropout", "0", "--seed", "3", "--lr", "0.01"]
+EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "3", "--lr", "0.05"]
 VAL_LINE = re.compile(r" \* Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)")
 
 
@@ -41,6 +41,19 @@ def trajectories(tiny_data, tmp_path_factory):
                             "--output-dir", out / "spawn"),
     }
     return out, {mode: assert_ok(result) for mode, result in results.items()}
+
+
+def test_the_compared_runs_really_train(trajectories):
+    """Equal weights prove nothing if training stood still: the loss falls and the weights move."""
+    import sys
+    sys.path.insert(0, str(REPO))
+    from tests.tiny_models import TinyNet
+    out, _ = trajectories
+    losses = [float(row.split(",")[4]) for row in (out / "dp" / "log.csv").read_text().splitlines()[1:]]
+    assert losses[-1] < losses[0] - 0.02, losses
+    torch.manual_seed(3)  # the script's seed: its initial weights
+    initial = TinyNet(num_classes=3).state_dict()
+    assert max_difference(initial, weights(out / "dp")) > 1e-2
 
 
 def test_ddp_and_spawn_end_with_the_weights_of_dataparallel(trajectories):

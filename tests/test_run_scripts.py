@@ -8,7 +8,7 @@ import torch
 from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, run
 
 SCRIPTS = REPO / "run_scripts"
-EXACT_MODEL = ["-a", "squeezenet1_1", "--dropout", "0", "--seed", "5", "--lr", "0.01"]
+EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "5", "--lr", "0.05"]
 
 
 def launch(script, *args, timeout=300, **env):

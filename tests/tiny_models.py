@@ -1,0 +1,12 @@
+"""Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
+import torch.nn as nn
+
+
+def TinyNet(num_classes, dropout=0.0):
+    """Three conv blocks, no BatchNorm: its training step does not depend on how the batch is split
+    over processes, so DataParallel, DDP and spawn must agree to float precision. Learns the demo
+    shapes in a few steps (unlike squeezenet1_1, whose last ReLU dies on data this small)."""
+    def block(inputs, outputs):
+        return [nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+    return nn.Sequential(*block(3, 16), *block(16, 32), *block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Dropout(dropout), nn.Linear(64, num_classes))
