@@ -9,6 +9,7 @@ Two properties the scripts rely on:
   counted exactly once whatever the world size.
 """
 import math
+import multiprocessing
 import os
 import random
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -123,12 +124,30 @@ class SyntheticImages(Dataset):
         return self.image, index % self.num_classes
 
 
+def normalise(images, mean, std):
+    """uint8 images -> float, normalised: (x - 255 mean) / (255 std)."""
+    return images.float().sub_(mean).div_(std)
+
+
+class NormalisingCollate:
+    """collate_fn that turns the uint8 batch into normalised floats inside the loader worker. Used when
+    training on the CPU, where the main process is the bottleneck and the workers have cores to spare."""
+
+    def __init__(self):
+        self.mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+
+    def __call__(self, batch):
+        images, target = default_collate(batch)
+        return normalise(images, self.mean, self.std), target
+
+
 class DeviceLoader:
     """The batches of `loader` on `device`, as normalised float images.
 
-    Images travel as uint8 (a quarter of float32's bytes) and are converted, normalised and
-    made channels-last on the device. On CUDA the copy of the next batch runs on a side
-    stream while the current one computes."""
+    On CUDA, images travel as uint8 (a quarter of float32's bytes) and are converted,
+    normalised and made channels-last on the GPU, and the copy of the next batch runs on a side
+    stream while the current one computes. On the CPU the loader workers have normalised them."""
 
     def __init__(self, loader, device, channels_last=False):
         self.loader, self.device, self.channels_last = loader, device, channels_last
@@ -142,7 +161,9 @@ class DeviceLoader:
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return images.float().sub_(self.mean).div_(self.std), target.to(self.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = normalise(images, self.mean, self.std)
+        return images, target.to(self.device, non_blocking=True)
 
     def __iter__(self):
         if self.device.type != "cuda":
@@ -242,8 +263,9 @@ class Data(NamedTuple):
     train_sampler: ResumableSampler
 
 
-def build_data(args, seed, rank, world_size, per_process_batch, pin_memory):
-    """Datasets and loaders of one process. Single process is rank 0 of world 1."""
+def build_data(args, seed, rank, world_size, per_process_batch, gpu):
+    """Datasets and loaders of one process (single process is rank 0 of world 1). With gpu=True the
+    batches are pinned uint8 for DeviceLoader to copy and normalise; else normalised floats."""
     if args.dummy:
         val_length = math.ceil(args.dummy_size * 50_000 / 1_281_167)
         train_set = SyntheticImages(args.dummy_size, args.train_crop_size)
@@ -262,7 +284,13 @@ def build_data(args, seed, rank, world_size, per_process_batch, pin_memory):
     train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     # The loaders draw their worker seeds from generators of their own, not from the global RNG
     # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
-    loader_options = dict(num_workers=args.workers, pin_memory=pin_memory, worker_init_fn=ignore_stop_signals)
+    loader_options = dict(num_workers=args.workers, pin_memory=gpu, worker_init_fn=ignore_stop_signals,
+                          # On the CPU the workers also normalise; on a GPU the uint8 batch goes there.
+                          collate_fn=None if gpu else NormalisingCollate())
+    if args.workers and "fork" in multiprocessing.get_all_start_methods():
+        # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
+        # otherwise spawn them too, re-importing torch each epoch.
+        loader_options["multiprocessing_context"] = "fork"
     train_loader = DataLoader(train_set, batch_size=per_process_batch, sampler=train_sampler,
                               generator=torch.Generator().manual_seed(seed), **loader_options)
     val_loader = DataLoader(val_set, batch_size=per_process_batch, sampler=ShardSampler(len(val_set), rank, world_size),

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .args import UsageError
+
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second"]
 
@@ -45,8 +47,12 @@ class RunLogger:
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv."""
         if not self.writes:
             return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
+        except OSError as error:
+            raise UsageError(f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
+                             "choose a directory you can write to") from None
         log = self.output_dir / "log.csv"
         if not resumed or not log.exists():
             with open(log, "w", newline="") as file:

@@ -69,7 +69,7 @@ class Trainer:
 
         self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
         self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
-                               pin_memory=device.type == "cuda")
+                               gpu=device.type == "cuda")
         if not args.resume:
             self._refuse_another_runs_output_dir()
         model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout)

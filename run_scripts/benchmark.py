@@ -199,7 +199,7 @@ def main():
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     crop = args.crop or (224 if gpu else 112)
-    pipeline_images, train_images = (128, 256) if args.quick else (1024, 1024 if not gpu else 8192)
+    pipeline_images, train_images = (128, 256) if args.quick else (1024, 2048 if not gpu else 8192)
     jpeg_dir = Path(args.jpeg_dir) if args.jpeg_dir else REPO / "data" / "bench-jpegs-500x375"
     if not args.jpeg_dir and not (jpeg_dir / "val").is_dir():
         make_jpegs(jpeg_dir, per_class=256)

@@ -546,7 +546,7 @@ def test_seeded_transform_leaves_the_global_rng_alone():
 
 
 def first_batch(args, rank, world_size, batch):
-    data = build_data(args, seed=5, rank=rank, world_size=world_size, per_process_batch=batch, pin_memory=False)
+    data = build_data(args, seed=5, rank=rank, world_size=world_size, per_process_batch=batch, gpu=False)
     data.train_sampler.set_epoch(0)
     images, labels = next(iter(data.train_loader))
     return {(int(label), image.numpy().tobytes()) for image, label in zip(images, labels)}, data

@@ -246,3 +246,12 @@ def test_an_output_dir_of_another_run_is_refused_unless_resume_names_it(data, tm
         assert result.stdout.strip().splitlines() == [line for line in result.stdout.splitlines()
                                                       if "holds checkpoints of another run" in line]
     assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == files
+
+
+def test_an_output_dir_that_cannot_be_created_is_one_line_and_exit_2(data, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    result = run_script("train_dp.py", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
+                        "-j", "0", "-b", "8", "--epochs", "1", "--data", data, "--output-dir", tmp_path / "a-file" / "run")
+    assert result.returncode == 2, result.stdout
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot write to --output-dir" in errors[0] and "Traceback" not in result.stdout
