@@ -15,6 +15,21 @@ def launch(script, *args, timeout=300, **env):
     return run(["bash", SCRIPTS / script, *args], timeout=timeout, env=clean_env(PYTHON=PYTHON, **env))
 
 
+def launch_two_nodes(script, args, node_env):
+    """Run `script args` twice at once, as nodes 0 and 1 with environments node_env(0) and
+    node_env(1); returns both outputs once both succeeded."""
+    nodes = [subprocess.Popen(["bash", SCRIPTS / script, *args], cwd=REPO, env=clean_env(PYTHON=PYTHON, **node_env(node)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    return outputs
+
+
 def train_args(data, output_dir, *extra):
     return [*TINY, "--data", data, "-b", "8", "--epochs", "2", "--output-dir", output_dir, *extra]
 
@@ -49,18 +64,8 @@ def one_node_of_two_processes(tiny_data, tmp_path_factory):
 def test_two_nodes_end_with_the_weights_of_one_node_at_the_same_world_size(
         tiny_data, tmp_path, one_node_of_two_processes, script):
     port = free_port()
-    nodes = [subprocess.Popen(
-        ["bash", SCRIPTS / script, *train_args(tiny_data, tmp_path / "out", *EXACT_MODEL)], cwd=REPO,
-        env=clean_env(PYTHON=PYTHON, NNODES=2, NODE_RANK=node, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=port),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-3000:]
+    outputs = launch_two_nodes(script, train_args(tiny_data, tmp_path / "out", *EXACT_MODEL), lambda node: dict(
+        NNODES=2, NODE_RANK=node, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
     assert "world size 2" in outputs[0]
     assert "world size" not in outputs[1]  # rank 1 prints nothing of its own
     assert max_difference(one_node_of_two_processes, weights(tmp_path / "out")) <= 1e-5
@@ -103,17 +108,9 @@ def test_platform_script_trains_from_the_platform_variables_alone(tiny_data, tmp
 def test_platform_script_on_two_nodes_takes_the_node_rank_from_rank(tiny_data, tmp_path):
     """Two nodes of one process each; node 1 knows only its RANK (global rank of its first process)."""
     port, workspace = free_port(), tmp_path / "workspace"
-    common = dict(PYTHON=PYTHON, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, WORKER_PER_NODE=1,
+    common = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, WORKER_PER_NODE=1,
                   DATASETS_PATH=tiny_data, WORKSPACE=workspace, EPOCHS=1, BATCH_SIZE=8)
-    nodes = [subprocess.Popen(["bash", SCRIPTS / "platform_ddp.sh", *TINY], cwd=REPO,
-                              env=clean_env(RANK=node, **common),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    outputs = launch_two_nodes("platform_ddp.sh", TINY, lambda node: dict(RANK=node, **common))
     assert "--node-rank=1" in outputs[1]
     assert "ddp: world size 2" in outputs[0]
 
