@@ -75,7 +75,7 @@ def _write_synced(path, write):
         raise
 
 
-def _atomic_write(path, write):
+def atomic_write(path, write):
     """Write beside `path`, then rename over it: a reader (or a crash) sees the old file or the
     new one, never half of one."""
     path = Path(path)
@@ -110,7 +110,7 @@ def save_checkpoint(state, output_dir, is_best):
         _fsync_dir(output_dir)
         if is_best:
             with open(latest, "rb") as source:
-                _atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+                atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         new.unlink(missing_ok=True)
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]

@@ -124,6 +124,13 @@ class SyntheticImages(Dataset):
         return self.image, index % self.num_classes
 
 
+def pixel_stats(device=None):
+    """ImageNet mean and std on the 0-255 scale, shaped to broadcast over (N, 3, H, W)."""
+    def scaled(values):
+        return torch.tensor(values, device=device).view(1, 3, 1, 1) * 255
+    return scaled(IMAGENET_MEAN), scaled(IMAGENET_STD)
+
+
 def normalise(images, mean, std):
     """uint8 images -> float, normalised: (x - 255 mean) / (255 std)."""
     return images.float().sub_(mean).div_(std)
@@ -134,8 +141,7 @@ class NormalisingCollate:
     training on the CPU, where the main process is the bottleneck and the workers have cores to spare."""
 
     def __init__(self):
-        self.mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+        self.mean, self.std = pixel_stats()
 
     def __call__(self, batch):
         images, target = default_collate(batch)
@@ -151,8 +157,7 @@ class DeviceLoader:
 
     def __init__(self, loader, device, channels_last=False):
         self.loader, self.device, self.channels_last = loader, device, channels_last
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+        self.mean, self.std = pixel_stats(device)
 
     def __len__(self):
         return len(self.loader)

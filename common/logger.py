@@ -12,16 +12,10 @@ from pathlib import Path
 import torch
 
 from .args import UsageError
+from .checkpoint import atomic_write
 
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second"]
-
-
-def atomic_write_text(path, text):
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def describe_environment(device, num_devices):
@@ -32,6 +26,10 @@ def describe_environment(device, num_devices):
     else:
         hardware = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return f"torch {torch.__version__}, python {platform.python_version()}, {hardware}"
+
+
+def write_text(path, text):
+    atomic_write(path, lambda file: file.write(text.encode()))
 
 
 class RunLogger:
@@ -49,7 +47,7 @@ class RunLogger:
             return
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
+            write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
         except OSError as error:
             raise UsageError(f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
                              "choose a directory you can write to") from None
@@ -72,6 +70,6 @@ class RunLogger:
     def finish(self, summary):
         if not self.writes:
             return
-        atomic_write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
+        write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
         if self.tensorboard:
             self.tensorboard.close()
