@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: benchmark demo test test-slurm venv clean
 
 demo: $(STAMP)
-	$(PY) train_dp.py
+	$(PY) train_dp.py --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

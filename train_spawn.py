@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from common import args as cli
 from common.distributed import (Runtime, check_port_free, check_sync_bn, choose_backend,
                                 destroy_process_group, init_process_group, select_device)
+from common.preemption import before_exit
 from common.trainer import Trainer, per_process_batch
 
 
@@ -93,14 +94,21 @@ def worker(local_rank, args, init_method):
         trainer.fit(train_model=model, eval_model=trainer.model)
     except cli.UsageError:
         raise  # reported by main() as one line
-    except cli.Preempted:
-        sys.exit(cli.PREEMPTED_EXIT_CODE)  # rank 0 saved and said so
-    except Exception:
+    except cli.Preempted as stop:
+        if str(stop):  # else rank 0 saved and said so
+            print(f"rank {rank}: {stop}", file=sys.stderr, flush=True)
+        sys.exit(cli.PREEMPTED_EXIT_CODE)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us twice: directly and from the parent
+        sys.exit(130)  # (spawn would report a KeyboardInterrupt as success)
+    except Exception as error:
         # spawn re-raises one failed process's error, often a rank that merely lost its
-        # peer; print each rank's own traceback so the first cause is always shown.
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        # peer; print each rank's own report so the first cause is always shown.
+        report = cli.known_failure(error) or f"rank {rank} failed:\n{traceback.format_exc()}"
+        print(report.replace("error: ", f"error: rank {rank}: ", 1), file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        before_exit()  # no loader worker left (the exit would wait for it forever), no alarm pending
         destroy_process_group()
 
 
@@ -111,8 +119,8 @@ def main(args):
     context = mp.start_processes(worker, args=(args, init_method), nprocs=args.nproc_per_node,
                                  join=False, start_method="spawn")
     # A scheduler's stop signal reaches this process only: pass it to the workers, which
-    # agree on a step, save a checkpoint and exit.
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
+    # agree on a step, save a checkpoint and exit (SIGINT: which stop at once).
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, lambda signum, _frame: [os.kill(process.pid, signum)
                                                       for process in context.processes if process.is_alive()])
     try:
@@ -120,12 +128,12 @@ def main(args):
             pass
     except mp.ProcessRaisedException as error:
         # A bad-input error in a worker arrives as its traceback text: report its one line.
-        usage = re.search(r"UsageError: (.*)\s*$", str(error))
+        usage = re.search(r"(?:UsageError|UnreadableImage): (.*)\s*$", str(error))
         if usage:
             raise cli.UsageError(usage.group(1)) from None
         raise
     except mp.ProcessExitedException as error:
-        if error.exit_code != cli.PREEMPTED_EXIT_CODE:
+        if error.exit_code not in (cli.PREEMPTED_EXIT_CODE, 130):  # stopped on request
             print(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
                   "see the errors above", file=sys.stderr)
         raise SystemExit(error.exit_code or 1) from None

@@ -22,17 +22,42 @@ class UsageError(Exception):
 
 
 def run_main(main, parse_args):
-    """main(parse_args()) with a UsageError turned into one line on stderr and exit code 2."""
+    """main(parse_args()) with a UsageError turned into one line on stderr and exit code 2; the
+    process never outlives its DataLoader workers, nor waits for them, whatever happened."""
     try:
         main(parse_args())
         return 0
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
-    except Preempted:
-        return PREEMPTED_EXIT_CODE  # the checkpoint is written and the trainer said so
+    except Preempted as stop:
+        if str(stop):  # else the trainer said where its checkpoint is
+            print(stop, file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as error:
+        line = known_failure(error)
+        if line is None:
+            raise  # a bug: its traceback is the report
+        print(line, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        from .preemption import before_exit
+        before_exit()
+
+
+def known_failure(error):
+    """One line for the errors that are not this process's own fault (their cause is reported
+    elsewhere or is the machine's), else None."""
+    text = str(error)
+    if text.startswith("DataLoader worker"):
+        # "DataLoader worker (pid X) is killed by signal: Killed.": the kernel's OOM killer, mostly.
+        return f"error: {text.splitlines()[0].strip()} (out of memory? fewer --workers use less)"
+    if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer")):
+        # A collective lost a process of the job: that one failed (or was stopped) first and said why.
+        return "error: another process of this job ended, see its error; this one stops too"
+    return None
 
 
 class Preempted(Exception):
@@ -107,6 +132,10 @@ def build_parser(description):
     add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
     add("--resume", metavar="PATH|auto", default="",
         help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh")
+    add("--overwrite", action="store_true",
+        help="start afresh in an --output-dir that holds a run, deleting its checkpoints (else refused)")
+    add("--strict-data", action="store_true",
+        help="stop at the first image that cannot be decoded (default: skip it, list it in bad_images.txt)")
     add("--checkpoint-interval", type=int, default=0, metavar="STEPS",
         help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)")
     add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")

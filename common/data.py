@@ -7,10 +7,11 @@ Two properties the scripts rely on:
   see the same batches for the same seed and global batch.
 - Validation is sharded without padding (ShardSampler), so each image is
   counted exactly once whatever the world size.
+Every sample is (image, label, bad): `bad` lists the files that could not be decoded on the way
+(common/bad_images.py); the loader's batches are (images, target, bad).
 """
 import math
 import multiprocessing
-import os
 import random
 from pathlib import Path
 from typing import NamedTuple
@@ -19,17 +20,17 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import datasets
-from torchvision.datasets.folder import IMG_EXTENSIONS
 try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL decodes when it is gone
     from torchvision.io import ImageReadMode, decode_image, read_file
 except ImportError:
     decode_image = None
 from torchvision.transforms.v2 import functional as F
 
-from .args import UsageError
+from . import distributed
+from .bad_images import SkipUnreadable
 from .demo_data import ensure_demo_dataset
-from .preemption import ignore_stop_signals
+from .folder_index import scan_image_folder
+from .preemption import ignore_stop_signals, waiting_for_data
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -41,9 +42,11 @@ def load_image(path):
     files it cannot decode, go through PIL (whose error names a broken file)."""
     if decode_image is not None and path.lower().endswith((".jpg", ".jpeg", ".png")):
         try:
-            return decode_image(read_file(path), mode=ImageReadMode.RGB)
+            image = decode_image(read_file(path), mode=ImageReadMode.RGB)
         except RuntimeError:
             pass
+        else:  # a 16-bit PNG decodes to uint16
+            return image if image.dtype == torch.uint8 else F.to_dtype(image, torch.uint8, scale=True)
     with open(path, "rb") as file:
         return F.pil_to_tensor(Image.open(file).convert("RGB"))
 
@@ -85,14 +88,15 @@ class EvalPreset:
     def __init__(self, resize_size, crop_size):
         self.resize_size, self.crop_size = resize_size, crop_size
 
-    def __call__(self, image):
+    def __call__(self, image, _rng=None):
         return F.center_crop(F.resize(image, [self.resize_size], antialias=True), [self.crop_size])
 
 
 class SeededTransform(Dataset):
-    """Applies `transform` to `base[index]` with a random.Random seeded by (seed, epoch, index):
-    an image gets the same augmentation whichever process or loader worker reads it, and
-    the global RNGs (which dropout uses) are left alone."""
+    """Applies `transform` to the image of `base[index]` (an (image, label, bad) sample; image None
+    for a skipped file) with a random.Random seeded by (seed, epoch, index): an image gets the same
+    augmentation whichever process or loader worker reads it, and the global RNGs (which dropout
+    uses) are left alone."""
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
@@ -105,8 +109,10 @@ class SeededTransform(Dataset):
         return len(self.base)
 
     def __getitem__(self, index):
-        image, label = self.base[index]
-        return self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}")), label
+        image, label, bad = self.base[index]
+        if image is not None:
+            image = self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}"))
+        return image, label, bad
 
 
 class SyntheticImages(Dataset):
@@ -121,7 +127,7 @@ class SyntheticImages(Dataset):
         return self.length
 
     def __getitem__(self, index):
-        return self.image, index % self.num_classes
+        return self.image, index % self.num_classes, ()
 
 
 def pixel_stats(device=None):
@@ -136,16 +142,24 @@ def normalise(images, mean, std):
     return images.float().sub_(mean).div_(std)
 
 
-class NormalisingCollate:
-    """collate_fn that turns the uint8 batch into normalised floats inside the loader worker. Used when
-    training on the CPU, where the main process is the bottleneck and the workers have cores to spare."""
+class Collate:
+    """collate_fn: (images, target, bad) from (image, label, bad) samples, leaving out skipped files
+    (images None when all were). normalise=True turns the uint8 batch into normalised floats inside
+    the loader worker: on the CPU, where the main process is the bottleneck and the workers have
+    cores to spare."""
 
-    def __init__(self):
-        self.mean, self.std = pixel_stats()
+    def __init__(self, normalise):
+        self.stats = pixel_stats() if normalise else None
 
-    def __call__(self, batch):
-        images, target = default_collate(batch)
-        return normalise(images, self.mean, self.std), target
+    def __call__(self, samples):
+        bad = [entry for _, _, found in samples for entry in found]
+        samples = [(image, label) for image, label, _ in samples if image is not None]
+        if not samples:
+            return None, None, bad
+        images, target = default_collate(samples)
+        if self.stats is not None:
+            images = normalise(images, *self.stats)
+        return images, target, bad
 
 
 class DeviceLoader:
@@ -153,10 +167,11 @@ class DeviceLoader:
 
     On CUDA, images travel as uint8 (a quarter of float32's bytes) and are converted,
     normalised and made channels-last on the GPU, and the copy of the next batch runs on a side
-    stream while the current one computes. On the CPU the loader workers have normalised them."""
+    stream while the current one computes. On the CPU the loader workers have normalised them.
+    The files skipped as undecodable go to on_bad(list of (path, reason))."""
 
-    def __init__(self, loader, device, channels_last=False):
-        self.loader, self.device, self.channels_last = loader, device, channels_last
+    def __init__(self, loader, device, channels_last=False, on_bad=None):
+        self.loader, self.device, self.channels_last, self.on_bad = loader, device, channels_last, on_bad
         self.mean, self.std = pixel_stats(device)
 
     def __len__(self):
@@ -170,13 +185,27 @@ class DeviceLoader:
             images = normalise(images, self.mean, self.std)
         return images, target.to(self.device, non_blocking=True)
 
+    def _batches(self):
+        """The loader's non-empty (images, target), reporting skipped files on the way."""
+        batches = iter(self.loader)
+        while True:
+            with waiting_for_data():  # a stop signal may end a wait that never ends (a hung file system)
+                batch = next(batches, None)
+            if batch is None:
+                return
+            images, target, bad = batch
+            if bad and self.on_bad is not None:
+                self.on_bad(bad)
+            if images is not None:
+                yield images, target
+
     def __iter__(self):
         if self.device.type != "cuda":
-            return (self._prepare(images, target) for images, target in self.loader)
+            return (self._prepare(images, target) for images, target in self._batches())
         return self._prefetching()
 
     def _prefetching(self):
-        stream, batches = torch.cuda.Stream(self.device), iter(self.loader)
+        stream, batches = torch.cuda.Stream(self.device), self._batches()
 
         def load_next():
             batch = next(batches, None)
@@ -229,38 +258,6 @@ class ShardSampler(Sampler):
         return len(range(self.rank, self.length, self.world_size))
 
 
-def _has_image(folder):
-    for _, _, files in os.walk(folder):
-        if any(name.lower().endswith(IMG_EXTENSIONS) for name in files):
-            return True
-    return False
-
-
-def check_image_folder(root):
-    """Raise UsageError unless root/train and root/val are ImageFolders with the same, non-empty classes."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UsageError(f"--data {root}: no such directory")
-    classes = {}
-    for split in ("train", "val"):
-        folder = root / split
-        if not folder.is_dir():
-            raise UsageError(f"--data {root} has no {split}/ folder: expected {root}/{{train,val}}/<class>/<image>")
-        classes[split] = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
-        if not classes[split]:
-            raise UsageError(f"{folder} has no class folders: expected {folder}/<class>/<image>")
-        empty = [name for name in classes[split] if not _has_image(folder / name)]
-        if empty:
-            raise UsageError(f"class folder(s) {', '.join(empty)} in {folder} hold no images "
-                             f"({', '.join(IMG_EXTENSIONS[:3])}, ...): add images or remove the folder")
-    if classes["train"] != classes["val"]:
-        only_train = sorted(set(classes["train"]) - set(classes["val"]))
-        only_val = sorted(set(classes["val"]) - set(classes["train"]))
-        raise UsageError(f"train/ and val/ in {root} have different classes "
-                         f"(only in train: {', '.join(only_train) or '-'}; only in val: {', '.join(only_val) or '-'})")
-    return classes["train"]
-
-
 class Data(NamedTuple):
     classes: list
     train_loader: DataLoader
@@ -279,11 +276,14 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
     else:
         root = Path(args.data) if args.data else ensure_demo_dataset()
         args.data = str(root)
-        classes = check_image_folder(root)
-        train_set = SeededTransform(datasets.ImageFolder(root / "train", loader=load_image),
+        # Rank 0 lists the folder, once for the job (1.33 M files on ImageNet).
+        classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan_image_folder(root))
+        # A file that cannot be decoded: in training the next one takes its place (every batch keeps its
+        # size); in validation it is left out (no image is counted twice). --strict-data: an error.
+        train_set = SeededTransform(SkipUnreadable(train_files, load_image, True, args.strict_data),
                                     TrainPreset(args.train_crop_size, args.min_crop_scale), seed)
-        val_set = datasets.ImageFolder(root / "val", EvalPreset(args.val_resize_size, args.val_crop_size),
-                                       loader=load_image)
+        val_set = SeededTransform(SkipUnreadable(val_files, load_image, False, args.strict_data),
+                                  EvalPreset(args.val_resize_size, args.val_crop_size), seed)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
     train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
@@ -291,7 +291,7 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
     # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
     loader_options = dict(num_workers=args.workers, pin_memory=gpu, worker_init_fn=ignore_stop_signals,
                           # On the CPU the workers also normalise; on a GPU the uint8 batch goes there.
-                          collate_fn=None if gpu else NormalisingCollate())
+                          collate_fn=Collate(normalise=not gpu))
     if args.workers and "fork" in multiprocessing.get_all_start_methods():
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.

@@ -144,14 +144,35 @@ def broadcast_buffers(module):
             dist.broadcast(buffer.data, src=0)
 
 
+def computed_by_rank_0(compute):
+    """compute() run by rank 0 alone, its result given to every rank (a collective). A UsageError
+    it raises is raised on every rank; any other error fails the others too, rather than leaving
+    them waiting."""
+    if not is_initialized():
+        return compute()
+    outcome = [None]
+    if get_rank() == 0:
+        try:
+            outcome[0] = ("done", compute())
+        except UsageError as error:
+            outcome[0] = ("usage", str(error))
+        except BaseException:
+            dist.broadcast_object_list([("failed", None)], src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "usage":
+        raise UsageError(value)
+    if kind == "failed":
+        raise RuntimeError("rank 0 failed (its error says why)")
+    return value
+
+
 def shared_seed(seed):
     """`seed`, or when None a random one drawn by rank 0 and given to every rank."""
     if seed is not None:
         return seed
-    drawn = [random.SystemRandom().randrange(2**31)]
-    if is_initialized():
-        dist.broadcast_object_list(drawn, src=0)
-    return drawn[0]
+    return computed_by_rank_0(lambda: random.SystemRandom().randrange(2**31))
 
 
 def check_port_free(address, port):

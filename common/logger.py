@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from .args import UsageError
-from .checkpoint import atomic_write
+from .checkpoint import BEST, CHECKPOINT, PREVIOUS, atomic_write
 
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
-              "val_acc1", "val_acc5", "images_per_second"]
+              "val_acc1", "val_acc5", "images_per_second", "bad_images"]
 
 
 def describe_environment(device, num_devices):
@@ -52,6 +52,13 @@ class RunLogger:
             raise UsageError(f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
                              "choose a directory you can write to") from None
         log = self.output_dir / "log.csv"
+        if not resumed:
+            # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
+            # nothing of an earlier run in this directory may pass for this one's.
+            for name in (CHECKPOINT, PREVIOUS, BEST, "summary.json", "bad_images.txt"):
+                (self.output_dir / name).unlink(missing_ok=True)
+            for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
+                events.unlink()
         if not resumed or not log.exists():
             with open(log, "w", newline="") as file:
                 csv.writer(file).writerow(CSV_FIELDS)
@@ -66,6 +73,11 @@ class RunLogger:
         for key in ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "images_per_second"):
             self.tensorboard.add_scalar(key, row[key], row["epoch"])
         self.tensorboard.flush()
+
+    def write_bad_images(self, found):
+        """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""
+        if self.writes and found:
+            write_text(self.output_dir / "bad_images.txt", "".join(f"{path}\t{reason}\n" for path, reason in found))
 
     def finish(self, summary):
         if not self.writes:

@@ -1,20 +1,47 @@
-"""Stopping cleanly when the cluster asks.
+"""Stopping cleanly when the cluster asks, and never hanging on the way out.
 
 SIGTERM (sent by torchrun, Slurm and Kubernetes before they kill) and SIGUSR1
 (Slurm's `--signal` warning) set a flag. The ranks agree on it with an
 all-reduce that is started at one step and read at the next, so no step
 waits for it; every rank then stops after the same step, rank 0 saves a
 checkpoint, and the process exits with args.PREEMPTED_EXIT_CODE (75).
+
+A step that never comes must not keep the process alive: when the main
+thread has waited for data for DATA_WAIT_GRACE seconds after the signal (a
+hung network file system, say), or when a second SIGTERM / SIGUSR1 comes, the
+process stops at once with the same exit code, and --resume auto continues
+from the last checkpoint written. SIGINT (Ctrl-C) stops at once with 130.
 """
+import contextlib
+import multiprocessing
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import distributed
+from .args import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DATA_WAIT_GRACE = 10  # seconds
+
+_waiting_since = None  # when the main thread began waiting for a batch; None while it is not waiting
+
+
+@contextlib.contextmanager
+def waiting_for_data():
+    global _waiting_since
+    _waiting_since = time.monotonic()
+    try:
+        yield
+    finally:
+        _waiting_since = None
+
+
+class StopNow(Preempted):
+    """A stop signal that could not wait for the end of a step: no checkpoint of this step."""
 
 
 def ignore_stop_signals(_worker_id=None):
@@ -23,29 +50,65 @@ def ignore_stop_signals(_worker_id=None):
         signal.signal(signum, signal.SIG_IGN)
 
 
+def before_exit():
+    """Call on the way out of a training process, whatever happened. It cancels the alarm that a stop
+    signal set (Python's handlers are gone at exit: the alarm would kill the process) and kills the
+    DataLoader workers still alive. They ignore SIGTERM, which is how multiprocessing's exit handler
+    stops daemonic children before it joins them: after an error it would wait for them forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if threading.current_thread() is threading.main_thread():
+        ignore_stop_signals()  # a late one (the launcher stopping the others) would set a new alarm
+        signal.alarm(0)
+        # DataLoader's SIGCHLD handler would raise "worker killed" here, leaving the others alive.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in workers:
+        worker.kill()
+    for worker in workers:
+        worker.join(timeout=5)
+
+
 class StopSignal:
     def __init__(self):
         self.received = None  # name of the signal, once one came
+        self.received_at = None
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 signal.signal(signum, self._handle)
+            signal.signal(signal.SIGALRM, self._check_data_wait)
         # A CPU group of its own, so the flag never waits on GPU work.
         self.group = dist.new_group(backend="gloo") if distributed.is_initialized() else None
         self.pending = None
 
     def _handle(self, signum, _frame):
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            raise StopNow(f"stopped at once on a second {name}: no checkpoint of this step; "
+                          "--resume auto continues from the last checkpoint")
+        self.received, self.received_at = name, time.monotonic()
+        signal.alarm(1)  # from now on, check every second that the process is not stuck waiting for data
+
+    def _check_data_wait(self, _signum, _frame):
+        if self.received is None:
+            return
+        since = _waiting_since
+        if since is not None and time.monotonic() - max(since, self.received_at) >= DATA_WAIT_GRACE:
+            raise StopNow(f"stopped on {self.received} after waiting {DATA_WAIT_GRACE} s for data: no "
+                          "checkpoint of this step; --resume auto continues from the last checkpoint")
+        signal.alarm(1)
 
     def poll(self):
         """True when some rank had received a stop signal by the previous poll (the same answer
         on every rank). Every rank must call it at the same steps."""
         if self.group is None:
-            return self.received is not None
-        agreed = False
-        if self.pending is not None:
-            work, flag = self.pending
-            work.wait()
-            agreed = bool(flag.item())
-        flag = torch.tensor([int(self.received is not None)])
-        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+            agreed = self.received is not None
+        else:
+            agreed = False
+            if self.pending is not None:
+                work, flag = self.pending
+                work.wait()
+                agreed = bool(flag.item())
+            flag = torch.tensor([int(self.received is not None)])
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        if agreed and threading.current_thread() is threading.main_thread():
+            signal.alarm(0)  # the step boundary came: the checkpoint is written however long it takes
         return agreed

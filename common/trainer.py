@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from . import checkpoint, distributed
 from .args import Preempted, UsageError, default_output_dir
+from .bad_images import BadImageLog
 from .data import DeviceLoader, build_data
 from .engine import evaluate, train_one_epoch
 from .logger import RunLogger, describe_environment
@@ -70,8 +71,8 @@ class Trainer:
         self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
         self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
                                gpu=device.type == "cuda")
-        if not args.resume:
-            self._refuse_another_runs_output_dir()
+        if not args.resume and not args.evaluate and not args.overwrite:
+            self._refuse_to_replace_a_run()
         model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout)
         if resumed:
             checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
@@ -84,8 +85,9 @@ class Trainer:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum,
                                          weight_decay=args.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-        self.train_batches = DeviceLoader(self.data.train_loader, device, args.channels_last)
-        self.val_batches = DeviceLoader(self.data.val_loader, device, args.channels_last)
+        self.bad_images = BadImageLog(runtime.rank, runtime.world_size, known=(resumed or {}).get("bad_images", ()))
+        self.train_batches = DeviceLoader(self.data.train_loader, device, args.channels_last, self.bad_images.report)
+        self.val_batches = DeviceLoader(self.data.val_loader, device, args.channels_last, self.bad_images.report)
         self.steps_per_epoch = len(self.data.train_loader)
         self.start_epoch, self.start_step, self.best_acc1, self.resumed_totals = 0, 0, 0.0, None
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
@@ -95,8 +97,9 @@ class Trainer:
                                          start_step=self.start_epoch * self.steps_per_epoch + self.start_step)
         self.stop_signal = StopSignal()
 
-    def _refuse_another_runs_output_dir(self):
-        """Starting fresh would overwrite checkpoints: only those of the same arch and classes."""
+    def _refuse_to_replace_a_run(self):
+        """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
+        --resume auto must not cost that run. Refused unless --overwrite says so."""
         latest = Path(self.args.output_dir) / checkpoint.CHECKPOINT
         if not latest.is_file():
             return
@@ -104,10 +107,13 @@ class Trainer:
             other = checkpoint.load_checkpoint(latest, mmap=True)
         except UsageError:
             return  # unreadable: nothing of value to protect
+        start_over = "start over with --overwrite (its checkpoints are deleted) or another --output-dir"
         if other.get("arch") != self.args.arch or other.get("classes", self.data.classes) != self.data.classes:
             raise UsageError(f"{self.args.output_dir} holds checkpoints of another run ({other.get('arch')}, "
                              f"{len(other.get('classes', []))} classes): choose another --output-dir, "
-                             "or continue that run with --resume")
+                             f"continue that run with --resume, or {start_over}")
+        raise UsageError(f"{self.args.output_dir} holds a run at epoch {other.get('epoch', '?')} step "
+                         f"{other.get('step_in_epoch', 0)}: continue it with --resume auto, or {start_over}")
 
     def _restore(self, resumed):
         args = self.args
@@ -128,21 +134,25 @@ class Trainer:
         if states and len(states) == self.runtime.world_size:  # else: another world size, fresh streams
             set_rng_state(states[self.runtime.rank], self.runtime.device)
 
-    def _state(self, epoch, step_in_epoch, train_totals, rng_states):
+    def _state(self, epoch, step_in_epoch, train_totals, rng_states, bad_images):
         return {"epoch": epoch, "step_in_epoch": step_in_epoch, "arch": self.args.arch,
                 "num_classes": len(self.data.classes), "classes": list(self.data.classes), "seed": self.seed,
                 "state_dict": checkpoint.unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "train_totals": train_totals,
-                "rng_states": rng_states, "world_size": self.runtime.world_size, "args": dict(vars(self.args))}
+                "rng_states": rng_states, "world_size": self.runtime.world_size, "args": dict(vars(self.args)),
+                "bad_images": bad_images}
 
     def save(self, epoch, step_in_epoch=0, train_totals=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete).
         A collective: every rank calls it; the writer rank(s) write."""
         rng_states = distributed.all_gather_object(rng_state(self.runtime.device))
+        bad_images = self.bad_images.sync()
         if self.runtime.writes_checkpoints(self.args.save_on):
-            state = self._state(epoch, step_in_epoch, train_totals, rng_states)
+            state = self._state(epoch, step_in_epoch, train_totals, rng_states, bad_images)
             checkpoint.save_checkpoint(state, self.args.output_dir, is_best)
+            self.log.write_bad_images(bad_images)
+        return bad_images
 
     def _after_step(self, epoch, steps_done, metrics):
         """Between two steps: a checkpoint every --checkpoint-interval steps, and the clean stop
@@ -202,17 +212,19 @@ class Trainer:
             val = evaluate(eval_model, self.criterion, self.val_batches, runtime.device, args, log.print)
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
-            self.save(epoch + 1, is_best=is_best)
+            bad_images = self.save(epoch + 1, is_best=is_best)
             log.log_epoch({"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch_start)),
                            "seconds": round(time.time() - epoch_start, 3), "lr": lr,
                            "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"],
-                           "images_per_second": round(train["images_per_second"], 1)})
+                           "images_per_second": round(train["images_per_second"], 1),
+                           "bad_images": len(bad_images)})
         summary = {"mode": runtime.mode, "arch": args.arch, "epochs": args.epochs, "world_size": runtime.world_size,
                    "devices_per_process": runtime.num_devices, "device": str(runtime.device),
                    "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
                    "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
-                   "wall_seconds": round(time.time() - wall_start, 2), "torch": torch.__version__}
+                   "wall_seconds": round(time.time() - wall_start, 2), "torch": torch.__version__,
+                   "bad_images": len(self.bad_images.found)}
         log.finish(summary)
         log.print(f"done: best acc@1 {self.best_acc1:.2f}, final acc@1 {val['acc1']:.2f} "
                   f"in {summary['wall_seconds']:.0f} s; outputs in {args.output_dir}")

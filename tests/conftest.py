@@ -1,8 +1,13 @@
 """Shared helpers: tiny datasets on disk and real processes started the way a user starts them."""
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -70,3 +75,73 @@ def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
 def assert_ok(result):
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout
+
+
+def processes_marked(marker):
+    """Live processes whose environment holds JOB_MARKER=marker: a job and every descendant (torchrun's
+    workers, spawn's children, loader workers), whatever session or process group they moved to."""
+    needle = f"JOB_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+class Job:
+    """A launched job whose output is read line by line as it comes. It runs in a session of its own,
+    marked in its environment; finish() waits for it, then kills whatever of it is left."""
+
+    def __init__(self, command, env=None, **popen):
+        self.marker = uuid.uuid4().hex
+        env = dict(env or clean_env(), JOB_MARKER=self.marker)
+        self.process = subprocess.Popen([str(arg) for arg in command], cwd=REPO, env=env, start_new_session=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        self.lines, self.output = queue.Queue(), []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern, timeout=120):
+        """The first line (from now on) that matches `pattern`; the job is killed if none comes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=deadline - time.monotonic())
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if pattern.search(line):
+                return line
+        self.kill()
+        raise AssertionError(f"no line matching {pattern.pattern!r}:\n{''.join(self.output)[-3000:]}")
+
+    def leftovers(self):
+        return processes_marked(self.marker)
+
+    def kill(self):
+        for pid in [self.process.pid, *self.leftovers()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+
+    def finish(self, timeout=300):
+        """(returncode, output) once the job ended by itself within `timeout` s (else it is killed and
+        subprocess.TimeoutExpired raised)."""
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            self.kill()
+        time.sleep(0.1)  # let the reader take the last lines
+        return self.process.returncode, "".join(self.output)

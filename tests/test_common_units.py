@@ -15,8 +15,8 @@ from PIL import Image
 from common import args as cli
 from common import checkpoint
 from common.args import UsageError
-from common.data import (DeviceLoader, EvalPreset, ShardSampler, SeededTransform, TrainPreset, build_data,
-                         check_image_folder, load_image)
+from common.data import DeviceLoader, EvalPreset, ShardSampler, SeededTransform, TrainPreset, build_data, load_image
+from common.folder_index import scan_image_folder
 from common.meters import AverageMeter, MetricSums, ProgressMeter, accuracy, correct_counts
 from common.models import build_model
 from common.schedule import LrFactor, build_scheduler
@@ -433,38 +433,54 @@ def folder(tiny_data, tmp_path):
     return shutil.copytree(tiny_data, tmp_path / "data")
 
 
-def test_check_image_folder_returns_the_sorted_classes(tiny_data):
-    assert check_image_folder(tiny_data) == ["circle", "ring", "square"]
+def test_scan_image_folder_returns_the_sorted_classes(tiny_data):
+    assert scan_image_folder(tiny_data).classes == ["circle", "ring", "square"]
 
 
-def test_check_image_folder_of_a_missing_dir_says_so(tmp_path):
+def test_scan_image_folder_lists_the_samples_of_torchvisions_image_folder_in_its_order(folder):
+    train = folder / "train"
+    (train / "ring" / "nested" / "deeper").mkdir(parents=True)
+    for path in ("ring/nested/b.jpg", "ring/nested/deeper/a.JPEG", "ring/nested-x.png", "square/UPPER.JPG",
+                 "square/notes.txt", "circle/-first.jpg"):
+        shutil.copy(next((train / "circle").glob("0*.jpg")), train / path)
+    (train / "square" / "a-dir.jpg").mkdir()  # a folder with an image's name is no image
+    (train / "square" / "a-dir.jpg" / "z.jpg").write_bytes((train / "square" / "UPPER.JPG").read_bytes())
+    (train / "circle" / "linked").symlink_to(train / "ring" / "nested", target_is_directory=True)
+    scan = scan_image_folder(folder)
+    for split, index in (("train", scan.train), ("val", scan.val)):
+        expected = torchvision.datasets.ImageFolder(folder / split)
+        assert scan.classes == expected.classes
+        assert [index[i] for i in range(len(index))] == expected.samples
+
+
+def test_scan_image_folder_of_a_missing_dir_says_so(tmp_path):
     with pytest.raises(UsageError, match="no such directory"):
-        check_image_folder(tmp_path / "missing")
+        scan_image_folder(tmp_path / "missing")
 
 
-def test_check_image_folder_without_val_says_so(folder):
+def test_scan_image_folder_without_val_says_so(folder):
     shutil.rmtree(folder / "val")
     with pytest.raises(UsageError, match=r"has no val/ folder"):
-        check_image_folder(folder)
+        scan_image_folder(folder)
 
 
-def test_check_image_folder_with_an_empty_class_folder_names_it(folder):
+def test_scan_image_folder_with_an_empty_class_folder_names_it(folder):
     (folder / "train" / "zebra").mkdir()
     with pytest.raises(UsageError, match=r"zebra in .*train hold no images"):
-        check_image_folder(folder)
+        scan_image_folder(folder)
 
 
-def test_check_image_folder_with_no_class_folders_says_so(folder):
+def test_scan_image_folder_with_no_class_folders_says_so(folder):
     shutil.rmtree(folder / "val")
     (folder / "val").mkdir()
     with pytest.raises(UsageError, match="has no class folders"):
-        check_image_folder(folder)
+        scan_image_folder(folder)
 
 
-def test_check_image_folder_with_different_classes_names_them(folder):
+def test_scan_image_folder_with_different_classes_names_them(folder):
     (folder / "val" / "ring").rename(folder / "val" / "donut")
     with pytest.raises(UsageError, match=r"different classes \(only in train: ring; only in val: donut\)"):
-        check_image_folder(folder)
+        scan_image_folder(folder)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -477,7 +493,7 @@ def test_shard_sampler_covers_every_index_exactly_once(world_size):
 def seeded_dataset(seed=0):
     # Every pixel different, so that any two different crops or flips give different images.
     pattern = (torch.arange(3 * 40 * 40) * 7919 % 251).to(torch.uint8).view(3, 40, 40)
-    images = [(pattern.roll(i, dims=2), i) for i in range(4)]
+    images = [(pattern.roll(i, dims=2), i, []) for i in range(4)]
     return SeededTransform(images, TrainPreset(16, min_scale=0.1), seed)
 
 
@@ -516,7 +532,7 @@ def test_train_preset_crops_inside_the_image_and_returns_the_crop_size():
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_device_loader_normalises_uint8_batches_on_the_device(channels_last):
     images = torch.randint(0, 256, (2, 3, 5, 5), dtype=torch.uint8)
-    loader = DeviceLoader([(images, torch.tensor([1, 2]))], torch.device("cpu"), channels_last)
+    loader = DeviceLoader([(images, torch.tensor([1, 2]), [])], torch.device("cpu"), channels_last)
     (batch, target), = list(loader)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
@@ -528,7 +544,7 @@ def test_device_loader_normalises_uint8_batches_on_the_device(channels_last):
 def test_seeded_transform_is_a_function_of_seed_epoch_and_index():
     first, again = seeded_dataset(), seeded_dataset()
     torch.manual_seed(123)  # the global RNG state must not matter...
-    image, label = first[2]
+    image, label, _ = first[2]
     torch.manual_seed(456)
     assert torch.equal(image, again[2][0]) and label == 2
     first.set_epoch(1)
@@ -548,7 +564,7 @@ def test_seeded_transform_leaves_the_global_rng_alone():
 def first_batch(args, rank, world_size, batch):
     data = build_data(args, seed=5, rank=rank, world_size=world_size, per_process_batch=batch, gpu=False)
     data.train_sampler.set_epoch(0)
-    images, labels = next(iter(data.train_loader))
+    images, labels, _ = next(iter(data.train_loader))
     return {(int(label), image.numpy().tobytes()) for image, label in zip(images, labels)}, data
 
 

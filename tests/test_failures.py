@@ -3,19 +3,16 @@ from its last checkpoint and ends bitwise equal to a run that was never interrup
 elastic restart brings a killed worker back; a stalled rank fails the job; a damaged or unwritable
 checkpoint costs nothing already saved."""
 import os
-import queue
 import re
 import resource
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, assert_ok, clean_env, free_port, make_image_folder, run_script, torchrun
+from conftest import PYTHON, REPO, Job as Watched, assert_ok, free_port, make_image_folder, run_script, torchrun
 
 # mobilenet_v3_small keeps learning here and has dropout: resuming must restore the RNG for the
 # weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every 5 steps.
@@ -38,43 +35,6 @@ def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
-class Watched:
-    """A process whose output is read line by line as it comes."""
-
-    def __init__(self, command, env=None, **popen):
-        self.process = subprocess.Popen([str(arg) for arg in command], cwd=REPO, env=env or clean_env(),
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-        self.lines, self.output = queue.Queue(), []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, pattern, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=deadline - time.monotonic())
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if pattern.search(line):
-                return line
-        raise AssertionError(f"no line matching {pattern.pattern!r}:\n{''.join(self.output)[-3000:]}")
-
-    def finish(self, timeout=300):
-        try:
-            self.process.wait(timeout=timeout)
-        finally:
-            self.process.kill()
-        time.sleep(0.1)  # let the reader take the last lines
-        return self.process.returncode, "".join(self.output)
 
 
 def workers_of(launcher_pid):
@@ -255,3 +215,23 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_and_exit_2(data, tmp_p
     assert result.returncode == 2, result.stdout
     errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write to --output-dir" in errors[0] and "Traceback" not in result.stdout
+
+
+def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(data, tmp_path):
+    common = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32",
+              "--val-crop-size", "32", "-j", "0", "-b", "8", "--epochs", "1", "--data", data, "--output-dir", tmp_path]
+    assert_ok(run_script("train_dp.py", *common))
+    files = {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
+    result = run_script("train_dp.py", *common)
+    assert result.returncode == 2, result.stdout
+    assert result.stdout.strip().splitlines() == [
+        f"error: {tmp_path} holds a run at epoch 1 step 0: continue it with --resume auto, or start over with "
+        "--overwrite (its checkpoints are deleted) or another --output-dir"]
+    assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == files
+    # --overwrite starts afresh: nothing of the first run is left to pass for the new one's.
+    (tmp_path / "bad_images.txt").write_text("left by the first run\n")
+    assert_ok(run_script("train_dp.py", *common, "--overwrite"))
+    assert [row.split(",")[0] for row in (tmp_path / "log.csv").read_text().splitlines()] == ["epoch", "0"]
+    assert not (tmp_path / "bad_images.txt").exists()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert (tmp_path / "checkpoint.pth").stat().st_mtime_ns > files["checkpoint.pth"]

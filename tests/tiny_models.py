@@ -1,4 +1,5 @@
 """Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -10,3 +11,22 @@ def TinyNet(num_classes, dropout=0.0):
         return [nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
     return nn.Sequential(*block(3, 16), *block(16, 32), *block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Dropout(dropout), nn.Linear(64, num_classes))
+
+
+class _FailsAtStep(nn.Module):
+    def __init__(self, model, step):
+        super().__init__()
+        self.model, self.step, self.calls = model, step, 0
+
+    def forward(self, images):
+        self.calls += self.training
+        last_rank = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        if self.calls == self.step and last_rank:
+            raise RuntimeError(f"FailingNet: the failure this test model makes at training step {self.step}")
+        return self.model(images)
+
+
+def FailingNet(num_classes, dropout=0.0):
+    """TinyNet that raises in its third training forward, in the last rank only (the others wait
+    for it in a collective): an error of a training process itself, while its loader workers run."""
+    return _FailsAtStep(TinyNet(num_classes, dropout), step=3)

@@ -1,0 +1,84 @@
+"""Files that cannot be decoded: skipped and reported, or (--strict-data) the end of the run.
+
+A large data set on a shared file system nearly always holds a few broken files (truncated
+copies, empty files, a disk error). By default such a file is skipped: in training another
+image takes its place, so every batch keeps its size and every rank its number of steps; in
+validation it is left out, so no other image is counted twice. Each process warns once per
+file, and at each checkpoint the ranks pool what they found: the writer rank lists the files
+in OUTPUT/bad_images.txt and log.csv / summary.json carry their number.
+"""
+import re
+
+from torch.utils.data import Dataset
+
+from . import distributed
+from .args import UsageError
+
+MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
+
+
+class UnreadableImage(UsageError):
+    """--strict-data met a file that cannot be decoded."""
+
+    def __init__(self, message):
+        # A DataLoader worker's error arrives in the main process as "Caught ... Original Traceback
+        # ...: <message>": keep the one line that says what happened.
+        super().__init__(message.strip().splitlines()[-1].split("UnreadableImage: ", 1)[-1])
+
+
+def describe(error):
+    """The decoder's reason, on one line and without PIL's file-object repr."""
+    reason = re.sub(r" ?<_io\.\w+ name=[^>]*>", "", " ".join(str(error).split()))
+    return (reason or type(error).__name__)[:200]
+
+
+class SkipUnreadable(Dataset):
+    """(image, label, bad) for each (path, label) of `samples`, where `bad` lists the (path, reason) of
+    the files that could not be loaded on the way. replace=True (training): the next readable file
+    takes a bad one's place; replace=False (validation): image is None. strict=True: raise instead."""
+
+    def __init__(self, samples, loader, replace, strict):
+        self.samples, self.loader, self.replace, self.strict = samples, loader, replace, strict
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        bad = []
+        for attempt in range(MAX_IN_A_ROW):
+            path, label = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                return self.loader(path), label, bad
+            except MemoryError:
+                raise
+            except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
+                if self.strict:
+                    raise UnreadableImage(f"cannot decode {path} ({describe(error)}); without --strict-data "
+                                          "such files are skipped and listed in bad_images.txt") from None
+                bad.append((path, describe(error)))
+                if not self.replace:
+                    return None, label, bad
+        raise UnreadableImage(f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {bad[0][0]} on "
+                              f"({bad[0][1]}): is the data set readable?")
+
+
+class BadImageLog:
+    """What this process skipped; a warning line the first time each file is met."""
+
+    def __init__(self, rank, world_size, known=()):
+        self.prefix = f"rank {rank}: " if world_size > 1 else ""
+        self.found = {}   # path -> reason, of every rank as of the last sync, and of this one since
+        self.found.update(dict(known))
+
+    def report(self, bad):
+        for path, reason in bad:
+            if path not in self.found:
+                self.found[path] = reason
+                print(f"warning: {self.prefix}skipped {path}: cannot decode it ({reason})", flush=True)
+
+    def sync(self):
+        """Pool every rank's findings (a collective: all ranks call it at the same point). Returns
+        the sorted [path, reason] pairs of the whole run."""
+        for found in distributed.all_gather_object(self.found):
+            self.found.update(found)
+        return sorted([path, reason] for path, reason in self.found.items())

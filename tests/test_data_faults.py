@@ -1,0 +1,227 @@
+"""Broken data and the faults it brings, with real files, processes and signals: an undecodable
+image is skipped and reported (or, with --strict-data, ends the run in one line); and no fault
+leaves a process hanging: an error while loader workers run, a loader worker killed, a stop
+signal while the main process waits for data that never comes (a FIFO named like a JPEG, as a
+hung network file system). Every job is checked to have ended with all its processes."""
+import io
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from common.bad_images import SkipUnreadable, UnreadableImage
+from common.data import Collate, load_image
+from conftest import PYTHON, REPO, Job, free_port, make_image_folder
+
+RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
+       "-p", "1", "--seed", "0"]
+PREEMPTED = 75
+
+
+def launch(mode, *args):
+    """The command that starts `mode` with 2 processes (dp: one), as a user types it."""
+    if mode == "dp":
+        return [PYTHON, REPO / "train_dp.py", *args]
+    if mode == "ddp":
+        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *args]
+    return [PYTHON, REPO / "train_spawn.py", "--nproc-per-node", "2", "--master-port", free_port(), *args]
+
+
+def finish(job, timeout=120):
+    """Wait for the job; it must end by itself, and leave no process behind."""
+    returncode, output = job.finish(timeout=timeout)
+    assert not job.leftovers(), output[-3000:]
+    return returncode, output
+
+
+def no_traceback_of_ours(output):
+    """No traceback through this repository's code (torchrun prints its own on a failed job)."""
+    return not re.search(rf'File "{re.escape(str(REPO))}/(?!\.venv/)', output)
+
+
+def jpeg_bytes(mode="RGB", fmt="JPEG", size=(40, 40), color=(200, 30, 30)):
+    buffer = io.BytesIO()
+    Image.new(mode, size, {"L": 128, "I;16": 40000}.get(mode, color[: len(mode)])).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """The tiny shapes set, plus in train/ a truncated JPEG and an empty .jpg, in val/ random bytes
+    named .jpg, and valid files in odd forms: CMYK and grayscale JPEG, PNG content under a .jpg
+    name, RGBA PNG, 16-bit grayscale PNG."""
+    root = make_image_folder(tmp_path_factory.mktemp("faulty"), train_per_class=8, val_per_class=4)
+    whole = next((root / "train" / "circle").iterdir()).read_bytes()
+    bad = {root / "train" / "circle" / "truncated.jpg": whole[: len(whole) // 3],
+           root / "train" / "square" / "empty.jpg": b"",
+           root / "val" / "ring" / "garbage.jpg": os.urandom(2000)}
+    odd = {root / "train" / "ring" / "cmyk.jpg": jpeg_bytes("CMYK", color=(0, 200, 200, 0)),
+           root / "train" / "ring" / "gray.jpg": jpeg_bytes("L"),
+           root / "train" / "square" / "png-inside.jpg": jpeg_bytes(fmt="PNG"),
+           root / "train" / "circle" / "rgba.png": jpeg_bytes("RGBA", fmt="PNG", color=(0, 0, 255, 100)),
+           root / "train" / "circle" / "gray16.png": jpeg_bytes("I;16", fmt="PNG")}
+    for path, content in {**bad, **odd}.items():
+        path.write_bytes(content)
+    return root, sorted(str(path) for path in bad), sorted(str(path) for path in odd)
+
+
+# ----------------------------------------------------------------------------- skipped and reported
+
+def test_odd_but_valid_files_load_as_rgb(faulty):
+    _, _, odd = faulty
+    for path in odd:
+        image = load_image(path)
+        assert image.dtype == torch.uint8 and image.shape == (3, 40, 40), path
+
+
+def test_a_bad_file_is_replaced_and_the_batch_keeps_its_size_in_training_and_left_out_in_validation(faulty):
+    root, bad, _ = faulty
+    samples = [(bad[0], 0), (str(next((root / "train" / "ring").glob("0*.jpg"))), 1), (bad[1], 2)]
+    train = SkipUnreadable(samples, load_image, replace=True, strict=False)
+    images, target, found = Collate(normalise=False)([train[0], train[1], train[2]])
+    assert images.shape[0] == 3 and target.tolist() == [1, 1, 1]  # the readable file took both places
+    assert sorted({path for path, _ in found}) == sorted(bad[:2])
+    val = SkipUnreadable(samples, load_image, replace=False, strict=False)
+    images, target, found = Collate(normalise=True)([val[0], val[1], val[2]])
+    assert images.shape[0] == 1 and images.dtype == torch.float32 and target.tolist() == [1]
+    assert Collate(normalise=True)([val[0]])[:2] == (None, None)
+    with pytest.raises(UnreadableImage, match=re.escape(bad[0])):
+        SkipUnreadable(samples, load_image, replace=True, strict=True)[0]
+
+
+def test_undecodable_images_are_skipped_warned_once_listed_and_counted(faulty, tmp_path):
+    root, bad, _ = faulty
+    job = Job(launch("dp", *RUN, "--data", root, "-b", "8", "-j", "2", "--epochs", "2", "--output-dir", tmp_path))
+    returncode, output = finish(job)
+    assert returncode == 0, output[-3000:]
+    warned = re.findall(r"^warning: skipped (\S+): cannot decode it \(.+\)$", output, re.MULTILINE)
+    assert sorted(warned) == bad, output  # once each, in two epochs
+    listed = (tmp_path / "bad_images.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in listed] == bad
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0].endswith(",bad_images") and [row.rsplit(",", 1)[1] for row in rows[1:]] == ["3", "3"]
+    assert json.loads((tmp_path / "summary.json").read_text())["bad_images"] == 3
+    assert re.findall(r"\((\d+) images\)", output) == ["12", "12"]  # 13 files in val/, one unreadable
+    assert "Traceback" not in output
+
+
+def test_ddp_ranks_pool_the_files_they_skipped(faulty, tmp_path):
+    root, bad, _ = faulty
+    job = Job(launch("ddp", *RUN, "--data", root, "-b", "8", "-j", "1", "--epochs", "1", "--output-dir", tmp_path))
+    returncode, output = finish(job)
+    assert returncode == 0, output[-3000:]
+    assert sorted(set(re.findall(r"warning: rank [01]: skipped (\S+): cannot decode it", output))) == bad
+    assert [line.split("\t")[0] for line in (tmp_path / "bad_images.txt").read_text().splitlines()] == bad
+    assert json.loads((tmp_path / "summary.json").read_text())["bad_images"] == 3
+    assert re.findall(r"\((\d+) images\)", output) == ["12"]
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
+def test_strict_data_ends_the_run_at_the_first_bad_file_in_one_line(faulty, tmp_path, mode):
+    root, bad, _ = faulty
+    job = Job(launch(mode, *RUN, "--data", root, "-b", "8", "-j", "1", "--strict-data", "--output-dir", tmp_path))
+    returncode, output = finish(job)
+    assert returncode != 0
+    named = re.findall(r"^error: (?:rank \d: )?cannot decode (\S+) \(.*\); without --strict-data", output, re.MULTILINE)
+    assert named and set(named) <= set(bad), output[-3000:]
+    # Every other error line is a rank that lost its peer to it, saying so in one line.
+    others = [line for line in output.splitlines() if line.startswith("error:") and "cannot decode" not in line]
+    assert all(re.match(r"error: (rank \d: )?another process of this job ended", line) for line in others), others
+    assert no_traceback_of_ours(output), output[-3000:]
+
+
+# ----------------------------------------------------------------------------- no fault hangs
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
+def test_an_error_in_training_ends_the_run_and_its_loader_workers(tiny_data, tmp_path, mode):
+    job = Job(launch(mode, *RUN, "--data", tiny_data, "-b", "4", "-j", "2", "-a", "tests.tiny_models:FailingNet",
+                     "--output-dir", tmp_path))
+    returncode, output = finish(job)
+    assert returncode != 0 and "the failure this test model makes at training step 3" in output, output[-3000:]
+
+
+def loader_workers(job):
+    """The job's DataLoader workers: forked, so they run their parent's command line."""
+    def cmdline(pid):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    workers = []
+    for pid in job.leftovers():
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent in job.leftovers() and cmdline(parent) == cmdline(pid):
+                workers.append(pid)
+        except OSError:
+            continue
+    return workers
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
+def test_a_loader_worker_killed_ends_the_run(tmp_path, mode):
+    data = make_image_folder(tmp_path / "data", train_per_class=60, val_per_class=2)
+    job = Job(launch(mode, *RUN, "--data", data, "-b", "4", "-j", "2", "--output-dir", tmp_path / "out"))
+    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"))
+    workers = loader_workers(job)
+    assert len(workers) == (2 if mode == "dp" else 4), workers
+    os.kill(workers[0], signal.SIGKILL)
+    returncode, output = finish(job)
+    assert returncode != 0
+    # As the kernel's OOM killer would: the loader reports the dead worker (or its broken queue, if it died
+    # while sending a batch).
+    assert re.search(r"DataLoader worker \(pids?\(?s?\)? ?[\d, ]+\)? (is killed by signal|exited unexpectedly)"
+                     r"|ConnectionResetError", output), output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def hung_data(tmp_path_factory):
+    """Training files that block whoever opens them (FIFOs named .jpg: a hung network file system)."""
+    root = make_image_folder(tmp_path_factory.mktemp("hung"), train_per_class=1, val_per_class=1)
+    for index, folder in enumerate(sorted((root / "train").iterdir())):
+        for path in folder.iterdir():
+            path.unlink()
+        for number in range(2):
+            os.mkfifo(folder / f"blocks{index}{number}.jpg")
+    return root
+
+
+def start_blocked(mode, data, tmp_path):
+    job = Job(launch(mode, *RUN, "--data", data, "-b", "2", "-j", "1", "--output-dir", tmp_path))
+    job.wait_for(re.compile(r"^output: "))  # printed just before the first batch is asked for
+    time.sleep(3)
+    return job
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
+def test_sigterm_while_waiting_for_data_that_never_comes_ends_the_run(hung_data, tmp_path, mode):
+    job = start_blocked(mode, hung_data, tmp_path)
+    job.process.send_signal(signal.SIGTERM)
+    returncode, output = finish(job)
+    assert "stopped on SIGTERM after waiting 10 s for data: no checkpoint of this step" in output, output[-3000:]
+    assert returncode == PREEMPTED if mode != "ddp" else returncode != 0  # torchrun: its own code
+    assert no_traceback_of_ours(output), output[-3000:]
+
+
+def test_a_second_sigterm_stops_at_once(hung_data, tmp_path):
+    job = start_blocked("dp", hung_data, tmp_path)
+    job.process.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    job.process.send_signal(signal.SIGTERM)
+    returncode, output = finish(job)
+    assert returncode == PREEMPTED
+    assert "stopped at once on a second SIGTERM: no checkpoint of this step" in output, output[-3000:]
+    assert "after waiting" not in output
+
+
+@pytest.mark.parametrize("mode", ["dp", "spawn"])
+def test_sigint_while_waiting_for_data_stops_at_once(hung_data, tmp_path, mode):
+    job = start_blocked(mode, hung_data, tmp_path)
+    job.process.send_signal(signal.SIGINT)
+    returncode, output = finish(job)
+    assert returncode == 130, output[-3000:]
+    assert no_traceback_of_ours(output), output[-3000:]
