@@ -15,8 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from common.args import build_parser, parse_args
 from common.bad_images import SkipUnreadable, UnreadableImage
-from common.data import Collate, load_image
+from common.data import Collate, build_data, load_image
 from conftest import PYTHON, REPO, Job, free_port, make_image_folder
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
@@ -94,6 +95,18 @@ def test_a_bad_file_is_replaced_and_the_batch_keeps_its_size_in_training_and_lef
     assert Collate(normalise=True)([val[0]])[:2] == (None, None)
     with pytest.raises(UnreadableImage, match=re.escape(bad[0])):
         SkipUnreadable(samples, load_image, replace=True, strict=True)[0]
+
+
+def test_the_training_loader_fills_every_batch_and_the_validation_loader_leaves_bad_files_out(faulty):
+    root, bad, _ = faulty
+    args = parse_args(build_parser("test"), ["--data", str(root), *RUN, "-j", "0"])
+    data = build_data(args, seed=0, rank=0, world_size=1, per_process_batch=8, gpu=False)
+    data.train_sampler.set_epoch(0)
+    train = list(data.train_loader)
+    assert sum(len(target) for _, target, _ in train) == len(data.train_loader.dataset)  # every slot filled
+    val = list(data.val_loader)
+    assert sum(len(target) for _, target, _ in val if target is not None) == len(data.val_loader.dataset) - 1
+    assert sorted({path for *_, found in train + val for path, _ in found}) == bad
 
 
 def test_undecodable_images_are_skipped_warned_once_listed_and_counted(faulty, tmp_path):
