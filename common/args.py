@@ -25,7 +25,13 @@ def run_main(main, parse_args):
     """main(parse_args()) with a UsageError turned into one line on stderr and exit code 2; the
     process never outlives its DataLoader workers, nor waits for them, whatever happened."""
     try:
-        main(parse_args())
+        try:
+            main(parse_args())
+        finally:
+            # Now, while an error still holds the data loaders: once it is handled they shut down,
+            # waiting 5 s for each worker stuck in a read.
+            from .preemption import before_exit
+            before_exit()
         return 0
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -42,9 +48,6 @@ def run_main(main, parse_args):
             raise  # a bug: its traceback is the report
         print(line, file=sys.stderr, flush=True)
         return 1
-    finally:
-        from .preemption import before_exit
-        before_exit()
 
 
 def known_failure(error):
