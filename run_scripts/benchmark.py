@@ -3,6 +3,7 @@
     python run_scripts/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
     python run_scripts/benchmark.py --quick              # fewer images, for a smoke test
     python run_scripts/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
+    python run_scripts/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
 
 a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (generated,
    500x375, when --jpeg-dir is not given): ours (torchvision.io decode, uint8 crop/flip, uint8
@@ -13,12 +14,15 @@ b. Training images/s of train_dp.py, train_ddp.py (torchrun) and train_spawn.py 
    (classic pipeline, a .item() per step) on the same model and data.
 c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channels_last
    (+ torch.compile): images/s and peak memory.
+--resize-compare: images/s of ONE loader worker (our pipeline) on the JPEGs as they are and on copies
+   made by prepare_imagenet.py's --resize 256 / 160, with their average size and the cost of making them.
 """
 import argparse
 import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -154,6 +158,58 @@ def classic_loop_rate(jpeg_dir, batch, crop, workers, images, arch):
     return seen / (time.perf_counter() - start)
 
 
+def resize_compare(jpeg_dir, images, batch=64):
+    """One loader worker's images/s (load_image + TrainPreset) on the original JPEGs and on copies
+    resized by prepare_imagenet.py (its own resize_jpeg), as markdown. Rates are per CPU-second of
+    the process doing the work, so other load on the machine does not skew them."""
+    import resource
+    from PIL import Image
+    from torch.utils.data import DataLoader, Dataset
+    sys.path.insert(0, str(REPO / "run_scripts"))
+    from prepare_imagenet import resize_jpeg
+
+    originals = sorted(path for path in Path(jpeg_dir, "train").rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))
+    sets, making = {"original": originals}, {}
+    workdir = Path(tempfile.mkdtemp(prefix="bench-resized-"))
+    for size in (256, 160):
+        start, sets[f"--resize {size}"] = time.process_time(), []
+        for index, path in enumerate(originals):
+            sets[f"--resize {size}"].append(workdir / f"{size}-{index:06d}.jpg")
+            sets[f"--resize {size}"][-1].write_bytes(resize_jpeg(path.read_bytes(), size, quality=90))
+        making[f"--resize {size}"] = len(originals) / (time.process_time() - start)
+
+    class Crops(Dataset):
+        def __init__(self, paths, crop):
+            self.paths, self.preset = (paths * math.ceil(images / len(paths)))[:images], TrainPreset(crop)
+
+        def __len__(self):
+            return len(self.paths)
+
+        def __getitem__(self, index):
+            return self.preset(load_image(str(self.paths[index])), random.Random(index)), 0
+
+    def worker_rate(paths, crop):
+        def cpu_of_children():  # the loader's worker counts once the loader has joined it
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return usage.ru_utime + usage.ru_stime
+        before = cpu_of_children()
+        count = sum(len(target) for _, target in DataLoader(Crops(paths, crop), batch_size=batch, num_workers=1))
+        return count / (cpu_of_children() - before)
+
+    print("| images | crop | average file | average shorter side | images/s per worker | vs original "
+          "| made at (images/s, 1 process) |\n|---|---:|---:|---:|---:|---:|---:|")
+    original = {}
+    for name, crop in [("original", 224), ("--resize 256", 224), ("original", 160), ("--resize 160", 160)]:
+        rate = worker_rate(sets[name], crop)
+        original.setdefault(crop, rate)
+        kilobytes = sum(path.stat().st_size for path in sets[name]) / len(sets[name]) / 1024
+        side = sum(min(Image.open(path).size) for path in sets[name]) / len(sets[name])
+        made = f"{making[name]:.0f}" if name in making else "-"
+        print(f"| {name} | {crop} | {kilobytes:.0f} KB | {side:.0f} | {rate:.0f} | {rate / original[crop]:.2f}x "
+              f"| {made} |", flush=True)
+    shutil.rmtree(workdir)
+
+
 def gpu_rows(steps):
     """ResNet-50 at 224 px, synthetic data, on the first GPU."""
     from torchvision import models
@@ -197,6 +253,8 @@ def main():
     parser.add_argument("--crop", type=int, default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
     parser.add_argument("--batches", default="32,128", help="two global batch sizes (%(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="loader workers per process (%(default)s)")
+    parser.add_argument("--resize-compare", action="store_true",
+                        help="only the table of original vs prepare_imagenet.py --resize JPEGs")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     crop = args.crop or (224 if gpu else 112)
@@ -209,6 +267,11 @@ def main():
           + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ", no GPU"))
     sizes = [path.stat().st_size for path in (jpeg_dir / "train").rglob("*.jpg")]
     print(f"jpegs: {jpeg_dir} ({len(sizes)} train images, {sum(sizes) / len(sizes) / 1024:.0f} KB on average)\n")
+
+    if args.resize_compare:
+        print("original vs prepare_imagenet.py --resize, one DataLoader worker, our pipeline\n")
+        resize_compare(jpeg_dir, pipeline_images)
+        return
 
     print("a. input pipeline, one DataLoader worker, 224 px crops\n")
     print("| pipeline | images/s per worker | vs classic |\n|---|---:|---:|")

@@ -1,0 +1,326 @@
+"""run_scripts/prepare_imagenet.py on a miniature ImageNet: the official archives (real per-class
+tars, a real meta.mat, the ground-truth file) and Kaggle's extracted layout, with the odd files the
+real set has (CMYK, grayscale, a PNG named .JPEG)."""
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import PYTHON, REPO, assert_ok, clean_env, run
+from common.data import load_image
+
+scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
+
+SCRIPT = REPO / "run_scripts" / "prepare_imagenet.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import prepare_imagenet  # noqa: E402
+
+# wnid: (ILSVRC2012_ID, words) of four real leaf classes.
+CLASSES = {"n01440764": (1, "tench, Tinca tinca"), "n01443537": (2, "goldfish, Carassius auratus"),
+           "n01484850": (3, "great white shark, white shark, man-eater, Carcharodon carcharias"),
+           "n01491361": (4, "tiger shark, Galeocerdo cuvieri")}
+TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 2
+TEMPORARY = re.compile(r"^\..*\.tmp-\d+$")
+
+
+def encode(size, seed, mode="RGB", fmt="JPEG"):
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    image = Image.fromarray(pixels).resize(size).convert(mode)
+    output = io.BytesIO()
+    image.save(output, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return output.getvalue()
+
+
+def miniature_images(broken=False):
+    """{"train/<wnid>/<name>" or "val/<wnid>/<name>": bytes}: JPEGs of 30-80 px, a CMYK JPEG, a
+    grayscale JPEG and an RGBA PNG named .JPEG (and, with `broken`, a file no decoder reads)."""
+    images = {}
+    for label, wnid in enumerate(CLASSES):
+        for index in range(TRAIN_PER_CLASS):
+            size = (40 + 9 * index, 80 - 7 * index - 3 * label)
+            images[f"train/{wnid}/{wnid}_{100 + index}.JPEG"] = encode(size, seed=label * 100 + index)
+        for index in range(VAL_PER_CLASS):
+            number = 1 + index * len(CLASSES) + (label * 3) % len(CLASSES)  # the classes interleave in val
+            images[f"val/{wnid}/ILSVRC2012_val_{number:08d}.JPEG"] = encode((56, 42), seed=1000 + number)
+    images["train/n01440764/n01440764_100.JPEG"] = encode((64, 48), 1, mode="CMYK")
+    images["train/n01443537/n01443537_100.JPEG"] = encode((50, 70), 2, mode="L")
+    images["val/n01491361/ILSVRC2012_val_00000002.JPEG"] = encode((48, 60), 3, mode="RGBA", fmt="PNG")
+    images["train/n01491361/n01491361_101.JPEG"] = encode((50, 30), 4)  # shorter side under 32: kept
+    if broken:
+        images["train/n01484850/n01484850_999.JPEG"] = b"\xff\xd8\xff\xe0 not really a JPEG"
+    return images
+
+
+def tar_bytes(files, gzip=False):
+    output = io.BytesIO()
+    with tarfile.open(fileobj=output, mode="w:gz" if gzip else "w") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return output.getvalue()
+
+
+def write_meta_mat(path):
+    """meta.mat as in the devkit: a `synsets` struct array, leaves first, then a non-leaf
+    (num_children != 0) that torchvision's parser drops."""
+    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
+              "num_train_images"]
+    rows = [(ident, wnid, words, "a fish", 0, np.zeros(0), 0, TRAIN_PER_CLASS)
+            for wnid, (ident, words) in CLASSES.items()]
+    rows.append((1001, "n01439121", "cyprinid", "a family of fish", 2, np.array([1, 2]), 1, 0))
+    synsets = np.array(rows, dtype=[(field, object) for field in fields])
+    scipy_io.savemat(path, {"synsets": synsets})
+
+
+def make_archives(root, images):
+    """The three official archives of `images`, in root."""
+    root.mkdir(parents=True)
+    class_tars = {f"{wnid}.tar": tar_bytes({Path(name).name: data for name, data in images.items()
+                                            if name.startswith(f"train/{wnid}/")}) for wnid in CLASSES}
+    (root / "ILSVRC2012_img_train.tar").write_bytes(tar_bytes(class_tars))
+    val = {Path(name).name: data for name, data in images.items() if name.startswith("val/")}
+    (root / "ILSVRC2012_img_val.tar").write_bytes(tar_bytes(dict(sorted(val.items()))))  # flat, in name order
+    truth = {Path(name).name: CLASSES[name.split("/")[1]][0] for name in images if name.startswith("val/")}
+    meta = root / "meta.mat"
+    write_meta_mat(meta)
+    (root / "ILSVRC2012_devkit_t12.tar.gz").write_bytes(tar_bytes({
+        "ILSVRC2012_devkit_t12/data/meta.mat": meta.read_bytes(),
+        "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt":
+            "".join(f"{truth[name]}\n" for name in sorted(truth)).encode()}, gzip=True))
+    meta.unlink()
+    return root
+
+
+def prepare(*args, env=None, timeout=60):
+    return run([PYTHON, SCRIPT, *args], timeout=timeout, env=env)
+
+
+def contents(out):
+    """{relative path: bytes} of every file under out/train and out/val (temporaries included)."""
+    return {path.relative_to(out).as_posix(): path.read_bytes()
+            for split in ("train", "val") for path in sorted((out / split).rglob("*")) if path.is_file()}
+
+
+@pytest.fixture(scope="module")
+def images():
+    return miniature_images()
+
+
+@pytest.fixture(scope="module")
+def archives(images, tmp_path_factory):
+    return make_archives(tmp_path_factory.mktemp("downloads") / "imagenet", images)
+
+
+@pytest.fixture(scope="module")
+def prepared(archives, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "imagenet"
+    return out, assert_ok(prepare(archives, out, "--skip-md5"))
+
+
+def test_archives_become_an_image_folder(prepared, images):
+    out, output = prepared
+    assert contents(out) == images  # right classes, val by its ground truth, bytes unchanged, nothing else
+    assert "4 classes, 20 train images, 8 val images" in output, output
+    assert re.search(r"^warning: ImageNet-1k has 1,000 classes", output, re.M), output
+    for name in images:
+        image = load_image(str(out / name))
+        assert image.dtype == torch.uint8 and image.shape[0] == 3, name
+
+
+def test_resize_makes_small_rgb_jpegs(tmp_path):
+    images = miniature_images(broken=True)
+    out = tmp_path / "out"
+    output = assert_ok(prepare(make_archives(tmp_path / "downloads", images), out, "--skip-md5", "--resize", "32"))
+    assert "warning: cannot decode train/n01484850/n01484850_999.JPEG: copied unchanged" in output, output
+    assert "(1 could not be decoded: copied unchanged)" in output, output
+    written = contents(out)
+    assert written.keys() == images.keys()
+    for name, data in written.items():
+        if name.endswith("_999.JPEG"):
+            assert data == images[name]
+            continue
+        with Image.open(io.BytesIO(data)) as image, Image.open(io.BytesIO(images[name])) as original:
+            assert (image.format, image.mode) == ("JPEG", "RGB"), name  # CMYK, gray and PNG converted
+            assert min(image.size) == min(32, *original.size), name  # shorter side 32, never upscaled
+
+
+def slow_writes(tmp_path, seconds):
+    """PYTHONPATH for a run whose every rename waits `seconds` first: deterministically slow, and a
+    temporary stands in its folder meanwhile."""
+    hook = tmp_path / "slow"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n_replace = os.replace\n"
+        f"def slow_replace(*args, **kwargs):\n    time.sleep({seconds})\n    return _replace(*args, **kwargs)\n"
+        "os.replace = slow_replace\n")
+    return str(hook)
+
+
+def start(*args, env):
+    """The script in a process group of its own, with SIGINT handled as in a terminal (this test may
+    run as a background job, whose children inherit SIGINT ignored)."""
+    return subprocess.Popen([PYTHON, SCRIPT, *map(str, args)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for(what, condition, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def final_images(out):
+    return {path: path.stat() for path in out.rglob("*.JPEG")}
+
+
+def temporaries(out):
+    return [path for path in out.rglob("*") if TEMPORARY.match(path.name)]
+
+
+def part_way_class(out):
+    """A class with a marker, and one with finished images and a temporary but no marker yet."""
+    markers = {path.name for path in (out / ".prepare").glob("train-*.done")}
+    return markers and any(f"train-{folder.name}.done" not in markers and temporaries(folder)
+                           and list(folder.glob("*.JPEG")) for folder in (out / "train").iterdir())
+
+
+def test_killed_run_carries_on_without_redoing_finished_work(archives, images, tmp_path):
+    out = tmp_path / "out"
+    process = start(archives, out, "--skip-md5", "--workers", "1",
+                    env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.05)))
+    try:
+        wait_for("a finished class, and one part-way", lambda: part_way_class(out))
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    before, markers = final_images(out), {path: path.stat() for path in (out / ".prepare").glob("*.done")}
+    assert before and markers and temporaries(out)
+    for path in before:  # a final path never holds half an image
+        assert path.read_bytes() == images[path.relative_to(out).as_posix()]
+
+    output = assert_ok(prepare(archives, out, "--skip-md5", "--workers", "1"))
+    assert re.search(r"^carrying on: [1-4] of 4 classes and 0 val chunks were done before$", output, re.M), output
+    assert contents(out) == images and not temporaries(out)
+    for path, stat in {**before, **markers}.items():  # finished classes and files were not done again
+        assert (path.stat().st_ino, path.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), path
+
+
+# Ctrl-C signals the process group: the workers ignore it and the main process stops them (as after
+# `kill PID`). A batch system often sends SIGTERM to the whole group: the workers end at once.
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stop_signal_ends_it_within_seconds(archives, tmp_path, signum, code):
+    out = tmp_path / "out"
+    process = start(archives, out, "--skip-md5", "--workers", "2", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1)))
+    try:
+        wait_for("a worker's temporary", lambda: temporaries(out / "train"))
+        os.killpg(process.pid, signum)
+        output, _ = process.communicate(timeout=10)
+        assert process.returncode == code, output
+        assert output.strip().splitlines()[-1] == "stopped: run the same command again to carry on", output
+        assert "Traceback" not in output, output
+
+        def group_gone():  # the workers were stopped too
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return True
+        wait_for("the workers to end", group_gone, timeout=5)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.communicate()
+
+
+def one_error_line(capsys, *args):
+    """main() with these arguments, in this process (no second torch import): exit code 2 and one
+    line, no traceback."""
+    stop_handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", [str(SCRIPT), *map(str, args)])
+            try:
+                code = prepare_imagenet.main()
+            except SystemExit as exit:  # argparse's
+                code = exit.code
+    finally:
+        signal.signal(signal.SIGTERM, stop_handler)
+    out, err = capsys.readouterr()
+    lines = (out + err).strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), out + err
+    return lines[0]
+
+
+def test_official_md5_checked_by_default(archives, tmp_path, capsys):
+    line = one_error_line(capsys, archives, tmp_path / "out")
+    assert "ILSVRC2012_img_train.tar does not have the official MD5" in line and "--skip-md5" in line, line
+
+
+def test_bad_input_is_one_line(archives, tmp_path, capsys):
+    assert "nowhere: no such directory" in one_error_line(capsys, tmp_path / "nowhere", tmp_path / "out")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "lacks ILSVRC2012_img_train.tar" in one_error_line(capsys, empty, tmp_path / "out")
+    (tmp_path / "a-file").write_text("")
+    assert "cannot write to" in one_error_line(capsys, archives, tmp_path / "a-file" / "out", "--skip-md5")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for archive in archives.iterdir():  # the train archive cut short
+        data = archive.read_bytes()
+        (corrupt / archive.name).write_bytes(data[:len(data) * 2 // 3] if "train" in archive.name else data)
+    assert "ILSVRC2012_img_train.tar" in one_error_line(capsys, corrupt, tmp_path / "out2", "--skip-md5")
+    assert "--resize" in one_error_line(capsys, archives, tmp_path / "out", "--resize", "0")
+
+
+def test_missing_scipy_is_one_line(archives, tmp_path):
+    hidden = tmp_path / "no-scipy" / "scipy"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('scipy hidden by the test')\n")
+    result = prepare(archives, tmp_path / "out", "--skip-md5", env=clean_env(PYTHONPATH=hidden.parent))
+    assert result.returncode == 2 and result.stdout == (
+        "error: reading the devkit's meta.mat needs scipy: pip install -r requirements-imagenet.txt\n"), result.stdout
+
+
+def test_kaggle_layout_gives_the_same_result(images, prepared, tmp_path):
+    kaggle = tmp_path / "imagenet-object-localization-challenge"
+    rows = ["ImageId,PredictionString"]
+    for name, data in images.items():
+        split, wnid, file = name.split("/")
+        path = kaggle / "ILSVRC/Data/CLS-LOC" / split / (wnid if split == "train" else "") / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        if split == "val":
+            rows.append(f"{Path(file).stem},{wnid} 1 2 30 40 {wnid} 5 6 20 30")
+    (kaggle / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    output = assert_ok(prepare(kaggle, out))
+    assert contents(out) == contents(prepared[0])
+    assert "4 classes, 20 train images, 8 val images" in output, output
+    source = kaggle / "ILSVRC/Data/CLS-LOC/train/n01440764/n01440764_100.JPEG"
+    assert (out / "train/n01440764/n01440764_100.JPEG").stat().st_ino == source.stat().st_ino  # linked, not copied
+
+
+def test_train_one_epoch_on_the_prepared_folder(prepared, tmp_path):
+    out = tmp_path / "run"
+    assert_ok(run([PYTHON, REPO / "train_dp.py", "--data", prepared[0], "--epochs", "1", "-a", "resnet18",
+                   "-b", "8", "-j", "1", "--train-crop-size", "32", "--val-resize-size", "32",
+                   "--val-crop-size", "32", "--output-dir", out], timeout=120))
+    rows = (out / "log.csv").read_text().strip().splitlines()
+    assert len(rows) == 2, rows  # the header and one epoch
