@@ -82,11 +82,11 @@ def worker(local_rank, args, init_method):
     # Global rank: the processes of node 0 come first, then those of node 1, ...
     rank = args.node_rank * args.nproc_per_node + local_rank
     world_size = args.nnodes * args.nproc_per_node
-    device = select_device(args.device, local_rank)
-    backend = choose_backend(args.dist_backend, device)
-    init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
-    runtime = Runtime("spawn", device, rank, local_rank, world_size)
     try:
+        device = select_device(args.device, local_rank)
+        backend = choose_backend(args.dist_backend, device)
+        init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
+        runtime = Runtime("spawn", device, rank, local_rank, world_size)
         trainer = Trainer(args, runtime)
         device_ids = [device.index] if device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.

@@ -57,7 +57,7 @@ def known_failure(error):
     if text.startswith("DataLoader worker"):
         # "DataLoader worker (pid X) is killed by signal: Killed.": the kernel's OOM killer, mostly.
         return f"error: {text.splitlines()[0].strip()} (out of memory? fewer --workers use less)"
-    if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer")):
+    if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
     return None

@@ -12,7 +12,7 @@ import re
 from torch.utils.data import Dataset
 
 from . import distributed
-from .args import UsageError
+from .args import Preempted, UsageError
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
 
@@ -24,6 +24,11 @@ class UnreadableImage(UsageError):
         # A DataLoader worker's error arrives in the main process as "Caught ... Original Traceback
         # ...: <message>": keep the one line that says what happened.
         super().__init__(message.strip().splitlines()[-1].split("UnreadableImage: ", 1)[-1])
+
+
+def printable(path):
+    """A file name that is not UTF-8 (its bytes kept as surrogates), with those bytes escaped."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def describe(error):
@@ -49,16 +54,16 @@ class SkipUnreadable(Dataset):
             path, label = self.samples[(index + attempt) % len(self.samples)]
             try:
                 return self.loader(path), label, bad
-            except MemoryError:
+            except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
                 raise
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
                 if self.strict:
-                    raise UnreadableImage(f"cannot decode {path} ({describe(error)}); without --strict-data "
+                    raise UnreadableImage(f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
                                           "such files are skipped and listed in bad_images.txt") from None
                 bad.append((path, describe(error)))
                 if not self.replace:
                     return None, label, bad
-        raise UnreadableImage(f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {bad[0][0]} on "
+        raise UnreadableImage(f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {printable(bad[0][0])} on "
                               f"({bad[0][1]}): is the data set readable?")
 
 
@@ -74,7 +79,7 @@ class BadImageLog:
         for path, reason in bad:
             if path not in self.found:
                 self.found[path] = reason
-                print(f"warning: {self.prefix}skipped {path}: cannot decode it ({reason})", flush=True)
+                print(f"warning: {self.prefix}skipped {printable(path)}: cannot decode it ({reason})", flush=True)
 
     def sync(self):
         """Pool every rank's findings (a collective: all ranks call it at the same point). Returns

@@ -116,6 +116,9 @@ def save_checkpoint(state, output_dir, is_best):
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({reason}); "
                                    "the checkpoints already there are intact") from None
+    except BaseException:  # Ctrl-C, say: no full-size temporary left behind
+        new.unlink(missing_ok=True)
+        raise
 
 
 def resolve_resume(resume, output_dir):

@@ -62,6 +62,12 @@ class RunLogger:
         if not resumed or not log.exists():
             with open(log, "w", newline="") as file:
                 csv.writer(file).writerow(CSV_FIELDS)
+        elif log.read_text().split("\n", 1)[0] != ",".join(CSV_FIELDS):
+            # A run begun by an earlier version of these scripts: its rows lack the newer (last) columns.
+            with open(log, newline="") as file:
+                rows = list(csv.reader(file))[1:]
+            with open(log, "w", newline="") as file:
+                csv.writer(file).writerows([CSV_FIELDS, *(row + [""] * (len(CSV_FIELDS) - len(row)) for row in rows)])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
         self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
 
@@ -77,7 +83,8 @@ class RunLogger:
     def write_bad_images(self, found):
         """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""
         if self.writes and found:
-            write_text(self.output_dir / "bad_images.txt", "".join(f"{path}\t{reason}\n" for path, reason in found))
+            lines = "".join(f"{path}\t{reason}\n" for path, reason in found)  # file names as their bytes
+            atomic_write(self.output_dir / "bad_images.txt", lambda file: file.write(lines.encode("utf-8", "surrogateescape")))
 
     def finish(self, summary):
         if not self.writes:

@@ -8,9 +8,12 @@ checkpoint, and the process exits with args.PREEMPTED_EXIT_CODE (75).
 
 A step that never comes must not keep the process alive: when the main
 thread has waited for data for DATA_WAIT_GRACE seconds after the signal (a
-hung network file system, say), or when a second SIGTERM / SIGUSR1 comes, the
-process stops at once with the same exit code, and --resume auto continues
-from the last checkpoint written. SIGINT (Ctrl-C) stops at once with 130.
+hung network file system, say), or when another SIGTERM / SIGUSR1 comes
+SECOND_SIGNAL_AFTER seconds or more after the first (sooner, it is a copy of
+the same request: Slurm and torchrun both pass one on), the process stops at
+once with the same exit code, and --resume auto continues from the last
+checkpoint written; never while a checkpoint is being written. SIGINT (Ctrl-C)
+stops at once with 130.
 """
 import contextlib
 import multiprocessing
@@ -26,6 +29,7 @@ from .args import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DATA_WAIT_GRACE = 10  # seconds
+SECOND_SIGNAL_AFTER = 5  # seconds
 
 _waiting_since = None  # when the main thread began waiting for a batch; None while it is not waiting
 
@@ -78,12 +82,24 @@ class StopSignal:
         # A CPU group of its own, so the flag never waits on GPU work.
         self.group = dist.new_group(backend="gloo") if distributed.is_initialized() else None
         self.pending = None
+        self.saving = False
+
+    @contextlib.contextmanager
+    def no_stop_now(self):
+        """While a checkpoint is written, a second signal does not cut it short."""
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
 
     def _handle(self, signum, _frame):
         name = signal.Signals(signum).name
         if self.received is not None:
-            raise StopNow(f"stopped at once on a second {name}: no checkpoint of this step; "
-                          "--resume auto continues from the last checkpoint")
+            if time.monotonic() - self.received_at >= SECOND_SIGNAL_AFTER and not self.saving:
+                raise StopNow(f"stopped at once on a second {name}: no checkpoint of this step; "
+                              "--resume auto continues from the last checkpoint")
+            return
         self.received, self.received_at = name, time.monotonic()
         signal.alarm(1)  # from now on, check every second that the process is not stuck waiting for data
 

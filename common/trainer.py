@@ -100,20 +100,24 @@ class Trainer:
     def _refuse_to_replace_a_run(self):
         """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
         --resume auto must not cost that run. Refused unless --overwrite says so."""
-        latest = Path(self.args.output_dir) / checkpoint.CHECKPOINT
-        if not latest.is_file():
+        output_dir = Path(self.args.output_dir)
+        there = [output_dir / name for name in (checkpoint.CHECKPOINT, checkpoint.PREVIOUS, checkpoint.BEST)
+                 if (output_dir / name).is_file()]
+        if not there:
             return
         try:
-            other = checkpoint.load_checkpoint(latest, mmap=True)
-        except UsageError:
-            return  # unreadable: nothing of value to protect
+            other = checkpoint.load_checkpoint(there[0], mmap=True)
+        except UsageError:  # damaged: --resume auto falls back to the previous one, which is worth keeping
+            other = None
         start_over = "start over with --overwrite (its checkpoints are deleted) or another --output-dir"
-        if other.get("arch") != self.args.arch or other.get("classes", self.data.classes) != self.data.classes:
-            raise UsageError(f"{self.args.output_dir} holds checkpoints of another run ({other.get('arch')}, "
+        if other and (other.get("arch") != self.args.arch
+                      or other.get("classes", self.data.classes) != self.data.classes):
+            raise UsageError(f"{output_dir} holds checkpoints of another run ({other.get('arch')}, "
                              f"{len(other.get('classes', []))} classes): choose another --output-dir, "
                              f"continue that run with --resume, or {start_over}")
-        raise UsageError(f"{self.args.output_dir} holds a run at epoch {other.get('epoch', '?')} step "
-                         f"{other.get('step_in_epoch', 0)}: continue it with --resume auto, or {start_over}")
+        where = (f"at epoch {other.get('epoch', '?')} step {other.get('step_in_epoch', 0)}" if other
+                 else f"({', '.join(path.name for path in there)}; the first is damaged)")
+        raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 
     def _restore(self, resumed):
         args = self.args
@@ -146,12 +150,13 @@ class Trainer:
     def save(self, epoch, step_in_epoch=0, train_totals=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete).
         A collective: every rank calls it; the writer rank(s) write."""
-        rng_states = distributed.all_gather_object(rng_state(self.runtime.device))
-        bad_images = self.bad_images.sync()
-        if self.runtime.writes_checkpoints(self.args.save_on):
-            state = self._state(epoch, step_in_epoch, train_totals, rng_states, bad_images)
-            checkpoint.save_checkpoint(state, self.args.output_dir, is_best)
-            self.log.write_bad_images(bad_images)
+        with self.stop_signal.no_stop_now():
+            rng_states = distributed.all_gather_object(rng_state(self.runtime.device))
+            bad_images = self.bad_images.sync()
+            if self.runtime.writes_checkpoints(self.args.save_on):
+                state = self._state(epoch, step_in_epoch, train_totals, rng_states, bad_images)
+                checkpoint.save_checkpoint(state, self.args.output_dir, is_best)
+                self.log.write_bad_images(bad_images)
         return bad_images
 
     def _after_step(self, epoch, steps_done, metrics):

@@ -18,6 +18,7 @@ from PIL import Image
 from common.args import build_parser, parse_args
 from common.bad_images import SkipUnreadable, UnreadableImage
 from common.data import Collate, build_data, load_image
+from common.preemption import StopNow
 from conftest import PYTHON, REPO, Job, free_port, make_image_folder
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
@@ -223,12 +224,43 @@ def test_sigterm_while_waiting_for_data_that_never_comes_ends_the_run(hung_data,
 def test_a_second_sigterm_stops_at_once(hung_data, tmp_path):
     job = start_blocked("dp", hung_data, tmp_path)
     job.process.send_signal(signal.SIGTERM)
-    time.sleep(1)
+    time.sleep(6)  # a second request (copies of the first come within milliseconds: see below)
     job.process.send_signal(signal.SIGTERM)
     returncode, output = finish(job)
     assert returncode == PREEMPTED
     assert "stopped at once on a second SIGTERM: no checkpoint of this step" in output, output[-3000:]
     assert "after waiting" not in output
+
+
+def test_the_same_sigterm_twice_still_stops_at_a_step_with_a_checkpoint(tiny_data, tmp_path):
+    """Slurm signals every process of a step and torchrun passes its own SIGTERM on: copies of one
+    request arrive together, and must not cut the clean stop short."""
+    job = Job(launch("dp", *RUN, "--data", tiny_data, "-b", "4", "-j", "1", "--epochs", "5", "--output-dir", tmp_path))
+    job.wait_for(re.compile(r"^Epoch: \[1\] \[ *2/"))
+    job.process.send_signal(signal.SIGTERM)
+    job.process.send_signal(signal.SIGTERM)
+    returncode, output = finish(job)
+    assert returncode == PREEMPTED and re.search(r"stopped on SIGTERM: checkpoint of epoch 1 step \d", output), \
+        output[-3000:]
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step_in_epoch"] >= 2
+
+
+def test_a_stop_signal_while_loading_is_no_bad_image():
+    def interrupted(path):
+        raise StopNow("stopped on SIGTERM after waiting 10 s for data")
+    with pytest.raises(StopNow):
+        SkipUnreadable([("a.jpg", 0), ("b.jpg", 0)], interrupted, replace=True, strict=False)[0]
+
+
+def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(tmp_path):
+    root = make_image_folder(tmp_path / "data", train_per_class=4, val_per_class=2)
+    name = os.fsdecode(b"broken-\xff.jpg")
+    (root / "train" / "ring" / name).write_bytes(b"not an image")
+    job = Job(launch("dp", *RUN, "--data", root, "-b", "4", "-j", "1", "--epochs", "2", "--output-dir", tmp_path / "out"))
+    returncode, output = finish(job)
+    assert returncode == 0, output[-3000:]
+    assert re.search(r"^warning: skipped \S+/broken-\\xff\.jpg: cannot decode it", output, re.MULTILINE), output
+    assert (tmp_path / "out" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(root / "train" / "ring" / name)))
 
 
 @pytest.mark.parametrize("mode", ["dp", "spawn"])

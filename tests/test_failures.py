@@ -125,6 +125,13 @@ def preempt_and_resume(command, signum, tmp_path, target=None):
     assert f"stopped on {signal.Signals(signum).name}: checkpoint of epoch 1 step {saved['step_in_epoch']}" in output
     returncode_after, output_after = Watched(command).finish()
     assert returncode_after == 0, output_after[-3000:]
+    # Training is deterministic: a run that silently started over would end with the same weights.
+    # The second run must say where it resumed, and train none of the steps done before the signal.
+    assert re.search(rf"resumed from .*checkpoint\.pth \(epoch 1, step {saved['step_in_epoch']}\)", output_after), \
+        output_after[-3000:]
+    trained = [(int(epoch), int(step)) for epoch, step in re.findall(r"^Epoch: \[(\d+)\] \[ *(\d+)/", output_after,
+                                                                    re.MULTILINE)]
+    assert trained and min(trained) == (1, saved["step_in_epoch"] + 1), trained
     return returncode, output
 
 
@@ -228,6 +235,13 @@ def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(data
         f"error: {tmp_path} holds a run at epoch 1 step 0: continue it with --resume auto, or start over with "
         "--overwrite (its checkpoints are deleted) or another --output-dir"]
     assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == files
+    # A damaged latest checkpoint is no licence to start over: --resume auto would use the previous one.
+    saved = (tmp_path / "checkpoint.pth").read_bytes()
+    (tmp_path / "checkpoint.pth").write_bytes(saved[:1000])
+    result = run_script("train_dp.py", *common)
+    assert result.returncode == 2 and re.search(r"holds a run \(checkpoint\.pth(, model_best\.pth)?; the first is "
+                                                r"damaged\): continue it with --resume auto", result.stdout), result.stdout
+    (tmp_path / "checkpoint.pth").write_bytes(saved)
     # --overwrite starts afresh: nothing of the first run is left to pass for the new one's.
     (tmp_path / "bad_images.txt").write_text("left by the first run\n")
     assert_ok(run_script("train_dp.py", *common, "--overwrite"))
