@@ -24,13 +24,15 @@ import csv
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -51,7 +53,7 @@ class Failure(Exception):
     """Bad input: one line on stderr and exit code 2."""
 
 
-class Stopped(Exception):
+class Stopped(BaseException):  # not an Exception, as KeyboardInterrupt: no `except Exception` takes it
     """SIGTERM: exit code 143 (128 + 15, as a shell reports it) once the workers are stopped."""
 
 
@@ -246,21 +248,42 @@ def require_scipy():
         raise Failure("reading the devkit's meta.mat needs scipy: pip install -r requirements-imagenet.txt")
 
 
+def kaggle_labels(path):
+    """{ImageId: the first wnid of its PredictionString, "wnid x y x y wnid x y x y ..."}."""
+    labels = {}
+    try:
+        with open(path, newline="") as file:
+            reader = csv.DictReader(file)
+            if not {"ImageId", "PredictionString"} <= set(reader.fieldnames or ()):
+                raise Failure(f"{path} does not start with the header ImageId,PredictionString")
+            for row in reader:
+                image, prediction = row["ImageId"], (row["PredictionString"] or "").split()
+                if not image or not prediction:
+                    raise Failure(f"{path}, line {reader.line_num}: no ImageId, or no wnid in its PredictionString")
+                labels[image] = prediction[0]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise Failure(f"cannot read {path}: {error}")
+    return labels
+
+
 def val_labels(labels, state):
     """{val image name without extension: wnid}, from Kaggle's CSV or the devkit."""
     if labels.name == KAGGLE_LABELS:
-        with open(labels, newline="") as file:  # PredictionString: "wnid x y x y wnid x y x y ..."
-            return {row["ImageId"]: row["PredictionString"].split()[0] for row in csv.DictReader(file)}
-    if not (state / imagenet.META_FILE).exists():
-        # torchvision's parse_meta_mat and parse_val_groundtruth_txt are nested inside
-        # parse_devkit_archive, so that runs whole (it caches their result in meta.bin). Its own
-        # MD5 check is skipped: verify_md5 has done it, unless --skip-md5 said not to.
+        return kaggle_labels(labels)
+    try:
+        wnids = imagenet.load_meta_file(str(state))[1]  # line i of the ground truth: ILSVRC2012_val_<i>
+    except Exception:  # none yet, or one cut short (older versions wrote in place): whatever torch.load raised
+        # torchvision's parse_meta_mat and parse_val_groundtruth_txt are nested in parse_devkit_archive,
+        # so that runs whole, writing meta.bin into a temporary folder: a kill never leaves half a file.
+        # Its MD5 check is skipped: verify_md5 has done it, unless --skip-md5 said not to.
         try:
-            with mock.patch.object(imagenet, "_verify_archive", lambda *args: None):
-                imagenet.parse_devkit_archive(str(state), str(labels.resolve()))
+            with tempfile.TemporaryDirectory(prefix=".devkit.tmp-", dir=state) as folder, \
+                    mock.patch.object(imagenet, "_verify_archive", lambda *args: None):
+                imagenet.parse_devkit_archive(folder, str(labels.resolve()))
+                os.replace(os.path.join(folder, imagenet.META_FILE), state / imagenet.META_FILE)
         except (OSError, tarfile.TarError, EOFError, KeyError, ValueError) as error:
             raise Failure(f"cannot read the devkit {labels}: {error!r}")
-    wnids = imagenet.load_meta_file(str(state))[1]  # line i of the ground truth: ILSVRC2012_val_<i>
+        wnids = imagenet.load_meta_file(str(state))[1]
     return {f"ILSVRC2012_val_{index:08d}": wnid for index, wnid in enumerate(wnids, 1)}
 
 
@@ -278,17 +301,20 @@ def members(archive):
 def make_jobs(train, val, labels):
     """One job per train class, then chunks of val images. (torchvision's parse_train_archive and
     parse_val_archive are not used: they are neither resumable nor atomic per file.)"""
-    if train.is_file():
-        jobs = [Job(f"train-{Path(m.name).stem}.done", "train", str(train), class_tar,
-                    (Path(m.name).stem, m.offset_data, m.size)) for m in members(train)]
-    else:
-        jobs = [Job(f"train-{entry.name}.done", "train", entry.path, class_folder, (entry.name,))
-                for entry in sorted(os.scandir(train), key=lambda entry: entry.name) if entry.is_dir()]
-    if val.is_file():  # name: where it is (offset and size in the archive, or the file's path)
-        images, read = {os.path.basename(m.name): (m.offset_data, m.size) for m in members(val)}, tar_members
-    else:
-        images, read = {entry.name: (entry.path,) for entry in os.scandir(val)
-                        if entry.name.lower().endswith(IMG_EXTENSIONS)}, val_files
+    try:
+        if train.is_file():
+            jobs = [Job(f"train-{Path(m.name).stem}.done", "train", str(train), class_tar,
+                        (Path(m.name).stem, m.offset_data, m.size)) for m in members(train)]
+        else:
+            jobs = [Job(f"train-{entry.name}.done", "train", entry.path, class_folder, (entry.name,))
+                    for entry in sorted(os.scandir(train), key=lambda entry: entry.name) if entry.is_dir()]
+        if val.is_file():  # name: where it is (offset and size in the archive, or the file's path)
+            images, read = {os.path.basename(m.name): (m.offset_data, m.size) for m in members(val)}, tar_members
+        else:
+            images, read = {entry.name: (entry.path,) for entry in os.scandir(val)
+                            if entry.name.lower().endswith(IMG_EXTENSIONS)}, val_files
+    except OSError as error:  # a folder or an entry that cannot be listed (run_job reports a class folder's)
+        raise Failure(f"cannot list {error.filename}: {error.strerror or error}")
     labelled = [(labels[Path(name).stem], name, *where) for name, where in sorted(images.items())
                 if Path(name).stem in labels]
     if len(labelled) < len(images):
@@ -311,8 +337,8 @@ def open_output(out_dir, resize, quality):
         write_atomically(state / "options.json", options.encode())
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
-                if entry.name.startswith(".") and ".tmp-" in entry.name:
-                    os.unlink(entry.path)
+                if entry.name.startswith(".") and ".tmp-" in entry.name:  # a file, or val_labels' folder
+                    shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
     except OSError as error:
         raise Failure(f"cannot write to {out_dir}: {error.strerror or error}")
     return state
@@ -325,16 +351,25 @@ def ignore_interrupts():
 
 
 def run_pool(jobs, out_dir, args):
+    """A worker's death (the OOM killer's SIGKILL) raises BrokenProcessPool, where a
+    multiprocessing.Pool would wait for its task forever."""
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(jobs))
     progress, images = Progress(f"preparing (workers: {workers})", len(jobs)), 0
     work = partial(run_job, out_dir=out_dir, resize=args.resize, quality=args.quality)
-    # Leaving this block in any way (done, an error, Ctrl-C, SIGTERM) terminates the workers.
-    with multiprocessing.Pool(workers, initializer=ignore_interrupts) as pool:
-        for count, undecodable in pool.imap_unordered(work, jobs):
+    pool = ProcessPoolExecutor(workers, initializer=ignore_interrupts)
+    try:
+        for future in as_completed([pool.submit(work, job) for job in jobs]):
+            count, undecodable = future.result()
             for name in undecodable:
                 say(f"warning: cannot decode {name}: copied unchanged")
             images += count
             progress.update(1, f" ({images:,} images)")
+    except BaseException:  # an error, Ctrl-C, SIGTERM or a dead worker: stop the workers now, mid-job
+        for process in list((pool._processes or {}).values()):  # Python 3.14 has pool.terminate_workers()
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
     progress.close()
 
 
@@ -413,6 +448,9 @@ def main():
     except Failure as error:
         say(f"error: {error}")
         return 2
+    except BrokenProcessPool:
+        say("error: a worker process died (out of memory?): run the same command again to carry on")
+        return 1
     except (KeyboardInterrupt, Stopped) as stopped:
         say("stopped: run the same command again to carry on")
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143

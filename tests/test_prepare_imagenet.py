@@ -4,6 +4,7 @@ real set has (CMYK, grayscale, a PNG named .JPEG)."""
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ CLASSES = {"n01440764": (1, "tench, Tinca tinca"), "n01443537": (2, "goldfish, C
            "n01491361": (4, "tiger shark, Galeocerdo cuvieri")}
 TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 2
 TEMPORARY = re.compile(r"^\..*\.tmp-\d+$")
+WORKER_DIED = "error: a worker process died (out of memory?): run the same command again to carry on"
 
 
 def encode(size, seed, mode="RGB", fmt="JPEG"):
@@ -99,6 +101,20 @@ def make_archives(root, images):
         "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt":
             "".join(f"{truth[name]}\n" for name in sorted(truth)).encode()}, gzip=True))
     meta.unlink()
+    return root
+
+
+def make_kaggle(root, images):
+    """Kaggle's extracted layout of `images`, labelled by LOC_val_solution.csv, in root."""
+    rows = ["ImageId,PredictionString"]
+    for name, data in images.items():
+        split, wnid, file = name.split("/")
+        path = root / prepare_imagenet.KAGGLE_ROOT / split / (wnid if split == "train" else "") / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        if split == "val":
+            rows.append(f"{Path(file).stem},{wnid} 1 2 30 40 {wnid} 5 6 20 30")
+    (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
     return root
 
 
@@ -182,6 +198,23 @@ def wait_for(what, condition, timeout=30):
         time.sleep(0.005)
 
 
+def group_gone(process):
+    """Whether no process is left in the process group of `process` (the script and its workers)."""
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def kill_group(process):
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.communicate()
+
+
 def final_images(out):
     return {path: path.stat() for path in out.rglob("*.JPEG")}
 
@@ -200,7 +233,7 @@ def part_way_class(out):
 def test_killed_run_carries_on_without_redoing_finished_work(archives, images, tmp_path):
     out = tmp_path / "out"
     process = start(archives, out, "--skip-md5", "--workers", "1",
-                    env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.05)))
+                    env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.3)))  # time to see, and kill
     try:
         wait_for("a finished class, and one part-way", lambda: part_way_class(out))
         os.killpg(process.pid, signal.SIGKILL)
@@ -234,19 +267,41 @@ def test_stop_signal_ends_it_within_seconds(archives, tmp_path, signum, code):
         assert process.returncode == code, output
         assert output.strip().splitlines()[-1] == "stopped: run the same command again to carry on", output
         assert "Traceback" not in output, output
-
-        def group_gone():  # the workers were stopped too
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                return True
-        wait_for("the workers to end", group_gone, timeout=5)
+        wait_for("the workers to end", lambda: group_gone(process), timeout=5)
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.communicate()
+        kill_group(process)
+
+
+def test_killed_worker_ends_the_run_and_a_rerun_completes(archives, images, tmp_path):
+    """A worker SIGKILLed (by the OOM killer) never returns its job: the script must not wait for it."""
+    out = tmp_path / "out"
+    process = start(archives, out, "--skip-md5", "--workers", "2", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1)))
+    try:
+        found = []
+        wait_for("a worker's temporary", lambda: found.extend(temporaries(out / "train")) or found)
+        os.kill(int(found[0].name.rsplit("-", 1)[1]), signal.SIGKILL)  # .<name>.tmp-<the writer's pid>
+        output, _ = process.communicate(timeout=30)
+        assert process.returncode == 1 and output.strip().splitlines() == [WORKER_DIED], output
+        wait_for("the other worker to end", lambda: group_gone(process), timeout=5)
+    finally:
+        kill_group(process)
+    assert_ok(prepare(archives, out, "--skip-md5"))
+    assert contents(out) == images and not temporaries(out)
+
+
+def test_meta_bin_cut_short_is_parsed_again(archives, prepared, images, tmp_path):
+    """meta.bin (the devkit parsed) cut short by a kill, and the temporary folder of a later write."""
+    out = tmp_path / "out"
+    shutil.copytree(prepared[0], out)
+    meta = out / ".prepare" / "meta.bin"
+    meta.write_bytes(meta.read_bytes()[:meta.stat().st_size // 2])
+    (out / ".prepare" / ".devkit.tmp-x1y2z3").mkdir()
+    (out / ".prepare" / ".devkit.tmp-x1y2z3" / "meta.bin").write_bytes(b"half")
+    output = assert_ok(prepare(archives, out, "--skip-md5"))
+    assert "carrying on: 4 of 4 classes and 1 val chunks were done before" in output, output
+    assert contents(out) == images and not list((out / ".prepare").glob(".devkit.tmp-*"))
+    truth = [name.split("/")[1] for name in sorted(images, key=lambda name: Path(name).name) if name.startswith("val/")]
+    assert prepare_imagenet.imagenet.load_meta_file(str(out / ".prepare"))[1] == truth  # val wnids in name order
 
 
 def one_error_line(capsys, *args):
@@ -289,6 +344,20 @@ def test_bad_input_is_one_line(archives, tmp_path, capsys):
     assert "--resize" in one_error_line(capsys, archives, tmp_path / "out", "--resize", "0")
 
 
+def test_bad_kaggle_layout_is_one_line(images, tmp_path, capsys):
+    kaggle, out = make_kaggle(tmp_path / "kaggle", images), tmp_path / "out"
+    labels = kaggle / "LOC_val_solution.csv"
+    good = labels.read_text()
+    labels.write_text(good.replace("ImageId,PredictionString", "ImageID,Predictions"))
+    assert "does not start with the header ImageId,PredictionString" in one_error_line(capsys, kaggle, out)
+    labels.write_text(good.replace("n01443537 1 2 30 40 n01443537 5 6 20 30", ""))
+    number = next(number for number, row in enumerate(labels.read_text().splitlines(), 1) if row.endswith(","))
+    assert f"line {number}: no ImageId, or no wnid" in one_error_line(capsys, kaggle, out)
+    labels.write_text(good)
+    (kaggle / prepare_imagenet.KAGGLE_ROOT / "train" / "n00000000").symlink_to("n00000000")  # a loop
+    assert re.search(r"cannot list .*n00000000: Too many levels", one_error_line(capsys, kaggle, out))
+
+
 def test_missing_scipy_is_one_line(archives, tmp_path):
     hidden = tmp_path / "no-scipy" / "scipy"
     hidden.mkdir(parents=True)
@@ -299,16 +368,7 @@ def test_missing_scipy_is_one_line(archives, tmp_path):
 
 
 def test_kaggle_layout_gives_the_same_result(images, prepared, tmp_path):
-    kaggle = tmp_path / "imagenet-object-localization-challenge"
-    rows = ["ImageId,PredictionString"]
-    for name, data in images.items():
-        split, wnid, file = name.split("/")
-        path = kaggle / "ILSVRC/Data/CLS-LOC" / split / (wnid if split == "train" else "") / file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        if split == "val":
-            rows.append(f"{Path(file).stem},{wnid} 1 2 30 40 {wnid} 5 6 20 30")
-    (kaggle / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    kaggle = make_kaggle(tmp_path / "imagenet-object-localization-challenge", images)
     out = tmp_path / "out"
     output = assert_ok(prepare(kaggle, out))
     assert contents(out) == contents(prepared[0])
