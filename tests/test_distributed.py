@@ -157,7 +157,7 @@ def test_the_legacy_launcher_passes_local_rank_and_trains(tiny_data, tmp_path):
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_rank_that_raises_ends_the_whole_job_quickly(tiny_data, tmp_path, launcher):
     common = [*TINY, "--data", tiny_data, "-b", "4", "--epochs", "1", "--output-dir", tmp_path / "out",
-              "-a", "tests.tiny_models:FailingNet"]  # rank 1 raises at its third step; rank 0 waits for it
+              "-a", "tests.tiny_models:FailingNet", "-j", "2"]  # rank 1 raises at its third step; rank 0 waits
     start = time.monotonic()
     if launcher == "torchrun":
         result = torchrun("train_ddp.py", 2, *common, timeout=120)
