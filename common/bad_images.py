@@ -72,8 +72,7 @@ class BadImageLog:
 
     def __init__(self, rank, world_size, known=()):
         self.prefix = f"rank {rank}: " if world_size > 1 else ""
-        self.found = {}   # path -> reason, of every rank as of the last sync, and of this one since
-        self.found.update(dict(known))
+        self.found = dict(known)  # path -> reason, of every rank as of the last sync, and of this one since
 
     def report(self, bad):
         for path, reason in bad:
