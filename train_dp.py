@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from common import args as cli
 from common.distributed import Runtime, select_device
+from common.engine import AutocastForward
 from common.trainer import Trainer
 
 
@@ -42,6 +43,9 @@ def setup(args):
     if args.sync_bn and len(gpus) > 1:
         raise cli.UsageError("DataParallel cannot synchronise BatchNorm over GPUs: "
                              "use train_ddp.py or train_spawn.py for --sync-bn")
+    if args.compile and len(gpus) > 1:
+        raise cli.UsageError(f"--compile does not work with DataParallel over {len(gpus)} GPUs: "
+                             "use train_ddp.py (torchrun), or --gpus with one GPU")
     # The model and each batch go to the first GPU; DataParallel scatters from there.
     torch.cuda.set_device(gpus[0])
     return torch.device("cuda", gpus[0]), gpus
@@ -49,10 +53,14 @@ def setup(args):
 
 def main(args):
     device, gpus = setup(args)
-    runtime = Runtime("dp", device, num_devices=max(len(gpus), 1))
+    runtime = Runtime("dp", device, num_devices=max(len(gpus), 1), device_ids=tuple(gpus))
     trainer = Trainer(args, runtime)
     model = trainer.model
     if gpus:
+        if args.amp != "none":
+            # DataParallel's replica threads would each enter autocast with float16: the replicas
+            # must set the --amp dtype themselves.
+            model = AutocastForward(model, device.type, args.amp)
         model = nn.DataParallel(model, device_ids=gpus, output_device=gpus[0])
     else:
         trainer.log.print("no GPU in use: DataParallel runs the model on the CPU")

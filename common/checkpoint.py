@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .args import UsageError
+from .engine import AutocastForward
 
 
 class CheckpointWriteError(UsageError):
@@ -31,9 +32,9 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def unwrap(model):
-    """The bare model inside DataParallel, DistributedDataParallel and torch.compile wrappers."""
+    """The bare model inside DataParallel, DistributedDataParallel, AutocastForward and torch.compile wrappers."""
     while True:
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel, AutocastForward)):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

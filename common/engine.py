@@ -8,14 +8,34 @@ import contextlib
 import time
 
 import torch
+import torch.nn as nn
 
 from .meters import MetricSums, ProgressMeter
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(device, amp):
     if amp == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
+
+
+class AutocastForward(nn.Module):
+    """`module` whose forward runs under autocast with the --amp dtype in whichever thread calls it.
+
+    Autocast's state is per thread. nn.DataParallel runs each replica in a thread of its own and
+    re-enters autocast there with the device's default dtype (float16 on CUDA), so without this
+    wrapper `--amp bf16` would compute the replicas in float16, unscaled (PyTorch's "AMP with
+    DataParallel" recipe). It holds no state of its own: checkpoints save the bare module."""
+
+    def __init__(self, module, device_type, amp):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, AMP_DTYPES[amp]
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def train_one_epoch(model, criterion, optimizer, scheduler, scaler, loader, device, epoch, args, print_fn,
