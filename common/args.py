@@ -142,7 +142,10 @@ def build_parser(description):
     add("--checkpoint-interval", type=int, default=0, metavar="STEPS",
         help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)")
     add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
-    add("--seed", type=int, default=None, help="seed everything: the same seed gives the same run")
+    add("--seed", type=int, default=None,
+        help="seed everything: the same seed gives the same run on the CPU (on GPUs see --deterministic)")
+    add("--deterministic", action="store_true",
+        help="deterministic GPU kernels, no cuDNN autotuning: with --seed, bitwise repeatable GPU runs (slower)")
     add("--output-dir", default=None, metavar="DIR",
         help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
@@ -217,6 +220,8 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {args.warmup_epochs}")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.evaluate and not (args.resume or args.pretrained):
+        raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
     check_arch(args.arch)
     return args
 

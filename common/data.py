@@ -206,6 +206,7 @@ class DeviceLoader:
 
     def _prefetching(self):
         stream, batches = torch.cuda.Stream(self.device), self._batches()
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # mean and std were made on that one
 
         def load_next():
             batch = next(batches, None)
@@ -296,7 +297,8 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.
         loader_options["multiprocessing_context"] = "fork"
-    train_loader = DataLoader(train_set, batch_size=per_process_batch, sampler=train_sampler,
+    # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped.
+    train_loader = DataLoader(train_set, batch_size=per_process_batch, sampler=train_sampler, drop_last=args.compile,
                               generator=torch.Generator().manual_seed(seed), **loader_options)
     val_loader = DataLoader(val_set, batch_size=per_process_batch, sampler=ShardSampler(len(val_set), rank, world_size),
                             generator=torch.Generator().manual_seed(seed), **loader_options)

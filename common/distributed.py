@@ -25,6 +25,11 @@ class Runtime:
     local_rank: int = 0       # rank on this node = which local GPU
     world_size: int = 1       # processes in the job
     num_devices: int = 1      # devices this process drives (several under DataParallel)
+    device_ids: tuple = ()    # their indices, when several; else just `device`
+
+    @property
+    def devices(self):
+        return [torch.device(self.device.type, i) for i in self.device_ids] or [self.device]
 
     @property
     def is_main(self):
@@ -79,19 +84,62 @@ def check_sync_bn(sync_bn, device):
 def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800):
     """Join the group. A collective that waits longer than timeout_seconds for a stalled
     rank fails instead of hanging, and the launcher then stops the job."""
+    device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU
+        if backend == "nccl":
+            device_id = device  # binds the group to this GPU (and barrier() knows which one to use)
     timeout = datetime.timedelta(seconds=timeout_seconds)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if init_method == "env://" and attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # After torchrun restarts the workers, its store still holds the addresses that the
-        # dead workers published; meet under a fresh prefix so no rank connects to those.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"/restart_{attempt}", store), rank=rank,
-                                world_size=world_size, timeout=timeout)
+    options = dict(rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    try:
+        if init_method == "env://" and attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # After torchrun restarts the workers, its store still holds the addresses that the
+            # dead workers published; meet under a fresh prefix so no rank connects to those.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"/restart_{attempt}", store), **options)
+        else:
+            dist.init_process_group(backend, init_method=init_method, **options)
+    except dist.DistBackendError as error:
+        if "Duplicate GPU" in str(error):  # NCCL, binding two ranks to one GPU (device_id: at init)
+            raise UsageError(_shared_gpu_message(f"rank {rank} and another rank", device)) from None
+        raise
+    check_one_process_per_gpu(device, backend)
+
+
+def _shared_gpu_message(who, device):
+    return (f"{who} both use GPU {device} of this node: start at most one process per GPU "
+            f"(--nproc_per_node <= {torch.cuda.device_count()}), or give each its own with CUDA_VISIBLE_DEVICES")
+
+
+def shared_devices(owners):
+    """The first pair of ranks in `owners` (a list of (host, GPU id), one per rank) that use the same
+    GPU of the same host, as (rank, rank, GPU id); else None."""
+    first = {}
+    for rank, owner in enumerate(owners):
+        if owner in first:
+            return first[owner], rank, owner[1]
+        first[owner] = rank
+    return None
+
+
+def check_one_process_per_gpu(device, backend, warn=print):
+    """Two ranks on one GPU: `torchrun --nproc_per_node=2` on a one-GPU node, or one
+    CUDA_VISIBLE_DEVICES exported to every task. NCCL cannot run that (it fails at the first
+    collective with "Duplicate GPU detected"): one line instead. Other backends can, slowly: a warning."""
+    if device.type != "cuda":
         return
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    owners = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
+    shared = shared_devices(owners)
+    if shared is None:
+        return
+    rank_a, rank_b, _ = shared
+    message = _shared_gpu_message(f"ranks {rank_a} and {rank_b}", device)
+    if backend == "nccl":
+        raise UsageError(message)
+    if get_rank() == rank_b:
+        warn(f"warning: {message}", flush=True)
 
 
 def destroy_process_group():

@@ -10,6 +10,7 @@ stopped: checkpoints hold the position in the epoch, the partial epoch's
 metric sums and every rank's RNG state; the data order and augmentation are
 functions of (seed, epoch, index) alone.
 """
+import os
 import random
 import time
 from pathlib import Path
@@ -37,16 +38,62 @@ def per_process_batch(batch_size, world_size):
     return batch_size // world_size
 
 
-def rng_state(device):
+def rng_state(devices):
+    """This process's random streams: Python's, torch's CPU one and that of each GPU it drives."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+            "cuda": {device.index: torch.cuda.get_rng_state(device) for device in devices if device.type == "cuda"}}
 
 
-def set_rng_state(state, device):
+def set_rng_state(state, devices):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
+    saved = state.get("cuda")
+    if isinstance(saved, torch.Tensor):  # checkpoints before per-GPU states: the first GPU's
+        saved = {devices[0].index: saved}
+    for device in devices:
+        if device.type == "cuda" and (saved or {}).get(device.index) is not None:
+            torch.cuda.set_rng_state(saved[device.index], device)
+
+
+def seed_this_rank(seed, rank, devices):
+    """Seed the random streams that dropout, stochastic depth and random erasing draw from with
+    seed + rank (as timm does), once the model is built: every rank starts from the same weights
+    but draws its own masks. (With one seed for all, every rank would drop the same units of its
+    own images.) Under DataParallel, the replica on the k-th GPU draws from seed + k, as rank k
+    would. Data order and augmentation do not use these streams (common/data.py)."""
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    for k, device in enumerate(devices[1:], start=1):
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed + rank + k)
+
+
+def set_determinism(deterministic):
+    """--deterministic: deterministic kernels only (an error names any op that has none), cuBLAS with
+    a fixed workspace, cuDNN without autotuning. Else cuDNN autotunes: fastest, not repeatable."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+
+
+def warn_slow_amp(amp, device, warn):
+    """One warning where --amp computes slower than float32: on a CPU without native bf16/fp16
+    instructions (emulated: about 40x slower here, docs/benchmarks.md), and bf16 on GPUs before
+    Ampere (compute capability < 8.0), which emulate it."""
+    if amp == "none":
+        return
+    if device.type == "cpu":
+        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if amp == "bf16"
+                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        if not native:
+            warn(f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
+                 f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here")
+    elif amp == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):
+        warn(f"warning: --amp bf16 on {torch.cuda.get_device_name(device)} (compute capability "
+             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))} < 8.0) is emulated: "
+             "use --amp fp16 on this GPU")
 
 
 class Trainer:
@@ -59,14 +106,23 @@ class Trainer:
                              writes=runtime.writes_checkpoints(args.save_on))
         self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
 
-        # The same seed on every rank: same initial weights and same data order.
+        if args.evaluate and resumed is None and not args.pretrained:  # --resume auto found nothing
+            raise UsageError(f"-e: no checkpoint in {args.output_dir} to evaluate (--resume auto): "
+                             "give --resume PATH, or --pretrained")
+        # A resumed run keeps the determinism it was started with.
+        args.deterministic = args.deterministic or bool((resumed or {}).get("args", {}).get("deterministic"))
+        set_determinism(args.deterministic)
+        warn_slow_amp(args.amp, device, self.log.print)
+        if args.compile and args.sync_bn:
+            self.log.print("warning: --compile with --sync-bn: SyncBatchNorm's collectives break the compiled "
+                           "graph at every BatchNorm layer, which costs most of what compiling gains")
+
+        # The same seed on every rank: same initial weights and same data order (until the
+        # model is built: then seed_this_rank).
         seed = args.seed if args.seed is not None else (resumed or {}).get("seed")
         self.seed = distributed.shared_seed(seed)
         random.seed(self.seed)
         torch.manual_seed(self.seed)
-        # cudnn picks the fastest kernels unless a seed asks for repeatable ones.
-        torch.backends.cudnn.benchmark = args.seed is None
-        torch.backends.cudnn.deterministic = args.seed is not None
 
         self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
         self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
@@ -80,6 +136,7 @@ class Trainer:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         memory_format = torch.channels_last if args.channels_last else torch.preserve_format
         self.model = model.to(device, memory_format=memory_format)
+        seed_this_rank(self.seed, runtime.rank, runtime.devices)
 
         self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing).to(device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -136,7 +193,7 @@ class Trainer:
             self.scaler.load_state_dict(resumed["scaler"])
         states = resumed.get("rng_states")
         if states and len(states) == self.runtime.world_size:  # else: another world size, fresh streams
-            set_rng_state(states[self.runtime.rank], self.runtime.device)
+            set_rng_state(states[self.runtime.rank], self.runtime.devices)
 
     def _state(self, epoch, step_in_epoch, train_totals, rng_states, bad_images):
         return {"epoch": epoch, "step_in_epoch": step_in_epoch, "arch": self.args.arch,
@@ -151,7 +208,7 @@ class Trainer:
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete).
         A collective: every rank calls it; the writer rank(s) write."""
         with self.stop_signal.no_stop_now():
-            rng_states = distributed.all_gather_object(rng_state(self.runtime.device))
+            rng_states = distributed.all_gather_object(rng_state(self.runtime.devices))
             bad_images = self.bad_images.sync()
             if self.runtime.writes_checkpoints(self.args.save_on):
                 state = self._state(epoch, step_in_epoch, train_totals, rng_states, bad_images)
@@ -230,6 +287,12 @@ class Trainer:
                    "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
                    "wall_seconds": round(time.time() - wall_start, 2), "torch": torch.__version__,
                    "bad_images": len(self.bad_images.found)}
+        if runtime.device.type == "cuda":  # rank 0's first GPU
+            summary["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(runtime.device) / 2**30, 3)
+        if args.compile:
+            # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
+            summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            log.print(f"torch.compile: {summary['compiled_graphs']} graph(s) compiled")
         log.finish(summary)
         log.print(f"done: best acc@1 {self.best_acc1:.2f}, final acc@1 {val['acc1']:.2f} "
                   f"in {summary['wall_seconds']:.0f} s; outputs in {args.output_dir}")
