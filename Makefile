@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: benchmark demo test test-slurm venv clean
+.PHONY: benchmark demo gpu-check test test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py --overwrite
@@ -24,6 +24,11 @@ test-slurm: $(STAMP)
 
 benchmark: $(STAMP)
 	$(PY) run_scripts/benchmark.py
+
+# Every script, launch mode and GPU flag on this machine's GPUs: one table, exit 1 on any failure.
+# Without a GPU it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) run_scripts/gpu_check.py
 
 venv: $(STAMP)
 

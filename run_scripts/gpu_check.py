@@ -1,0 +1,299 @@
+"""Prove a GPU machine: every script, launch mode and GPU flag trains correctly here. `make gpu-check`.
+
+    python run_scripts/gpu_check.py              # everything (about 10-20 min on one GPU)
+    python run_scripts/gpu_check.py --quick      # the JPEG rows only, no synthetic ResNet-50
+    python run_scripts/gpu_check.py --only ddp   # the rows whose name matches a regular expression
+    python run_scripts/gpu_check.py --cpu        # the same harness on the CPU (gloo, a tiny model): a self-test
+
+Each row is one real run, started as a user starts it, for a few dozen steps: train_dp.py on one
+GPU and on all of them (nn.DataParallel), train_ddp.py under torchrun, train_spawn.py, both with
+NCCL; in float32, with `--amp bf16 --channels-last`, with `--compile`, and with `--sync-bn` for DDP;
+on synthetic data (--dummy, ResNet-50 at 224 px: the speed) and on JPEGs (the built-in demo set:
+the learning). Every row must:
+  - exit 0, with a finite training loss, that falls by 2% or more from the first epoch to the last
+    on JPEGs (the synthetic set has nothing to learn: one image, cycling labels);
+  - leave a checkpoint that loads with weights_only=True into a plain model of its --arch.
+Then, on the JPEG data:
+  - validation of one checkpoint by 1 process and by N (torchrun) counts every image once and gives
+    the same acc@1 (at most one image apart: the two use different GPU batch sizes, hence kernels);
+  - a run stopped after epoch 1 and resumed (--resume auto, --deterministic) ends with weights
+    bitwise equal to those of the same run made in one go;
+  - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU).
+One table: row, flags, img/s, peak GPU memory, pass/fail. Exit status 1 if anything failed.
+Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND",
+                    "WORKER_PER_NODE")
+
+
+class CheckFailed(Exception):
+    pass
+
+
+@dataclass
+class Row:
+    name: str                 # dp1 / dpN / ddp / spawn, then the data
+    mode: str
+    data: str                 # "synthetic" or "jpeg"
+    flags: tuple = ()
+    result: str = "not run"
+    images_per_second: float = float("nan")
+    peak_gib: float = float("nan")
+    output_dir: Path = None
+    extra: dict = field(default_factory=dict)
+
+
+class Setup:
+    """Where and how the runs happen: on GPUs (nccl), or on the CPU for --cpu (gloo, tiny model)."""
+
+    def __init__(self, cpu, workdir, extra_args):
+        import torch
+        self.cpu, self.workdir, self.extra_args = cpu, Path(workdir), list(extra_args)
+        self.gpus = 0 if cpu else torch.cuda.device_count()
+        self.world = 2 if cpu else self.gpus  # processes of ddp / spawn rows
+        if cpu:
+            from common import demo_data
+            self.jpeg_dir = self.workdir / "jpegs"
+            demo_data.generate(self.jpeg_dir, train_per_class=8, val_per_class=4, num_classes=3)
+            tiny = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0"]
+            self.jpeg_args = ["--data", str(self.jpeg_dir), *tiny, "-a", "tests.tiny_models:TinyNet", "--dropout",
+                              "0", "--lr", "0.1", "-b", "8", "--epochs", "4", "-p", "1"]
+            self.synthetic_args = ["--dummy", "--dummy-size", "32", *tiny, "-a", "tests.tiny_models:TinyNet",
+                                   "-b", "8", "--epochs", "1", "-p", "1"]
+        else:
+            # The built-in demo set (generated on first use) at its preset: 32 px shapes that resnet18
+            # learns; two epochs of a few dozen steps at this batch.
+            batch = 128 if 128 % self.world == 0 else 16 * self.world
+            self.jpeg_args = ["-a", "resnet18", "-b", str(batch), "--epochs", "2", "-p", "10"]
+            per_gpu = 64
+            self.synthetic_args = ["--dummy", "--dummy-size", str(per_gpu * self.world * 40), "-a", "resnet50",
+                                   "-b", str(per_gpu * self.world), "--epochs", "1", "-p", "10"]
+
+    def env(self):
+        env = {key: value for key, value in os.environ.items()
+               if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.cpu:
+            env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        return env
+
+    def command(self, mode, nproc=None):
+        nproc = nproc or self.world
+        python = sys.executable
+        if mode == "dp1":
+            return [python, REPO / "train_dp.py", *(["--device", "cpu"] if self.cpu else ["--gpus", "0"])]
+        if mode == "dpN":
+            return [python, REPO / "train_dp.py"]
+        if mode == "ddp":
+            return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py"]
+        if mode == "spawn":
+            return [python, REPO / "train_spawn.py", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+        raise ValueError(mode)
+
+    def data_args(self, data):
+        return self.jpeg_args if data == "jpeg" else self.synthetic_args
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(command, env, timeout):
+    """(exit status, output) of a job in its own session; on timeout the whole session is killed."""
+    process = subprocess.Popen([str(part) for part in command], cwd=REPO, env=env, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise CheckFailed(f"no end after {timeout} s:\n{output[-1500:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever of the job is left (loader workers, say)
+        except ProcessLookupError:
+            pass
+    return process.returncode, output
+
+
+def train(setup, mode, data, flags, output_dir, extra=(), timeout=None):
+    command = [*setup.command(mode), *setup.data_args(data), *flags, *setup.extra_args, "--seed", "0",
+               "--output-dir", output_dir, *extra]
+    status, output = run(command, setup.env(), timeout or (300 if setup.cpu else 1200))
+    if status != 0:
+        raise CheckFailed(f"exit status {status}:\n{output[-2500:]}")
+    return output
+
+
+def check_training(setup, row, output):
+    import torch
+    from common.models import build_model
+    epochs = [row for row in csv.DictReader(open(row.output_dir / "log.csv"))]
+    losses = [float(epoch["train_loss"]) for epoch in epochs]
+    if not losses or not all(math.isfinite(loss) for loss in losses):
+        raise CheckFailed(f"training loss not finite: {losses}")
+    if row.data == "jpeg" and not losses[-1] < 0.98 * losses[0]:
+        raise CheckFailed(f"training loss did not fall by 2% or more: {losses}")
+    summary = json.loads((row.output_dir / "summary.json").read_text())
+    row.images_per_second = summary["train_images_per_second"]
+    row.peak_gib = summary.get("peak_memory_gib", float("nan"))
+    state = torch.load(row.output_dir / "checkpoint.pth", map_location="cpu", weights_only=True)
+    model = build_model(state["arch"], state["num_classes"])
+    model.load_state_dict(state["state_dict"])  # strict: every key, every shape
+
+
+def check_row(setup, row):
+    row.output_dir = setup.workdir / row.name.replace(" ", "_").replace("+", "")
+    output = train(setup, row.mode, row.data, row.flags, row.output_dir)
+    check_training(setup, row, output)
+
+
+def evaluations(setup, checkpoint, workdir):
+    """(acc@1, images) of one checkpoint evaluated by 1 process and by N."""
+    results = {}
+    for mode in ("dp1", "ddp"):
+        output = train(setup, mode, "jpeg", (), workdir / f"eval-{mode}", extra=["-e", "--resume", checkpoint])
+        found = ACC_LINE.findall(output)
+        if not found:
+            raise CheckFailed(f"no validation line in:\n{output[-1500:]}")
+        acc1, _, loss, count = found[-1]
+        results[mode] = (float(acc1), int(count), float(loss))
+    return results
+
+
+def check_validation_world_sizes(setup, row):
+    base = setup.workdir / "ddp_jpeg"
+    if not (base / "checkpoint.pth").is_file():
+        raise CheckFailed("needs the 'ddp jpeg' row's checkpoint, which it did not leave")
+    results = evaluations(setup, base / "checkpoint.pth", setup.workdir)
+    (acc1, count, _), (acc1_n, count_n, _) = results["dp1"], results["ddp"]
+    row.extra = results
+    if count != count_n:
+        raise CheckFailed(f"1 process counted {count} validation images, {setup.world} counted {count_n}")
+    if abs(acc1 - acc1_n) > 100.0 / count + 1e-9:
+        raise CheckFailed(f"acc@1 {acc1} with 1 process, {acc1_n} with {setup.world}")
+    row.result = f"PASS ({count} images, acc@1 {acc1:.2f} / {acc1_n:.2f})"
+
+
+def check_exact_resume(setup, row):
+    import torch
+    flags = ("--deterministic",)
+    straight, resumed = setup.workdir / "resume-straight", setup.workdir / "resume-resumed"
+    epochs = int(setup.jpeg_args[setup.jpeg_args.index("--epochs") + 1])
+    train(setup, "ddp", "jpeg", flags, straight)
+    train(setup, "ddp", "jpeg", flags, resumed, extra=["--epochs", str(epochs - 1)])
+    output = train(setup, "ddp", "jpeg", flags, resumed, extra=["--epochs", str(epochs), "--resume", "auto"])
+    if f"(epoch {epochs - 1})" not in output:
+        raise CheckFailed(f"the second run did not resume at epoch {epochs - 1}:\n{output[-1500:]}")
+    a = torch.load(straight / "checkpoint.pth", map_location="cpu", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoint.pth", map_location="cpu", weights_only=True)["state_dict"]
+    differ = [name for name in a if not torch.equal(a[name], b[name])]
+    if differ or a.keys() != b.keys():
+        raise CheckFailed(f"resumed weights differ from the uninterrupted run's: {differ[:5]}")
+    row.result = f"PASS ({len(a)} tensors bitwise equal)"
+
+
+def check_two_ranks_one_gpu_refused(setup, row):
+    command = [*setup.command("ddp", nproc=2), *setup.jpeg_args, "--output-dir", setup.workdir / "shared-gpu"]
+    status, output = run(command, setup.env(), 600)
+    if status == 0 or not re.search(r"^error: .*both use GPU", output, re.MULTILINE):
+        raise CheckFailed(f"exit {status}, and no one-line refusal:\n{output[-2500:]}")
+    if "Traceback" in output:
+        raise CheckFailed(f"refused with a traceback, not one line:\n{output[-2500:]}")
+    row.result = "PASS (refused in one line)"
+
+
+def rows_for(setup, quick):
+    """The training rows for this machine: DataParallel over all GPUs only where there are several."""
+    modes = ["dp1", *(["dpN"] if setup.gpus > 1 else []), "ddp", "spawn"]
+    variants = [("fp32", ())] if setup.cpu else [
+        ("fp32", ()), ("bf16 cl", ("--amp", "bf16", "--channels-last")), ("compile", ("--compile",))]
+    rows = []
+    for data in (["jpeg"] if quick else ["jpeg", "synthetic"]):
+        for mode in modes:
+            for name, flags in variants:
+                if name == "compile" and mode == "dpN":
+                    continue  # refused: DataParallel over several GPUs cannot be compiled
+                rows.append(Row(f"{mode} {data}" + ("" if name == "fp32" else f" {name}"), mode, data, flags))
+            if mode == "ddp" and not setup.cpu:
+                rows.append(Row(f"{mode} {data} sync-bn", mode, data, ("--sync-bn",)))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="JPEG rows only (no synthetic ResNet-50)")
+    parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
+    parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (gloo, tiny model)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
+    parser.add_argument("--extra-args", default="", metavar="'ARGS'",
+                        help="appended to every training command (e.g. '--lr 0': the learning checks must fail)")
+    args = parser.parse_args(argv)
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu-check: no CUDA GPU is visible on this machine: nothing to check (make test covers the CPU)")
+        return 0
+
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    setup = Setup(args.cpu, workdir, args.extra_args.split())
+    where = ("CPU (self-test: gloo, 2 processes, tiny model)" if args.cpu else
+             f"{setup.gpus} x {torch.cuda.get_device_name(0)}")
+    print(f"gpu-check on {where}, torch {torch.__version__}; runs in {workdir}", flush=True)
+    checks = [(row, check_row) for row in rows_for(setup, args.quick)]
+    checks += [(Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
+               (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume)]
+    if setup.gpus == 1:
+        checks.append((Row("two ranks on one GPU refused", "ddp", "jpeg"), check_two_ranks_one_gpu_refused))
+    if args.only:
+        checks = [(row, check) for row, check in checks if re.search(args.only, row.name)]
+
+    failures = 0
+    for row, check in checks:
+        start = time.monotonic()
+        try:
+            check(setup, row)
+            if row.result == "not run":
+                row.result = "PASS"
+        except CheckFailed as error:
+            failures += 1
+            row.result = "FAIL: " + str(error).splitlines()[0]
+            print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
+        print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
+
+    print("\n| row | flags | img/s | peak GPU memory (GiB) | result |\n|---|---|---:|---:|---|")
+    for row, _ in checks:
+        rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
+        peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
+        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {peak} | {row.result} |")
+    print(f"\n{len(checks) - failures} passed, {failures} failed")
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""run_scripts/gpu_check.py (`make gpu-check`): its checks pass on a GPU machine, its harness is proven
+on the CPU (the same code with gloo and a tiny model), and it fails when training does not learn."""
+import re
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, assert_ok, clean_env, run
+
+CHECK = REPO / "run_scripts" / "gpu_check.py"
+TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
+                       r"\| (?P<result>[^|]+?) \|$", re.MULTILINE)
+
+
+def table(output):
+    return {match["row"]: match for match in TABLE_ROW.finditer(output) if match["row"] != "row"}
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    result = run([PYTHON, CHECK], env=clean_env(), timeout=120)
+    assert result.returncode == 0
+    assert result.stdout == ("gpu-check: no CUDA GPU is visible on this machine: nothing to check "
+                             "(make test covers the CPU)\n")
+
+
+def test_its_checks_pass_on_the_cpu():
+    """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
+    model), validation by 1 and by 2 processes, and the exact-resume check."""
+    result = run([PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"], timeout=600)
+    rows = table(assert_ok(result))
+    assert set(rows) == {"ddp jpeg", "validation 1 vs N processes", "exact resume (ddp --deterministic)"}
+    assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
+    assert float(rows["ddp jpeg"]["rate"]) > 0
+    assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
+    assert "3 passed, 0 failed" in result.stdout
+
+
+def test_it_fails_when_training_does_not_learn():
+    result = run([PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
+                 timeout=300)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert table(result.stdout)["dp1 jpeg"]["result"].startswith("FAIL: training loss did not fall")
+    assert "0 passed, 1 failed" in result.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check runs the full set)")
+def test_gpu_check_passes_on_this_gpu_machine():
+    """Every launch mode and GPU flag on the JPEG data (`make gpu-check` adds synthetic ResNet-50)."""
+    result = run([PYTHON, CHECK, "--quick"], env=clean_env(gpu=True), timeout=3600)
+    rows = table(assert_ok(result))
+    assert rows and all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-4000:]
