@@ -56,14 +56,16 @@ def main(args):
     runtime = Runtime("dp", device, num_devices=max(len(gpus), 1), device_ids=tuple(gpus))
     trainer = Trainer(args, runtime)
     model = trainer.model
-    if gpus:
+    if len(gpus) == 1 and args.compile:
+        trainer.log.print("one GPU and --compile: the bare model is compiled (DataParallel would split the graph)")
+    elif gpus:
         if args.amp != "none":
             # DataParallel's replica threads would each enter autocast with float16: the replicas
             # must set the --amp dtype themselves.
             model = AutocastForward(model, device.type, args.amp)
         model = nn.DataParallel(model, device_ids=gpus, output_device=gpus[0])
     else:
-        trainer.log.print("no GPU in use: DataParallel runs the model on the CPU")
+        trainer.log.print("no GPU in use: the bare model runs on the CPU (DataParallel needs GPUs)")
     return trainer.fit(train_model=model, eval_model=model)
 
 

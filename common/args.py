@@ -220,6 +220,8 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {args.warmup_epochs}")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.deterministic:  # read by cuBLAS when it starts: before anything touches CUDA
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.evaluate and not (args.resume or args.pretrained):
         raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
     check_arch(args.arch)

@@ -7,6 +7,7 @@ and reductions return their input, so the training code has no
 import datetime
 import os
 import random
+import re
 import socket
 from dataclasses import dataclass
 
@@ -102,7 +103,9 @@ def init_process_group(backend, init_method, rank, world_size, device, timeout_s
         else:
             dist.init_process_group(backend, init_method=init_method, **options)
     except dist.DistBackendError as error:
-        if "Duplicate GPU" in str(error):  # NCCL, binding two ranks to one GPU (device_id: at init)
+        # NCCL, connecting eagerly (device_id) two ranks that share a GPU: "Multiple Ranks are using the
+        # same GPU" since NCCL 2.2x, "Duplicate GPU detected" before.
+        if re.search(r"Duplicate GPU|Multiple Ranks are using the same GPU", str(error)):
             raise UsageError(_shared_gpu_message(f"rank {rank} and another rank", device)) from None
         raise
     check_one_process_per_gpu(device, backend)
@@ -126,8 +129,9 @@ def shared_devices(owners):
 
 def check_one_process_per_gpu(device, backend, warn=print):
     """Two ranks on one GPU: `torchrun --nproc_per_node=2` on a one-GPU node, or one
-    CUDA_VISIBLE_DEVICES exported to every task. NCCL cannot run that (it fails at the first
-    collective with "Duplicate GPU detected"): one line instead. Other backends can, slowly: a warning."""
+    CUDA_VISIBLE_DEVICES exported to every task. NCCL refuses that unless NCCL_MULTI_RANK_GPU_ENABLE=1
+    (init_process_group above turns its error into this line). Asked for (that variable, or a backend
+    other than NCCL), it runs, slowly: a warning."""
     if device.type != "cuda":
         return
     owners = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
@@ -136,7 +140,7 @@ def check_one_process_per_gpu(device, backend, warn=print):
         return
     rank_a, rank_b, _ = shared
     message = _shared_gpu_message(f"ranks {rank_a} and {rank_b}", device)
-    if backend == "nccl":
+    if backend == "nccl" and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         raise UsageError(message)
     if get_rank() == rank_b:
         warn(f"warning: {message}", flush=True)

@@ -39,9 +39,10 @@ def per_process_batch(batch_size, world_size):
 
 
 def rng_state(devices):
-    """This process's random streams: Python's, torch's CPU one and that of each GPU it drives."""
+    """This process's random streams: Python's, torch's CPU one and that of each GPU it drives, in the
+    order of `devices` (the first is the one DataParallel gathers on; --gpus may name others on resume)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": {device.index: torch.cuda.get_rng_state(device) for device in devices if device.type == "cuda"}}
+            "cuda": [torch.cuda.get_rng_state(device) for device in devices if device.type == "cuda"]}
 
 
 def set_rng_state(state, devices):
@@ -49,10 +50,10 @@ def set_rng_state(state, devices):
     random.setstate(state["python"])
     saved = state.get("cuda")
     if isinstance(saved, torch.Tensor):  # checkpoints before per-GPU states: the first GPU's
-        saved = {devices[0].index: saved}
-    for device in devices:
-        if device.type == "cuda" and (saved or {}).get(device.index) is not None:
-            torch.cuda.set_rng_state(saved[device.index], device)
+        saved = [saved]
+    cuda = [device for device in devices if device.type == "cuda"]
+    for device, device_state in zip(cuda, saved or []):  # more GPUs than saved: those keep their seeds
+        torch.cuda.set_rng_state(device_state, device)
 
 
 def seed_this_rank(seed, rank, devices):

@@ -108,7 +108,7 @@ def test_dataparallel_resume_restores_every_gpus_random_stream():
     that (one CUDA state, not a dict) still loads. (On the CPU there is no CUDA stream to save.)"""
     cpu = [torch.device("cpu")]
     state = rng_state(cpu)
-    assert state["cuda"] == {}
+    assert state["cuda"] == []
     expected = torch.rand(3)
     set_rng_state(state, cpu)
     assert torch.equal(torch.rand(3), expected)
