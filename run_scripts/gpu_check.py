@@ -18,7 +18,8 @@ Then, on the JPEG data:
     the same acc@1 (at most one image apart: the two use different GPU batch sizes, hence kernels);
   - a run stopped after epoch 1 and resumed (--resume auto, --deterministic) ends with weights
     bitwise equal to those of the same run made in one go;
-  - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU).
+  - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU);
+    on several GPUs, train_dp.py --compile is refused with one line.
 One table: row, flags, img/s, peak GPU memory, pass/fail. Exit status 1 if anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
@@ -259,6 +260,15 @@ def check_two_ranks_one_gpu_refused(setup, row):
     row.result = "PASS (refused in one line)"
 
 
+def check_refused(setup, row):
+    """A combination the scripts refuse, in one line and exit status 2, before training."""
+    command = [*setup.command(row.mode), *setup.jpeg_args, *row.flags, "--output-dir", setup.workdir / "refused"]
+    status, output = run(command, setup.env(), 600)
+    if status != 2 or not re.search(row.extra["expect"], output) or "Traceback" in output:
+        raise CheckFailed(f"exit {status}, and not the one line {row.extra['expect']!r}:\n{output[-2500:]}")
+    row.result = "PASS (refused in one line)"
+
+
 def rows_for(setup, quick):
     """The training rows for this machine: DataParallel over all GPUs only where there are several."""
     modes = ["dp1", *(["dpN"] if setup.gpus > 1 else []), "ddp", "spawn"]
@@ -301,6 +311,9 @@ def main(argv=None):
                (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume)]
     if setup.gpus == 1:
         checks.append((Row("two ranks on one GPU refused", "ddp", "jpeg"), check_two_ranks_one_gpu_refused))
+    if setup.gpus > 1:
+        checks.append((Row("dpN compile refused", "dpN", "jpeg", ("--compile",),
+                           extra={"expect": r"^error: --compile does not work with DataParallel over"}), check_refused))
     if args.only:
         checks = [(row, check) for row, check in checks if re.search(args.only, row.name)]
 
