@@ -16,12 +16,7 @@ import argparse
 import os
 import sys
 
-from torch.nn.parallel import DistributedDataParallel
-
-from common import args as cli
-from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group,
-                                select_device, world_info_from_env)
-from common.trainer import Trainer, per_process_batch
+from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
 
 
 def parse_args(argv=None):
@@ -34,6 +29,9 @@ def parse_args(argv=None):
 
 def setup(args):
     """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT)."""
+    from common.distributed import (Runtime, choose_backend, init_process_group, local_world_size_from_env,
+                                    select_device, world_info_from_env)
+    from common.trainer import per_process_batch
     rank, local_rank, world_size = world_info_from_env()
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
@@ -44,10 +42,13 @@ def setup(args):
     backend = choose_backend(args.dist_backend, device)
     per_process_batch(args.batch_size, world_size)  # fail before the rendezvous, not after
     init_process_group(backend, "env://", rank, world_size, device, args.dist_timeout)
-    return Runtime("ddp", device, rank, local_rank, world_size)
+    return Runtime("ddp", device, rank, local_rank, world_size, local_world_size_from_env(world_size))
 
 
 def main(args):
+    from torch.nn.parallel import DistributedDataParallel
+    from common.distributed import destroy_process_group
+    from common.trainer import Trainer
     runtime = setup(args)
     try:
         trainer = Trainer(args, runtime)

@@ -11,13 +11,7 @@ script runs on the CPU.
 """
 import sys
 
-import torch
-import torch.nn as nn
-
-from common import args as cli
-from common.distributed import Runtime, select_device
-from common.engine import AutocastForward
-from common.trainer import Trainer
+from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
 
 
 def parse_args(argv=None):
@@ -29,6 +23,8 @@ def parse_args(argv=None):
 
 def setup(args):
     """The device list: every visible GPU (or --gpus); none on the CPU."""
+    import torch
+    from common.distributed import select_device
     device = select_device(args.device)
     if device.type == "cpu":
         if args.gpus:
@@ -52,6 +48,10 @@ def setup(args):
 
 
 def main(args):
+    import torch.nn as nn
+    from common.distributed import Runtime
+    from common.engine import AutocastForward
+    from common.trainer import Trainer
     device, gpus = setup(args)
     runtime = Runtime("dp", device, num_devices=max(len(gpus), 1), device_ids=tuple(gpus))
     trainer = Trainer(args, runtime)

@@ -19,21 +19,17 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
+from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
 
-from common import args as cli
-from common.distributed import (Runtime, check_port_free, check_sync_bn, choose_backend,
-                                destroy_process_group, init_process_group, select_device)
-from common.preemption import before_exit
-from common.trainer import Trainer, per_process_batch
+
+CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node
 
 
 def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", type=int, default=cli.env_default("WORKER_PER_NODE", int),
-                        help="processes on this node (default: the visible GPUs; env WORKER_PER_NODE)")
+                        help=f"processes on this node (default: one per visible GPU, {CPU_PROCESSES} without a GPU; "
+                             "env WORKER_PER_NODE)")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 .. nnodes-1")
     parser.add_argument("--master-addr", default=cli.env_default("MASTER_ADDR") or "127.0.0.1",
@@ -47,11 +43,16 @@ def parse_args(argv=None):
 
 def setup(args):
     """Check the launch before starting anything; returns the init_method URL."""
+    import torch
+    from common.distributed import check_port_free, check_sync_bn, choose_backend, select_device
+    from common.trainer import per_process_batch
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if args.nproc_per_node is None:
+        # No GPU: 2 CPU processes, so that `python train_spawn.py` shows DDP at work (two ranks, gloo,
+        # the global batch split in two) on any machine.
+        args.nproc_per_node = gpus or CPU_PROCESSES
         if not gpus:
-            raise cli.UsageError("--nproc-per-node is required when no GPU is used (e.g. --nproc-per-node 2)")
-        args.nproc_per_node = gpus
+            print(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)", flush=True)
     if args.nproc_per_node < 1 or (gpus and args.nproc_per_node > gpus):
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} needs one GPU per process, "
                              f"but {gpus} are visible")
@@ -79,14 +80,23 @@ def setup(args):
 
 def worker(local_rank, args, init_method):
     """Runs in each spawned process."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group,
+                                    select_device, usable_cores)
+    from common.preemption import before_exit
+    from common.trainer import Trainer
     # Global rank: the processes of node 0 come first, then those of node 1, ...
     rank = args.node_rank * args.nproc_per_node + local_rank
     world_size = args.nnodes * args.nproc_per_node
     try:
         device = select_device(args.device, local_rank)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The processes share this node's cores (as torchrun does with OMP_NUM_THREADS=1).
+            torch.set_num_threads(max(1, usable_cores() // args.nproc_per_node))
         backend = choose_backend(args.dist_backend, device)
         init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
-        runtime = Runtime("spawn", device, rank, local_rank, world_size)
+        runtime = Runtime("spawn", device, rank, local_rank, world_size, args.nproc_per_node)
         trainer = Trainer(args, runtime)
         device_ids = [device.index] if device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
@@ -113,6 +123,7 @@ def worker(local_rank, args, init_method):
 
 
 def main(args):
+    import torch.multiprocessing as mp
     init_method = setup(args)
     # When a worker fails, spawn stops the others and logs each; our error line says what failed.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
