@@ -259,6 +259,18 @@ class ShardSampler(Sampler):
         return len(range(self.rank, self.length, self.world_size))
 
 
+def loader_workers(requested, processes_on_node, cores=None):
+    """-j: `requested`, or for 'auto' the usable cores (CPU affinity: what Slurm or a container allows)
+    shared among the processes of this node, keeping one core for each process itself, at most 8 each;
+    at least 1 when there is a core to spare (2 cores, 1 process: 1 worker; 2 cores, 2 processes: 0)."""
+    if requested != "auto":
+        return requested
+    cores = cores or distributed.usable_cores()
+    share = cores // max(processes_on_node, 1) - 1
+    spare = cores > processes_on_node
+    return min(8, max(share, 1 if spare else 0))
+
+
 class Data(NamedTuple):
     classes: list
     train_loader: DataLoader

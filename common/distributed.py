@@ -25,6 +25,7 @@ class Runtime:
     rank: int = 0             # global rank, 0 .. world_size-1
     local_rank: int = 0       # rank on this node = which local GPU
     world_size: int = 1       # processes in the job
+    local_world_size: int = 1  # processes on this node (they share its cores)
     num_devices: int = 1      # devices this process drives (several under DataParallel)
     device_ids: tuple = ()    # their indices, when several; else just `device`
 
@@ -51,6 +52,21 @@ def world_info_from_env():
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
         return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
     return 0, 0, 1
+
+
+def usable_cores():
+    """The cores this process may run on (its CPU affinity: what Slurm or a container allows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_world_size_from_env(world_size):
+    """Processes on this node, as torchrun (LOCAL_WORLD_SIZE) or Slurm (SLURM_STEP_TASKS_PER_NODE, e.g.
+    "4(x2)") say; else world_size (every process on this node: the cautious guess)."""
+    env = os.environ
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(env["LOCAL_WORLD_SIZE"])
+    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", "") or env.get("SLURM_NTASKS_PER_NODE", ""))
+    return int(per_node.group()) if per_node else world_size
 
 
 def select_device(choice, local_rank=0):

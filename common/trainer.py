@@ -21,7 +21,7 @@ import torch.nn as nn
 from . import checkpoint, distributed
 from .args import Preempted, UsageError, default_output_dir
 from .bad_images import BadImageLog
-from .data import DeviceLoader, build_data
+from .data import DeviceLoader, build_data, loader_workers
 from .engine import evaluate, train_one_epoch
 from .logger import RunLogger, describe_environment
 from .meters import MetricSums
@@ -97,6 +97,17 @@ def warn_slow_amp(amp, device, warn):
              "use --amp fp16 on this GPU")
 
 
+def use_channels_last(choice, device, amp, model):
+    """--channels-last on/off, or for auto: on where it is measured faster (docs/benchmarks.md), that is
+    for convolutional networks (two Conv2d layers or more; a vision transformer has one, its patch
+    embedding) on the CPU (oneDNN's convolutions are fastest in NHWC) and on GPUs with --amp (tensor
+    cores read NHWC); off on GPUs in float32, where cuDNN gains little, and for other models."""
+    if choice != "auto":
+        return choice == "on"
+    convolutional = sum(isinstance(module, nn.Conv2d) for module in model.modules()) >= 2
+    return convolutional and (device.type == "cpu" or amp != "none")
+
+
 class Trainer:
     def __init__(self, args, runtime):
         self.args, self.runtime = args, runtime
@@ -126,6 +137,7 @@ class Trainer:
         torch.manual_seed(self.seed)
 
         self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
+        args.workers = loader_workers(args.workers, runtime.local_world_size)
         self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
                                gpu=device.type == "cuda")
         if not args.resume and not args.evaluate and not args.overwrite:
@@ -135,7 +147,8 @@ class Trainer:
             checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
         if args.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        memory_format = torch.channels_last if args.channels_last else torch.preserve_format
+        self.channels_last = use_channels_last(args.channels_last, device, args.amp, model)
+        memory_format = torch.channels_last if self.channels_last else torch.preserve_format
         self.model = model.to(device, memory_format=memory_format)
         seed_this_rank(self.seed, runtime.rank, runtime.devices)
 
@@ -144,8 +157,8 @@ class Trainer:
                                          weight_decay=args.weight_decay)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
         self.bad_images = BadImageLog(runtime.rank, runtime.world_size, known=(resumed or {}).get("bad_images", ()))
-        self.train_batches = DeviceLoader(self.data.train_loader, device, args.channels_last, self.bad_images.report)
-        self.val_batches = DeviceLoader(self.data.val_loader, device, args.channels_last, self.bad_images.report)
+        self.train_batches = DeviceLoader(self.data.train_loader, device, self.channels_last, self.bad_images.report)
+        self.val_batches = DeviceLoader(self.data.val_loader, device, self.channels_last, self.bad_images.report)
         self.steps_per_epoch = len(self.data.train_loader)
         self.start_epoch, self.start_step, self.best_acc1, self.resumed_totals = 0, 0, 0.0, None
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
@@ -236,7 +249,10 @@ class Trainer:
         log.print(f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
                   f"{describe_environment(runtime.device, runtime.num_devices)}")
         log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
-                  f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images)")
+                  f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images, "
+                  f"{args.workers} loader worker(s) per process)")
+        log.print(f"model: {args.arch}, {'channels_last' if self.channels_last else 'default'} memory format "
+                  f"(--channels-last {args.channels_last}), --amp {args.amp}")
         if self.resume_path:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
                       + (f", step {self.start_step})" if self.start_step else ")"))

@@ -70,7 +70,7 @@ def test_autocast_forward_computes_in_the_amp_dtype_in_any_thread():
 
 @pytest.fixture(scope="module")
 def fp32(tiny_data, tmp_path_factory):
-    """The reference: two epochs in float32, default memory format."""
+    """The reference: two epochs in float32, default flags (channels_last on the CPU)."""
     output_dir = tmp_path_factory.mktemp("fp32") / "out"
     return SimpleNamespace(output_dir=output_dir, stdout=train(tiny_data, output_dir))
 
@@ -147,13 +147,16 @@ def test_evaluate_without_weights_is_refused(tiny_data, tmp_path, extra, message
 
 
 def test_channels_last_trains_as_the_default_format_does(tiny_data, tmp_path, fp32):
-    """NHWC changes the kernels, not the arithmetic beyond float rounding."""
-    nhwc = train(tiny_data, tmp_path / "nhwc", "--channels-last")
-    a, b = weights(fp32.output_dir)["state_dict"], weights(tmp_path / "nhwc")["state_dict"]
+    """NHWC (on by default for a CNN on the CPU: --channels-last auto) changes the kernels, not the
+    arithmetic beyond float rounding."""
+    assert "model: tests.tiny_models:TinyNet, channels_last memory format (--channels-last auto)" in fp32.stdout
+    nchw = train(tiny_data, tmp_path / "nchw", "--channels-last", "off")
+    assert "default memory format (--channels-last off)" in nchw
+    a, b = weights(fp32.output_dir)["state_dict"], weights(tmp_path / "nchw")["state_dict"]
     first = torch.load(fp32.output_dir / "checkpoint_prev.pth", weights_only=True)["state_dict"]
     assert max((a[k] - first[k]).abs().max().item() for k in a) > 1e-3  # the second epoch moved the weights
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
-    assert losses(nhwc) == pytest.approx(losses(fp32.stdout), abs=1e-4)
+    assert losses(nchw) == pytest.approx(losses(fp32.stdout), abs=1e-4)
 
 
 def test_compile_trains_with_one_graph_per_mode_and_its_checkpoint_evaluates_alike(tmp_path):
