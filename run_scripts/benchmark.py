@@ -210,6 +210,48 @@ def resize_compare(jpeg_dir, images, batch=64):
     shutil.rmtree(workdir)
 
 
+CHANNELS_LAST_MODELS = [("resnet18", 224), ("resnet50", 112), ("mobilenet_v3_small", 224),
+                        ("efficientnet_b0", 112), ("shufflenet_v2_x1_0", 224), ("squeezenet1_1", 224),
+                        ("convnext_tiny", 64), ("vit_b_16", 224)]
+
+
+def channels_last_compare(steps, batch=32, rounds=3, models=None):
+    """Training images/s of a plain step (forward, backward, SGD) in the default memory format and in
+    channels_last, on this machine's device, per model. The two formats alternate, `rounds` times, and
+    the median counts: a load that comes and goes touches both alike."""
+    from torchvision import models as tv
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print("| model | input | default img/s | channels_last img/s | gain |\n|---|---:|---:|---:|---:|", flush=True)
+    for arch, size in models or CHANNELS_LAST_MODELS:
+        rates = {False: [], True: []}
+        for _ in range(rounds):
+            for channels_last in (False, True):
+                torch.manual_seed(0)
+                fmt = torch.channels_last if channels_last else torch.contiguous_format
+                model = tv.get_model(arch, num_classes=1000, **({"image_size": size} if arch.startswith("vit") else {}))
+                model = model.to(device, memory_format=fmt).train()
+                optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+                images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+                target = torch.randint(0, 1000, (batch,), device=device)
+
+                def step():
+                    loss = torch.nn.functional.cross_entropy(model(images), target)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                step()  # warm-up: allocations, oneDNN primitive caches
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                rates[channels_last].append(steps * batch / (time.perf_counter() - start))
+        default, nhwc = sorted(rates[False])[rounds // 2], sorted(rates[True])[rounds // 2]
+        print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
+
+
 def gpu_row(amp, channels_last, compiled, steps):
     """(images/s, peak GiB) of ResNet-50 training steps at 224 px, batch 256, on the first GPU."""
     from torchvision import models
@@ -264,7 +306,19 @@ def main():
     parser.add_argument("--workers", type=int, default=1, help="loader workers per process (%(default)s)")
     parser.add_argument("--resize-compare", action="store_true",
                         help="only the table of original vs prepare_imagenet.py --resize JPEGs")
+    parser.add_argument("--channels-last-compare", action="store_true",
+                        help="only the table of default vs channels_last training speed, per model")
+    parser.add_argument("--models", default=None, metavar="ARCH:PX,...",
+                        help="models of --channels-last-compare (default: " +
+                             ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS) + ")")
     args = parser.parse_args()
+    if args.channels_last_compare:
+        models = [(entry.split(":")[0], int(entry.split(":")[1])) for entry in args.models.split(",")] \
+            if args.models else None
+        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads\n\ndefault memory format vs channels_last, training step, batch 32\n")
+        channels_last_compare(steps=3 if args.quick else 6, models=models)
+        return
     gpu = torch.cuda.is_available()
     crop = args.crop or (224 if gpu else 112)
     pipeline_images, train_images = (128, 256) if args.quick else (1024, 2048 if not gpu else 8192)
