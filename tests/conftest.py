@@ -1,10 +1,13 @@
-"""Shared helpers: tiny datasets on disk and real processes started the way a user starts them."""
+"""Shared helpers: tiny datasets on disk and real processes started the way a user starts them, none of
+which outlives its test."""
+import json
 import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -56,20 +59,48 @@ def clean_env(gpu=False, **extra):
 
 
 def run(args, timeout=300, env=None, cwd=REPO):
-    """Run a command (a list) to completion; a hang fails the test instead of the CI run."""
-    return subprocess.run([str(arg) for arg in args], cwd=cwd, env=env or clean_env(), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    """Run a command (a list) to completion; a hang fails the test instead of the CI run. The command
+    runs as a Job: on a timeout it is killed with every process it started (torchrun's workers,
+    spawn's children, loader workers), whatever session they moved to."""
+    job = Job(args, env=env, cwd=cwd)
+    try:
+        returncode, output = job.finish(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise subprocess.TimeoutExpired(job.process.args, timeout, output="".join(job.output)) from None
+    return subprocess.CompletedProcess(job.process.args, returncode, output)
+
+
+def run_together(commands, timeout=300):
+    """[CompletedProcess] of commands (lists, or (list, env) pairs) started at once: single-process runs
+    leave a core idle on this 2-core machine, and waits overlap. Each runs as a Job."""
+    jobs = [Job(*command) if isinstance(command, tuple) else Job(command) for command in commands]
+    results, deadline = [], time.monotonic() + timeout
+    try:
+        for job in jobs:
+            returncode, output = job.finish(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(job.process.args, returncode, output))
+    finally:
+        for job in jobs:
+            job.kill()
+    return results
+
+
+def script_command(script, *args):
+    return [PYTHON, REPO / script, *args]
 
 
 def run_script(script, *args, timeout=300, env=None):
     return run([PYTHON, REPO / script, *args], timeout=timeout, env=env)
 
 
-def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
+def torchrun_command(script, nproc, *args, extra=()):
     """`torchrun --nproc_per_node=N script args` on a free loopback port."""
-    return run([PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, REPO / script, *args],
-               timeout=timeout, env=env)
+    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, REPO / script, *args]
+
+
+def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
+    return run(torchrun_command(script, nproc, *args, extra=extra), timeout=timeout, env=env)
 
 
 def assert_ok(result):
@@ -77,10 +108,10 @@ def assert_ok(result):
     return result.stdout
 
 
-def processes_marked(marker):
-    """Live processes whose environment holds JOB_MARKER=marker: a job and every descendant (torchrun's
+def processes_marked(marker, name="JOB_MARKER"):
+    """Live processes whose environment holds name=marker: a job and every descendant (torchrun's
     workers, spawn's children, loader workers), whatever session or process group they moved to."""
-    needle = f"JOB_MARKER={marker}".encode()
+    needle = f"{name}={marker}".encode()
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -92,17 +123,41 @@ def processes_marked(marker):
     return found
 
 
+_jobs = []  # every Job not yet known to be over: killed at the end of the test that started it
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test():
+    """The finaliser of every test: whatever failed, no job it started is left running."""
+    before = list(_jobs)  # jobs of module or session fixtures: those fixtures finish them
+    yield
+    for job in [job for job in _jobs if job not in before]:
+        job.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_job_outlives_the_session():
+    yield
+    while _jobs:
+        _jobs.pop().kill()
+
+
 class Job:
     """A launched job whose output is read line by line as it comes. It runs in a session of its own,
-    marked in its environment; finish() waits for it, then kills whatever of it is left."""
+    marked in its environment (JOB_MARKER) so that its descendants are found in any session;
+    finish() waits for it, then kills whatever of it is left. A job still running when its test
+    ends is killed then."""
 
-    def __init__(self, command, env=None, **popen):
+    def __init__(self, command, env=None, cwd=REPO, **popen):
         self.marker = uuid.uuid4().hex
         env = dict(env or clean_env(), JOB_MARKER=self.marker)
-        self.process = subprocess.Popen([str(arg) for arg in command], cwd=REPO, env=env, start_new_session=True,
+        self.process = subprocess.Popen([str(arg) for arg in command], cwd=cwd, env=env, start_new_session=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
         self.lines, self.output = queue.Queue(), []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.left_behind = None  # processes of the job alive after it ended (set by finish)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        _jobs.append(self)
 
     def _read(self):
         for line in self.process.stdout:
@@ -129,19 +184,55 @@ class Job:
         return processes_marked(self.marker)
 
     def kill(self):
-        for pid in [self.process.pid, *self.leftovers()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the job's process group and every process marked as the job's."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for _ in range(50):  # a process may fork while it is killed: until none is left
+            pids = self.leftovers()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
         self.process.wait()
+        if self in _jobs:
+            _jobs.remove(self)
 
-    def finish(self, timeout=300):
+    def finish(self, timeout=300, grace=5):
         """(returncode, output) once the job ended by itself within `timeout` s (else it is killed and
-        subprocess.TimeoutExpired raised)."""
+        subprocess.TimeoutExpired raised). The processes of the job still alive `grace` s after it
+        ended are in self.left_behind, then killed."""
         try:
             self.process.wait(timeout=timeout)
+            deadline = time.monotonic() + grace
+            while self.leftovers() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.left_behind = self.leftovers()
         finally:
             self.kill()
-        time.sleep(0.1)  # let the reader take the last lines
+            self.reader.join(timeout=30)  # the last lines: the pipe is closed once every process is gone
         return self.process.returncode, "".join(self.output)
+
+
+def run_prewarmed(script, runs, envs=None, timeout=180, parallel=2):
+    """[CompletedProcess] of `python script *argv` for each argv in `runs`, each a process of its own
+    forked from one interpreter that imported the script's modules first (tests/prewarmed.py): for
+    the many runs that end before training starts, where starting Python and importing torch is
+    nearly all the cost. Nothing may be printed while importing: a real run would print it."""
+    with tempfile.TemporaryDirectory(prefix="prewarmed-") as folder:
+        spec = Path(folder) / "spec.json"
+        outputs = [str(Path(folder) / f"{index}.out") for index in range(len(runs))]
+        spec.write_text(json.dumps({"script": str(REPO / script), "runs": [[str(arg) for arg in argv] for argv in runs],
+                                    "envs": envs or [None] * len(runs), "outputs": outputs,
+                                    "parallel": parallel, "timeout": timeout}))
+        driver = run([PYTHON, REPO / "tests" / "prewarmed.py", spec], timeout=timeout + 60)
+        assert driver.returncode == 0, driver.stdout[-3000:]
+        result = json.loads(Path(f"{spec}.result").read_text())
+        assert result["import_output"] == "", result["import_output"]
+        return [subprocess.CompletedProcess([PYTHON, script, *argv], code, Path(output).read_text())
+                for argv, code, output in zip(runs, result["codes"], outputs)]

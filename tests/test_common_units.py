@@ -3,7 +3,7 @@ import argparse
 import collections
 import re
 import shutil
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +14,8 @@ from PIL import Image
 
 from common import args as cli
 from common import checkpoint
+from common import data as data_module
+from common import meters
 from common.args import UsageError
 from common.data import DeviceLoader, EvalPreset, ShardSampler, SeededTransform, TrainPreset, build_data, load_image
 from common.folder_index import scan_image_folder
@@ -107,18 +109,21 @@ def test_metric_sums_summary_of_nothing_is_zero_not_nan():
     assert summary == {"loss": 0.0, "acc1": 0.0, "acc5": 0.0, "count": 0}
 
 
-def test_progress_meter_prints_one_line_with_images_per_second_and_eta():
+def test_progress_meter_prints_one_line_with_images_per_second_and_eta(monkeypatch):
+    # The meter's clock, injected: 2 s pass for the first 2 of 10 batches (8 s to go), however slow the machine.
+    now = [1000.0]
+    monkeypatch.setattr(meters, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     lines = []
     progress = ProgressMeter(10, "Epoch: [3]", lines.append)
-    progress.start = time.perf_counter() - 2.0  # 2 s for the first 2 of 10 batches: 8 s to go
+    now[0] += 2.0
     images_per_second = progress.display(1, {"loss": 0.5, "acc1": 75.0, "acc5": 100.0, "count": 100}, lr=0.1)
     assert len(lines) == 1 and "\n" not in lines[0]
     line = lines[0]
     assert line.startswith("Epoch: [3] [ 2/10]")
     assert "loss 0.5000" in line and "acc@1  75.00" in line and "acc@5 100.00" in line and "lr 0.1" in line
     assert re.search(r"\d+\.\d img/s", line)
-    assert line.endswith("eta 0:00:08")
-    assert images_per_second == pytest.approx(50.0, rel=0.05)
+    assert line.endswith("   50.0 img/s  eta 0:00:08")
+    assert images_per_second == 50.0
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -394,7 +399,8 @@ def test_truncated_checkpoint_raises_usage_error(tmp_path):
 
 def test_a_text_file_given_as_checkpoint_raises_usage_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello\n")
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(tmp_path / 'notes.txt'))}: "
+                                         r"truncated or not a PyTorch checkpoint \(\w+\)$"):
         checkpoint.load_checkpoint(tmp_path / "notes.txt")
 
 
@@ -500,14 +506,22 @@ def seeded_dataset(seed=0):
     return SeededTransform(images, TrainPreset(16, min_scale=0.1), seed)
 
 
-def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with_pil(tmp_path):
+def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with_pil(tmp_path, monkeypatch):
     picture = Image.new("RGB", (30, 20), (200, 40, 10))
     picture.paste((10, 220, 30), (5, 5, 20, 15))
-    for name in ("a.jpg", "a.png", "a.bmp"):
+    # Which decoder ran: both, unchanged, count their calls (their pixels may agree to the bit).
+    calls = []
+    torchvision_decode, pil_open = data_module.decode_image, Image.open
+    assert torchvision_decode is not None, "torchvision.io.decode_image is gone: load_image uses PIL alone"
+    monkeypatch.setattr(data_module, "decode_image", lambda *a, **k: calls.append("torchvision") or torchvision_decode(*a, **k))
+    monkeypatch.setattr(Image, "open", lambda *a, **k: calls.append("PIL") or pil_open(*a, **k))
+    for name, decoder in (("a.jpg", "torchvision"), ("a.png", "torchvision"), ("a.bmp", "PIL")):
         picture.save(tmp_path / name)
+        calls.clear()
         image = load_image(str(tmp_path / name))
+        assert calls == [decoder], name
         assert image.dtype == torch.uint8 and image.shape == (3, 20, 30), name
-        reference = torchvision.transforms.v2.functional.pil_to_tensor(Image.open(tmp_path / name).convert("RGB"))
+        reference = torchvision.transforms.v2.functional.pil_to_tensor(pil_open(tmp_path / name).convert("RGB"))
         assert (image.int() - reference.int()).abs().max() <= 2, name  # two JPEG decoders may round apart
     Image.new("L", (8, 6), 90).save(tmp_path / "grey.png")
     assert load_image(str(tmp_path / "grey.png")).shape == (3, 6, 8)  # always RGB
@@ -515,7 +529,7 @@ def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with
 
 def test_load_image_of_a_broken_file_names_it(tmp_path):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
-    with pytest.raises(Exception, match="cannot identify image file"):
+    with pytest.raises(Exception, match=rf"cannot identify image file .*{re.escape(str(tmp_path / 'broken.jpg'))}"):
         load_image(str(tmp_path / "broken.jpg"))
 
 
@@ -571,8 +585,11 @@ def first_batch(args, rank, world_size, batch):
     return {(int(label), image.numpy().tobytes()) for image, label in zip(images, labels)}, data
 
 
-def test_ranks_first_batches_together_are_the_single_process_first_batch(tiny_data, no_platform_env):
-    args = parse("--data", str(tiny_data), "-j", "0", "--train-crop-size", "24", "--val-resize-size", "32",
+def test_ranks_first_batches_together_are_the_single_process_first_batch(folder, no_platform_env):
+    # 13 validation images: 2 ranks cannot split them evenly, so padding (DistributedSampler's) would show.
+    extra = next((folder / "val" / "circle").glob("0*.jpg"))
+    shutil.copy(extra, extra.with_name("extra.jpg"))
+    args = parse("--data", str(folder), "-j", "0", "--train-crop-size", "24", "--val-resize-size", "32",
                  "--val-crop-size", "32")
     single, _ = first_batch(args, rank=0, world_size=1, batch=8)
     rank0, data0 = first_batch(args, rank=0, world_size=2, batch=4)
@@ -580,8 +597,10 @@ def test_ranks_first_batches_together_are_the_single_process_first_batch(tiny_da
     assert len(single) == 8 and len(rank0) == len(rank1) == 4
     assert rank0.isdisjoint(rank1)
     assert rank0 | rank1 == single
-    # Validation: each of the 12 images on exactly one rank.
-    assert len(data0.val_loader.sampler) + len(data1.val_loader.sampler) == 12
+    # Validation: each of the 13 images on exactly one rank, none twice.
+    shards = [list(data.val_loader.sampler) for data in (data0, data1)]
+    assert sorted(shards[0] + shards[1]) == list(range(13)) and len(data0.val_loader.dataset) == 13
+    assert [len(data.val_loader.sampler) for data in (data0, data1)] == [len(shard) for shard in shards] == [7, 6]
     assert data0.classes == ["circle", "ring", "square"]
 
 

@@ -3,12 +3,15 @@ image is skipped and reported (or, with --strict-data, ends the run in one line)
 leaves a process hanging: an error while loader workers run, a loader worker killed, a stop
 signal while the main process waits for data that never comes (a FIFO named like a JPEG, as a
 hung network file system). Every job is checked to have ended with all its processes."""
+import contextlib
 import io
 import json
 import os
 import re
 import signal
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,9 +40,41 @@ def launch(mode, *args):
 
 
 def finish(job, timeout=120):
-    """Wait for the job; it must end by itself, and leave no process behind."""
+    """Wait for the job; it must end by itself, and leave no process behind (none alive 5 s after the
+    launcher ended; Job.finish kills those, after noting them)."""
     returncode, output = job.finish(timeout=timeout)
-    assert not job.leftovers(), output[-3000:]
+    assert not job.left_behind, f"processes left behind: {job.left_behind}\n{output[-3000:]}"
+    return returncode, output
+
+
+def finish_all(jobs, timeout=240):
+    """{name: (returncode, output, processes left behind)} of jobs started together; each must end by
+    itself (else it is killed, and its test fails on its output)."""
+    ended = {}
+    for name, job in jobs.items():
+        try:
+            returncode, output = job.finish(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode, output = None, "".join(job.output) + f"\n[did not end within {timeout} s]"
+        ended[name] = (returncode, output, job.left_behind)
+    return ended
+
+
+@contextlib.contextmanager
+def killed_on_error(jobs):
+    """Jobs started together by a fixture: if one fails to do its part, none is left running."""
+    try:
+        yield
+    except BaseException:
+        for job in jobs.values():
+            job.kill()
+        raise
+
+
+def ended_cleanly(runs, name):
+    """(returncode, output) of the run `name`, which left no process behind."""
+    returncode, output, left_behind = runs[name]
+    assert returncode is not None and not left_behind, f"left behind: {left_behind}\n{output[-3000:]}"
     return returncode, output
 
 
@@ -110,38 +145,60 @@ def test_the_training_loader_fills_every_batch_and_the_validation_loader_leaves_
     assert sorted({path for *_, found in train + val for path, _ in found}) == bad
 
 
-def test_undecodable_images_are_skipped_warned_once_listed_and_counted(faulty, tmp_path):
-    root, bad, _ = faulty
-    job = Job(launch("dp", *RUN, "--data", root, "-b", "8", "-j", "2", "--epochs", "2", "--output-dir", tmp_path))
-    returncode, output = finish(job)
+def runs_on_faulty_data(faulty, tiny_data, out):
+    """The runs on broken data that go to their end by themselves, started together (name -> (returncode,
+    output, left behind), and their output directories): DataParallel and DDP on the faulty set; each
+    launch mode with --strict-data; an error in training (FailingNet) while loader workers run; and a
+    bad file whose name is not UTF-8."""
+    root, _, _ = faulty
+    odd_name = make_image_folder(out / "odd-name-data", train_per_class=4, val_per_class=2)
+    (odd_name / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")).write_bytes(b"not an image")
+    commands = {
+        "skipped-dp": launch("dp", *RUN, "--data", root, "-b", "8", "-j", "2", "--epochs", "2", "--output-dir",
+                             out / "skipped-dp"),
+        "skipped-ddp": launch("ddp", *RUN, "--data", root, "-b", "8", "-j", "1", "--epochs", "1", "--output-dir",
+                              out / "skipped-ddp"),
+        **{f"strict-{mode}": launch(mode, *RUN, "--data", root, "-b", "8", "-j", "1", "--strict-data", "--output-dir",
+                                    out / f"strict-{mode}") for mode in ("dp", "ddp", "spawn")},
+        "error-dp": launch("dp", *RUN, "--data", tiny_data, "-b", "4", "-j", "2", "-a", "tests.tiny_models:FailingNet",
+                           "--output-dir", out / "error-dp"),
+        "odd-name-dp": launch("dp", *RUN, "--data", odd_name, "-b", "4", "-j", "1", "--epochs", "2", "--output-dir",
+                              out / "odd-name-dp"),
+    }
+    return finish_all({name: Job(command) for name, command in commands.items()})
+
+
+def test_undecodable_images_are_skipped_warned_once_listed_and_counted(faulty, faulty_runs):
+    _, bad, _ = faulty
+    runs, out = faulty_runs
+    returncode, output = ended_cleanly(runs, "skipped-dp")
     assert returncode == 0, output[-3000:]
     warned = re.findall(r"^warning: skipped (\S+): cannot decode it \(.+\)$", output, re.MULTILINE)
     assert sorted(warned) == bad, output  # once each, in two epochs
-    listed = (tmp_path / "bad_images.txt").read_text().splitlines()
+    listed = (out / "skipped-dp" / "bad_images.txt").read_text().splitlines()
     assert [line.split("\t")[0] for line in listed] == bad
-    rows = (tmp_path / "log.csv").read_text().splitlines()
+    rows = (out / "skipped-dp" / "log.csv").read_text().splitlines()
     assert rows[0].endswith(",bad_images") and [row.rsplit(",", 1)[1] for row in rows[1:]] == ["3", "3"]
-    assert json.loads((tmp_path / "summary.json").read_text())["bad_images"] == 3
+    assert json.loads((out / "skipped-dp" / "summary.json").read_text())["bad_images"] == 3
     assert re.findall(r"\((\d+) images\)", output) == ["12", "12"]  # 13 files in val/, one unreadable
     assert "Traceback" not in output
 
 
-def test_ddp_ranks_pool_the_files_they_skipped(faulty, tmp_path):
-    root, bad, _ = faulty
-    job = Job(launch("ddp", *RUN, "--data", root, "-b", "8", "-j", "1", "--epochs", "1", "--output-dir", tmp_path))
-    returncode, output = finish(job)
+def test_ddp_ranks_pool_the_files_they_skipped(faulty, faulty_runs):
+    _, bad, _ = faulty
+    runs, out = faulty_runs
+    returncode, output = ended_cleanly(runs, "skipped-ddp")
     assert returncode == 0, output[-3000:]
     assert sorted(set(re.findall(r"warning: rank [01]: skipped (\S+): cannot decode it", output))) == bad
-    assert [line.split("\t")[0] for line in (tmp_path / "bad_images.txt").read_text().splitlines()] == bad
-    assert json.loads((tmp_path / "summary.json").read_text())["bad_images"] == 3
+    assert [line.split("\t")[0] for line in (out / "skipped-ddp" / "bad_images.txt").read_text().splitlines()] == bad
+    assert json.loads((out / "skipped-ddp" / "summary.json").read_text())["bad_images"] == 3
     assert re.findall(r"\((\d+) images\)", output) == ["12"]
 
 
 @pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
-def test_strict_data_ends_the_run_at_the_first_bad_file_in_one_line(faulty, tmp_path, mode):
-    root, bad, _ = faulty
-    job = Job(launch(mode, *RUN, "--data", root, "-b", "8", "-j", "1", "--strict-data", "--output-dir", tmp_path))
-    returncode, output = finish(job)
+def test_strict_data_ends_the_run_at_the_first_bad_file_in_one_line(faulty, faulty_runs, mode):
+    _, bad, _ = faulty
+    returncode, output = ended_cleanly(faulty_runs[0], f"strict-{mode}")
     assert returncode != 0
     named = re.findall(r"^error: (?:rank \d: )?cannot decode (\S+) \(.*\); without --strict-data", output, re.MULTILINE)
     assert named and set(named) <= set(bad), output[-3000:]
@@ -153,11 +210,9 @@ def test_strict_data_ends_the_run_at_the_first_bad_file_in_one_line(faulty, tmp_
 
 # ----------------------------------------------------------------------------- no fault hangs
 
-@pytest.mark.parametrize("mode", ["dp"])  # torchrun and spawn: test_distributed.py, a rank that raises
-def test_an_error_in_training_ends_the_run_and_its_loader_workers(tiny_data, tmp_path, mode):
-    job = Job(launch(mode, *RUN, "--data", tiny_data, "-b", "4", "-j", "2", "-a", "tests.tiny_models:FailingNet",
-                     "--output-dir", tmp_path))
-    returncode, output = finish(job)
+def test_an_error_in_training_ends_the_run_and_its_loader_workers(faulty_runs):
+    """DataParallel; torchrun and spawn: test_distributed.py, a rank that raises."""
+    returncode, output = ended_cleanly(faulty_runs[0], "error-dp")
     assert returncode != 0 and "the failure this test model makes at training step 3" in output, output[-3000:]
 
 
@@ -176,15 +231,33 @@ def loader_workers(job):
     return workers
 
 
+@pytest.fixture(scope="module")
+def long_epoch_data(tmp_path_factory):
+    """180 training images: an epoch of 45 steps of batch 4, time enough to kill a loader worker in it."""
+    return make_image_folder(tmp_path_factory.mktemp("long-epoch"), train_per_class=60, val_per_class=2)
+
+
+def runs_with_a_killed_loader_worker(long_epoch_data, out):
+    """A run of each launch mode, started together, each with one of its loader workers SIGKILLed at
+    step 3: mode -> (loader workers found, (returncode, output, left behind))."""
+    jobs = {mode: Job(launch(mode, *RUN, "--data", long_epoch_data, "-b", "4", "-j", "2", "--output-dir", out / mode))
+            for mode in ("dp", "ddp", "spawn")}
+    found = {}
+    with killed_on_error(jobs):
+        for mode, job in jobs.items():
+            job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=240)
+            found[mode] = loader_workers(job)
+            if found[mode]:
+                os.kill(found[mode][0], signal.SIGKILL)
+    ended = finish_all(jobs)
+    return {mode: (found[mode], ended[mode]) for mode in jobs}
+
+
 @pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
-def test_a_loader_worker_killed_ends_the_run(tmp_path, mode):
-    data = make_image_folder(tmp_path / "data", train_per_class=60, val_per_class=2)
-    job = Job(launch(mode, *RUN, "--data", data, "-b", "4", "-j", "2", "--output-dir", tmp_path / "out"))
-    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"))
-    workers = loader_workers(job)
+def test_a_loader_worker_killed_ends_the_run(killed_loader_workers, mode):
+    workers, _ = killed_loader_workers[mode]
     assert len(workers) == (2 if mode == "dp" else 4), workers
-    os.kill(workers[0], signal.SIGKILL)
-    returncode, output = finish(job)
+    returncode, output = ended_cleanly({mode: killed_loader_workers[mode][1]}, mode)
     assert returncode != 0
     # As the kernel's OOM killer would: the loader reports the dead worker (or its broken queue, if it died
     # while sending a batch).
@@ -204,32 +277,93 @@ def hung_data(tmp_path_factory):
     return root
 
 
-def start_blocked(mode, data, tmp_path):
-    job = Job(launch(mode, *RUN, "--data", data, "-b", "2", "-j", "1", "--output-dir", tmp_path))
-    job.wait_for(re.compile(r"^output: "))  # printed just before the first batch is asked for
-    time.sleep(3)
-    return job
+@pytest.fixture(scope="module")
+def side_by_side(faulty, tiny_data, long_epoch_data, hung_data, tmp_path_factory):
+    """The module's runs, side by side, a thread each (most of their time is spent starting processes,
+    and waiting): the runs on faulty data, the runs whose loader worker is killed, and the runs stopped
+    while blocked on data. name -> what they gave, or the exception raised."""
+    groups = {"faulty": lambda out: runs_on_faulty_data(faulty, tiny_data, out),
+              "killed": lambda out: runs_with_a_killed_loader_worker(long_epoch_data, out),
+              "blocked": lambda out: runs_stopped_while_blocked(hung_data, out)}
+    folders = {name: tmp_path_factory.mktemp(name) for name in groups}
+    with ThreadPoolExecutor(len(groups)) as pool:
+        futures = {name: pool.submit(group, folders[name]) for name, group in groups.items()}
+    return {name: (futures[name].exception() or futures[name].result(), folders[name]) for name in groups}
+
+
+def outcome(side_by_side, name):
+    result, folder = side_by_side[name]
+    if isinstance(result, BaseException):
+        raise result
+    return result, folder
+
+
+@pytest.fixture(scope="module")
+def faulty_runs(side_by_side):
+    return outcome(side_by_side, "faulty")
+
+
+@pytest.fixture(scope="module")
+def killed_loader_workers(side_by_side):
+    return outcome(side_by_side, "killed")[0]
+
+
+@pytest.fixture(scope="module")
+def stopped_while_blocked(side_by_side):
+    return outcome(side_by_side, "blocked")[0]
+
+
+# name: (mode, signals); each signal is sent 3 s after the job said it asks for its first batch, a second
+# one 6 s after the first (copies of one request come within milliseconds: see the next test).
+BLOCKED = {
+    "sigterm-dp": ("dp", [signal.SIGTERM]),
+    "sigterm-ddp": ("ddp", [signal.SIGTERM]),
+    "sigterm-spawn": ("spawn", [signal.SIGTERM]),
+    "second-sigterm-dp": ("dp", [signal.SIGTERM, signal.SIGTERM]),
+    "sigint-dp": ("dp", [signal.SIGINT]),
+    "sigint-spawn": ("spawn", [signal.SIGINT]),
+}
+
+
+def runs_stopped_while_blocked(hung_data, root):
+    """Every job of BLOCKED, each waiting for data that never comes, stopped by its signals; started
+    together, so that their waits (10 s of grace after a SIGTERM) overlap. name -> (returncode, output,
+    processes left behind)."""
+    jobs = {name: Job(launch(mode, *RUN, "--data", hung_data, "-b", "2", "-j", "1", "--output-dir", root / name))
+            for name, (mode, _) in BLOCKED.items()}
+    with killed_on_error(jobs):
+        for job in jobs.values():
+            job.wait_for(re.compile(r"^output: "), timeout=240)  # printed just before the first batch is asked for
+        time.sleep(3)
+        for name, (_, signals) in BLOCKED.items():
+            jobs[name].process.send_signal(signals[0])
+        time.sleep(6)
+        for name, (_, signals) in BLOCKED.items():
+            for signum in signals[1:]:
+                jobs[name].process.send_signal(signum)
+    return finish_all(jobs)
 
 
 @pytest.mark.parametrize("mode", ["dp", "ddp", "spawn"])
-def test_sigterm_while_waiting_for_data_that_never_comes_ends_the_run(hung_data, tmp_path, mode):
-    job = start_blocked(mode, hung_data, tmp_path)
-    job.process.send_signal(signal.SIGTERM)
-    returncode, output = finish(job)
+def test_sigterm_while_waiting_for_data_that_never_comes_ends_the_run(stopped_while_blocked, mode):
+    returncode, output = ended_cleanly(stopped_while_blocked, f"sigterm-{mode}")
     assert "stopped on SIGTERM after waiting 10 s for data: no checkpoint of this step" in output, output[-3000:]
     assert returncode == PREEMPTED if mode != "ddp" else returncode != 0  # torchrun: its own code
     assert no_traceback_of_ours(output), output[-3000:]
 
 
-def test_a_second_sigterm_stops_at_once(hung_data, tmp_path):
-    job = start_blocked("dp", hung_data, tmp_path)
-    job.process.send_signal(signal.SIGTERM)
-    time.sleep(6)  # a second request (copies of the first come within milliseconds: see below)
-    job.process.send_signal(signal.SIGTERM)
-    returncode, output = finish(job)
+def test_a_second_sigterm_stops_at_once(stopped_while_blocked):
+    returncode, output = ended_cleanly(stopped_while_blocked, "second-sigterm-dp")
     assert returncode == PREEMPTED
     assert "stopped at once on a second SIGTERM: no checkpoint of this step" in output, output[-3000:]
     assert "after waiting" not in output
+
+
+@pytest.mark.parametrize("mode", ["dp", "spawn"])
+def test_sigint_while_waiting_for_data_stops_at_once(stopped_while_blocked, mode):
+    returncode, output = ended_cleanly(stopped_while_blocked, f"sigint-{mode}")
+    assert returncode == 130, output[-3000:]
+    assert no_traceback_of_ours(output), output[-3000:]
 
 
 def test_the_same_sigterm_twice_still_stops_at_a_step_with_a_checkpoint(tiny_data, tmp_path):
@@ -252,21 +386,10 @@ def test_a_stop_signal_while_loading_is_no_bad_image():
         SkipUnreadable([("a.jpg", 0), ("b.jpg", 0)], interrupted, replace=True, strict=False)[0]
 
 
-def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(tmp_path):
-    root = make_image_folder(tmp_path / "data", train_per_class=4, val_per_class=2)
-    name = os.fsdecode(b"broken-\xff.jpg")
-    (root / "train" / "ring" / name).write_bytes(b"not an image")
-    job = Job(launch("dp", *RUN, "--data", root, "-b", "4", "-j", "1", "--epochs", "2", "--output-dir", tmp_path / "out"))
-    returncode, output = finish(job)
+def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
+    runs, out = faulty_runs
+    returncode, output = ended_cleanly(runs, "odd-name-dp")
     assert returncode == 0, output[-3000:]
     assert re.search(r"^warning: skipped \S+/broken-\\xff\.jpg: cannot decode it", output, re.MULTILINE), output
-    assert (tmp_path / "out" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(root / "train" / "ring" / name)))
-
-
-@pytest.mark.parametrize("mode", ["dp", "spawn"])
-def test_sigint_while_waiting_for_data_stops_at_once(hung_data, tmp_path, mode):
-    job = start_blocked(mode, hung_data, tmp_path)
-    job.process.send_signal(signal.SIGINT)
-    returncode, output = finish(job)
-    assert returncode == 130, output[-3000:]
-    assert no_traceback_of_ours(output), output[-3000:]
+    path = out / "odd-name-data" / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")
+    assert (out / "odd-name-dp" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(path)))

@@ -2,14 +2,15 @@
 mp.spawn) on CPU with gloo: the same trajectory as train_dp.py, exact validation, one checkpoint
 writer, resuming under another world size, and no hangs when a rank fails."""
 import re
-import subprocess
+import socket
 import time
 
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TINY, assert_ok, clean_env, free_port, make_image_folder, run,
-                      run_script, torchrun)
+from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder,
+                      run_prewarmed, run_script, run_together, script_command, torchrun, torchrun_command)
+from tests.tiny_models import TinyNet
 
 # BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ.
 EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "3", "--lr", "0.05"]
@@ -29,31 +30,73 @@ def max_difference(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def parameters_moved(before, after):
+    """The largest change of a trainable parameter (BatchNorm's running statistics, which forward
+    passes alone change, do not count)."""
+    names = [name for name, _ in TinyNet(num_classes=3).named_parameters()]
+    assert names and set(names) <= before.keys() and set(names) <= after.keys()
+    return max((after[name].double() - before[name].double()).abs().max().item() for name in names)
+
+
 @pytest.fixture(scope="module")
-def trajectories(tiny_data, tmp_path_factory):
-    """The same run (12 steps of global batch 8) in the three launch modes."""
-    out = tmp_path_factory.mktemp("trajectories")
+def thirteen_val_images(tmp_path_factory):
+    """A val set of 13 images, which no world size of 2 or 3 divides, and weights to evaluate (a
+    seeded TinyNet: per-image losses differ, which is all the sums below need)."""
+    root = make_image_folder(tmp_path_factory.mktemp("val13"), train_per_class=4, val_per_class=5)
+    for extra in sorted((root / "val").rglob("*.jpg"))[:2]:
+        extra.unlink()
+    torch.manual_seed(0)
+    checkpoint = root.parent / "tinynet.pth"
+    torch.save(TinyNet(num_classes=3).state_dict(), checkpoint)
+    return root, checkpoint
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_data, thirteen_val_images, tmp_path_factory):
+    """The module's runs that go to their end by themselves, started together (most of their time is
+    spent starting processes): the same run (12 steps of global batch 8) in the three launch modes
+    (spawn meets through a file:// rendezvous; --master-port is used by the launches of test_run_scripts
+    and test_failures); -e of the 13 images by 1, 2 and 3 processes; the legacy launcher; and torchrun and
+    train_ddp.py given what they must refuse. (output dir, name -> CompletedProcess)."""
+    out = tmp_path_factory.mktemp("launches")
     common = [*TINY, *EXACT_MODEL, "--data", tiny_data, "-b", "8", "--epochs", "4"]
-    results = {
-        "dp": run_script("train_dp.py", *common, "--output-dir", out / "dp"),
-        "ddp": torchrun("train_ddp.py", 2, *common, "--output-dir", out / "ddp"),
-        "spawn": run_script("train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port(),
-                            "--output-dir", out / "spawn"),
+    root, checkpoint = thirteen_val_images
+    evaluate = [*TINY, "-a", "tests.tiny_models:TinyNet", "--data", root, "-b", "6", "-e", "--resume", checkpoint]
+    commands = {
+        "dp": script_command("train_dp.py", *common, "--output-dir", out / "dp"),
+        "ddp": torchrun_command("train_ddp.py", 2, *common, "--output-dir", out / "ddp"),
+        "spawn": script_command("train_spawn.py", *common, "--nproc-per-node", "2",
+                                "--dist-url", f"file://{out}/rendezvous", "--output-dir", out / "spawn"),
+        "evaluate-1": script_command("train_dp.py", *evaluate),
+        "evaluate-2": torchrun_command("train_ddp.py", 2, *evaluate),
+        "evaluate-3": torchrun_command("train_ddp.py", 3, *evaluate),
+        "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
+                   REPO / "train_ddp.py", *TINY, "--data", tiny_data, "-b", "8", "--epochs", "1",
+                   "--output-dir", out / "legacy"],
+        "batch-9": torchrun_command("train_ddp.py", 2, *TINY, "--data", tiny_data, "-b", "9", "--output-dir",
+                                    out / "batch-9"),
+        "nccl": script_command("train_ddp.py", *TINY, "--data", tiny_data, "--dist-backend", "nccl", "--output-dir",
+                               out / "nccl"),
     }
-    return out, {mode: assert_ok(result) for mode, result in results.items()}
+    return out, dict(zip(commands, run_together(list(commands.values()))))
+
+
+@pytest.fixture(scope="module")
+def trajectories(launches):
+    out, results = launches
+    return out, {mode: assert_ok(results[mode]) for mode in ("dp", "ddp", "spawn")}
 
 
 def test_the_compared_runs_really_train(trajectories):
     """Equal weights prove nothing if training stood still: the loss falls and the weights move."""
-    import sys
-    sys.path.insert(0, str(REPO))
-    from tests.tiny_models import TinyNet
-    out, _ = trajectories
+    out, outputs = trajectories
     losses = [float(row.split(",")[4]) for row in (out / "dp" / "log.csv").read_text().splitlines()[1:]]
     assert losses[-1] < losses[0] - 0.02, losses
     torch.manual_seed(3)  # the script's seed: its initial weights
     initial = TinyNet(num_classes=3).state_dict()
-    assert max_difference(initial, weights(out / "dp")) > 1e-2
+    for mode in ("dp", "ddp", "spawn"):
+        assert parameters_moved(initial, weights(out / mode)) > 1e-2, mode
+    assert "spawn: world size 2" in outputs["spawn"]
 
 
 def test_ddp_and_spawn_end_with_the_weights_of_dataparallel(trajectories):
@@ -76,32 +119,29 @@ def test_ddp_and_spawn_print_the_val_metrics_of_dataparallel(trajectories):
             [float(loss) for *_, loss, _ in reference], abs=1e-5)
 
 
+STEP_LINE = re.compile(r"^Epoch: \[(\d+)\] \[ *(\d+)/\d+\]  loss (\S+)  acc@1 +(\S+)", re.M)
+
+
 def test_training_metrics_are_reduced_over_ranks_and_printed_once(trajectories):
+    """Every step line (the loss and acc@1 of the epoch so far, over all ranks): printed once, by rank 0,
+    with the values of the single process. 4 decimals are printed: within 1e-5 means the same digits."""
     _, outputs = trajectories
-    progress = re.compile(r"^Epoch: \[0\] \[3/3\]  loss (\S+)  acc@1 +(\S+)", re.M)
-    assert len(progress.findall(outputs["ddp"])) == 1  # rank 0 alone prints
-    assert progress.findall(outputs["ddp"])[0][1] == progress.findall(outputs["dp"])[0][1]
+    reference = STEP_LINE.findall(outputs["dp"])
+    assert [(epoch, step) for epoch, step, *_ in reference] == [(str(e), str(s)) for e in range(4) for s in (1, 2, 3)]
+    for mode in ("ddp", "spawn"):
+        lines = STEP_LINE.findall(outputs[mode])
+        assert [line[:2] for line in lines] == [line[:2] for line in reference], mode  # once per step
+        assert [float(loss) for *_, loss, _ in lines] == pytest.approx(
+            [float(loss) for *_, loss, _ in reference], abs=1e-5), mode
+        assert [acc1 for *_, acc1 in lines] == [acc1 for *_, acc1 in reference], mode
 
 
-@pytest.fixture(scope="module")
-def thirteen_val_images(tmp_path_factory):
-    """A val set of 13 images, which no world size of 2 or 3 divides, and a trained checkpoint."""
-    root = make_image_folder(tmp_path_factory.mktemp("val13"), train_per_class=4, val_per_class=5)
-    for extra in sorted((root / "val").rglob("*.jpg"))[:2]:
-        extra.unlink()
-    out = tmp_path_factory.mktemp("val13-run")
-    assert_ok(run_script("train_dp.py", *TINY, "--data", root, "-b", "6", "--epochs", "1", "--seed", "0", "--lr", "0.01",
-                         "--output-dir", out))
-    return root, out / "checkpoint.pth"
-
-
-def test_validation_counts_each_image_once_whatever_the_world_size(thirteen_val_images):
-    root, checkpoint = thirteen_val_images
-    evaluate = [*TINY, "--data", root, "-b", "6", "-e", "--resume", checkpoint]
-    single = val_lines(assert_ok(run_script("train_dp.py", *evaluate)))
+def test_validation_counts_each_image_once_whatever_the_world_size(launches):
+    _, results = launches
+    single = val_lines(assert_ok(results["evaluate-1"]))
     assert len(single) == 1 and single[0][3] == "13"
     for world_size in (2, 3):
-        lines = val_lines(assert_ok(torchrun("train_ddp.py", world_size, *evaluate)))
+        lines = val_lines(assert_ok(results[f"evaluate-{world_size}"]))
         assert len(lines) == 1
         acc1, acc5, loss, count = lines[0]
         assert (acc1, acc5, count) == (single[0][0], single[0][1], "13")
@@ -111,62 +151,46 @@ def test_validation_counts_each_image_once_whatever_the_world_size(thirteen_val_
 
 def test_resume_under_torchrun_with_another_world_size_continues_the_trajectory(
         tiny_data, trajectories, tmp_path):
-    """2 epochs on 2 processes, then 2 more on 1 process, end where 4 epochs of DataParallel end."""
+    """3 epochs on 2 processes (the ddp trajectory's previous checkpoint), then the 4th on 1 process,
+    end where 4 epochs of DataParallel end."""
     out, _ = trajectories
-    common = [*TINY, *EXACT_MODEL, "--data", tiny_data, "-b", "8", "--output-dir", tmp_path]
-    assert_ok(torchrun("train_ddp.py", 2, *common, "--epochs", "2"))
-    output = assert_ok(torchrun("train_ddp.py", 1, *common, "--epochs", "4", "--resume", "auto"))
-    assert "resumed from" in output and "Epoch: [2]" in output and "Epoch: [0]" not in output
+    saved = torch.load(out / "ddp" / "checkpoint_prev.pth", weights_only=True)
+    assert (saved["epoch"], saved["world_size"]) == (3, 2)
+    torch.save(saved, tmp_path / "checkpoint.pth")
+    output = assert_ok(torchrun("train_ddp.py", 1, *TINY, *EXACT_MODEL, "--data", tiny_data, "-b", "8",
+                                "--output-dir", tmp_path, "--epochs", "4", "--resume", "auto"))
+    assert f"resumed from {tmp_path / 'checkpoint.pth'} (epoch 3)" in output, output[-3000:]
+    assert "Epoch: [3]" in output and "Epoch: [2]" not in output and "ddp: world size 1" in output
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
     assert max_difference(weights(out / "dp"), weights(tmp_path)) <= 1e-5
 
 
-def two_nodes(tiny_data, tmp_path, *extra):
-    """Two torchrun launches on this machine, as two nodes of one process each, each with its own
-    output directory, as on nodes that share no file system."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(
-        [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", REPO / "train_ddp.py", *TINY,
-         "--data", tiny_data, "-b", "8", "--epochs", "1", "--output-dir", tmp_path / f"node{node}", *extra],
-        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-3000:]
-    return [(tmp_path / f"node{node}" / "checkpoint.pth").exists() for node in (0, 1)]
-
-
-def test_only_global_rank_0_writes_checkpoints_by_default(tiny_data, tmp_path):
-    assert two_nodes(tiny_data, tmp_path) == [True, False]
-    assert not (tmp_path / "node1").exists()
-
-
-def test_save_on_node_writes_one_checkpoint_per_node(tiny_data, tmp_path):
-    assert two_nodes(tiny_data, tmp_path, "--save-on", "node") == [True, True]
-
-
-def test_the_legacy_launcher_passes_local_rank_and_trains(tiny_data, tmp_path):
-    result = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
-                  REPO / "train_ddp.py", *TINY, "--data", tiny_data, "-b", "8", "--epochs", "1",
-                  "--output-dir", tmp_path])
-    assert_ok(result)
-    assert (tmp_path / "checkpoint.pth").exists()
+def test_the_legacy_launcher_passes_local_rank_and_trains(launches):
+    out, results = launches
+    output = assert_ok(results["legacy"])
+    assert "ddp: world size 2" in output
+    assert (out / "legacy" / "checkpoint.pth").exists()
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_rank_that_raises_ends_the_whole_job_quickly(tiny_data, tmp_path, launcher):
     common = [*TINY, "--data", tiny_data, "-b", "4", "--epochs", "1", "--output-dir", tmp_path / "out",
               "-a", "tests.tiny_models:FailingNet", "-j", "2"]  # rank 1 raises at its third step; rank 0 waits
-    start = time.monotonic()
     if launcher == "torchrun":
-        result = torchrun("train_ddp.py", 2, *common, timeout=120)
+        command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *common]
     else:
-        result = run_script("train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port(),
-                            timeout=120)
-    assert result.returncode != 0
-    assert time.monotonic() - start < 60
-    assert "the failure this test model makes at training step 3" in result.stdout, result.stdout[-3000:]
+        command = [PYTHON, REPO / "train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port()]
+    job = Job(command)
+    job.wait_for(re.compile("the failure this test model makes at training step 3"))
+    failed = time.monotonic()
+    returncode, output = job.finish(timeout=120)
+    assert returncode != 0
+    # Measured from the failure, not from the start (which takes 10-30 s on a busy 2-core machine).
+    # Without the fix, rank 0 waits in its collective for --dist-timeout (30 min); 30 s is ample for
+    # the launcher to see the failure and stop the others.
+    assert time.monotonic() - failed < 30, output[-3000:]
+    assert not job.left_behind, output[-3000:]
 
 
 def assert_one_line_error(result, expected):
@@ -176,56 +200,52 @@ def assert_one_line_error(result, expected):
     assert "Traceback" not in result.stdout
 
 
-def test_spawn_rejects_a_batch_the_world_size_does_not_divide(tiny_data, tmp_path):
-    result = run_script("train_spawn.py", *TINY, "--data", tiny_data, "-b", "9", "--nproc-per-node", "2",
-                        "--output-dir", tmp_path / "out")
-    assert_one_line_error(result, "--batch-size 9 is the global batch")
-    assert not (tmp_path / "out").exists()
+SPAWN_REFUSALS = {  # name: (flags, the one error line's text)
+    "batch": (["-b", "9", "--nproc-per-node", "2"], "--batch-size 9 is the global batch"),
+    "nccl": (["--nproc-per-node", "2", "--dist-backend", "nccl"], "the nccl backend needs CUDA GPUs"),
+    "sync-bn": (["--nproc-per-node", "2", "--sync-bn"], "--sync-bn needs GPUs"),
+    "port-in-use": (["--nproc-per-node", "2"], "in use; choose another --master-port"),
+}
 
 
-def test_torchrun_workers_reject_a_batch_the_world_size_does_not_divide(tiny_data, tmp_path):
-    """torchrun reports a failed worker in its own words and exit code; our line is in there."""
-    result = torchrun("train_ddp.py", 2, *TINY, "--data", tiny_data, "-b", "9", "--output-dir", tmp_path / "out")
-    assert result.returncode != 0
-    assert "error: --batch-size 9 is the global batch and must divide evenly over 2 processes" in result.stdout
-    assert "Traceback (most recent call last):\n  File \"" + str(REPO) not in result.stdout
-    assert not (tmp_path / "out").exists()
-
-
-def test_spawn_rejects_a_master_port_in_use(tiny_data, tmp_path):
-    import socket
+@pytest.fixture(scope="module")
+def spawn_refusals(tiny_data, tmp_path_factory):
+    """Each refusal of train_spawn.py, each a process of its own (forked from one that imported torch:
+    conftest.run_prewarmed); name -> (result, output dir that must not appear)."""
+    root = tmp_path_factory.mktemp("spawn-refusals")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        result = run_script("train_spawn.py", *TINY, "--data", tiny_data, "-b", "8", "--nproc-per-node", "2",
-                            "--master-port", busy.getsockname()[1], "--output-dir", tmp_path / "out")
-    assert_one_line_error(result, "in use; choose another --master-port")
+        ports = {name: busy.getsockname()[1] if name == "port-in-use" else free_port() for name in SPAWN_REFUSALS}
+        runs = [[*TINY, "--data", tiny_data, "-b", "8", "--master-port", ports[name], "--output-dir", root / name, *flags]
+                for name, (flags, _) in SPAWN_REFUSALS.items()]
+        results = run_prewarmed("train_spawn.py", runs)
+    return {name: (result, root / name) for name, result in zip(SPAWN_REFUSALS, results)}
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--dist-backend", "nccl"], "the nccl backend needs CUDA GPUs"),
-    (["--sync-bn"], "--sync-bn needs GPUs"),
-    ([], "--nproc-per-node is required when no GPU is used"),
-])
-def test_spawn_rejects_what_cannot_run_on_this_cpu_machine(tiny_data, tmp_path, flags, expected):
-    nproc = ["--nproc-per-node", "2"] if flags else []
-    result = run_script("train_spawn.py", *TINY, "--data", tiny_data, "-b", "8", *nproc, *flags,
-                        "--master-port", free_port(), "--output-dir", tmp_path / "out")
-    assert_one_line_error(result, expected)
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("name", SPAWN_REFUSALS)
+def test_spawn_refuses_in_one_line_what_cannot_run(spawn_refusals, name):
+    """A batch the world size does not divide, a --master-port in use, and what cannot run on this
+    CPU machine: one line, exit 2, nothing started, no output dir."""
+    result, output_dir = spawn_refusals[name]
+    assert_one_line_error(result, SPAWN_REFUSALS[name][1])
+    assert not output_dir.exists()
 
 
-def test_ddp_rejects_nccl_without_gpus(tiny_data, tmp_path):
-    result = run_script("train_ddp.py", *TINY, "--data", tiny_data, "--dist-backend", "nccl",
-                        "--output-dir", tmp_path / "out")
-    assert_one_line_error(result, "the nccl backend needs CUDA GPUs")
+def test_torchrun_workers_reject_a_batch_the_world_size_does_not_divide(launches):
+    """torchrun reports a failed worker in its own words and exit code; our line is in there."""
+    out, results = launches
+    result = results["batch-9"]
+    assert result.returncode != 0
+    assert "error: --batch-size 9 is the global batch and must divide evenly over 2 processes" in result.stdout
+    assert "Traceback (most recent call last):\n  File \"" + str(REPO) not in result.stdout
+    assert not (out / "batch-9").exists()
 
 
-def test_spawn_with_a_file_init_method_trains(tiny_data, tmp_path):
-    output = assert_ok(run_script("train_spawn.py", *TINY, "--data", tiny_data, "-b", "8", "--epochs", "1",
-                                  "--nproc-per-node", "2", "--dist-url", f"file://{tmp_path}/rendezvous",
-                                  "--output-dir", tmp_path / "out"))
-    assert "spawn: world size 2" in output
+def test_ddp_rejects_nccl_without_gpus(launches):
+    out, results = launches
+    assert_one_line_error(results["nccl"], "the nccl backend needs CUDA GPUs")
+    assert not (out / "nccl").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

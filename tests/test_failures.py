@@ -1,25 +1,39 @@
 """Failures with real processes and real signals: a run killed or preempted mid-epoch goes on
 from its last checkpoint and ends bitwise equal to a run that was never interrupted; torchrun's
 elastic restart brings a killed worker back; a stalled rank fails the job; a damaged or unwritable
-checkpoint costs nothing already saved."""
+checkpoint costs nothing already saved; and a test that fails leaves no process behind."""
 import os
 import re
 import resource
+import shutil
 import signal
+import subprocess
+import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torchvision
 
-from conftest import PYTHON, REPO, Job as Watched, assert_ok, free_port, make_image_folder, run_script, torchrun
+from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, processes_marked,
+                      run, run_prewarmed, run_script)
 
-# mobilenet_v3_small keeps learning here and has dropout: resuming must restore the RNG for the
-# weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every 5 steps.
-RUN = ["-a", "mobilenet_v3_small", "--train-crop-size", "64", "--val-resize-size", "64", "--val-crop-size", "64",
+# mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
+# for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
+# 5 steps.
+RUN = ["-a", "mobilenet_v3_small", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-b", "8", "--epochs", "3", "--seed", "7", "--lr", "0.01", "-p", "1", "--checkpoint-interval", "5"]
-KILL_AT = re.compile(r"^Epoch: \[1\] \[ 7/15\]")  # two steps after the checkpoint at epoch 1, step 5
+TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8"]
 PREEMPTED = 75
+
+
+def at(epoch, step):
+    """The progress line of `step` (1-based) of `epoch`."""
+    return re.compile(rf"^Epoch: \[{epoch}\] \[ *{step}/15\]")
 
 
 @pytest.fixture(scope="module")
@@ -31,221 +45,426 @@ def weights(output_dir):
     return torch.load(Path(output_dir) / "checkpoint.pth", weights_only=True)["state_dict"]
 
 
+def position(output_dir):
+    """(epoch, step_in_epoch) of the latest checkpoint."""
+    saved = torch.load(Path(output_dir) / "checkpoint.pth", weights_only=True)
+    return saved["epoch"], saved["step_in_epoch"]
+
+
 def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def workers_of(launcher_pid):
-    """Process ids of the launcher's children that run a training script."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def training_processes(job):
+    """{rank: pid} of the job's processes that run a training script (not the launcher, not loader workers)."""
+    ranks = {}
+    for pid in job.leftovers():
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == launcher_pid and b"train_" in cmdline:
-            children.append(int(stat.parent.name))
-    return sorted(children)
+        rank = [entry[5:] for entry in environ if entry.startswith(b"RANK=")]
+        if rank and b"train_" in cmdline and Path(f"/proc/{parent}/cmdline").read_bytes() != cmdline:
+            ranks[int(rank[0])] = pid
+    return ranks
+
+
+def assert_resumed_where_it_stopped(output, saved):
+    """Training is deterministic: a run that silently started over would end with the same weights.
+    The run must say where it resumed, and train none of the steps done before."""
+    epoch, step = saved
+    assert re.search(rf"resumed from .*checkpoint\.pth \(epoch {epoch}, step {step}\)", output), output[-3000:]
+    trained = [(int(e), int(s)) for e, s in re.findall(r"^Epoch: \[(\d+)\] \[ *(\d+)/", output, re.MULTILINE)]
+    assert trained and min(trained) == (epoch, step + 1), trained
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
+def side_by_side(data, tmp_path_factory):
+    """The runs of this module that wait for lines and send signals, side by side, a thread each (they
+    spend most of their time starting processes and waiting; the stalled rank's job waits 35 s for
+    nothing): name -> what the run gave, or the exception it raised."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in SIDE_BY_SIDE}
+    with ThreadPoolExecutor(len(SIDE_BY_SIDE)) as pool:
+        futures = {name: pool.submit(runs, data, folders[name]) for name, runs in SIDE_BY_SIDE.items()}
+    return {name: future.exception() or future.result() for name, future in futures.items()}
+
+
+def outcome(side_by_side, name):
+    if isinstance(side_by_side[name], BaseException):
+        raise side_by_side[name]
+    return side_by_side[name]
+
+
+WAIT = 300  # s for a line to come: the runs start side by side, on 2 cores
+
+
+def interrupt(command, when, send):
+    """Start `command`; at the line `when`, send(job) a signal; (returncode, output) once it ended."""
+    job = Job(command)
+    job.wait_for(when, timeout=WAIT)
+    send(job)
+    return job.finish()
+
+
+def uninterrupted_runs(data, out):
     """The reference runs: single process, and two processes under torchrun."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    assert_ok(run_script("train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"))
-    assert_ok(torchrun("train_ddp.py", 2, *RUN, "-j", "0", "--data", data, "--output-dir", out / "ddp"))
+    jobs = {"dp": Job([PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"]),
+            "ddp": Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0",
+                        "--data", data, "--output-dir", out / "ddp"])}
+    for job in jobs.values():
+        returncode, output = job.finish()
+        assert returncode == 0, output[-3000:]
     return {mode: (weights(out / mode),
                    torch.load(out / mode / "checkpoint_prev.pth", weights_only=True)["state_dict"])
             for mode in ("dp", "ddp")}
 
 
+def dp_interrupted_runs(data, out):
+    """One train_dp.py run, `--resume auto` every time: SIGTERM at epoch 1 step 7 (a clean stop), then
+    SIGKILL at epoch 2 step 7 (no warning), then on to the end."""
+    command = [PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out, "--resume", "auto"]
+    stages = SimpleNamespace()
+    stages.sigterm = interrupt(command, at(1, 7), lambda job: job.process.send_signal(signal.SIGTERM))
+    stages.after_sigterm = position(out)
+    stages.sigkill = interrupt(command, at(2, 7), lambda job: job.process.send_signal(signal.SIGKILL))
+    stages.after_sigkill = position(out)
+    stages.end = Job(command).finish()
+    stages.weights = weights(out)
+    stages.epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
+    return stages
+
+
+def torchrun_interrupted_runs(data, out):
+    """One train_ddp.py run under torchrun, `--resume auto` every time: a worker SIGKILLed at epoch 0
+    step 7 (torchrun restarts both, --max-restarts=1), SIGTERM to torchrun at epoch 1 step 7, then
+    (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 7, then on to the end."""
+    def command(*extra):
+        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0", "--data", data,
+                "--output-dir", out, "--resume", "auto"]
+
+    stages = SimpleNamespace()
+    job = Job(command("--max-restarts=1"))
+    job.wait_for(at(0, 7), timeout=WAIT)
+    stages.killed_workers = training_processes(job)
+    assert sorted(stages.killed_workers) == [0, 1], stages.killed_workers
+    os.kill(stages.killed_workers[1], signal.SIGKILL)
+    job.wait_for(re.compile(r"^resumed from "), timeout=WAIT)
+    stages.restarted_workers = training_processes(job)
+    job.wait_for(at(1, 7), timeout=WAIT)
+    job.process.send_signal(signal.SIGTERM)
+    stages.sigterm = job.finish()
+    stages.after_sigterm = position(out)
+    stages.worker_sigterm = interrupt(command(), at(2, 7),
+                                      lambda job: os.kill(training_processes(job)[1], signal.SIGTERM))
+    stages.after_worker_sigterm = position(out)
+    stages.end = Job(command()).finish()
+    stages.weights = weights(out)
+    return stages
+
+
+def spawn_interrupted_runs(data, out):
+    """train_spawn.py: SIGUSR1 to the spawn parent at epoch 1 step 7, then `--resume auto` to the end."""
+    command = [PYTHON, REPO / "train_spawn.py", *RUN, "-j", "0", "--data", data, "--output-dir", out,
+               "--resume", "auto", "--nproc-per-node", "2", "--master-port", free_port()]
+    stages = SimpleNamespace()
+    stages.sigusr1 = interrupt(command, at(1, 7), lambda job: job.process.send_signal(signal.SIGUSR1))
+    stages.after_sigusr1 = position(out)
+    stages.end = Job(command).finish()
+    stages.weights = weights(out)
+    return stages
+
+
+def stalled_rank_run(data, out):
+    """torchrun with --dist-timeout 5, the worker of rank 1 stopped (SIGSTOP) at epoch 0 step 3: seconds
+    from the stall to the first timeout message, from that message to the end of the job, and the job's
+    (returncode, output)."""
+    job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *TINY_NET, "--data", data,
+               "--output-dir", out, "--dist-timeout", "5", "--epochs", "50"])
+    job.wait_for(at(0, 3), timeout=WAIT)
+    os.kill(training_processes(job)[1], signal.SIGSTOP)
+    stalled = time.monotonic()
+    job.wait_for(re.compile(r"[Tt]imed? ?out"), timeout=120)
+    timed_out = time.monotonic()
+    result = job.finish(timeout=180)
+    return SimpleNamespace(to_timeout=timed_out - stalled, to_end=time.monotonic() - timed_out, result=result)
+
+
+SIDE_BY_SIDE = {"uninterrupted": uninterrupted_runs, "dp": dp_interrupted_runs,
+                "torchrun": torchrun_interrupted_runs, "spawn": spawn_interrupted_runs, "stalled": stalled_rank_run}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(side_by_side):
+    return outcome(side_by_side, "uninterrupted")
+
+
 def test_the_reference_runs_really_train(uninterrupted):
-    """Bitwise equality proves nothing if training stood still: the last 5 steps moved the weights."""
+    """Bitwise equality proves nothing if training stood still: the last 5 steps moved the weights
+    (the trainable parameters: BatchNorm's running statistics change from forward passes alone)."""
+    names = [name for name, _ in torchvision.models.mobilenet_v3_small(num_classes=3).named_parameters()]
     for mode, (final, five_steps_before) in uninterrupted.items():
-        moved = max((final[k].double() - five_steps_before[k].double()).abs().max().item()
-                    for k in final if final[k].is_floating_point())
+        assert set(names) < final.keys()
+        moved = max((final[k].double() - five_steps_before[k].double()).abs().max().item() for k in names)
         assert moved > 1e-4, mode
 
 
-def test_a_run_killed_mid_epoch_resumes_and_ends_bitwise_equal(data, uninterrupted, tmp_path):
-    command = [PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", tmp_path,
-               "--resume", "auto"]
-    first = Watched(command)
-    first.wait_for(KILL_AT)
-    first.process.send_signal(signal.SIGKILL)
-    returncode, _ = first.finish()
+@pytest.fixture(scope="module")
+def dp_interrupted(side_by_side):
+    return outcome(side_by_side, "dp")
+
+
+def test_sigterm_stops_dataparallel_at_a_step_with_a_checkpoint_and_exit_code_75(dp_interrupted):
+    returncode, output = dp_interrupted.sigterm
+    epoch, step = dp_interrupted.after_sigterm
+    assert returncode == PREEMPTED, output[-3000:]
+    assert epoch == 1 and 7 <= step < 15, output[-3000:]  # the step the signal came in, or the next
+    assert f"stopped on SIGTERM: checkpoint of epoch 1 step {step}" in output
+    assert_resumed_where_it_stopped(dp_interrupted.sigkill[1], (epoch, step))
+
+
+def test_a_run_killed_mid_epoch_resumes_and_ends_bitwise_equal(dp_interrupted, uninterrupted):
+    returncode, _ = dp_interrupted.sigkill
     assert returncode == -signal.SIGKILL
-    saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
-    assert saved["epoch"] == 1 and saved["step_in_epoch"] >= 5  # lost: the steps after this one
-    returncode, output = Watched(command).finish()
+    epoch, step = dp_interrupted.after_sigkill
+    assert epoch == 2 and 5 <= step < 15  # lost: the steps after the last periodic checkpoint
+    returncode, output = dp_interrupted.end
     assert returncode == 0, output[-3000:]
-    assert f"(epoch 1, step {saved['step_in_epoch']})" in output
-    assert_bitwise_equal(weights(tmp_path), uninterrupted["dp"][0])
-    epochs = [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()[1:]]
-    assert epochs == ["0", "1", "2"]
+    assert_resumed_where_it_stopped(output, (epoch, step))
+    assert_bitwise_equal(dp_interrupted.weights, uninterrupted["dp"][0])
+    assert dp_interrupted.epochs == ["0", "1", "2"]
 
 
-def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(data, tmp_path):
-    common = [*RUN, "-j", "0", "--data", data, "--output-dir", tmp_path, "--checkpoint-interval", "0"]
-    assert_ok(run_script("train_dp.py", *common, "--epochs", "2"))
-    latest = tmp_path / "checkpoint.pth"
-    latest.write_bytes(latest.read_bytes()[:1000])  # truncated, as by a crash of the storage
-    output = assert_ok(run_script("train_dp.py", *common, "--resume", "auto"))
-    assert re.search(r"warning: cannot read checkpoint .*checkpoint\.pth: truncated .*resuming from the "
-                     r"previous checkpoint .*checkpoint_prev\.pth", output)
-    assert "checkpoint_prev.pth (epoch 1)" in output and "Epoch: [1]" in output
-    assert torch.load(latest, weights_only=True)["epoch"] == 3
+@pytest.fixture(scope="module")
+def torchrun_interrupted(side_by_side):
+    return outcome(side_by_side, "torchrun")
 
 
-def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_uninterrupted(data, uninterrupted, tmp_path):
-    job = Watched([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN,
-                   "-j", "0", "--data", data, "--output-dir", tmp_path, "--resume", "auto"])
-    job.wait_for(KILL_AT)
-    workers = workers_of(job.process.pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    returncode, output = job.finish()
-    assert returncode == 0, output[-3000:]
-    assert re.search(r"resumed from .*checkpoint\.pth \(epoch 1, step (5|10)\)", output)
-    assert_bitwise_equal(weights(tmp_path), uninterrupted["ddp"][0])
+def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_from_its_checkpoint(torchrun_interrupted):
+    stages = torchrun_interrupted
+    killed = stages.killed_workers
+    assert sorted(stages.restarted_workers) == [0, 1] and not set(stages.restarted_workers.values()) & set(
+        killed.values())  # new processes, both ranks
+    _, output = stages.sigterm
+    after_restart = output[output.index("resumed from "):]
+    resumed = re.match(r"resumed from .*checkpoint\.pth \(epoch 0, step (5|10)\)", after_restart)
+    assert resumed, after_restart[:3000]  # the last checkpoint before the kill (at step 7, seen by the test)
+    assert_resumed_where_it_stopped(after_restart, (0, int(resumed.group(1))))
 
 
-def preempt_and_resume(command, signum, tmp_path, target=None):
-    """Send `signum` mid-epoch (to the launcher, or to `target(pid)`), then resume to the end."""
-    first = Watched(command)
-    first.wait_for(KILL_AT)
-    os.kill(target(first.process.pid) if target else first.process.pid, signum)
-    returncode, output = first.finish()
-    saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
-    assert saved["epoch"] == 1 and saved["step_in_epoch"] >= 7, output[-2000:]
-    assert f"stopped on {signal.Signals(signum).name}: checkpoint of epoch 1 step {saved['step_in_epoch']}" in output
-    returncode_after, output_after = Watched(command).finish()
-    assert returncode_after == 0, output_after[-3000:]
-    # Training is deterministic: a run that silently started over would end with the same weights.
-    # The second run must say where it resumed, and train none of the steps done before the signal.
-    assert re.search(rf"resumed from .*checkpoint\.pth \(epoch 1, step {saved['step_in_epoch']}\)", output_after), \
-        output_after[-3000:]
-    trained = [(int(epoch), int(step)) for epoch, step in re.findall(r"^Epoch: \[(\d+)\] \[ *(\d+)/", output_after,
-                                                                    re.MULTILINE)]
-    assert trained and min(trained) == (1, saved["step_in_epoch"] + 1), trained
-    return returncode, output
+def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(torchrun_interrupted):
+    """torchrun passes SIGTERM on to every worker: the ranks agree on the step to stop after, and
+    save one checkpoint there (a collective: no rank may be missing). torchrun then ends with its
+    own exit status (it was signalled; it reports no worker's)."""
+    stages = torchrun_interrupted
+    returncode, output = stages.sigterm
+    epoch, step = stages.after_sigterm
+    assert returncode != 0 and re.search(r"Received (15|SIGTERM) death signal", output), output[-3000:]
+    assert epoch == 1 and 7 <= step < 15, output[-3000:]
+    assert f"stopped on SIGTERM: checkpoint of epoch 1 step {step}" in output
+    assert_resumed_where_it_stopped(stages.worker_sigterm[1], (epoch, step))
 
 
-def test_sigterm_stops_dataparallel_at_a_step_with_a_checkpoint_and_exit_code_75(data, uninterrupted, tmp_path):
-    command = [PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", tmp_path,
-               "--resume", "auto"]
-    returncode, _ = preempt_and_resume(command, signal.SIGTERM, tmp_path)
-    assert returncode == PREEMPTED
-    assert_bitwise_equal(weights(tmp_path), uninterrupted["dp"][0])
-
-
-def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(data, uninterrupted, tmp_path):
-    command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0", "--data", data,
-               "--output-dir", tmp_path, "--resume", "auto"]
-    returncode, output = preempt_and_resume(command, signal.SIGTERM, tmp_path)
-    assert returncode != 0  # torchrun reports its own termination by signal
-    assert_bitwise_equal(weights(tmp_path), uninterrupted["ddp"][0])
-
-
-def test_sigusr1_to_the_spawn_parent_reaches_the_workers(data, uninterrupted, tmp_path):
-    command = [PYTHON, REPO / "train_spawn.py", *RUN, "-j", "0", "--data", data, "--output-dir", tmp_path,
-               "--resume", "auto", "--nproc-per-node", "2", "--master-port", free_port()]
-    returncode, _ = preempt_and_resume(command, signal.SIGUSR1, tmp_path)
-    assert returncode == PREEMPTED
-    assert_bitwise_equal(weights(tmp_path), uninterrupted["ddp"][0])
-
-
-def test_a_stalled_rank_fails_the_job_after_the_dist_timeout(data, tmp_path):
-    job = Watched([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0",
-                   "--data", data, "--output-dir", tmp_path, "--dist-timeout", "5"])
-    job.wait_for(re.compile(r"^Epoch: \[0\] \[ 3/15\]"))
-    stalled = workers_of(job.process.pid)[1]
-    os.kill(stalled, signal.SIGSTOP)
-    start = time.monotonic()
-    try:
-        returncode, output = job.finish(timeout=120)
-    finally:
-        for pid in (stalled,):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_reports(torchrun_interrupted):
+    """As Slurm or a node agent may signal the training processes: rank 1 alone gets SIGTERM, every rank
+    stops after the same step, and torchrun reports each worker's exit code: 75."""
+    stages = torchrun_interrupted
+    returncode, output = stages.worker_sigterm
+    epoch, step = stages.after_worker_sigterm
     assert returncode != 0
-    assert time.monotonic() - start < 60, "the job outlived the stalled rank by more than a minute"
-    assert re.search(r"[Tt]imed? ?out", output), output[-3000:]
+    exit_codes = dict(re.findall(r"^\s+rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output,
+                                 re.MULTILINE))
+    assert exit_codes == {"0": str(PREEMPTED), "1": str(PREEMPTED)}, output[-3000:]
+    assert epoch == 2 and 7 <= step < 15, output[-3000:]
+    assert f"stopped on a signal to another rank: checkpoint of epoch 2 step {step}" in output
+    assert_resumed_where_it_stopped(stages.end[1], (epoch, step))
 
+
+def test_the_interrupted_torchrun_run_ends_bitwise_equal_to_the_uninterrupted_one(torchrun_interrupted, uninterrupted):
+    stages = torchrun_interrupted
+    returncode, output = stages.end
+    assert returncode == 0, output[-3000:]
+    assert_bitwise_equal(stages.weights, uninterrupted["ddp"][0])
+
+
+def test_sigusr1_to_the_spawn_parent_reaches_the_workers(side_by_side, uninterrupted):
+    stages = outcome(side_by_side, "spawn")
+    returncode, output = stages.sigusr1
+    epoch, step = stages.after_sigusr1
+    assert returncode == PREEMPTED, output[-3000:]
+    assert epoch == 1 and 7 <= step < 15, output[-3000:]
+    assert f"stopped on SIGUSR1: checkpoint of epoch 1 step {step}" in output
+    returncode, output = stages.end
+    assert returncode == 0, output[-3000:]
+    assert_resumed_where_it_stopped(output, (epoch, step))
+    assert_bitwise_equal(stages.weights, uninterrupted["ddp"][0])
+
+
+def test_a_stalled_rank_fails_the_job_after_the_dist_timeout(side_by_side):
+    stalled = outcome(side_by_side, "stalled")
+    returncode, output = stalled.result
+    assert returncode != 0
+    # Measured from the stall and from the first timeout message, not from the start (10-30 s on a busy
+    # 2-core machine, more with the other runs side by side): the ranks that wait for the stalled one
+    # give up after --dist-timeout (5 s)...
+    assert stalled.to_timeout < 30, f"no rank gave up within 30 s of a 5 s --dist-timeout:\n{output[-3000:]}"
+    # ...and torchrun ends the job: it sends SIGTERM to the stalled (stopped) rank, waits 30 s for it to
+    # exit (torchrun's fixed grace), then kills it. Without the timeout the job would wait for 30 minutes.
+    assert stalled.to_end < 90, f"the job outlived the rank's timeout by {stalled.to_end:.0f} s:\n{output[-3000:]}"
+
+
+def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
+    """Fails on purpose, twice, and shows that nothing of the failed jobs is left. A job whose line never
+    comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
+    job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *TINY_NET, "-j", "1",
+               "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"])
+    job.wait_for(at(0, 2))
+    running = job.leftovers()
+    assert len(running) >= 5, running  # torchrun, 2 workers, a loader worker each
+    with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
+        job.wait_for(re.compile("a line this job never prints"), timeout=1)
+    assert not job.leftovers()
+    # A run() that times out: a launcher that was exec'd (as the run_scripts exec torchrun) and a child of
+    # it in a session of its own (as torchrun's workers). Found by a variable in their environment.
+    probe, seen = uuid.uuid4().hex, []
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            seen.append(len(processes_marked(probe, name="LEAK_PROBE")))
+            time.sleep(0.1)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            run(["bash", "-c", f'"{PYTHON}" -c "import subprocess; subprocess.Popen([\'sleep\', \'600\'], '
+                 f'start_new_session=True)"; exec sleep 600'], env=clean_env(LEAK_PROBE=probe), timeout=3)
+    finally:
+        watching.set()
+        watcher.join()
+    assert max(seen) >= 2, seen  # both sleeps were running
+    assert not processes_marked(probe, name="LEAK_PROBE")
+
+
+# ----------------------------------------------------------------------------- what a run leaves to the next
 
 def limit_file_size(limit):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_intact(data, tmp_path):
-    common = [*RUN, "-j", "0", "--data", data, "--output-dir", tmp_path, "--checkpoint-interval", "0"]
-    assert_ok(run_script("train_dp.py", *common, "--epochs", "1"))
-    before = (tmp_path / "checkpoint.pth").read_bytes()
-    # As on a full disk: no file may grow past 64 KiB (a checkpoint is several MB).
-    job = Watched([PYTHON, REPO / "train_dp.py", *common, "--resume", "auto"],
-                  preexec_fn=limit_file_size(64 * 1024))
-    returncode, output = job.finish()
+def mtimes(folder):
+    return {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(data, tmp_path_factory):
+    """TinyNet trained 2 epochs (a checkpoint per epoch: checkpoint.pth and checkpoint_prev.pth), then, side
+    by side: the relaunches that must be refused, each a process of its own (forked from one that imported
+    torch already: conftest.run_prewarmed): the same command without --resume; the same with the latest
+    checkpoint damaged; another --arch; other data; an --output-dir that cannot be created. And, on copies
+    of the run's directory: --resume auto with the latest checkpoint damaged; --resume auto where no file
+    may grow past 64 KiB (as on a full disk); and --overwrite."""
+    root = tmp_path_factory.mktemp("finished")
+    run_dir = root / "run"
+    common = [*TINY_NET, "--epochs", "2", "--checkpoint-interval", "0"]
+    assert_ok(run_script("train_dp.py", *common, "--data", data, "--output-dir", run_dir))
+    copies = {name: shutil.copytree(run_dir, root / name) for name in ("damaged", "damaged-resumed", "full-disk",
+                                                                       "overwritten")}
+    for name in ("damaged", "damaged-resumed"):
+        saved = (copies[name] / "checkpoint.pth").read_bytes()
+        (copies[name] / "checkpoint.pth").write_bytes(saved[:1000])  # truncated, as by a crash of the storage
+    (copies["overwritten"] / "bad_images.txt").write_text("left by the first run\n")
+    before = {"run": mtimes(run_dir), "damaged": mtimes(copies["damaged"]),
+              "full-disk": {name: (copies["full-disk"] / name).read_bytes()
+                            for name in ("checkpoint.pth", "checkpoint_prev.pth")},
+              "overwritten": (copies["overwritten"] / "checkpoint.pth").stat().st_mtime_ns}
+    other_data = make_image_folder(root / "other-data", train_per_class=2, val_per_class=1, num_classes=4)
+    (root / "a-file").write_text("not a directory")
+
+    def train_dp(output_dir, *flags, **popen):
+        return Job([PYTHON, REPO / "train_dp.py", *common, "--data", data, "--output-dir", output_dir, *flags], **popen)
+    jobs = {"damaged-resumed": train_dp(copies["damaged-resumed"], "--resume", "auto", "--epochs", "3"),
+            "full-disk": train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3",
+                                  preexec_fn=limit_file_size(64 * 1024)),
+            "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite")}
+    relaunches = {
+        "forgot-resume": ["--data", data, "--output-dir", run_dir],
+        "forgot-resume-damaged": ["--data", data, "--output-dir", copies["damaged"]],
+        "other-arch": ["--data", data, "--output-dir", run_dir, "-a", "resnet18"],
+        "other-data": ["--data", other_data, "--output-dir", run_dir],
+        "uncreatable-output-dir": ["--data", data, "--output-dir", root / "a-file" / "run"],
+    }
+    try:
+        refused = dict(zip(relaunches, run_prewarmed("train_dp.py", [[*common, *flags] for flags in relaunches.values()])))
+    except BaseException:
+        for job in jobs.values():
+            job.kill()
+        raise
+    return SimpleNamespace(run_dir=run_dir, copies=copies, before=before, refused=refused,
+                           after={"run": mtimes(run_dir), "damaged": mtimes(copies["damaged"])},
+                           ended={name: job.finish() for name, job in jobs.items()})
+
+
+def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(finished_run):
+    output = assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["damaged-resumed"]))
+    assert re.search(r"^warning: cannot read checkpoint \S+/checkpoint\.pth: truncated or not a PyTorch checkpoint "
+                     r"\(\w+\); resuming from the previous checkpoint \S+/checkpoint_prev\.pth$", output, re.MULTILINE), \
+        output[-3000:]
+    assert "checkpoint_prev.pth (epoch 1)" in output and "Epoch: [1]" in output and "Epoch: [0]" not in output
+    assert torch.load(finished_run.copies["damaged-resumed"] / "checkpoint.pth", weights_only=True)["epoch"] == 3
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_intact(finished_run):
+    run_dir, before = finished_run.copies["full-disk"], finished_run.before["full-disk"]
+    assert len(before["checkpoint.pth"]) > 128 * 1024  # a TinyNet checkpoint, with its optimizer: ~200 KiB
+    returncode, output = finished_run.ended["full-disk"]
     assert returncode == 1, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "could not write a checkpoint" in lines[0] and "intact" in lines[0], output
     assert "Traceback" not in output
-    assert (tmp_path / "checkpoint.pth").read_bytes() == before
-    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".")]
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert not [path.name for path in run_dir.iterdir() if path.name.startswith(".")]
 
 
-def test_an_output_dir_of_another_run_is_refused_unless_resume_names_it(data, tmp_path):
-    common = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0",
-              "-b", "8", "--epochs", "1", "--output-dir", tmp_path]
-    assert_ok(run_script("train_dp.py", *common, "-a", "squeezenet1_1", "--data", data))
-    files = {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
-    other_data = make_image_folder(tmp_path.parent / "other", train_per_class=2, val_per_class=1, num_classes=4)
-    for other in (["-a", "resnet18", "--data", data], ["-a", "squeezenet1_1", "--data", other_data]):
-        result = run_script("train_dp.py", *common, *other)
+def test_an_output_dir_of_another_run_is_refused_unless_resume_names_it(finished_run):
+    for name in ("other-arch", "other-data"):
+        result = finished_run.refused[name]
         assert result.returncode == 2, result.stdout
         assert result.stdout.strip().splitlines() == [line for line in result.stdout.splitlines()
-                                                      if "holds checkpoints of another run" in line]
-    assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == files
+                                                      if "holds checkpoints of another run" in line], result.stdout
+    assert finished_run.after["run"] == finished_run.before["run"]
 
 
-def test_an_output_dir_that_cannot_be_created_is_one_line_and_exit_2(data, tmp_path):
-    (tmp_path / "a-file").write_text("not a directory")
-    result = run_script("train_dp.py", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
-                        "-j", "0", "-b", "8", "--epochs", "1", "--data", data, "--output-dir", tmp_path / "a-file" / "run")
+def test_an_output_dir_that_cannot_be_created_is_one_line_and_exit_2(finished_run):
+    result = finished_run.refused["uncreatable-output-dir"]
     assert result.returncode == 2, result.stdout
     errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot write to --output-dir" in errors[0] and "Traceback" not in result.stdout
 
 
-def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(data, tmp_path):
-    common = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32",
-              "--val-crop-size", "32", "-j", "0", "-b", "8", "--epochs", "1", "--data", data, "--output-dir", tmp_path]
-    assert_ok(run_script("train_dp.py", *common))
-    files = {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
-    result = run_script("train_dp.py", *common)
+def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(finished_run):
+    result = finished_run.refused["forgot-resume"]
     assert result.returncode == 2, result.stdout
     assert result.stdout.strip().splitlines() == [
-        f"error: {tmp_path} holds a run at epoch 1 step 0: continue it with --resume auto, or start over with "
-        "--overwrite (its checkpoints are deleted) or another --output-dir"]
-    assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == files
+        f"error: {finished_run.run_dir} holds a run at epoch 2 step 0: continue it with --resume auto, or start over "
+        "with --overwrite (its checkpoints are deleted) or another --output-dir"]
+    assert finished_run.after["run"] == finished_run.before["run"]
     # A damaged latest checkpoint is no licence to start over: --resume auto would use the previous one.
-    saved = (tmp_path / "checkpoint.pth").read_bytes()
-    (tmp_path / "checkpoint.pth").write_bytes(saved[:1000])
-    result = run_script("train_dp.py", *common)
-    assert result.returncode == 2 and re.search(r"holds a run \(checkpoint\.pth(, model_best\.pth)?; the first is "
-                                                r"damaged\): continue it with --resume auto", result.stdout), result.stdout
-    (tmp_path / "checkpoint.pth").write_bytes(saved)
+    result = finished_run.refused["forgot-resume-damaged"]
+    assert result.returncode == 2 and re.search(r"holds a run \(checkpoint\.pth(, checkpoint_prev\.pth)?(, model_best\.pth)?; "
+                                                r"the first is damaged\): continue it with --resume auto", result.stdout), result.stdout
+    assert finished_run.after["damaged"] == finished_run.before["damaged"]
     # --overwrite starts afresh: nothing of the first run is left to pass for the new one's.
-    (tmp_path / "bad_images.txt").write_text("left by the first run\n")
-    assert_ok(run_script("train_dp.py", *common, "--overwrite"))
-    assert [row.split(",")[0] for row in (tmp_path / "log.csv").read_text().splitlines()] == ["epoch", "0"]
-    assert not (tmp_path / "bad_images.txt").exists()
-    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    assert (tmp_path / "checkpoint.pth").stat().st_mtime_ns > files["checkpoint.pth"]
+    run_dir = finished_run.copies["overwritten"]
+    assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["overwritten"]))
+    assert [row.split(",")[0] for row in (run_dir / "log.csv").read_text().splitlines()] == ["epoch", "0"]
+    assert not (run_dir / "bad_images.txt").exists() and not (run_dir / "checkpoint_prev.pth").exists()
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert (run_dir / "checkpoint.pth").stat().st_mtime_ns > finished_run.before["overwritten"]

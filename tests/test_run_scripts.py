@@ -1,11 +1,12 @@
 """The launchers in run_scripts/, run for real on CPU: one node, two "nodes" on this machine
 (two launches on 127.0.0.1), and a managed platform's environment."""
-import subprocess
+import re
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, run
+from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, run, run_together
+from tests.tiny_models import TinyNet
 
 SCRIPTS = REPO / "run_scripts"
 EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "5", "--lr", "0.05"]
@@ -15,19 +16,9 @@ def launch(script, *args, timeout=300, **env):
     return run(["bash", SCRIPTS / script, *args], timeout=timeout, env=clean_env(PYTHON=PYTHON, **env))
 
 
-def launch_two_nodes(script, args, node_env):
-    """Run `script args` twice at once, as nodes 0 and 1 with environments node_env(0) and
-    node_env(1); returns both outputs once both succeeded."""
-    nodes = [subprocess.Popen(["bash", SCRIPTS / script, *args], cwd=REPO, env=clean_env(PYTHON=PYTHON, **node_env(node)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-3000:]
-    return outputs
+def launch_command(script, *args, **env):
+    """(command, environment) of `bash run_scripts/SCRIPT args`, for run_together."""
+    return ["bash", SCRIPTS / script, *args], clean_env(PYTHON=PYTHON, **env)
 
 
 def train_args(data, output_dir, *extra):
@@ -39,36 +30,119 @@ def weights(output_dir):
 
 
 def max_difference(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    assert a.keys() == b.keys()  # keys only in the second count too
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def initial_weights():
+    torch.manual_seed(5)  # EXACT_MODEL's seed: the scripts' initial weights
+    return TinyNet(num_classes=3).state_dict()
+
+
+def parameters_moved(before, after):
+    """The largest change of a trainable parameter (not of BatchNorm's running statistics)."""
+    names = [name for name, _ in TinyNet(num_classes=3).named_parameters()]
+    return max((after[name].double() - before[name].double()).abs().max().item() for name in names)
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_data, tmp_path_factory):
+    """The module's launches that train, started together (most of their time is spent starting
+    processes): the three single-node scripts (2 processes where they start several); two "nodes" of
+    one process each of multi_node_ddp.sh (the default --save-on) and of multi_node_spawn.sh (--save-on
+    node), each node with an output directory of its own (as on nodes that share no file system); and
+    platform_ddp.sh on one node of two processes and on two nodes of one. name -> (output dir, result)."""
+    out = tmp_path_factory.mktemp("launches")
+    ports = {name: free_port() for name in ("spawn", "two-ddp", "two-spawn", "platform", "platform-two")}
+
+    def node(script, name, rank, *extra):
+        return launch_command(script, *train_args(tiny_data, out / name / f"node{rank}", *EXACT_MODEL, *extra),
+                              NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=ports[name])
+    platform_two = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform-two"], WORLD_SIZE=2, WORKER_PER_NODE=1,
+                        DATASETS_PATH=tiny_data, WORKSPACE=out / "platform-two", EPOCHS=1, BATCH_SIZE=8)
+    commands = {
+        # The reference of the two-node runs: EXACT_MODEL, 2 epochs. The others train one epoch of resnet18.
+        "single_node_ddp.sh": launch_command("single_node_ddp.sh", *train_args(tiny_data, out / "ddp", *EXACT_MODEL),
+                                             NPROC_PER_NODE=2),
+        "single_node_dp.sh": launch_command("single_node_dp.sh", *train_args(tiny_data, out / "dp", "--epochs", "1")),
+        "single_node_spawn.sh": launch_command("single_node_spawn.sh", *train_args(tiny_data, out / "spawn", "--epochs", "1"),
+                                               NPROC_PER_NODE=2, MASTER_PORT=ports["spawn"]),
+        "two-ddp-0": node("multi_node_ddp.sh", "two-ddp", 0),
+        "two-ddp-1": node("multi_node_ddp.sh", "two-ddp", 1),
+        "two-spawn-0": node("multi_node_spawn.sh", "two-spawn", 0, "--save-on", "node"),
+        "two-spawn-1": node("multi_node_spawn.sh", "two-spawn", 1, "--save-on", "node"),
+        # What a managed platform sets (seed 004), and no command-line arguments at all.
+        "platform": launch_command("platform_ddp.sh", MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform"],
+                                   WORLD_SIZE=2, WORKER_PER_NODE=2, NODE_RANK=0, RANK=0, BACKEND="gloo",
+                                   DATASETS_PATH=tiny_data.parent, DATASETS=f"{tiny_data.name},unused",
+                                   WORKSPACE=out / "platform", EPOCHS=1, LR=0.01, BATCH_SIZE=8, OMP_NUM_THREADS=1),
+        # Node 1 knows only its RANK (the global rank of its first process).
+        "platform-two-0": launch_command("platform_ddp.sh", *TINY, RANK=0, **platform_two),
+        "platform-two-1": launch_command("platform_ddp.sh", *TINY, RANK=1, **platform_two),
+    }
+    return out, dict(zip(commands, run_together(list(commands.values()))))
+
+
+@pytest.fixture(scope="module")
+def single_nodes(launches):
+    """script -> (output, output dir)."""
+    out, results = launches
+    return {script: (assert_ok(results[script]), out / script.replace("single_node_", "").replace(".sh", ""))
+            for script in ("single_node_ddp.sh", "single_node_dp.sh", "single_node_spawn.sh")}
+
+
+@pytest.fixture(scope="module")
+def one_node_of_two_processes(single_nodes):
+    return single_nodes["single_node_ddp.sh"]
 
 
 @pytest.mark.parametrize("script, world_size", [
     ("single_node_dp.sh", 1), ("single_node_ddp.sh", 2), ("single_node_spawn.sh", 2)])
-def test_single_node_scripts_train_and_print_their_command(tiny_data, tmp_path, script, world_size):
-    result = launch(script, *train_args(tiny_data, tmp_path / "out"), NPROC_PER_NODE=2, MASTER_PORT=free_port())
-    output = assert_ok(result)
+def test_single_node_scripts_train_and_print_their_command(single_nodes, script, world_size):
+    output, out = single_nodes[script]
     command = next(line for line in output.splitlines() if line.startswith("+ "))
     assert script.replace("single_node_", "train_").replace(".sh", ".py") in command
     assert f"world size {world_size}" in output
-    assert (tmp_path / "out" / "checkpoint.pth").exists()
+    assert (out / "checkpoint.pth").exists()
+
+
+def two_nodes(launches, name):
+    """Both nodes' outputs (each must have succeeded), and the folder of their output directories."""
+    out, results = launches
+    return [assert_ok(results[f"{name}-{rank}"]) for rank in (0, 1)], out / name
 
 
 @pytest.fixture(scope="module")
-def one_node_of_two_processes(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one-node")
-    assert_ok(launch("single_node_ddp.sh", *train_args(tiny_data, out, *EXACT_MODEL), NPROC_PER_NODE=2))
-    return weights(out)
+def two_ddp_nodes(launches):
+    return two_nodes(launches, "two-ddp")
 
 
-@pytest.mark.parametrize("script", ["multi_node_ddp.sh", "multi_node_spawn.sh"])
-def test_two_nodes_end_with_the_weights_of_one_node_at_the_same_world_size(
-        tiny_data, tmp_path, one_node_of_two_processes, script):
-    port = free_port()
-    outputs = launch_two_nodes(script, train_args(tiny_data, tmp_path / "out", *EXACT_MODEL), lambda node: dict(
-        NNODES=2, NODE_RANK=node, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+@pytest.fixture(scope="module")
+def two_spawn_nodes(launches):
+    return two_nodes(launches, "two-spawn")
+
+
+@pytest.mark.parametrize("nodes", ["two_ddp_nodes", "two_spawn_nodes"])
+def test_two_nodes_end_with_the_weights_of_one_node_at_the_same_world_size(request, one_node_of_two_processes, nodes):
+    outputs, out = request.getfixturevalue(nodes)
     assert "world size 2" in outputs[0]
     assert "world size" not in outputs[1]  # rank 1 prints nothing of its own
-    assert max_difference(one_node_of_two_processes, weights(tmp_path / "out")) <= 1e-5
+    reference = weights(one_node_of_two_processes[1])
+    assert parameters_moved(initial_weights(), reference) > 1e-2  # equal weights that never moved prove nothing
+    assert max_difference(reference, weights(out / "node0")) <= 1e-5
+
+
+def test_only_global_rank_0_writes_checkpoints_by_default(two_ddp_nodes):
+    """Node 1's process has local rank 0, and writes nothing: no checkpoint, log or TensorBoard file."""
+    _, out = two_ddp_nodes
+    assert (out / "node0" / "checkpoint.pth").exists()
+    assert not (out / "node1").exists()
+
+
+def test_save_on_node_writes_one_checkpoint_per_node(two_spawn_nodes):
+    _, out = two_spawn_nodes
+    node0, node1 = weights(out / "node0"), weights(out / "node1")
+    assert node0.keys() == node1.keys() and all(torch.equal(node0[key], node1[key]) for key in node0)
 
 
 @pytest.mark.parametrize("script", ["multi_node_ddp.sh", "multi_node_spawn.sh"])
@@ -89,28 +163,21 @@ def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
     assert "no GPU visible: set NPROC_PER_NODE" in result.stdout
 
 
-def test_platform_script_trains_from_the_platform_variables_alone(tiny_data, tmp_path):
+def test_platform_script_trains_from_the_platform_variables_alone(tiny_data, launches):
     """What a managed platform sets (seed 004), and no command-line arguments at all."""
-    workspace = tmp_path / "workspace"
-    result = launch("platform_ddp.sh", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=2,
-                    WORKER_PER_NODE=2, NODE_RANK=0, RANK=0, BACKEND="gloo", DATASETS_PATH=tiny_data.parent,
-                    DATASETS=f"{tiny_data.name},unused", WORKSPACE=workspace, EPOCHS=1, LR=0.01, BATCH_SIZE=8,
-                    OMP_NUM_THREADS=1)
-    output = assert_ok(result)
+    out, results = launches
+    output = assert_ok(results["platform"])
     assert "ddp: world size 2" in output
-    run_dir = workspace / f"ddp-resnet18-{tiny_data.name}"
+    run_dir = out / "platform" / f"ddp-resnet18-{tiny_data.name}"
     args = (run_dir / "args.json").read_text()
     assert '"epochs": 1' in args and '"lr": 0.01' in args and '"batch_size": 8' in args
     assert '"dist_backend": "gloo"' in args
     assert len((run_dir / "log.csv").read_text().splitlines()) == 2  # header + one epoch
 
 
-def test_platform_script_on_two_nodes_takes_the_node_rank_from_rank(tiny_data, tmp_path):
+def test_platform_script_on_two_nodes_takes_the_node_rank_from_rank(launches):
     """Two nodes of one process each; node 1 knows only its RANK (global rank of its first process)."""
-    port, workspace = free_port(), tmp_path / "workspace"
-    common = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, WORKER_PER_NODE=1,
-                  DATASETS_PATH=tiny_data, WORKSPACE=workspace, EPOCHS=1, BATCH_SIZE=8)
-    outputs = launch_two_nodes("platform_ddp.sh", TINY, lambda node: dict(RANK=node, **common))
+    outputs, _ = two_nodes(launches, "platform-two")
     assert "--node-rank=1" in outputs[1]
     assert "ddp: world size 2" in outputs[0]
 
@@ -123,5 +190,8 @@ def test_platform_script_names_the_missing_variable(tmp_path):
 
 @pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.s*") if path.name != "_common.sh"))
 def test_every_script_shows_its_usage_in_its_header(script):
-    header = (SCRIPTS / script).read_text().splitlines()[1:6]
-    assert any(script in line for line in header), header
+    """A usage line: a command as typed, `#   [node N:] [VAR=value ...] [bash|sbatch [--flag ...]] run_scripts/SCRIPT ...`."""
+    header = (SCRIPTS / script).read_text().splitlines()[1:8]
+    usage = re.compile(rf"^#\s+(node \d+:\s+)?(\w+=\S*\s+)*((bash|sbatch)(\s+--\S+)*\s+)?"
+                       rf"run_scripts/{re.escape(script)}(\s|$)")
+    assert any(usage.match(line) for line in header), header

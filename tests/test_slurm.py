@@ -1,8 +1,11 @@
 """The Slurm job scripts under a real Slurm: `sbatch --wait` on a one-node cluster of this machine, and a
 job stopped by the signal Slurm sends before its time limit, which requeues itself and finishes.
 
-`make test-slurm` installs, starts and afterwards stops that cluster (run_scripts/slurm_local_cluster.sh);
-without a responsive Slurm node these tests are skipped."""
+`make test-slurm` installs, starts and afterwards stops that cluster (run_scripts/slurm_local_cluster.sh).
+Without a responsive Slurm node these tests are skipped, unless REQUIRE_SLURM=1 (which `make test-slurm`
+sets, and nothing else): then each of them fails, so that a cluster that is down, or stops responding
+during the run, fails the target instead of passing it with everything skipped."""
+import os
 import re
 import shutil
 import subprocess
@@ -41,9 +44,31 @@ def _slurm_unavailable():
     return None
 
 
+REQUIRED = os.environ.get("REQUIRE_SLURM") == "1"
 _reason = _slurm_unavailable()
-if _reason:
+if _reason and not REQUIRED:
     pytest.skip(_reason, allow_module_level=True)
+
+
+def _check_slurm():
+    """A Slurm node that responds, or a failure (REQUIRE_SLURM=1) or skip saying why not."""
+    reason = _slurm_unavailable()
+    if reason and REQUIRED:
+        pytest.fail(f"REQUIRE_SLURM=1, but {reason}", pytrace=False)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def responsive_slurm_first():
+    """Before the module's fixtures start their runs."""
+    _check_slurm()
+
+
+@pytest.fixture(autouse=True)
+def responsive_slurm():
+    """Before each test: the node may have stopped responding during an earlier one."""
+    _check_slurm()
 
 JOB_TIMEOUT = 300  # seconds for a whole job; Slurm's own limit (--time) is 5 minutes too
 

@@ -3,7 +3,6 @@ import csv
 import json
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +11,7 @@ import torch
 import torchvision
 
 from common.logger import CSV_FIELDS
-from conftest import TINY, assert_ok, clean_env, run_script
+from conftest import TINY, assert_ok, clean_env, run_prewarmed, run_script, run_together, script_command
 
 SCRIPT = "train_dp.py"
 ACC_LINE = re.compile(r"^ \* Acc@1 (?P<acc1>[\d.]+)  Acc@5 (?P<acc5>[\d.]+)  Loss (?P<loss>[\d.e+-]+|nan)  "
@@ -39,19 +38,51 @@ def snapshot(directory):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    """Two epochs of resnet18 on the tiny set, trained once for the whole module."""
-    output_dir = tmp_path_factory.mktemp("dp-run") / "out"
-    result = run_script(SCRIPT, *train_args(tiny_data, output_dir, "--epochs", "2"))
-    return SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
+def first_runs(tiny_data, tmp_path_factory):
+    """The module's two training runs, at once (one process each, a core each): two epochs of resnet18
+    on the tiny set; and one epoch, the count taken from the EPOCHS environment variable (no --epochs)."""
+    two, one = tmp_path_factory.mktemp("dp-run") / "out", tmp_path_factory.mktemp("dp-run-env") / "out"
+    results = run_together([script_command(SCRIPT, *train_args(tiny_data, two, "--epochs", "2")),
+                            (script_command(SCRIPT, *train_args(tiny_data, one)), clean_env(EPOCHS=1))])
+    return [SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
+            for result, output_dir in zip(results, (two, one))]
 
 
 @pytest.fixture(scope="module")
-def one_epoch(tiny_data, tmp_path_factory):
-    """One epoch, the count taken from the EPOCHS environment variable (no --epochs)."""
-    output_dir = tmp_path_factory.mktemp("dp-run-env") / "out"
-    result = run_script(SCRIPT, *train_args(tiny_data, output_dir), env=clean_env(EPOCHS=1))
-    return SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
+def trained(first_runs):
+    return first_runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_epoch(first_runs):
+    return first_runs[1]
+
+
+@pytest.fixture(scope="module")
+def second_runs(trained, one_epoch, tiny_data, tmp_path_factory):
+    """The runs that start from the first ones' checkpoints, at once: -e on the 2-epoch checkpoint;
+    --resume PATH and --resume auto to a second epoch from (copies of) the 1-epoch run's directory;
+    and --resume of a pytorch/examples checkpoint made from that run's. name -> (result, output dir)."""
+    root = tmp_path_factory.mktemp("second-runs")
+    before = snapshot(trained.output_dir)
+    resumed = {how: shutil.copytree(one_epoch.output_dir, root / how) for how in ("path", "auto")}
+    ours = read_checkpoint(one_epoch.output_dir / "checkpoint.pth")
+    # pytorch/examples imagenet/main.py saves DataParallel's `module.` names and best_acc1 as a tensor.
+    torch.save({"epoch": 1, "arch": "resnet18",
+                "state_dict": {f"module.{name}": value for name, value in ours["state_dict"].items()},
+                "best_acc1": torch.tensor(ours["best_acc1"]), "optimizer": ours["optimizer"]},
+               root / "checkpoint.pth.tar")
+    runs = {
+        "evaluate": (trained.output_dir, ["-e", "--resume", trained.output_dir / "checkpoint.pth"]),
+        "resume-path": (resumed["path"], ["--resume", resumed["path"] / "checkpoint.pth", "--epochs", "2"]),
+        "resume-auto": (resumed["auto"], ["--resume", "auto", "--epochs", "2"]),
+        "resume-examples": (root / "examples", ["--resume", root / "checkpoint.pth.tar", "--epochs", "2"]),
+    }
+    results = run_together([script_command(SCRIPT, *train_args(tiny_data, output_dir, *flags))
+                            for output_dir, flags in runs.values()])
+    outcome = {name: (result, output_dir) for name, result, (output_dir, _) in zip(runs, results, runs.values())}
+    outcome["evaluated-dir-unchanged"] = snapshot(trained.output_dir) == before
+    return outcome
 
 
 # ----------------------------------------------------------------------------- a run and what it leaves
@@ -116,11 +147,8 @@ def test_checkpoint_loads_into_plain_torchvision_resnet18(trained, name):
         assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3)
 
 
-def test_evaluate_prints_the_checkpoints_validation_accuracy_and_writes_nothing(trained, tiny_data):
-    output_dir = trained.output_dir
-    before = snapshot(output_dir)
-    result = run_script(SCRIPT, *train_args(tiny_data, output_dir, "-e", "--resume",
-                                            output_dir / "checkpoint.pth"))
+def test_evaluate_prints_the_checkpoints_validation_accuracy_and_writes_nothing(trained, second_runs):
+    result, _ = second_runs["evaluate"]
     out = assert_ok(result)
     assert "Epoch:" not in out
     (evaluated,) = [match.groupdict() for match in ACC_LINE.finditer(out)]
@@ -128,7 +156,7 @@ def test_evaluate_prints_the_checkpoints_validation_accuracy_and_writes_nothing(
     assert (evaluated["acc1"], evaluated["acc5"], evaluated["count"]) == (
         last_epoch["acc1"], last_epoch["acc5"], last_epoch["count"])
     assert float(evaluated["loss"]) == pytest.approx(float(last_epoch["loss"]), rel=1e-5)
-    assert snapshot(output_dir) == before
+    assert second_runs["evaluated-dir-unchanged"]
 
 
 # ----------------------------------------------------------------------------- resume and defaults
@@ -141,10 +169,9 @@ def test_epochs_from_the_environment_apply_without_the_flag(one_epoch):
 
 
 @pytest.mark.parametrize("how", ["path", "auto"])
-def test_resume_continues_at_the_next_epoch(one_epoch, tiny_data, tmp_path, how):
-    output_dir = shutil.copytree(one_epoch.output_dir, tmp_path / "out")
-    resume = str(output_dir / "checkpoint.pth") if how == "path" else "auto"
-    out = assert_ok(run_script(SCRIPT, *train_args(tiny_data, output_dir, "--resume", resume, "--epochs", "2")))
+def test_resume_continues_at_the_next_epoch(second_runs, how):
+    result, output_dir = second_runs[f"resume-{how}"]
+    out = assert_ok(result)
     assert f"resumed from {output_dir / 'checkpoint.pth'} (epoch 1)" in out
     assert "Epoch: [1]" in out and "Epoch: [0]" not in out
     assert len(ACC_LINE.findall(out)) == 1
@@ -154,16 +181,9 @@ def test_resume_continues_at_the_next_epoch(one_epoch, tiny_data, tmp_path, how)
     assert json.loads((output_dir / "summary.json").read_text())["epochs"] == 2
 
 
-def test_resume_accepts_a_pytorch_examples_checkpoint(one_epoch, tiny_data, tmp_path):
-    ours = read_checkpoint(one_epoch.output_dir / "checkpoint.pth")
-    # pytorch/examples imagenet/main.py saves DataParallel's `module.` names and best_acc1 as a tensor.
-    torch.save({"epoch": 1, "arch": "resnet18",
-                "state_dict": {f"module.{name}": value for name, value in ours["state_dict"].items()},
-                "best_acc1": torch.tensor(ours["best_acc1"]), "optimizer": ours["optimizer"]},
-               tmp_path / "checkpoint.pth.tar")
-    output_dir = tmp_path / "out"
-    out = assert_ok(run_script(SCRIPT, *train_args(tiny_data, output_dir, "--resume", tmp_path / "checkpoint.pth.tar",
-                                                   "--epochs", "2")))
+def test_resume_accepts_a_pytorch_examples_checkpoint(second_runs):
+    result, output_dir = second_runs["resume-examples"]
+    out = assert_ok(result)
     assert "(epoch 1)" in out and "Epoch: [1]" in out and "Epoch: [0]" not in out
     assert read_checkpoint(output_dir / "checkpoint.pth")["epoch"] == 2
 
@@ -178,7 +198,7 @@ class RunsCodeWhenUnpickled:
         return (open, (self.marker, "w"))
 
 
-# name: what the one error line must contain.
+# name: what the one error line must contain (the checkpoint errors: the whole line).
 BAD_INPUTS = {
     "data-missing": r"--data .*missing: no such directory",
     "data-without-val": r"has no val/ folder",
@@ -188,8 +208,9 @@ BAD_INPUTS = {
     "resume-missing": r"--resume .*missing\.pth: no such file",
     "resume-other-arch": r"holds a squeezenet1_1 model, not resnet18: pass --arch squeezenet1_1",
     "resume-other-class-count": r"does not fit resnet18 with these classes",
-    "resume-arbitrary-object": r"refusing to load",
-    "resume-text-file": r"cannot read checkpoint|not a",
+    "resume-arbitrary-object": r"^error: refusing to load \S+/arbitrary\.pth: it holds a Python object \(\S+\), not only "
+                               r"tensors and plain data; nothing in it was run$",
+    "resume-text-file": r"^error: cannot read checkpoint \S+/notes\.txt: truncated or not a PyTorch checkpoint \(\w+\)$",
     "gpus-on-cpu": r"--gpus .*no GPU",
     "epochs-0": r"--epochs must be positive, got 0",
     "batch-0": r"--batch-size must be positive, got 0",
@@ -241,16 +262,13 @@ def bad_runs(tiny_data, tmp_path_factory):
     }
     assert cases.keys() == BAD_INPUTS.keys()
 
-    def launch(name):
-        output_dir = root / f"out-{name}"
-        # Later flags win in argparse: each case overrides the good defaults given first.
-        result = run_script(SCRIPT, *train_args(tiny_data, output_dir, "--epochs", "1"), *cases[name], timeout=120)
-        return name, (result, output_dir)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(pool.map(launch, cases))
+    # Later flags win in argparse: each case overrides the good defaults given first. Each case is a
+    # process of its own, forked from one that imported torch already (conftest.run_prewarmed).
+    names = list(cases)
+    results = run_prewarmed(SCRIPT, [[*train_args(tiny_data, root / f"out-{name}", "--epochs", "1"), *cases[name]]
+                                     for name in names])
     assert not (root / "code-ran").exists(), "loading --resume ran code from the checkpoint"
-    return results
+    return {name: (result, root / f"out-{name}") for name, result in zip(names, results)}
 
 
 def error_lines(output):
@@ -258,20 +276,40 @@ def error_lines(output):
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_input_exits_2_with_one_error_line_and_creates_no_output_dir(bad_runs, name):
+def test_bad_input_exits_2_with_one_line_and_nothing_else_and_creates_no_output_dir(bad_runs, name):
     result, output_dir = bad_runs[name]
     out = result.stdout
     assert result.returncode == 2, out
-    assert "Traceback" not in out, out
-    (line,) = error_lines(out)
-    assert out.strip().splitlines()[-1] == line, out  # the error is the last thing printed
-    assert re.search(BAD_INPUTS[name], line), line
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines == error_lines(out) and len(lines) == 1, out  # no traceback, no other line
+    assert re.search(BAD_INPUTS[name], lines[0]), lines[0]
     assert not output_dir.exists()
 
 
-@pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_input_prints_nothing_but_the_error_line(bad_runs, name):
-    result, _ = bad_runs[name]
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stdout
-    assert lines == error_lines(result.stdout)
+def test_a_bad_input_gives_the_same_line_from_a_process_started_as_a_user_starts_it(bad_runs, tiny_data, tmp_path):
+    """The cases above run forked from an interpreter that imported torch already; here one runs as
+    `python train_dp.py` itself, with the same result."""
+    result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1"), "--lr", "0")
+    forked, _ = bad_runs["lr-0"]
+    assert (result.returncode, result.stdout) == (forked.returncode, forked.stdout) == (
+        2, "error: --lr must be positive, got 0.0\n")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- nn.DataParallel itself
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: without one train_dp.py runs the bare model (nn.DataParallel needs GPUs)")
+def test_dataparallel_splits_each_batch_over_every_visible_gpu(tiny_data, tmp_path):
+    """train_dp.py on this machine's GPUs (clean_env hides them unless gpu=True): one replica per GPU,
+    each on its share of the global batch of 8; with one GPU, DataParallel runs the model on it."""
+    count = torch.cuda.device_count()
+    result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1", "-a",
+                                            "tests.tiny_models:ReplicaReportNet"), env=clean_env(gpu=True))
+    out = assert_ok(result)
+    assert f"dp: world size 1, {count} device(s) per process" in out and f"{count} x " in out, out[-3000:]
+    assert "no GPU in use" not in out
+    replicas = dict(re.findall(r"^replica on (cuda:\d+): (\d+) images$", out, re.MULTILINE))
+    assert sorted(replicas) == sorted(f"cuda:{index}" for index in range(count)), out[-3000:]
+    assert sum(int(images) for images in replicas.values()) == 8
+    assert read_checkpoint(tmp_path / "out" / "checkpoint.pth")["epoch"] == 1

@@ -30,3 +30,24 @@ def FailingNet(num_classes, dropout=0.0):
     """TinyNet that raises in its third training forward, in the last rank only (the others wait
     for it in a collective): an error of a training process itself, while its loader workers run."""
     return _FailsAtStep(TinyNet(num_classes, dropout), step=3)
+
+
+_devices_reported = set()  # one line per device: DataParallel builds new replicas at every step
+
+
+class _ReportsReplicas(nn.Module):
+    def __init__(self, num_classes, dropout):
+        super().__init__()
+        self.net = TinyNet(num_classes, dropout)
+
+    def forward(self, images):
+        if self.training and images.device not in _devices_reported:
+            _devices_reported.add(images.device)
+            print(f"replica on {images.device}: {images.shape[0]} images", flush=True)
+        return self.net(images)
+
+
+def ReplicaReportNet(num_classes, dropout=0.0):
+    """TinyNet that prints, once per device, where a training forward ran and on how many images:
+    under nn.DataParallel over N GPUs, one line per GPU with its share of the batch."""
+    return _ReportsReplicas(num_classes, dropout)
