@@ -3,6 +3,7 @@ which outlives its test."""
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -38,10 +39,28 @@ def tiny_data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("tiny"))
 
 
+_ports_given, _port_choice = set(), random.Random()  # a generator of its own: tests may seed the global one
+
+
 def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port on 127.0.0.1, below the range the kernel picks from for port 0 (the sockets gloo
+    opens, outgoing connections): launches started side by side bind theirs seconds later, and no other
+    process's socket can take it in the meantime. Never the same port twice in a session."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    while True:
+        port = _port_choice.randint(max(1024, low - 12000), low - 1)
+        if port in _ports_given:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
 
 
 def clean_env(gpu=False, **extra):
