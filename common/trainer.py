@@ -97,13 +97,22 @@ def warn_slow_amp(amp, device, warn):
              "use --amp fp16 on this GPU")
 
 
+# Convolutional networks that channels_last does not make faster on the CPU (docs/benchmarks.md,
+# measured on an idle machine: shufflenet_v2_x1_0 0.95-0.98x, its channel shuffle re-lays the whole
+# activation; convnext_tiny 1.01x, its LayerNorms permute to NHWC and back anyway).
+CHANNELS_LAST_NOT_FASTER = ("ShuffleNetV2", "ConvNeXt")
+
+
 def use_channels_last(choice, device, amp, model):
     """--channels-last on/off, or for auto: on where it is measured faster (docs/benchmarks.md), that is
     for convolutional networks (two Conv2d layers or more; a vision transformer has one, its patch
     embedding) on the CPU (oneDNN's convolutions are fastest in NHWC) and on GPUs with --amp (tensor
-    cores read NHWC); off on GPUs in float32, where cuDNN gains little, and for other models."""
+    cores read NHWC); off on GPUs in float32, where cuDNN gains little, for the networks measured not
+    to gain (CHANNELS_LAST_NOT_FASTER), and for other models."""
     if choice != "auto":
         return choice == "on"
+    if type(model).__name__ in CHANNELS_LAST_NOT_FASTER:
+        return False
     convolutional = sum(isinstance(module, nn.Conv2d) for module in model.modules()) >= 2
     return convolutional and (device.type == "cpu" or amp != "none")
 
