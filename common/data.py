@@ -3,8 +3,8 @@
 Images stay uint8 from decoding to the device (DeviceLoader normalises them there).
 Two properties the scripts rely on:
 - Augmentation is seeded per image from (seed, epoch, index), so an image gets
-  the same crop whichever process or loader worker reads it: DP, DDP and spawn
-  see the same batches for the same seed and global batch.
+  the same crop (and auto-augment, erasing) whichever process or loader worker reads it:
+  DP, DDP and spawn see the same batches for the same seed and global batch.
 - Validation is sharded without padding (ShardSampler), so each image is
   counted exactly once whatever the world size.
 Every sample is (image, label, bad): `bad` lists the files that could not be decoded on the way
@@ -27,6 +27,8 @@ except ImportError:
 from torchvision.transforms.v2 import functional as F
 
 from . import distributed
+from .args import ResSchedule
+from .augment import image_augmentation, seeded
 from .bad_images import SkipUnreadable
 from .demo_data import ensure_demo_dataset
 from .folder_index import scan_image_folder
@@ -52,11 +54,21 @@ def load_image(path):
 
 
 class TrainPreset:
-    """RandomResizedCrop + horizontal flip on uint8, its randomness drawn from `rng` (a random.Random)
-    so that it depends on nothing but the seed it was given."""
+    """RandomResizedCrop + horizontal flip on uint8, then `augmentation` (image_augmentation(): auto-augment,
+    random erasing), in the order of torchvision's presets. Every draw comes from `rng` (a random.Random):
+    crop and flip directly, the augmentation from a torch seed drawn after them (so crop and flip are
+    those of a run without augmentation), so the result depends on nothing but the seed it was given.
+    res_schedule (a ResSchedule): the crop size follows set_epoch."""
 
-    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3)):
+    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None):
         self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
+        self.augmentation, self.res_schedule = augmentation, res_schedule
+        if res_schedule is not None:
+            self.set_epoch(0)
+
+    def set_epoch(self, epoch):
+        if self.res_schedule is not None:  # progressive resizing: this epoch's crop size
+            self.crop_size = self.res_schedule.size(epoch)
 
     def crop_box(self, height, width, rng):
         """torchvision's RandomResizedCrop.get_params, drawing from `rng`."""
@@ -79,7 +91,12 @@ class TrainPreset:
     def __call__(self, image, rng):
         top, left, height, width = self.crop_box(*image.shape[-2:], rng)
         image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size], antialias=True)
-        return F.horizontal_flip(image) if rng.random() < 0.5 else image
+        if rng.random() < 0.5:
+            image = F.horizontal_flip(image)
+        if self.augmentation is not None:
+            with seeded(rng):  # torchvision draws from torch's RNG: here a fork of it, seeded from rng
+                image = self.augmentation(image)
+        return image
 
 
 class EvalPreset:
@@ -96,7 +113,8 @@ class SeededTransform(Dataset):
     """Applies `transform` to the image of `base[index]` (an (image, label, bad) sample; image None
     for a skipped file) with a random.Random seeded by (seed, epoch, index): an image gets the same
     augmentation whichever process or loader worker reads it, and the global RNGs (which dropout
-    uses) are left alone."""
+    uses) are left alone. An index beyond len(base) (RepeatedAugmentationSampler's repeats) reads
+    base[index % len(base)] and is seeded by itself: each repeat is augmented differently."""
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
@@ -104,30 +122,41 @@ class SeededTransform(Dataset):
     def set_epoch(self, epoch):
         # Workers are re-forked every epoch (no persistent_workers), so they see this.
         self.epoch = epoch
+        if hasattr(self.transform, "set_epoch"):
+            self.transform.set_epoch(epoch)
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, index):
-        image, label, bad = self.base[index]
+        image, label, bad = self.base[index % len(self.base)]
         if image is not None:
             image = self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}"))
         return image, label, bad
 
 
 class SyntheticImages(Dataset):
-    """--dummy: one random uint8 image repeated, labels cycling through the classes (throughput only)."""
+    """--dummy: one random uint8 image repeated, labels cycling through the classes (throughput only).
+    res_schedule (a ResSchedule): the image size follows set_epoch."""
 
-    def __init__(self, length, image_size, num_classes=1000):
-        self.length, self.num_classes = length, num_classes
+    def __init__(self, length, image_size, num_classes=1000, res_schedule=None):
+        self.length, self.num_classes, self.res_schedule = length, num_classes, res_schedule
+        self.image = self._image(image_size if res_schedule is None else res_schedule.size(0))
+
+    @staticmethod
+    def _image(size):
         generator = torch.Generator().manual_seed(0)
-        self.image = torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=generator)
+        return torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=generator)
+
+    def set_epoch(self, epoch):
+        if self.res_schedule is not None and self.res_schedule.size(epoch) != self.image.shape[-1]:
+            self.image = self._image(self.res_schedule.size(epoch))
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, index):
-        return self.image, index % self.num_classes, ()
+        return self.image, index % self.length % self.num_classes, ()
 
 
 def pixel_stats(device=None):
@@ -237,11 +266,46 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = start
 
+    def shard(self):
+        """This rank's indices of the current epoch, from its beginning."""
+        return list(super().__iter__())
+
     def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
+        return iter(self.shard()[self.start:])
 
     def __len__(self):
         return self.num_samples - self.start
+
+
+class RepeatedAugmentationSampler(ResumableSampler):
+    """--ra-sampler: repeated augmentation (Hoffer et al. 2020; torchvision's RASampler). The epoch's
+    global order is the seeded permutation of DistributedSampler (seed + epoch) with each image
+    `repetitions` times in a row, cut to len(dataset) images, so an epoch has as many steps as without
+    it (about len / repetitions different images, each seen `repetitions` times). It is then split as
+    DistributedSampler splits (padded to a multiple of the world size, rank r takes positions r, r + world,
+    ...): batch k of all ranks together is batch k of a single process whatever the world size, and the
+    copies of an image, being consecutive, go to different ranks when world_size >= repetitions.
+    Copy j of image i is yielded as the index i + j * len(dataset), which SeededTransform reads as image i
+    seeded by that number: every copy is augmented differently, and copy 0 as without this sampler.
+    Unlike torchvision's RASampler the epoch is not rounded down to a multiple of 256 images."""
+
+    def __init__(self, dataset, num_replicas, rank, repetitions, seed=0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.repetitions = repetitions
+
+    def global_order(self):
+        """The epoch's indices over all ranks, before padding."""
+        length = len(self.dataset)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        permutation = torch.randperm(length, generator=generator).tolist()
+        return [index + copy * length for index in permutation for copy in range(self.repetitions)][:length]
+
+    def shard(self):
+        order = self.global_order()
+        padding = self.total_size - len(order)  # as DistributedSampler pads: the first indices again
+        order += (order * math.ceil(padding / len(order)))[:padding]
+        return order[self.rank:self.total_size:self.num_replicas]
 
 
 class ShardSampler(Sampler):
@@ -281,9 +345,15 @@ class Data(NamedTuple):
 def build_data(args, seed, rank, world_size, per_process_batch, gpu):
     """Datasets and loaders of one process (single process is rank 0 of world 1). With gpu=True the
     batches are pinned uint8 for DeviceLoader to copy and normalise; else normalised floats."""
+    # Options added after the first release: a Namespace from an older checkpoint or a direct caller may
+    # lack them (or hold None).
+    def option(name, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+    res_schedule = ResSchedule.parse(args.res_schedule) if option("res_schedule", None) else None
     if args.dummy:
         val_length = math.ceil(args.dummy_size * 50_000 / 1_281_167)
-        train_set = SyntheticImages(args.dummy_size, args.train_crop_size)
+        train_set = SyntheticImages(args.dummy_size, args.train_crop_size, res_schedule=res_schedule)
         val_set = SyntheticImages(val_length, args.val_crop_size)
         classes = [str(i) for i in range(train_set.num_classes)]
     else:
@@ -293,13 +363,19 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
         classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan_image_folder(root))
         # A file that cannot be decoded: in training the next one takes its place (every batch keeps its
         # size); in validation it is left out (no image is counted twice). --strict-data: an error.
+        augmentation = image_augmentation(option("auto_augment", "none"), option("ra_magnitude", 9),
+                                          option("random_erase", 0.0))
         train_set = SeededTransform(SkipUnreadable(train_files, load_image, True, args.strict_data),
-                                    TrainPreset(args.train_crop_size, args.min_crop_scale), seed)
+                                    TrainPreset(args.train_crop_size, args.min_crop_scale, augmentation=augmentation,
+                                                res_schedule=res_schedule), seed)
         val_set = SeededTransform(SkipUnreadable(val_files, load_image, False, args.strict_data),
                                   EvalPreset(args.val_resize_size, args.val_crop_size), seed)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
-    train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    if option("ra_sampler", False):
+        train_sampler = RepeatedAugmentationSampler(train_set, world_size, rank, option("ra_reps", 3), seed=seed)
+    else:
+        train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     # The loaders draw their worker seeds from generators of their own, not from the global RNG
     # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
     loader_options = dict(num_workers=args.workers, pin_memory=gpu, worker_init_fn=ignore_stop_signals,

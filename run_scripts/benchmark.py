@@ -4,6 +4,8 @@
     python run_scripts/benchmark.py --quick              # fewer images, for a smoke test
     python run_scripts/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
     python run_scripts/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
+    python run_scripts/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
+    python run_scripts/benchmark.py --res-compare        # only: demo epoch at 24 vs 32 px (progressive resizing)
 
 a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (generated,
    500x375, when --jpeg-dir is not given): ours (torchvision.io decode, uint8 crop/flip, uint8
@@ -16,6 +18,9 @@ c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channe
    (+ torch.compile): images/s and peak memory.
 --resize-compare: images/s of ONE loader worker (our pipeline) on the JPEGs as they are and on copies
    made by prepare_imagenet.py's --resize 256 / 160, with their average size and the cost of making them.
+--augment-compare: images/s of ONE loader worker of the training pipeline (decode, crop, flip, then
+   --auto-augment / --random-erase, seeded per image) for each augmentation of today's recipes.
+--res-compare: train_dp.py on the demo set, one epoch at each --train-crop-size (what --res-schedule saves).
 """
 import argparse
 import math
@@ -34,7 +39,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.data import IMAGENET_MEAN, IMAGENET_STD, TrainPreset, load_image  # noqa: E402
+from common.augment import image_augmentation  # noqa: E402
+from common.bad_images import SkipUnreadable  # noqa: E402
+from common.data import IMAGENET_MEAN, IMAGENET_STD, Collate, SeededTransform, TrainPreset, load_image  # noqa: E402
 
 
 def make_jpegs(root, per_class, classes=2, seed=0):
@@ -162,7 +169,6 @@ def resize_compare(jpeg_dir, images, batch=64):
     """One loader worker's images/s (load_image + TrainPreset) on the original JPEGs and on copies
     resized by prepare_imagenet.py (its own resize_jpeg), as markdown. Rates are per CPU-second of
     the process doing the work, so other load on the machine does not skew them."""
-    import resource
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
     sys.path.insert(0, str(REPO / "run_scripts"))
@@ -189,9 +195,6 @@ def resize_compare(jpeg_dir, images, batch=64):
             return self.preset(load_image(str(self.paths[index])), random.Random(index)), 0
 
     def worker_rate(paths, crop):
-        def cpu_of_children():  # the loader's worker counts once the loader has joined it
-            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-            return usage.ru_utime + usage.ru_stime
         before = cpu_of_children()
         count = sum(len(target) for _, target in DataLoader(Crops(paths, crop), batch_size=batch, num_workers=1))
         return count / (cpu_of_children() - before)
@@ -210,6 +213,128 @@ def resize_compare(jpeg_dir, images, batch=64):
     shutil.rmtree(workdir)
 
 
+AUGMENTATIONS = [("crop + flip (no augmentation)", "none", 0.0),
+                 ("--auto-augment ta_wide --random-erase 0.1 (tv-v2)", "ta_wide", 0.1),
+                 ("--auto-augment ta_wide", "ta_wide", 0.0),
+                 ("--random-erase 0.1", "none", 0.1),
+                 ("--auto-augment ra --random-erase 0.1", "ra", 0.1),
+                 ("--auto-augment aa --random-erase 0.1", "aa", 0.1)]
+
+
+def cpu_of_children():
+    """CPU seconds of the joined child processes (a DataLoader's worker counts once the loader joined it)."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
+    """Images/s of one DataLoader worker running the training pipeline as build_data makes it (SkipUnreadable
+    + load_image, SeededTransform, TrainPreset with image_augmentation(), uint8 batches), per augmentation.
+    The rows alternate, `rounds` times, and the median counts; rates are per CPU-second of the worker
+    (so other load on the machine touches them little) and per wall-second."""
+    from torch.utils.data import DataLoader
+    paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
+    samples = [(path, 0) for path in (paths * math.ceil(images / len(paths)))[:images]]
+    cpu_rates, wall_rates = {name: [] for name, _, _ in AUGMENTATIONS}, {name: [] for name, _, _ in AUGMENTATIONS}
+    for _ in range(rounds):
+        for name, auto_augment, random_erase in AUGMENTATIONS:
+            preset = TrainPreset(crop, augmentation=image_augmentation(auto_augment, 9, random_erase))
+            dataset = SeededTransform(SkipUnreadable(samples, load_image, True, False), preset, seed=0)
+            loader = DataLoader(dataset, batch_size=batch, num_workers=1, collate_fn=Collate(normalise=False))
+            cpu_before, wall_before = cpu_of_children(), time.perf_counter()
+            count = sum(len(target) for _, target, _ in loader)
+            wall_rates[name].append(count / (time.perf_counter() - wall_before))
+            cpu_rates[name].append(count / (cpu_of_children() - cpu_before))
+    print(f"| pipeline ({crop} px crops) | images/s per worker (CPU time) | wall | vs crop + flip "
+          "| added ms per image |\n|---|---:|---:|---:|---:|")
+    base = None
+    for name, _, _ in AUGMENTATIONS:
+        cpu, wall = sorted(cpu_rates[name])[rounds // 2], sorted(wall_rates[name])[rounds // 2]
+        base = base or cpu
+        print(f"| {name} | {cpu:.0f} | {wall:.0f} | {cpu / base:.2f}x | {1000 / cpu - 1000 / base:+.2f} |", flush=True)
+
+
+def model_step_rate(size, channels_last, batch=64, steps=10, arch="resnet18", num_classes=10, device="cpu"):
+    """Training images/s of forward, backward and SGD step alone, on random images of `size` px."""
+    from torchvision import models as tv
+    device = torch.device(device)
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = tv.get_model(arch, num_classes=num_classes, **({"image_size": size} if arch.startswith("vit") else {}))
+    model = model.to(device, memory_format=memory_format).train()
+    optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=memory_format)
+    target = torch.randint(0, num_classes, (batch,), device=device)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(images), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    step()  # warm-up: allocations, oneDNN primitive caches
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def res_compare(sizes, epochs, rounds, workdir):
+    """train_dp.py on the demo set (its preset: resnet18, batch 64, validation at 32 px) at each training
+    crop size, the sizes alternating `rounds` times: the last epoch's training images/s and seconds; and
+    the model's training step alone (random images, batch 64, the run's memory format) at each size."""
+    from common.demo_data import ensure_demo_dataset
+    train_images = sum(1 for path in (ensure_demo_dataset() / "train").rglob("*") if path.is_file())
+    rows, steps, channels_last = {size: [] for size in sizes}, {size: [] for size in sizes}, False
+    for _ in range(rounds):
+        for size in sizes:
+            out = Path(tempfile.mkdtemp(dir=workdir))
+            command = [sys.executable, str(REPO / "train_dp.py"), "--epochs", str(epochs), "--train-crop-size",
+                       str(size), "--seed", "0", "--output-dir", str(out), "-p", "1000"]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+            if result.returncode != 0:
+                raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            channels_last = "channels_last memory format" in result.stdout
+            header, *lines = (out / "log.csv").read_text().splitlines()
+            last = dict(zip(header.split(","), lines[-1].split(",")))
+            rows[size].append((float(last["images_per_second"]), float(last["seconds"])))
+    for _ in range(rounds):
+        for size in sizes:
+            steps[size].append(model_step_rate(size, channels_last))
+    reference = sizes[-1]
+    print(f"| --train-crop-size | pixels vs {reference} px | training images/s | training s per epoch "
+          f"({train_images} images) | epoch s with validation | training time vs {reference} px "
+          f"| model step alone, images/s | model step time vs {reference} px |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+    for size in sizes:
+        rate, seconds = median([r for r, _ in rows[size]]), median([s for _, s in rows[size]])
+        reference_rate = median([r for r, _ in rows[reference]])
+        step, reference_step = median(steps[size]), median(steps[reference])
+        print(f"| {size} | {size ** 2 / reference ** 2:.2f}x | {rate:.0f} | {train_images / rate:.1f} | {seconds:.1f} "
+              f"| {reference_rate / rate:.2f}x | {step:.0f} | {reference_step / step:.2f}x |", flush=True)
+    # At ImageNet's sizes (FFCV grows 160 -> 192 px) the step time follows the pixels more closely.
+    large = [128, 160, 192]
+    large_steps = {size: [] for size in large}
+    for _ in range(rounds):
+        for size in large:
+            large_steps[size].append(model_step_rate(size, channels_last, batch=32, steps=3, num_classes=1000))
+    print("\nresnet18, 1000 classes, training step alone, batch 32, random images\n\n"
+          "| crop | pixels vs 192 px | images/s | step time vs 192 px |\n|---:|---:|---:|---:|")
+    for size in large:
+        step = median(large_steps[size])
+        print(f"| {size} | {size ** 2 / 192 ** 2:.2f}x | {step:.1f} | {median(large_steps[192]) / step:.2f}x |",
+              flush=True)
+
+
 CHANNELS_LAST_MODELS = [("resnet18", 224), ("resnet50", 112), ("mobilenet_v3_small", 224),
                         ("efficientnet_b0", 112), ("shufflenet_v2_x1_0", 224), ("squeezenet1_1", 224),
                         ("convnext_tiny", 64), ("vit_b_16", 224)]
@@ -219,35 +344,13 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
     """Training images/s of a plain step (forward, backward, SGD) in the default memory format and in
     channels_last, on this machine's device, per model. The two formats alternate, `rounds` times, and
     the median counts: a load that comes and goes touches both alike."""
-    from torchvision import models as tv
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     print("| model | input | default img/s | channels_last img/s | gain |\n|---|---:|---:|---:|---:|", flush=True)
     for arch, size in models or CHANNELS_LAST_MODELS:
         rates = {False: [], True: []}
         for _ in range(rounds):
             for channels_last in (False, True):
-                torch.manual_seed(0)
-                fmt = torch.channels_last if channels_last else torch.contiguous_format
-                model = tv.get_model(arch, num_classes=1000, **({"image_size": size} if arch.startswith("vit") else {}))
-                model = model.to(device, memory_format=fmt).train()
-                optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
-                images = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
-                target = torch.randint(0, 1000, (batch,), device=device)
-
-                def step():
-                    loss = torch.nn.functional.cross_entropy(model(images), target)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                step()  # warm-up: allocations, oneDNN primitive caches
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                rates[channels_last].append(steps * batch / (time.perf_counter() - start))
+                rates[channels_last].append(model_step_rate(size, channels_last, batch, steps, arch, 1000, device))
         default, nhwc = sorted(rates[False])[rounds // 2], sorted(rates[True])[rounds // 2]
         print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
 
@@ -308,6 +411,10 @@ def main():
                         help="only the table of original vs prepare_imagenet.py --resize JPEGs")
     parser.add_argument("--channels-last-compare", action="store_true",
                         help="only the table of default vs channels_last training speed, per model")
+    parser.add_argument("--augment-compare", action="store_true",
+                        help="only the table of per-worker images/s with each per-image augmentation")
+    parser.add_argument("--res-compare", default=None, nargs="?", const="24,32", metavar="PX,PX",
+                        help="only the table of demo-set epochs at these training crop sizes (24,32)")
     parser.add_argument("--models", default=None, metavar="ARCH:PX,...",
                         help="models of --channels-last-compare (default: " +
                              ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS) + ")")
@@ -318,6 +425,14 @@ def main():
         print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads\n\ndefault memory format vs channels_last, training step, batch 32\n")
         channels_last_compare(steps=3 if args.quick else 6, models=models)
+        return
+    if args.res_compare:
+        sizes = [int(size) for size in args.res_compare.split(",")]
+        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n"
+              f"train_dp.py on the demo set, second of 2 epochs, median of 3 runs per size\n")
+        workdir = tempfile.mkdtemp(prefix="bench-res-")
+        res_compare(sizes, epochs=2, rounds=1 if args.quick else 3, workdir=workdir)
+        shutil.rmtree(workdir)
         return
     gpu = torch.cuda.is_available()
     crop = args.crop or (224 if gpu else 112)
@@ -334,6 +449,10 @@ def main():
     if args.resize_compare:
         print("original vs prepare_imagenet.py --resize, one DataLoader worker, our pipeline\n")
         resize_compare(jpeg_dir, pipeline_images)
+        return
+    if args.augment_compare:
+        print(f"per-image augmentation, one DataLoader worker, {pipeline_images} images per row, median of 3\n")
+        augment_compare(jpeg_dir, pipeline_images, args.crop or 224)
         return
 
     print("a. input pipeline, one DataLoader worker, 224 px crops\n")

@@ -1,0 +1,78 @@
+"""The augmentations of today's ImageNet recipes, built from torchvision.transforms.v2, drawn from seeds
+of their own.
+
+torchvision's v2 transforms draw from torch's global RNG. Here every draw happens inside
+`seeded(key)`, which seeds a forked RNG from `key` and gives the global one back untouched:
+- per image (TrivialAugmentWide / RandAugment / AutoAugment, RandomErasing): the key is the image's
+  own random.Random (seeded by seed, epoch and index in common/data.py), so an image's augmentation
+  depends on nothing else: not on the world size, the loader worker, or what ran before;
+- per batch (MixUp / CutMix): the key is (seed, epoch, step, rank), so a resumed run mixes as an
+  uninterrupted one did, and dropout's RNG stream is left alone.
+"""
+import contextlib
+import random
+
+import torch
+from torchvision.transforms import v2
+
+IMAGENET_MEAN_UINT8 = (124, 116, 104)  # round(255 x ImageNet mean): erased pixels, as RandomErasing(value=0)
+# after Normalize in torchvision's recipe
+
+
+@contextlib.contextmanager
+def seeded(key):
+    """torch's CPU RNG seeded from `key` (an int, or a random.Random to draw one from) inside the block,
+    and as it was before after it."""
+    seed = key.getrandbits(63) if hasattr(key, "getrandbits") else int(key)
+    with torch.random.fork_rng(devices=[]):
+        # The CPU generator alone: torch.manual_seed also seeds every accelerator backend, 0.2 to 0.5 ms
+        # a call (per image) on a 2-core CPU, against about 2 us (docs/benchmarks.md).
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
+def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0):
+    """The per-image v2 transforms after crop and flip, on a uint8 CHW tensor, or None for none."""
+    steps = []
+    if auto_augment == "ta_wide":
+        steps.append(v2.TrivialAugmentWide(interpolation=v2.InterpolationMode.BILINEAR))
+    elif auto_augment == "ra":
+        steps.append(v2.RandAugment(magnitude=ra_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
+    elif auto_augment == "aa":
+        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=v2.InterpolationMode.BILINEAR))
+    if random_erase > 0:
+        steps.append(v2.RandomErasing(p=random_erase, value=list(IMAGENET_MEAN_UINT8)))
+    return v2.Compose(steps) if steps else None
+
+
+class BatchMix:
+    """MixUp and/or CutMix of a batch (torchvision.transforms.v2, one of the two per batch when both are
+    on, as torchvision's train.py does): (images, integer labels) -> (mixed images, soft labels whose rows
+    sum to 1). Its draws are seeded by `key`."""
+
+    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0):
+        choices = []
+        if mixup_alpha > 0:
+            choices.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+        if cutmix_alpha > 0:
+            choices.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+        if not choices:
+            raise ValueError("BatchMix needs --mixup-alpha or --cutmix-alpha")
+        self.num_classes = num_classes
+        self.transform = choices[0] if len(choices) == 1 else v2.RandomChoice(choices)
+
+    def __call__(self, images, target, key):
+        with seeded(key):
+            return self.transform(images, target)
+
+
+def batch_mix_key(seed, epoch, step, rank):
+    """The seed of the mixing of batch `step` of `epoch` on `rank` (the same in every process and Python)."""
+    return random.Random(f"mix-{seed}-{epoch}-{step}-{rank}").getrandbits(63)
+
+
+def build_batch_mix(args, num_classes):
+    """A BatchMix for --mixup-alpha / --cutmix-alpha, or None when both are 0."""
+    if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
+        return None
+    return BatchMix(num_classes, args.mixup_alpha, args.cutmix_alpha)
