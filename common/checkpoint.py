@@ -5,7 +5,9 @@ A checkpoint is a dict of plain data and tensors:
   epoch's end), arch, num_classes, classes, seed, state_dict (of the bare model:
   loads into torchvision.models.<arch>(num_classes=K) as it is), optimizer,
   scheduler, scaler, best_acc1, train_totals (the partial epoch's metric sums),
-  rng_states (one per rank), world_size, args (a plain dict).
+  rng_states (one per rank), world_size, args (a plain dict); with --model-ema also
+  model_ema (the EMA's state_dict, keys as state_dict's: it loads into the same plain model),
+  model_ema_n_averaged (its updates since it last restarted) and best_ema_acc1.
 checkpoint.pth is the latest; checkpoint_prev.pth the one before it.
 """
 import os
@@ -173,6 +175,8 @@ def load_checkpoint(path, mmap=False):
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
+    if isinstance(checkpoint.get("model_ema"), dict):
+        checkpoint["model_ema"] = strip_prefixes(checkpoint["model_ema"])
     return checkpoint
 
 

@@ -16,6 +16,10 @@ from .checkpoint import BEST, CHECKPOINT, PREVIOUS, atomic_write
 
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second", "bad_images"]
+EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others
+# Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them.
+STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/lr",
+             "images_per_second": "step/images_per_second"}
 
 
 def describe_environment(device, num_devices):
@@ -35,14 +39,16 @@ def write_text(path, text):
 class RunLogger:
     def __init__(self, output_dir, prints, writes):
         self.output_dir, self.prints, self.writes = Path(output_dir), prints, writes
-        self.tensorboard = None
+        self.tensorboard, self.fields = None, CSV_FIELDS
 
     def print(self, message):
         if self.prints:
             print(message, flush=True)
 
-    def start(self, args, resumed):
-        """Create the output dir and write args.json; a fresh run starts a fresh log.csv."""
+    def start(self, args, resumed, ema=False, global_step=0):
+        """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
+        columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
+        the interrupted one logged after it (they are logged again)."""
         if not self.writes:
             return
         try:
@@ -59,26 +65,44 @@ class RunLogger:
                 (self.output_dir / name).unlink(missing_ok=True)
             for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
                 events.unlink()
+        self.fields = CSV_FIELDS + EMA_FIELDS if ema else CSV_FIELDS
         if not resumed or not log.exists():
             with open(log, "w", newline="") as file:
-                csv.writer(file).writerow(CSV_FIELDS)
-        elif log.read_text().split("\n", 1)[0] != ",".join(CSV_FIELDS):
-            # A run begun by an earlier version of these scripts: its rows lack the newer (last) columns.
+                csv.writer(file).writerow(self.fields)
+        else:
             with open(log, newline="") as file:
-                rows = list(csv.reader(file))[1:]
-            with open(log, "w", newline="") as file:
-                csv.writer(file).writerows([CSV_FIELDS, *(row + [""] * (len(CSV_FIELDS) - len(row)) for row in rows)])
+                header, *rows = list(csv.reader(file)) or [[]]
+            if header[:len(self.fields)] == self.fields:
+                self.fields = header  # as it was (the EMA's columns of an earlier leg of the run stay)
+            else:
+                # A run begun by an earlier version of these scripts, or without --model-ema: its rows
+                # lack the newer (last) columns.
+                with open(log, "w", newline="") as file:
+                    csv.writer(file).writerows([self.fields, *(row + [""] * (len(self.fields) - len(row))
+                                                               for row in rows)])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
-        self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"))
+        # purge_step: TensorBoard hides the events of the steps at and after it in the earlier files.
+        self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),
+                                         purge_step=global_step + 1 if resumed else None)
 
     def log_epoch(self, row):
         if not self.writes:
             return
         with open(self.output_dir / "log.csv", "a", newline="") as file:
-            csv.writer(file).writerow([row[field] for field in CSV_FIELDS])
-        for key in ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "images_per_second"):
-            self.tensorboard.add_scalar(key, row[key], row["epoch"])
+            csv.writer(file).writerow([row.get(field, "") for field in self.fields])
+        for key in ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "images_per_second",
+                    *EMA_FIELDS):
+            if key in row:
+                self.tensorboard.add_scalar(key, row[key], row["epoch"])
         self.tensorboard.flush()
+
+    def log_step(self, global_step, values):
+        """The per-step scalars of a progress line (STEP_TAGS), at `global_step` (steps done in the run),
+        flushed: TensorBoard shows them at once, and a run killed later loses none of them."""
+        if self.writes and self.tensorboard is not None:
+            for key, tag in STEP_TAGS.items():
+                self.tensorboard.add_scalar(tag, values[key], global_step)
+            self.tensorboard.flush()
 
     def write_bad_images(self, found):
         """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""

@@ -90,12 +90,19 @@ class ProgressMeter:
         self.first_step, self.first_count = first_step, first_count
         self.start = time.perf_counter()
 
-    def display(self, batch, metrics, lr=None):
+    def speed(self, batch, metrics):
+        """(images/s, eta) after batch `batch` (0-based), counting only what ran since this meter started."""
         elapsed = time.perf_counter() - self.start
         images_per_second = (metrics["count"] - self.first_count) / elapsed if elapsed > 0 else 0.0
+        steps_run = max(batch + 1 - self.first_step, 1)
+        eta = datetime.timedelta(seconds=int(elapsed / steps_run * (self.num_batches - batch - 1)))
+        return images_per_second, eta
+
+    def display(self, batch, metrics, lr=None, speed=None):
+        """Print the line of batch `batch` (0-based); `speed`: what speed() measured, else measured now.
+        Returns the images/s it shows."""
+        images_per_second, eta = speed or self.speed(batch, metrics)
         done = batch + 1
-        steps_run = max(done - self.first_step, 1)
-        eta = datetime.timedelta(seconds=int(elapsed / steps_run * (self.num_batches - done)))
         width = len(str(self.num_batches))
         parts = [f"{self.prefix} [{done:>{width}}/{self.num_batches}]",
                  f"loss {metrics['loss']:.4f}", f"acc@1 {metrics['acc1']:6.2f}",

@@ -1,4 +1,5 @@
-"""Learning-rate schedules, stepped once per optimizer step.
+"""The optimizer (SGD, with weight-decay groups) and its learning-rate schedule, stepped once per
+optimizer step.
 
 - step:     lr x gamma every `step_size` epochs (the articles' x0.1 every 30 epochs)
 - cosine:   half a cosine from lr to 0 over the run
@@ -9,8 +10,54 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 WARMUP_START = 0.01
+# The layers whose parameters --norm-weight-decay covers: those of torchvision's utils.set_weight_decay
+# (SyncBatchNorm is a _BatchNorm).
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+               nn.LocalResponseNorm)
+
+
+def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
+    """The optimizer's parameter groups. With --norm-weight-decay and/or --bias-weight-decay other than --wd:
+    "other" (weight_decay), "norm" (every parameter of a normalisation layer: norm_weight_decay) and "bias"
+    (the biases of the other layers: bias_weight_decay), in that order, each in model.parameters() order;
+    a kind whose decay is --wd's stays in "other", and empty groups are left out. Else the single group of
+    model.parameters(), as before these flags: checkpoints of earlier runs resume, training is unchanged."""
+    decay = {"other": weight_decay,
+             "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
+             "bias": weight_decay if bias_weight_decay is None else bias_weight_decay}
+    if decay["norm"] == weight_decay and decay["bias"] == weight_decay:
+        return list(model.parameters())
+    groups, seen = {kind: [] for kind in decay}, set()
+    for module in model.modules():  # the order of model.parameters(): modules in order, each one's own
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:  # shared by two modules: in the group of the first, as parameters() does
+                continue
+            seen.add(id(parameter))
+            kind = "norm" if isinstance(module, NORM_LAYERS) else "bias" if name == "bias" else "other"
+            groups[kind if decay[kind] != weight_decay else "other"].append(parameter)
+    return [{"params": params, "weight_decay": decay[kind], "name": kind} for kind, params in groups.items() if params]
+
+
+def build_optimizer(model, args):
+    """SGD with momentum over `model`'s parameter groups (args: lr, momentum, weight_decay,
+    norm_weight_decay, bias_weight_decay)."""
+    groups = parameter_groups(model, args.weight_decay, args.norm_weight_decay, args.bias_weight_decay)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def describe_optimizer(optimizer, args):
+    """One header line: the lr (and how --lr-scaling got it), momentum, weight decay of each group."""
+    lr = f"lr {args.lr:g}"
+    if args.lr_scaling == "linear":
+        lr += f" (--lr {args.lr_given:g} x {args.batch_size}/256, --lr-scaling linear)"
+    where = {"norm": " on norm layers", "bias": " on biases"}
+    decay = ", ".join(f"{group['weight_decay']:g}{where.get(group.get('name'), '')}"
+                      + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
+                      for group in optimizer.param_groups)
+    return f"optimizer: SGD, {lr}, momentum {args.momentum:g}, weight decay {decay}"
 
 
 @dataclass

@@ -1,0 +1,60 @@
+"""--model-ema: an exponential moving average of the weights, kept, evaluated and checkpointed beside them.
+
+Built as torchvision's references/classification/train.py builds it: torch.optim.swa_utils.AveragedModel
+with its EMA helper, over parameters and buffers (BatchNorm statistics), updated every --model-ema-steps
+optimizer steps, its decay adjusted for the batch, the update interval and the epochs, and restarted from
+the weights at every update of the warmup epochs. Updates are counted by global step (epoch x steps per
+epoch + step), so a run resumed mid-epoch updates at the steps an uninterrupted one did.
+"""
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+
+def adjusted_decay(decay, global_batch, every, epochs):
+    """The decay per update, as torchvision's train.py adjusts --model-ema-decay (after pycls): the EMA
+    spans about the same share of the run whatever the batch, the update interval and the epochs.
+    torchvision's world_size x per-GPU batch is our global -b."""
+    adjust = global_batch * every / epochs
+    alpha = min(1.0, (1.0 - decay) * adjust)
+    return 1.0 - alpha
+
+
+class ModelEma:
+    """The EMA of the bare `model` (not a DataParallel / DDP wrapper: the same parameters, without prefixes).
+
+    `module` is a model of the same class: evaluate it, or load its state_dict into a plain model."""
+
+    def __init__(self, model, decay, every=1, warmup_epochs=0.0):
+        self.model, self.decay, self.every, self.warmup_epochs = model, decay, every, warmup_epochs
+        # device=None: the copy stays where the model is, n_averaged on the CPU. An update waits for the
+        # GPU once (AveragedModel copies n_averaged there), as torchvision's does: once per --model-ema-steps.
+        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+
+    @property
+    def module(self):
+        return self.averaged.module
+
+    @property
+    def n_averaged(self):
+        return int(self.averaged.n_averaged)
+
+    def after_step(self, global_step, epoch):
+        """After the optimizer step numbered `global_step` (from 0, over the whole run) of `epoch`: every
+        `every`-th step (0, every, 2 x every, ...) the EMA moves towards the weights. During the warmup
+        epochs it restarts from them each time (torchvision resets n_averaged to 0, so the next update
+        copies the weights). Returns whether it updated."""
+        if global_step % self.every:
+            return False
+        self.averaged.update_parameters(self.model)
+        if epoch < self.warmup_epochs:
+            self.averaged.n_averaged.fill_(0)
+        return True
+
+    def state(self):
+        """What a checkpoint holds: `model_ema`, the EMA's state_dict with the bare model's keys (it loads
+        into a plain model), and `model_ema_n_averaged`, the count of updates since its last restart."""
+        return {"model_ema": self.module.state_dict(), "model_ema_n_averaged": self.n_averaged}
+
+    def load(self, saved):
+        """The EMA of a checkpoint (state() of an earlier run)."""
+        self.module.load_state_dict(saved["model_ema"])
+        self.averaged.n_averaged.fill_(int(saved.get("model_ema_n_averaged", 1)))
