@@ -249,8 +249,8 @@ class ResSchedule(NamedTuple):
     step: int = 32
 
     def size(self, epoch):
-        if epoch <= self.first_epoch or self.last_epoch == self.first_epoch:
-            pixels = self.start if epoch <= self.first_epoch else self.end
+        if epoch <= self.first_epoch:
+            pixels = self.start
         elif epoch >= self.last_epoch:
             pixels = self.end
         else:
@@ -260,30 +260,25 @@ class ResSchedule(NamedTuple):
 
     @staticmethod
     def parse(text):
-        return parse_res_schedule(text)
+        """The ResSchedule of a --res-schedule text (ArgumentTypeError if it is not one)."""
+        try:
+            values = [int(part) for part in text.split(":")]
+        except ValueError:
+            values = []
+        if len(values) not in (4, 5) or any(value < 0 for value in values):
+            raise argparse.ArgumentTypeError(f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], "
+                                             f"whole numbers, got {text!r}")
+        schedule = ResSchedule(*values)
+        if min(schedule.start, schedule.end, schedule.step) <= 0 or schedule.first_epoch > schedule.last_epoch:
+            raise argparse.ArgumentTypeError(f"{text!r}: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH")
+        return schedule
 
 
 def res_schedule(text):
     """--res-schedule START:END:FIRST:LAST[:STEP] (an argparse type): the text, checked (a plain string, so
     that checkpoints holding the arguments load with weights_only=True). ResSchedule.parse reads it."""
-    parse_res_schedule(text)
+    ResSchedule.parse(text)
     return text
-
-
-def parse_res_schedule(text):
-    """The ResSchedule of a --res-schedule text (ArgumentTypeError if it is not one)."""
-    parts = text.split(":")
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (4, 5) or any(value < 0 for value in values):
-        raise argparse.ArgumentTypeError(f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], "
-                                         f"whole numbers, got {text!r}")
-    schedule = ResSchedule(*values)
-    if min(schedule.start, schedule.end, schedule.step) <= 0 or schedule.first_epoch > schedule.last_epoch:
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH")
-    return schedule
 
 
 def _check_positive(args, names):
@@ -292,6 +287,14 @@ def _check_positive(args, names):
         if value is None or value <= 0:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def _check_at_least(args, names, low, requirement):
+    """UsageError "--NAME must be <requirement>" for the first of `names` below `low` (None: not given)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be {requirement}, got {value}")
 
 
 def check_arch(arch):
@@ -352,22 +355,15 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {args.warmup_epochs}")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
-    for name in ("mixup_alpha", "cutmix_alpha"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be 0 (off) or positive, got {getattr(args, name)}")
+    _check_at_least(args, ["mixup_alpha", "cutmix_alpha"], 0, "0 (off) or positive")
     if not 0.0 <= args.random_erase <= 1.0:
         raise UsageError(f"--random-erase must be a probability in [0, 1], got {args.random_erase}")
     if not 0.0 <= args.model_ema_decay <= 1.0:
         raise UsageError(f"--model-ema-decay must be in [0, 1], got {args.model_ema_decay}")
-    for name in ("model_ema_steps", "ra_reps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
+    _check_at_least(args, ["model_ema_steps", "ra_reps"], 1, "1 or more")
     if not 0 <= args.ra_magnitude <= 30:
         raise UsageError(f"--ra-magnitude must be in [0, 30], got {args.ra_magnitude}")
-    for name in ("weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
+    _check_at_least(args, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum"], 0, "0 or more")
     args.lr_given = args.lr  # --lr as given (for a batch of 256 with --lr-scaling linear)
     if args.lr_scaling == "linear":
         args.lr = args.lr * args.batch_size / 256

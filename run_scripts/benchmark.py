@@ -221,6 +221,11 @@ AUGMENTATIONS = [("crop + flip (no augmentation)", "none", 0.0),
                  ("--auto-augment aa --random-erase 0.1", "aa", 0.1)]
 
 
+def median(values):
+    """The middle value (of an odd count: the benchmarks' rounds)."""
+    return sorted(values)[len(values) // 2]
+
+
 def cpu_of_children():
     """CPU seconds of the joined child processes (a DataLoader's worker counts once the loader joined it)."""
     import resource
@@ -250,7 +255,7 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
           "| added ms per image |\n|---|---:|---:|---:|---:|")
     base = None
     for name, _, _ in AUGMENTATIONS:
-        cpu, wall = sorted(cpu_rates[name])[rounds // 2], sorted(wall_rates[name])[rounds // 2]
+        cpu, wall = median(cpu_rates[name]), median(wall_rates[name])
         base = base or cpu
         print(f"| {name} | {cpu:.0f} | {wall:.0f} | {cpu / base:.2f}x | {1000 / cpu - 1000 / base:+.2f} |", flush=True)
 
@@ -313,8 +318,6 @@ def res_compare(sizes, epochs, rounds, workdir):
           f"| model step alone, images/s | model step time vs {reference} px |"
           "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
 
-    def median(values):
-        return sorted(values)[len(values) // 2]
     for size in sizes:
         rate, seconds = median([r for r, _ in rows[size]]), median([s for _, s in rows[size]])
         reference_rate = median([r for r, _ in rows[reference]])
@@ -351,7 +354,7 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
         for _ in range(rounds):
             for channels_last in (False, True):
                 rates[channels_last].append(model_step_rate(size, channels_last, batch, steps, arch, 1000, device))
-        default, nhwc = sorted(rates[False])[rounds // 2], sorted(rates[True])[rounds // 2]
+        default, nhwc = median(rates[False]), median(rates[True])
         print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
 
 

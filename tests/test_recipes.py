@@ -86,24 +86,22 @@ def test_the_ema_updates_every_n_global_steps_and_restarts_from_the_weights_duri
 
 
 def test_an_ema_saved_and_loaded_mid_run_goes_on_as_one_that_was_not():
+    def train(model, ema, steps):
+        for step in steps:
+            train_a_step(model)
+            ema.after_step(step, epoch=0)
     model = small_bn_net()
     uninterrupted = ModelEma(model, decay=0.7, every=2)
     torch.manual_seed(1)
-    for step in range(6):
-        train_a_step(model)
-        uninterrupted.after_step(step, epoch=0)
+    train(model, uninterrupted, range(6))
     model = small_bn_net()
     first = ModelEma(model, decay=0.7, every=2)
     torch.manual_seed(1)
-    for step in range(3):
-        train_a_step(model)
-        first.after_step(step, epoch=0)
+    train(model, first, range(3))
     saved = copy.deepcopy(first.state())
     second = ModelEma(model, decay=0.7, every=2)  # made from the weights: load() must replace them
     second.load(saved)
-    for step in range(3, 6):
-        train_a_step(model)
-        second.after_step(step, epoch=0)
+    train(model, second, range(3, 6))
     assert second.n_averaged == uninterrupted.n_averaged == 3
     for name, value in uninterrupted.module.state_dict().items():
         assert torch.equal(second.module.state_dict()[name], value), name
