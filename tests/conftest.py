@@ -4,6 +4,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -77,11 +78,11 @@ def clean_env(gpu=False, **extra):
     return env
 
 
-def run(args, timeout=300, env=None, cwd=REPO):
+def run(args, timeout=300, env=None, cwd=REPO, prewarmed=True):
     """Run a command (a list) to completion; a hang fails the test instead of the CI run. The command
     runs as a Job: on a timeout it is killed with every process it started (torchrun's workers,
     spawn's children, loader workers), whatever session they moved to."""
-    job = Job(args, env=env, cwd=cwd)
+    job = Job(args, env=env, cwd=cwd, prewarmed=prewarmed)
     try:
         returncode, output = job.finish(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -104,12 +105,16 @@ def run_together(commands, timeout=300):
     return results
 
 
-def script_command(script, *args):
-    return [PYTHON, REPO / script, *args]
+class AsUser(list):
+    """A command that runs as a user starts it (a new interpreter), never prewarmed."""
 
 
-def run_script(script, *args, timeout=300, env=None):
-    return run([PYTHON, REPO / script, *args], timeout=timeout, env=env)
+def script_command(script, *args, as_user=False):
+    return (AsUser if as_user else list)([PYTHON, REPO / script, *args])
+
+
+def run_script(script, *args, timeout=300, env=None, as_user=False):
+    return run(script_command(script, *args, as_user=as_user), timeout=timeout, env=env)
 
 
 def torchrun_command(script, nproc, *args, extra=()):
@@ -142,6 +147,116 @@ def processes_marked(marker, name="JOB_MARKER"):
     return found
 
 
+def processes_in_session(sid):
+    """Live processes of the session `sid` (not zombies)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+# Variables that torch, its libraries or Python read when starting or importing: a prewarmed run must
+# have the server's values (OpenMP reads OMP_NUM_THREADS once, when torch loads it).
+IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS|TORCH|PYTORCH|PYTHON|LD_|CUDA_|NVIDIA|NCCL|GLOO|TF_)")
+
+
+class PrewarmedProcess:
+    """What Job needs of a subprocess.Popen, for a run forked by the prewarm server (tests/prewarmed.py
+    --serve): pid, args, stdout, wait, poll, send_signal, returncode. The server is its parent; it
+    reports the exit code on the run's connection."""
+
+    def __init__(self, args, connection, pid, stdout):
+        self.args, self.pid, self.stdout, self.returncode = args, pid, stdout, None
+        self._connection, self._buffer = connection, b""
+
+    def _receive(self, timeout):
+        self._connection.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            try:
+                data = self._connection.recv(4096)
+            except (socket.timeout, BlockingIOError):  # timeout 0: BlockingIOError
+                return False
+            if not data:
+                raise RuntimeError(f"the prewarm server ended before run {self.pid} did")
+            self._buffer += data
+        self.returncode = json.loads(self._buffer.split(b"\n", 1)[0])["exit"]
+        self._connection.close()
+        return True
+
+    def poll(self):
+        if self.returncode is None:
+            self._receive(0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None and not self._receive(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+class Prewarmed:
+    """A server that imported torch, torchvision and common/ once and forks a process for each run of a
+    script (`python script.py ...`): starting Python and importing torch is about 5 s of CPU on these
+    cores, most of what a test's run costs. From the script's first line on, the run is the script's own:
+    run as __main__, its own arguments, environment, working directory, session, output and exit code,
+    signals as they come (tests/prewarmed.py). Not for runs whose environment differs from the server's in
+    what is read at import time (IMPORT_TIME), nor for what a test must see started as a user starts it
+    (Job(..., prewarmed=False)); PREWARMED=0 turns it off for the whole session."""
+    server = None
+    lock = threading.Lock()  # fixtures start runs from several threads
+
+    @classmethod
+    def can_run(cls, command, env):
+        if os.environ.get("PREWARMED", "1") == "0" or len(command) < 2 or command[0] != PYTHON:
+            return False
+        script = Path(command[1])
+        if script.suffix != ".py" or not script.is_absolute() or REPO not in script.parents:
+            return False
+        reference = clean_env()
+        keys = {key for key in (*env, *reference) if IMPORT_TIME.match(key)}
+        return all(env.get(key) == reference.get(key) for key in keys)
+
+    @classmethod
+    def start(cls, command, env, cwd):
+        with cls.lock:
+            if cls.server is None or cls.server.poll() is not None:
+                cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
+                cls.server = subprocess.Popen([PYTHON, REPO / "tests" / "prewarmed.py", "--serve", cls.socket_path],
+                                              env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              start_new_session=True, text=True)
+                ready = json.loads(cls.server.stdout.readline() or "{}")
+                assert ready.get("ready") and ready["import_output"] == "", ready
+        read_end, write_end = os.pipe()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(cls.socket_path)
+        request = {"script": command[1], "argv": command[2:], "env": env, "cwd": str(cwd)}
+        socket.send_fds(connection, [json.dumps(request).encode()], [write_end])
+        os.close(write_end)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            reply += connection.recv(1)
+        return PrewarmedProcess(command, connection, json.loads(reply)["pid"], os.fdopen(read_end, "r"))
+
+    @classmethod
+    def stop(cls):
+        if cls.server is not None:
+            cls.server.kill()
+            cls.server.wait()
+            cls.server = None
+
+
 _jobs = []  # every Job not yet known to be over: killed at the end of the test that started it
 
 
@@ -159,6 +274,7 @@ def _no_job_outlives_the_session():
     yield
     while _jobs:
         _jobs.pop().kill()
+    Prewarmed.stop()
 
 
 class Job:
@@ -167,11 +283,16 @@ class Job:
     finish() waits for it, then kills whatever of it is left. A job still running when its test
     ends is killed then."""
 
-    def __init__(self, command, env=None, cwd=REPO, **popen):
+    def __init__(self, command, env=None, cwd=REPO, prewarmed=True, **popen):
         self.marker = uuid.uuid4().hex
         env = dict(env or clean_env(), JOB_MARKER=self.marker)
-        self.process = subprocess.Popen([str(arg) for arg in command], cwd=cwd, env=env, start_new_session=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        prewarmed = prewarmed and not popen and not isinstance(command, AsUser)
+        command = [str(arg) for arg in command]
+        if prewarmed and Prewarmed.can_run(command, env):
+            self.process = Prewarmed.start(command, env, cwd)
+        else:
+            self.process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
         self.lines, self.output = queue.Queue(), []
         self.left_behind = None  # processes of the job alive after it ended (set by finish)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -200,7 +321,12 @@ class Job:
         raise AssertionError(f"no line matching {pattern.pattern!r}:\n{''.join(self.output)[-3000:]}")
 
     def leftovers(self):
-        return processes_marked(self.marker)
+        """The job's processes still alive: those marked as the job's and, for a prewarmed run (whose
+        environment as /proc shows it is the server's), those of its session."""
+        found = processes_marked(self.marker)
+        if isinstance(self.process, PrewarmedProcess):
+            found = sorted(set(found) | set(processes_in_session(self.process.pid)))
+        return found
 
     def kill(self):
         """SIGKILL the job's process group and every process marked as the job's."""

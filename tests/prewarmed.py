@@ -1,7 +1,8 @@
-"""Run one script several times, each run a process of its own forked from this interpreter after it
-imported torch, torchvision, common/ and what else the script imports: conftest.run_prewarmed.
+"""Run scripts, each run a process of its own forked from this interpreter after it imported torch,
+torchvision, common/ and what else the script imports.
 
-    python tests/prewarmed.py SPEC.json
+    python tests/prewarmed.py --serve SOCKET    # a run per request on a unix socket: conftest.Prewarmed
+    python tests/prewarmed.py SPEC.json         # one script, several runs: conftest.run_prewarmed
 
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
@@ -20,25 +21,38 @@ import io
 import json
 import os
 import runpy
+import select
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 
-def child(script, argv, env, output):
+def child(script, argv, env, output, cwd=None):
+    """Run `python script argv` in this (forked) process and exit with its code, as CPython would: output
+    (a path, or an open file descriptor) becomes stdout and stderr; a session of its own."""
     os.setsid()
-    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if isinstance(output, str) else output
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     sys.argv = [script, *argv]
     sys.path[0] = os.path.dirname(script)
-    code = 0
+    code, interrupted = 0, False
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
@@ -49,15 +63,77 @@ def child(script, argv, env, output):
         else:
             print(stop.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True  # CPython ends on an uncaught KeyboardInterrupt killed by SIGINT
     except BaseException:
         traceback.print_exc()
         code = 1
     try:
+        threading._shutdown()  # as at interpreter exit: non-daemon threads are waited for, then atexit
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
+
+
+def import_everything(script_dir):
+    """Import torch, torchvision, every module of common/ (the scripts import most of them only after
+    parsing their arguments) and TensorBoard's writer; returns what importing printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        for name in ["torch", "torchvision", "torch.utils.tensorboard",
+                     *(f"common.{path.stem}" for path in sorted(Path(script_dir).glob("common/*.py")))]:
+            importlib.import_module(name)
+    return printed.getvalue()
+
+
+def serve(socket_path):
+    """Fork a run for each request on the unix socket `socket_path` (conftest.Prewarmed): a JSON line
+    {script, argv, env, cwd} with the write end of the run's output pipe attached (SCM_RIGHTS). Replies
+    {"pid": ...}, then {"exit": code} once the run ended (negative: killed by that signal)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    sys.path[0] = repo
+    printed = import_everything(repo)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    print(json.dumps({"ready": True, "import_output": printed}), flush=True)
+    runs = {}  # pid -> connection that waits for its exit code
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.02)
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            break  # the test session ended
+        if listener in readable:
+            connection, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 1)
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                connection.close()
+                for other in runs.values():
+                    other.close()
+                child(request["script"], request["argv"], request["env"], fds[0], request["cwd"])
+            os.close(fds[0])
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            runs[pid] = connection
+        while runs:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in runs:
+                connection = runs.pop(pid)
+                with contextlib.suppress(OSError):
+                    connection.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                connection.close()
+    for pid in runs:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def main(spec_path):
@@ -68,11 +144,9 @@ def main(spec_path):
     # Import torch, torchvision and every module of common/ (the scripts import most of them only
     # after parsing their arguments), and the script as a module (its `if __name__ == "__main__"`
     # does not run): done once, here. Whatever that prints is reported.
-    printed = io.StringIO()
+    printed = io.StringIO(import_everything(os.path.dirname(script)))
+    printed.seek(0, io.SEEK_END)
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-        for name in ["torch", "torchvision", *(f"common.{path.stem}" for path in
-                                                sorted(Path(script).parent.glob("common/*.py")))]:
-            importlib.import_module(name)
         module_spec = importlib.util.spec_from_file_location("_prewarmed_script", script)
         module_spec.loader.exec_module(importlib.util.module_from_spec(module_spec))
     runs, envs, outputs = spec["runs"], spec["envs"], spec["outputs"]
@@ -101,4 +175,7 @@ def main(spec_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        main(sys.argv[1])

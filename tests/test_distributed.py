@@ -57,16 +57,17 @@ def launches(tiny_data, thirteen_val_images, tmp_path_factory):
     spent starting processes): the same run (12 steps of global batch 8) in the three launch modes
     (spawn meets through a file:// rendezvous; --master-port is used by the launches of test_run_scripts
     and test_failures); -e of the 13 images by 1, 2 and 3 processes; the legacy launcher; and torchrun and
-    train_ddp.py given what they must refuse. (output dir, name -> CompletedProcess)."""
+    train_ddp.py given what they must refuse. The compared runs start as a user starts them (the others
+    are prewarmed: conftest.Prewarmed). (output dir, name -> CompletedProcess)."""
     out = tmp_path_factory.mktemp("launches")
     common = [*TINY, *EXACT_MODEL, "--data", tiny_data, "-b", "8", "--epochs", "4"]
     root, checkpoint = thirteen_val_images
     evaluate = [*TINY, "-a", "tests.tiny_models:TinyNet", "--data", root, "-b", "6", "-e", "--resume", checkpoint]
     commands = {
-        "dp": script_command("train_dp.py", *common, "--output-dir", out / "dp"),
+        "dp": script_command("train_dp.py", *common, "--output-dir", out / "dp", as_user=True),
         "ddp": torchrun_command("train_ddp.py", 2, *common, "--output-dir", out / "ddp"),
         "spawn": script_command("train_spawn.py", *common, "--nproc-per-node", "2",
-                                "--dist-url", f"file://{out}/rendezvous", "--output-dir", out / "spawn"),
+                                "--dist-url", f"file://{out}/rendezvous", "--output-dir", out / "spawn", as_user=True),
         "evaluate-1": script_command("train_dp.py", *evaluate),
         "evaluate-2": torchrun_command("train_ddp.py", 2, *evaluate),
         "evaluate-3": torchrun_command("train_ddp.py", 3, *evaluate),

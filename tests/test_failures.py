@@ -19,8 +19,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, processes_marked,
-                      run, run_prewarmed, run_script)
+from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, assert_ok, clean_env, free_port, make_image_folder,
+                      processes_marked, run, run_prewarmed, run_script)
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
@@ -320,8 +320,8 @@ def test_a_stalled_rank_fails_the_job_after_the_dist_timeout(side_by_side):
 
 
 def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
-    """Fails on purpose, twice, and shows that nothing of the failed jobs is left. A job whose line never
-    comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
+    """Fails on purpose, three times, and shows that nothing of the failed jobs is left. A job whose line
+    never comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
     job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *TINY_NET, "-j", "1",
                "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"])
@@ -331,6 +331,18 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
         job.wait_for(re.compile("a line this job never prints"), timeout=1)
     assert not job.leftovers()
+    # A prewarmed run (forked by the prewarm server, so /proc shows the server's environment, without the
+    # marker) and its two loader workers: found by their session.
+    job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "-j", "2", "--data", data, "--output-dir", tmp_path / "dp",
+               "--epochs", "50"])
+    assert isinstance(job.process, PrewarmedProcess)
+    job.wait_for(at(0, 2))
+    running = job.leftovers()
+    assert len(running) >= 3 and job.process.pid in running, running
+    with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
+        job.wait_for(re.compile("a line this job never prints"), timeout=1)
+    assert not [pid for pid in running if Path(f"/proc/{pid}").exists() and
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     # A run() that times out: a launcher that was exec'd (as the run_scripts exec torchrun) and a child of
     # it in a session of its own (as torchrun's workers). Found by a variable in their environment.
     probe, seen = uuid.uuid4().hex, []

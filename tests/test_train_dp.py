@@ -39,11 +39,12 @@ def snapshot(directory):
 
 @pytest.fixture(scope="module")
 def first_runs(tiny_data, tmp_path_factory):
-    """The module's two training runs, at once (one process each, a core each): two epochs of resnet18
-    on the tiny set; and one epoch, the count taken from the EPOCHS environment variable (no --epochs)."""
+    """The module's two training runs, at once (one process each, a core each), each started as a user
+    starts it (not prewarmed: conftest.Prewarmed): two epochs of resnet18 on the tiny set; and one epoch,
+    the count taken from the EPOCHS environment variable (no --epochs)."""
     two, one = tmp_path_factory.mktemp("dp-run") / "out", tmp_path_factory.mktemp("dp-run-env") / "out"
-    results = run_together([script_command(SCRIPT, *train_args(tiny_data, two, "--epochs", "2")),
-                            (script_command(SCRIPT, *train_args(tiny_data, one)), clean_env(EPOCHS=1))])
+    results = run_together([script_command(SCRIPT, *train_args(tiny_data, two, "--epochs", "2"), as_user=True),
+                            (script_command(SCRIPT, *train_args(tiny_data, one), as_user=True), clean_env(EPOCHS=1))])
     return [SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
             for result, output_dir in zip(results, (two, one))]
 
@@ -289,7 +290,7 @@ def test_bad_input_exits_2_with_one_line_and_nothing_else_and_creates_no_output_
 def test_a_bad_input_gives_the_same_line_from_a_process_started_as_a_user_starts_it(bad_runs, tiny_data, tmp_path):
     """The cases above run forked from an interpreter that imported torch already; here one runs as
     `python train_dp.py` itself, with the same result."""
-    result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1"), "--lr", "0")
+    result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1"), "--lr", "0", as_user=True)
     forked, _ = bad_runs["lr-0"]
     assert (result.returncode, result.stdout) == (forked.returncode, forked.stdout) == (
         2, "error: --lr must be positive, got 0.0\n")
