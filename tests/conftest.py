@@ -5,6 +5,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,8 +214,9 @@ class Prewarmed:
     run as __main__, its own arguments, environment, working directory, session, output and exit code,
     signals as they come (tests/prewarmed.py). Not for runs whose environment differs from the server's in
     what is read at import time (IMPORT_TIME), nor for what a test must see started as a user starts it
-    (Job(..., prewarmed=False)); PREWARMED=0 turns it off for the whole session."""
-    server = None
+    (script_command(..., as_user=True), Job(..., prewarmed=False)); PREWARMED=0 turns it off for the whole
+    session."""
+    server = server_env = None
     lock = threading.Lock()  # fixtures start runs from several threads
 
     @classmethod
@@ -224,7 +226,7 @@ class Prewarmed:
         script = Path(command[1])
         if script.suffix != ".py" or not script.is_absolute() or REPO not in script.parents:
             return False
-        reference = clean_env()
+        reference = cls.server_env or clean_env()  # the server's, or the one it will start with
         keys = {key for key in (*env, *reference) if IMPORT_TIME.match(key)}
         return all(env.get(key) == reference.get(key) for key in keys)
 
@@ -233,8 +235,9 @@ class Prewarmed:
         with cls.lock:
             if cls.server is None or cls.server.poll() is not None:
                 cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
+                cls.server_env = clean_env()
                 cls.server = subprocess.Popen([PYTHON, REPO / "tests" / "prewarmed.py", "--serve", cls.socket_path],
-                                              env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                              env=cls.server_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                               start_new_session=True, text=True)
                 ready = json.loads(cls.server.stdout.readline() or "{}")
                 assert ready.get("ready") and ready["import_output"] == "", ready
@@ -246,7 +249,9 @@ class Prewarmed:
         os.close(write_end)
         reply = b""
         while not reply.endswith(b"\n"):
-            reply += connection.recv(1)
+            data = connection.recv(1)
+            assert data, "the prewarm server ended"
+            reply += data
         return PrewarmedProcess(command, connection, json.loads(reply)["pid"], os.fdopen(read_end, "r"))
 
     @classmethod
@@ -255,6 +260,7 @@ class Prewarmed:
             cls.server.kill()
             cls.server.wait()
             cls.server = None
+            shutil.rmtree(os.path.dirname(cls.socket_path), ignore_errors=True)
 
 
 _jobs = []  # every Job not yet known to be over: killed at the end of the test that started it
