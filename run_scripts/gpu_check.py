@@ -231,14 +231,20 @@ def check_validation_world_sizes(setup, row):
 
 def check_exact_resume(setup, row):
     import torch
-    # A schedule that does not depend on --epochs (the demo preset's cosine and warmup do), so that the
-    # run stopped at epoch 1 follows the uninterrupted one.
+    # A step schedule, the lr changing every epoch: the resumed run must restore the scheduler too.
     flags = ("--deterministic", "--lr-schedule", "step", "--lr-step-size", "1", "--warmup-epochs", "0")
+    # The run resumed from the uninterrupted run's checkpoint of epoch E-1 (checkpoint_prev.pth: one
+    # checkpoint per epoch) must end with its weights.
     straight, resumed = setup.workdir / "resume-straight", setup.workdir / "resume-resumed"
     epochs = int(setup.jpeg_args[setup.jpeg_args.index("--epochs") + 1])
     train(setup, "ddp", "jpeg", flags, straight)
-    train(setup, "ddp", "jpeg", flags, resumed, extra=["--epochs", str(epochs - 1)])
-    output = train(setup, "ddp", "jpeg", flags, resumed, extra=["--epochs", str(epochs), "--resume", "auto"])
+    previous = torch.load(straight / "checkpoint_prev.pth", map_location="cpu", weights_only=True)
+    if (previous["epoch"], previous["step_in_epoch"]) != (epochs - 1, 0):
+        raise CheckFailed(f"checkpoint_prev.pth holds epoch {previous['epoch']} step {previous['step_in_epoch']}, "
+                          f"not the end of epoch {epochs - 1}")
+    resumed.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(straight / "checkpoint_prev.pth", resumed / "checkpoint.pth")
+    output = train(setup, "ddp", "jpeg", flags, resumed, extra=["--resume", "auto"])
     if f"(epoch {epochs - 1})" not in output:
         raise CheckFailed(f"the second run did not resume at epoch {epochs - 1}:\n{output[-1500:]}")
     a = torch.load(straight / "checkpoint.pth", map_location="cpu", weights_only=True)["state_dict"]

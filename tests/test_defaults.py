@@ -84,7 +84,7 @@ def test_spawn_without_nproc_runs_two_cpu_processes_and_shows_its_defaults(tiny_
     no_workers_flag = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-p", "1"]
     result = run_script("train_spawn.py", "--data", tiny_data, *no_workers_flag,
                         "-a", "tests.tiny_models:TinyNet", "-b", "8", "--epochs", "1", "--seed", "0",
-                        "--output-dir", tmp_path / "spawn", env=clean_env(), as_user=True)
+                        "--output-dir", tmp_path / "spawn", env=clean_env())
     out = assert_ok(result)
     assert "no GPU in use: 2 processes on the CPU (--nproc-per-node N to choose)" in out
     assert "spawn: world size 2," in out

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, assert_ok, clean_env, run
+from conftest import PYTHON, REPO, assert_ok, clean_env, run, run_together
 
 CHECK = REPO / "run_scripts" / "gpu_check.py"
 TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
@@ -23,10 +23,19 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
                              "(make test covers the CPU)\n")
 
 
-def test_its_checks_pass_on_the_cpu():
+@pytest.fixture(scope="module")
+def cpu_runs():
+    """The harness on the CPU, twice side by side (each starts one job at a time): the checks that must
+    pass; and a row whose lr is too small to learn anything."""
+    return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"],
+                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"]],
+                        timeout=600)
+
+
+def test_its_checks_pass_on_the_cpu(cpu_runs):
     """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
     model), validation by 1 and by 2 processes, and the exact-resume check."""
-    result = run([PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"], timeout=600)
+    result = cpu_runs[0]
     rows = table(assert_ok(result))
     assert set(rows) == {"ddp jpeg", "validation 1 vs N processes", "exact resume (ddp --deterministic)"}
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
@@ -35,9 +44,8 @@ def test_its_checks_pass_on_the_cpu():
     assert "3 passed, 0 failed" in result.stdout
 
 
-def test_it_fails_when_training_does_not_learn():
-    result = run([PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
-                 timeout=300)
+def test_it_fails_when_training_does_not_learn(cpu_runs):
+    result = cpu_runs[1]
     assert result.returncode == 1, result.stdout[-3000:]
     assert table(result.stdout)["dp1 jpeg"]["result"].startswith("FAIL: training loss did not fall")
     assert "0 passed, 1 failed" in result.stdout
