@@ -245,7 +245,7 @@ class Prewarmed:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(cls.socket_path)
         request = {"script": command[1], "argv": command[2:], "env": env, "cwd": str(cwd)}
-        socket.send_fds(connection, [json.dumps(request).encode()], [write_end])
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [write_end])
         os.close(write_end)
         reply = b""
         while not reply.endswith(b"\n"):

@@ -94,7 +94,7 @@ def import_everything(script_dir):
 
 def serve(socket_path):
     """Fork a run for each request on the unix socket `socket_path` (conftest.Prewarmed): a JSON line
-    {script, argv, env, cwd} with the write end of the run's output pipe attached (SCM_RIGHTS). Replies
+    {script, argv, env, cwd}, the write end of the run's output pipe attached to it (SCM_RIGHTS). Replies
     {"pid": ...}, then {"exit": code} once the run ended (negative: killed by that signal)."""
     repo = str(Path(__file__).resolve().parents[1])
     sys.path[0] = repo
@@ -110,8 +110,19 @@ def serve(socket_path):
             break  # the test session ended
         if listener in readable:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 1)
-            request = json.loads(message)
+            message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1)
+            while message and not message.endswith(b"\n"):  # a stream: the request may come in parts
+                part = connection.recv(1 << 16)
+                if not part:
+                    break
+                message += part
+            try:
+                request = json.loads(message)
+            except ValueError:  # the test that asked went away
+                for fd in fds:
+                    os.close(fd)
+                connection.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
