@@ -335,7 +335,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     # marker) and its two loader workers: found by their session.
     job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "-j", "2", "--data", data, "--output-dir", tmp_path / "dp",
                "--epochs", "50"])
-    assert isinstance(job.process, PrewarmedProcess)
+    assert isinstance(job.process, PrewarmedProcess) or os.environ.get("PREWARMED") == "0"  # (then a plain one)
     job.wait_for(at(0, 2))
     running = job.leftovers()
     assert len(running) >= 3 and job.process.pid in running, running
