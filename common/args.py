@@ -108,9 +108,9 @@ RECIPE_DEFAULTS = dict(momentum=0.9, weight_decay=1e-4, norm_weight_decay=None, 
                        ra_magnitude=9, random_erase=0.0, model_ema=False, model_ema_decay=0.99998,
                        model_ema_steps=32, ra_sampler=False, ra_reps=3, lr_scaling="none")
 
-# --preset: a published recipe in one flag. "training" holds what applies to any data (augmentation,
-# regularisation); "scale" what fits ImageNet only (epochs, batch, lr, image sizes), which the demo set
-# keeps its own of. Command line and environment still take precedence.
+# --preset: a published recipe in one flag. "name" is what the run's header says of it; "training" holds
+# what applies to any data (augmentation, regularisation); "scale" what fits ImageNet only (epochs, batch,
+# lr, image sizes), which the demo set keeps its own of. Command line and environment still take precedence.
 RECIPES = {
     # torchvision's ResNet-50 "V2" weights (IMAGENET1K_V2, 80.858% acc@1 published, not measured here):
     # references/classification/train.py --epochs 600 --batch-size 128 on 8 GPUs --lr 0.5
@@ -119,6 +119,7 @@ RECIPES = {
     # --random-erase 0.1 --weight-decay 2e-5 --norm-weight-decay 0.0 --train-crop-size 176 --model-ema
     # --val-resize-size 232 --ra-sampler --ra-reps 4
     "tv-v2": dict(
+        name="torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here",
         training=dict(label_smoothing=0.1, mixup_alpha=0.2, cutmix_alpha=1.0, auto_augment="ta_wide",
                       random_erase=0.1, weight_decay=2e-5, norm_weight_decay=0.0, model_ema=True,
                       model_ema_decay=0.99998, model_ema_steps=32, ra_sampler=True, ra_reps=4),
@@ -292,12 +293,16 @@ def res_schedule(text):
     return text
 
 
+def flag(name):
+    """The command-line flag of argument `name` (its dest): weight_decay -> --weight-decay."""
+    return "--" + name.replace("_", "-")
+
+
 def _check_positive(args, names):
     for name in names:
         value = getattr(args, name)
         if value is None or value <= 0:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be positive, got {value}")
+            raise UsageError(f"{flag(name)} must be positive, got {value}")
 
 
 def _check_at_least(args, names, low, requirement):
@@ -305,7 +310,7 @@ def _check_at_least(args, names, low, requirement):
     for name in names:
         value = getattr(args, name)
         if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be {requirement}, got {value}")
+            raise UsageError(f"{flag(name)} must be {requirement}, got {value}")
 
 
 def check_arch(arch):

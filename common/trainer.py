@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, distributed
-from .args import Preempted, UsageError, default_output_dir
+from .args import RECIPES, Preempted, UsageError, default_output_dir, flag
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
 from .data import DeviceLoader, build_data, loader_workers
@@ -30,8 +30,6 @@ from .meters import MetricSums
 from .models import build_model
 from .preemption import StopSignal
 from .schedule import build_optimizer, build_scheduler, describe_optimizer
-
-RECIPE_NAMES = {"tv-v2": "torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here"}
 
 
 def per_process_batch(batch_size, world_size):
@@ -238,8 +236,8 @@ class Trainer:
                 self.optimizer.load_state_dict(resumed["optimizer"])
             except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed
                 saved = resumed.get("args", {})
-                flags = [f"--{name.replace('_', '-')} {saved[name]}" if saved.get(name) is not None
-                         else f"no --{name.replace('_', '-')}" for name in ("norm_weight_decay", "bias_weight_decay")]
+                flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}"
+                         for name in ("norm_weight_decay", "bias_weight_decay")]
                 raise UsageError(f"{self.resume_path} holds an optimizer with other weight-decay groups than this "
                                  f"run's: resume it as it was started, with {' and '.join(flags)}") from None
         if resumed.get("scaler"):
@@ -304,7 +302,7 @@ class Trainer:
         log.print(f"model: {args.arch}, {'channels_last' if self.channels_last else 'default'} memory format "
                   f"(--channels-last {args.channels_last}), --amp {args.amp}")
         if args.preset:
-            log.print(f"recipe: {args.preset} ({RECIPE_NAMES[args.preset]})" + (
+            log.print(f"recipe: {args.preset} ({RECIPES[args.preset]['name']})" + (
                 "; on the demo set its epochs, batch, lr and image sizes stay the demo's" if args.dataset == "demo" else ""))
         if self.resume_path:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
