@@ -133,6 +133,21 @@ def assert_ok(result):
     return result.stdout
 
 
+def process_stat(pid):
+    """The fields of /proc/PID/stat after the command name ([0] state, [1] parent, [3] session), or None
+    once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid):
+    """Whether process `pid` exists and is not a zombie."""
+    fields = process_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def processes_marked(marker, name="JOB_MARKER"):
     """Live processes whose environment holds name=marker: a job and every descendant (torchrun's
     workers, spawn's children, loader workers), whatever session or process group they moved to."""
@@ -140,11 +155,11 @@ def processes_marked(marker, name="JOB_MARKER"):
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and \
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
+            marked = needle in (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
+        if marked and alive(entry.name):
+            found.append(int(entry.name))
     return found
 
 
@@ -152,11 +167,8 @@ def processes_in_session(sid):
     """Live processes of the session `sid` (not zombies)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
+        fields = process_stat(entry.name)
+        if fields is not None and fields[0] != "Z" and int(fields[3]) == sid:
             found.append(int(entry.name))
     return found
 

@@ -22,7 +22,7 @@ from common.args import build_parser, parse_args
 from common.bad_images import SkipUnreadable, UnreadableImage
 from common.data import Collate, build_data, load_image
 from common.preemption import StopNow
-from conftest import PYTHON, REPO, Job, free_port, make_image_folder
+from conftest import PYTHON, REPO, Job, free_port, make_image_folder, process_stat
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
@@ -222,8 +222,11 @@ def loader_workers(job):
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     workers = []
     for pid in job.leftovers():
+        fields = process_stat(pid)
+        if fields is None:
+            continue
+        parent = int(fields[1])
         try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             if parent in job.leftovers() and cmdline(parent) == cmdline(pid):
                 workers.append(pid)
         except OSError:

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, assert_ok, clean_env, free_port, make_image_folder,
-                      processes_marked, run, run_prewarmed, run_script)
+from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, alive, assert_ok, clean_env, free_port,
+                      make_image_folder, process_stat, processes_marked, run, run_prewarmed, run_script)
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
@@ -61,9 +61,12 @@ def training_processes(job):
     """{rank: pid} of the job's processes that run a training script (not the launcher, not loader workers)."""
     ranks = {}
     for pid in job.leftovers():
+        fields = process_stat(pid)
+        if fields is None:
+            continue
+        parent = int(fields[1])
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
@@ -341,8 +344,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     assert len(running) >= 3 and job.process.pid in running, running
     with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
         job.wait_for(re.compile("a line this job never prints"), timeout=1)
-    assert not [pid for pid in running if Path(f"/proc/{pid}").exists() and
-                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not [pid for pid in running if alive(pid)]
     # A run() that times out: a launcher that was exec'd (as the run_scripts exec torchrun) and a child of
     # it in a session of its own (as torchrun's workers). Found by a variable in their environment.
     probe, seen = uuid.uuid4().hex, []
