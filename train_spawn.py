@@ -120,7 +120,6 @@ def worker(local_rank, args, init_method):
     finally:
         before_exit()  # no loader worker left (the exit would wait for it forever), no alarm pending
         destroy_process_group()
-        cli.skip_last_collection()
 
 
 def main(args):

@@ -9,7 +9,6 @@ the built-in demo set, or --dummy).
 """
 import argparse
 import difflib
-import gc
 import os
 import sys
 from pathlib import Path
@@ -36,7 +35,6 @@ def run_main(main, parse_args):
             preemption = sys.modules.get(f"{__package__}.preemption")
             if preemption is not None:
                 preemption.before_exit()
-            skip_last_collection()
         return 0
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -53,15 +51,6 @@ def run_main(main, parse_args):
             raise  # a bug: its traceback is the report
         print(line, file=sys.stderr, flush=True)
         return 1
-
-
-def skip_last_collection():
-    """Call last, once the loaders, writers and process group are closed. Python's final garbage
-    collection at exit walks every object that importing torch and torchvision created (TorchDynamo's
-    included): about 1 s per process on a 2-core machine. Frozen (gc.freeze), they are left to
-    the operating system with the rest of the process's memory; atexit handlers still run and output is
-    still flushed."""
-    gc.freeze()
 
 
 def known_failure(error):

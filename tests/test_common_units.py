@@ -1,7 +1,6 @@
 """Unit specifications of common/: run in-process, no subprocesses, no process group."""
 import argparse
 import collections
-import gc
 import re
 import shutil
 from types import SimpleNamespace
@@ -726,15 +725,3 @@ def test_arch_may_name_your_own_model_as_module_and_callable():
         build_model("tests.tiny_models:Missing", num_classes=4)
     with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
         build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)
-
-
-def test_run_main_leaves_the_objects_of_the_imports_to_the_exit_uncollected():
-    """Python's last garbage collection at exit walks every object importing torch created (about 1 s of
-    CPU per process): run_main freezes them (gc.freeze) once everything is closed, on every way out."""
-    try:
-        for main, code in [(lambda args: None, 0), (lambda args: (_ for _ in ()).throw(UsageError("x")), 2)]:
-            gc.unfreeze()
-            assert cli.run_main(main, lambda: None) == code
-            assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
