@@ -1,11 +1,23 @@
-# `make demo` and `make test` each create .venv (or refresh it when a
-# requirements file changed) and then run.
+# `make demo` and `make test` each create .venv from the lock (requirements-lock.txt: exact versions
+# and sha256 hashes of everything installed), or create it anew when the lock changed, and then run.
+# requirements.txt keeps loose ranges for installing into your own environment.
 PYTHON ?= python3
+comma  := ,
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements-lock.txt
+# The lock covers Python >= LOCK_PYTHON on Linux (torch's CUDA build, which also runs without a GPU),
+# macOS and Windows, one version of each package for all of them (--fork-strategy fewest).
+LOCK_PYTHON := 3.11
+# uv resolves the lock: a pinned copy of it lives in .venv-lock (make lock installs it there).
+UV_VERSION := 0.13.9
+UV_VENV    := .venv-lock
+UV         := $(UV_VENV)/bin/uv
+UV_COMPILE  = $(UV) pip compile --quiet --upgrade --generate-hashes --universal \
+              --python-version $(LOCK_PYTHON) --fork-strategy fewest requirements-dev.txt
 
-.PHONY: benchmark demo gpu-check test test-slurm venv clean
+.PHONY: benchmark demo gpu-check lock test test-latest test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py --overwrite
@@ -33,16 +45,43 @@ gpu-check: $(STAMP)
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-imagenet.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+# A new lock makes a new venv: it then holds exactly what the lock lists, nothing left from before.
+# --require-hashes: every package, dependencies included, must be in the lock with its hash, and each
+# file pip takes must match one (a local wheel of the same version with another build cannot).
+$(STAMP): $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(LOCK_PYTHON)),))' || \
+	  { echo "error: $(LOCK) is for Python $(LOCK_PYTHON) or newer; run make PYTHON=python3.X with one"; exit 2; }
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
 	touch $(STAMP)
 
-# Only what `make` and the tests generate: the venv, pytest's cache, the built-in demo set
+$(UV):
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+
+# The newest versions that requirements-dev.txt allows, with their hashes, into the lock. Run
+# `make test-latest` first: it tries those versions without touching .venv or the lock.
+lock: $(UV)
+	$(UV_COMPILE) --custom-compile-command "make lock" -o $(LOCK)
+
+# The newest versions into .venv-latest (not .venv), then the suite there; the lock is left alone.
+# Ends with what `make lock` would change in the lock.
+test-latest: $(UV)
+	$(UV_COMPILE) --custom-compile-command "make lock" -o $(UV_VENV)/latest.txt
+	rm -rf .venv-latest
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install --quiet --require-hashes -r $(UV_VENV)/latest.txt
+	grep -E '^[a-z]' $(LOCK) >$(UV_VENV)/locked.pins; grep -E '^[a-z]' $(UV_VENV)/latest.txt >$(UV_VENV)/latest.pins
+	status=0; .venv-latest/bin/python -m pytest -q tests || status=$$?; \
+	echo "what make lock would change in $(LOCK) (< locked, > latest):"; \
+	diff $(UV_VENV)/locked.pins $(UV_VENV)/latest.pins || true; \
+	exit $$status
+
+# Only what `make` and the tests generate: the venvs, pytest's cache, the built-in demo set
 # (common/demo_data.py) and the benchmark's JPEGs (run_scripts/benchmark.py). Your runs/ and
 # anything else under data/ stay.
 clean:
-	rm -rf $(VENV) .pytest_cache data/demo-shapes-v1 data/bench-jpegs-500x375
+	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v1 data/bench-jpegs-500x375
 	rm -rf __pycache__ common/__pycache__ run_scripts/__pycache__ tests/__pycache__
 	rmdir data 2>/dev/null || true
