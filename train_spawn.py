@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
+from common.console import say
 
 
 CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node
@@ -52,7 +53,7 @@ def setup(args):
         # the global batch split in two) on any machine.
         args.nproc_per_node = gpus or CPU_PROCESSES
         if not gpus:
-            print(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)", flush=True)
+            say(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)")
     if args.nproc_per_node < 1 or (gpus and args.nproc_per_node > gpus):
         raise cli.UsageError(f"--nproc-per-node {args.nproc_per_node} needs one GPU per process, "
                              f"but {gpus} are visible")
@@ -106,7 +107,7 @@ def worker(local_rank, args, init_method):
         raise  # reported by main() as one line
     except cli.Preempted as stop:
         if str(stop):  # else rank 0 saved and said so
-            print(f"rank {rank}: {stop}", file=sys.stderr, flush=True)
+            say(f"rank {rank}: {stop}", file=sys.stderr)
         sys.exit(cli.PREEMPTED_EXIT_CODE)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us twice: directly and from the parent
@@ -115,7 +116,7 @@ def worker(local_rank, args, init_method):
         # spawn re-raises one failed process's error, often a rank that merely lost its
         # peer; print each rank's own report so the first cause is always shown.
         report = cli.known_failure(error) or f"rank {rank} failed:\n{traceback.format_exc()}"
-        print(report.replace("error: ", f"error: rank {rank}: ", 1), file=sys.stderr, flush=True)
+        say(report.replace("error: ", f"error: rank {rank}: ", 1), file=sys.stderr)
         sys.exit(1)
     finally:
         before_exit()  # no loader worker left (the exit would wait for it forever), no alarm pending
@@ -145,8 +146,8 @@ def main(args):
         raise
     except mp.ProcessExitedException as error:
         if error.exit_code not in (cli.PREEMPTED_EXIT_CODE, 130):  # stopped on request
-            print(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
-                  "see the errors above", file=sys.stderr)
+            say(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
+                "see the errors above", file=sys.stderr)
         raise SystemExit(error.exit_code or 1) from None
 
 

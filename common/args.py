@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from .console import say
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,11 +39,11 @@ def run_main(main, parse_args):
                 preemption.before_exit()
         return 0
     except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        say(f"error: {error}", file=sys.stderr)
         return error.exit_code
     except Preempted as stop:
         if str(stop):  # else the trainer said where its checkpoint is
-            print(stop, file=sys.stderr, flush=True)
+            say(stop, file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         return 130
@@ -49,7 +51,7 @@ def run_main(main, parse_args):
         line = known_failure(error)
         if line is None:
             raise  # a bug: its traceback is the report
-        print(line, file=sys.stderr, flush=True)
+        say(line, file=sys.stderr)
         return 1
 
 

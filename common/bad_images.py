@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from . import distributed
 from .args import Preempted, UsageError
+from .console import say
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
 
@@ -78,7 +79,7 @@ class BadImageLog:
         for path, reason in bad:
             if path not in self.found:
                 self.found[path] = reason
-                print(f"warning: {self.prefix}skipped {printable(path)}: cannot decode it ({reason})", flush=True)
+                say(f"warning: {self.prefix}skipped {printable(path)}: cannot decode it ({reason})")
 
     def sync(self):
         """Pool every rank's findings (a collective: all ranks call it at the same point). Returns

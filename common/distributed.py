@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .args import UsageError
+from .console import say
 
 
 @dataclass
@@ -143,7 +144,7 @@ def shared_devices(owners):
     return None
 
 
-def check_one_process_per_gpu(device, backend, warn=print):
+def check_one_process_per_gpu(device, backend, warn=say):
     """Two ranks on one GPU: `torchrun --nproc_per_node=2` on a one-GPU node, or one
     CUDA_VISIBLE_DEVICES exported to every task. NCCL refuses that unless NCCL_MULTI_RANK_GPU_ENABLE=1
     (init_process_group above turns its error into this line). Asked for (that variable, or a backend

@@ -13,6 +13,7 @@ import torch
 
 from .args import UsageError
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS, atomic_write
+from .console import say
 
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second", "bad_images"]
@@ -43,7 +44,7 @@ class RunLogger:
 
     def print(self, message):
         if self.prints:
-            print(message, flush=True)
+            say(message)
 
     def start(self, args, resumed, ema=False, global_step=0):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
