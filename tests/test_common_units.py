@@ -17,6 +17,7 @@ from common import checkpoint
 from common import data as data_module
 from common import meters
 from common.args import UsageError
+from common.console import say
 from common.data import DeviceLoader, EvalPreset, ShardSampler, SeededTransform, TrainPreset, build_data, load_image
 from common.folder_index import scan_image_folder
 from common.meters import AverageMeter, MetricSums, ProgressMeter, accuracy, correct_counts
@@ -725,3 +726,20 @@ def test_arch_may_name_your_own_model_as_module_and_callable():
         build_model("tests.tiny_models:Missing", num_classes=4)
     with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
         build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)
+
+
+def test_a_console_line_is_written_whole_in_one_write():
+    """print() writes a line's text and its newline separately: another process's output between the two
+    (a rank's warning, a library's report) would glue itself onto our line."""
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            writes.append("<flush>")
+
+    say("done: best acc@1 99.00", file=Stream())
+    say("error: rank 1: two\nlines", file=Stream())
+    assert writes == ["done: best acc@1 99.00\n", "<flush>", "error: rank 1: two\nlines\n", "<flush>"]
