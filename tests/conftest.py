@@ -295,6 +295,19 @@ def _no_job_outlives_the_session():
     Prewarmed.stop()
 
 
+# How the scripts' lines begin, where a test looks for them.
+OUR_LINE_STARTS = re.compile(r"(?<=\S)(?=done: best acc@1 |error: |warning: |Epoch: \[\d+\] \[| \* (?:EMA )?Acc@1 )")
+
+
+def our_lines_apart(line):
+    """`line` as read from a job's output, with each of our lines on a line of its own: the scripts write a
+    line whole (common/console.py), but a library in another process of the job may write a line of its own
+    in two parts (text, then newline), and ours then lands between them, right after the other's text (a
+    start of ours after a space is left alone: it is inside a line)."""
+    parts = OUR_LINE_STARTS.split(line)
+    return [part + "\n" for part in parts[:-1]] + [parts[-1]]
+
+
 class Job:
     """A launched job whose output is read line by line as it comes. It runs in a session of its own,
     marked in its environment (JOB_MARKER) so that its descendants are found in any session;
@@ -318,9 +331,10 @@ class Job:
         _jobs.append(self)
 
     def _read(self):
-        for line in self.process.stdout:
-            self.output.append(line)
-            self.lines.put(line)
+        for raw in self.process.stdout:
+            for line in our_lines_apart(raw):
+                self.output.append(line)
+                self.lines.put(line)
         self.lines.put(None)
 
     def wait_for(self, pattern, timeout=120):

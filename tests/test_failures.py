@@ -274,6 +274,18 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(torchrun_interrup
     assert_resumed_where_it_stopped(stages.worker_sigterm[1], (epoch, step))
 
 
+def torchrun_exit_codes(output):
+    """{rank: exit code} from torchrun's failure report ("  rank      : 1 (local_rank: 1)", then
+    "  exitcode  : 75"), read line by line: another process's line may land between the two."""
+    exit_codes, rank = {}, None
+    for line in output.splitlines():
+        if found := re.match(r"\s+rank\s+: (\d+) \(local_rank: \d+\)", line):
+            rank = found.group(1)
+        elif rank is not None and (found := re.match(r"\s+exitcode\s+: (-?\d+)", line)):
+            exit_codes[rank], rank = found.group(1), None
+    return exit_codes
+
+
 def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_reports(torchrun_interrupted):
     """As Slurm or a node agent may signal the training processes: rank 1 alone gets SIGTERM, every rank
     stops after the same step, and torchrun reports each worker's exit code: 75."""
@@ -281,9 +293,7 @@ def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_re
     returncode, output = stages.worker_sigterm
     epoch, step = stages.after_worker_sigterm
     assert returncode != 0
-    exit_codes = dict(re.findall(r"^\s+rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output,
-                                 re.MULTILINE))
-    assert exit_codes == {"0": str(PREEMPTED), "1": str(PREEMPTED)}, output[-3000:]
+    assert torchrun_exit_codes(output) == {"0": str(PREEMPTED), "1": str(PREEMPTED)}, output[-3000:]
     assert epoch == 2 and 7 <= step < 15, output[-3000:]
     assert f"stopped on a signal to another rank: checkpoint of epoch 2 step {step}" in output
     assert_resumed_where_it_stopped(stages.end[1], (epoch, step))
@@ -320,6 +330,20 @@ def test_a_stalled_rank_fails_the_job_after_the_dist_timeout(side_by_side):
     # ...and torchrun ends the job: it sends SIGTERM to the stalled (stopped) rank, waits 30 s for it to
     # exit (torchrun's fixed grace), then kills it. Without the timeout the job would wait for 30 minutes.
     assert stalled.to_end < 90, f"the job outlived the rank's timeout by {stalled.to_end:.0f} s:\n{output[-3000:]}"
+
+
+def test_a_line_of_ours_written_into_another_process_s_unfinished_line_is_read_apart():
+    """A library that writes a line in two parts (text, then newline), ours landing between them: the job's
+    output has our line on a line of its own, found by its start (conftest.our_lines_apart)."""
+    other = "See https://nanobind.readthedocs.io/en/latest/refleaks.html"
+    writes = [other, "error: cannot decode a.jpg (x); without --strict-data ...\n", "\n", "abc error: inside\n",
+              "x * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)\n", f"{other}done: best acc@1 50.00\n"]
+    script = f"import os\nfor text in {writes!r}:\n    os.write(1, text.encode())"
+    returncode, output = Job([PYTHON, "-c", script]).finish(timeout=60)
+    assert returncode == 0
+    assert output.splitlines() == [other, "error: cannot decode a.jpg (x); without --strict-data ...", "",
+                                   "abc error: inside", "x", " * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)",
+                                   other, "done: best acc@1 50.00"]
 
 
 def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
