@@ -4,9 +4,11 @@ writer, resuming under another world size, and no hangs when a rank fails."""
 import re
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder,
                       run_prewarmed, run_script, run_together, script_command, torchrun, torchrun_command)
@@ -52,7 +54,24 @@ def thirteen_val_images(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_data, thirteen_val_images, tmp_path_factory):
+def one_colour_images(tmp_path_factory):
+    """24 training images of 3 classes, each filled with a grey of its own (5, 15, ..., 235), as PNGs (lossless):
+    whatever the crop, flip and resize, an image's pixels tell which image it is."""
+    root = tmp_path_factory.mktemp("one-colour")
+    for index in range(24):
+        for split, count in (("train", 24), ("val", 3)):
+            if index < count:
+                folder = root / split / f"class{index % 3}"
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.new("RGB", (40, 40), (5 + 10 * index,) * 3).save(folder / f"{index:02d}.png")
+    return root
+
+
+ORDER_RUN = [*TINY, "-a", "tests.tiny_models:OrderRecorder", "-b", "8", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_data, thirteen_val_images, one_colour_images, tmp_path_factory):
     """The module's runs that go to their end by themselves, started together (most of their time is
     spent starting processes): the same run (12 steps of global batch 8) in the three launch modes
     (spawn meets through a file:// rendezvous; --master-port is used by the launches of test_run_scripts
@@ -78,6 +97,9 @@ def launches(tiny_data, thirteen_val_images, tmp_path_factory):
                                     out / "batch-9"),
         "nccl": script_command("train_ddp.py", *TINY, "--data", tiny_data, "--dist-backend", "nccl", "--output-dir",
                                out / "nccl"),
+        **{f"order-{epochs}": (torchrun_command("train_ddp.py", 2, *ORDER_RUN, "--data", one_colour_images,
+                                                "--epochs", epochs, "--output-dir", out / f"order-{epochs}"),
+                               clean_env(ORDER_LOG=out / f"order-{epochs}.log")) for epochs in (3, 1)},
     }
     return out, dict(zip(commands, run_together(list(commands.values()))))
 
@@ -98,6 +120,15 @@ def test_the_compared_runs_really_train(trajectories):
     for mode in ("dp", "ddp", "spawn"):
         assert parameters_moved(initial, weights(out / mode)) > 1e-2, mode
     assert "spawn: world size 2" in outputs["spawn"]
+
+
+def test_each_launch_mode_ends_on_its_done_line_with_nothing_after_it(trajectories):
+    """The last line of the whole output (stdout and stderr, every process of the job) is ours: no library
+    prints at exit (a leak report, a warning) after `done:`. Each run here started as a user starts it."""
+    _, outputs = trajectories
+    for mode in ("dp", "ddp", "spawn"):
+        assert outputs[mode].endswith("\n") and outputs[mode].splitlines()[-1].startswith("done: best acc@1 "), (
+            mode, outputs[mode][-3000:])
 
 
 def test_ddp_and_spawn_end_with_the_weights_of_dataparallel(trajectories):
@@ -164,6 +195,41 @@ def test_resume_under_torchrun_with_another_world_size_continues_the_trajectory(
     assert "Epoch: [3]" in output and "Epoch: [2]" not in output and "ddp: world size 1" in output
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
     assert max_difference(weights(out / "dp"), weights(tmp_path)) <= 1e-5
+
+
+def training_order(log_prefix, rank, steps_per_epoch=3):
+    """[[image numbers of each step] of each epoch] that rank `rank` trained on (tests.tiny_models.OrderRecorder's
+    log: the grey 5 + 10 i of image i)."""
+    steps = [[(int(value) - 5) // 10 for value in line.split()]
+             for line in Path(f"{log_prefix}.rank{rank}").read_text().splitlines()]
+    return [steps[start:start + steps_per_epoch] for start in range(0, len(steps), steps_per_epoch)]
+
+
+@pytest.fixture(scope="module")
+def resumed_order(launches, one_colour_images):
+    """The 1-epoch run of `launches` continued to 3 epochs with --resume auto (its log goes on)."""
+    out, results = launches
+    assert_ok(results["order-1"])
+    assert_ok(torchrun("train_ddp.py", 2, *ORDER_RUN, "--data", one_colour_images, "--epochs", "3", "--resume", "auto",
+                       "--output-dir", out / "order-1", env=clean_env(ORDER_LOG=out / "order-1.log")))
+    return out / "order-1.log"
+
+
+def test_each_epoch_trains_in_a_new_order_and_a_resumed_run_in_the_uninterrupted_one(launches, resumed_order):
+    """sampler.set_epoch(epoch): every epoch is a new shuffle of all the images, the same on every rank's
+    side (the ranks' shards together cover each image once); a run resumed at epoch 1 trains epochs 1 and 2
+    in the order of the run that was not interrupted."""
+    out, results = launches
+    assert_ok(results["order-3"])
+    uninterrupted = [training_order(out / "order-3.log", rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert len(uninterrupted[rank]) == 3 and all(len(step) == 4 for epoch in uninterrupted[rank] for step in epoch)
+    epochs = [[image for rank in (0, 1) for step in uninterrupted[rank][epoch] for image in step] for epoch in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(24)), epochs  # every image once per epoch
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2], epochs
+    resumed = [training_order(resumed_order, rank) for rank in (0, 1)]
+    assert resumed == uninterrupted
 
 
 def test_the_legacy_launcher_passes_local_rank_and_trains(launches):

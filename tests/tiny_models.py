@@ -1,6 +1,10 @@
 """Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
+import os
+
 import torch.distributed as dist
 import torch.nn as nn
+
+from common.data import IMAGENET_MEAN, IMAGENET_STD
 
 
 def TinyNet(num_classes, dropout=0.0):
@@ -51,3 +55,25 @@ def ReplicaReportNet(num_classes, dropout=0.0):
     """TinyNet that prints, once per device, where a training forward ran and on how many images:
     under nn.DataParallel over N GPUs, one line per GPU with its share of the batch."""
     return _ReportsReplicas(num_classes, dropout)
+
+
+class _RecordsOrder(nn.Module):
+    def __init__(self, num_classes, dropout):
+        super().__init__()
+        self.net = TinyNet(num_classes, dropout)
+        self.log = f"{os.environ['ORDER_LOG']}.rank{os.environ.get('RANK', '0')}"
+
+    def forward(self, images):
+        if self.training:
+            # Back from the normalised red channel to the pixel value each image is filled with.
+            pixels = images[:, 0].mean(dim=(1, 2)) * IMAGENET_STD[0] * 255 + IMAGENET_MEAN[0] * 255
+            with open(self.log, "a") as file:
+                file.write(" ".join(f"{pixel:.0f}" for pixel in pixels.tolist()) + "\n")
+        return self.net(images)
+
+
+def OrderRecorder(num_classes, dropout=0.0):
+    """TinyNet that appends, for each training step, the pixel values of its images to $ORDER_LOG.rank$RANK,
+    one line per step: on a set of one-colour images (one value each) it records the order this rank trains
+    in."""
+    return _RecordsOrder(num_classes, dropout)
