@@ -49,8 +49,8 @@ venv: $(STAMP)
 # --require-hashes: every package, dependencies included, must be in the lock with its hash, and each
 # file pip takes must match one (a local wheel of the same version with another build cannot).
 $(STAMP): $(LOCK)
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(LOCK_PYTHON)),))' || \
-	  { echo "error: $(LOCK) is for Python $(LOCK_PYTHON) or newer; run make PYTHON=python3.X with one"; exit 2; }
+	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(v < ($(subst .,$(comma),$(LOCK_PYTHON)),) and \
+	  f"error: $(PYTHON) is Python {v[0]}.{v[1]}; $(LOCK) is for Python $(LOCK_PYTHON) or newer: make PYTHON=python$(LOCK_PYTHON) ...")'
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
