@@ -60,8 +60,10 @@ class TrainPreset:
     those of a run without augmentation), so the result depends on nothing but the seed it was given.
     res_schedule (a ResSchedule): the crop size follows set_epoch."""
 
-    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None):
+    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None,
+                 interpolation="bilinear"):
         self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
+        self.interpolation = F.InterpolationMode(interpolation)
         self.augmentation, self.res_schedule = augmentation, res_schedule
         if res_schedule is not None:
             self.set_epoch(0)
@@ -90,7 +92,8 @@ class TrainPreset:
 
     def __call__(self, image, rng):
         top, left, height, width = self.crop_box(*image.shape[-2:], rng)
-        image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size], antialias=True)
+        image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size],
+                               interpolation=self.interpolation, antialias=True)
         if rng.random() < 0.5:
             image = F.horizontal_flip(image)
         if self.augmentation is not None:
@@ -100,13 +103,16 @@ class TrainPreset:
 
 
 class EvalPreset:
-    """Resize the short side, centre crop; uint8 in, uint8 out."""
+    """Resize the short side, centre crop; uint8 in, uint8 out: torchvision's weights.transforms() (ImageClassification)
+    but the normalisation, which Collate or DeviceLoader applies to the batch."""
 
-    def __init__(self, resize_size, crop_size):
+    def __init__(self, resize_size, crop_size, interpolation="bilinear"):
         self.resize_size, self.crop_size = resize_size, crop_size
+        self.interpolation = F.InterpolationMode(interpolation)
 
     def __call__(self, image, _rng=None):
-        return F.center_crop(F.resize(image, [self.resize_size], antialias=True), [self.crop_size])
+        return F.center_crop(F.resize(image, [self.resize_size], interpolation=self.interpolation, antialias=True),
+                             [self.crop_size])
 
 
 class SeededTransform(Dataset):
@@ -367,9 +373,11 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
                                           option("random_erase", 0.0))
         train_set = SeededTransform(SkipUnreadable(train_files, load_image, True, args.strict_data),
                                     TrainPreset(args.train_crop_size, args.min_crop_scale, augmentation=augmentation,
-                                                res_schedule=res_schedule), seed)
+                                                res_schedule=res_schedule,
+                                                interpolation=option("interpolation", "bilinear")), seed)
         val_set = SeededTransform(SkipUnreadable(val_files, load_image, False, args.strict_data),
-                                  EvalPreset(args.val_resize_size, args.val_crop_size), seed)
+                                  EvalPreset(args.val_resize_size, args.val_crop_size,
+                                             option("val_interpolation", "bilinear")), seed)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
     if option("ra_sampler", False):

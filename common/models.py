@@ -33,7 +33,20 @@ def custom_builder(arch):
         raise UsageError(f"--arch {arch}: cannot import {name} from {module_name} ({error})")
 
 
-def build_model(arch, num_classes, pretrained=False, dropout=None):
+def pretrained_weights(arch, name=None):
+    """torchvision's weight set `name` of `arch` ("ResNet50_Weights.IMAGENET1K_V2", "IMAGENET1K_V2"; None: its
+    DEFAULT), from the registry alone (nothing is downloaded); a UsageError names the sets there are."""
+    if custom_builder(arch) is not None:
+        raise UsageError(f"--pretrained needs a torchvision --arch, not {arch}")
+    enum = torchvision.models.get_model_weights(arch)
+    key = (name or "DEFAULT").removeprefix(f"{enum.__name__}.")
+    try:
+        return enum[key]
+    except KeyError:
+        raise UsageError(f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}") from None
+
+
+def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None):
     kwargs = {} if dropout is None else {"dropout": dropout}
     builder = custom_builder(arch)
     if builder is not None:  # called as builder(num_classes=K[, dropout=P])
@@ -43,7 +56,7 @@ def build_model(arch, num_classes, pretrained=False, dropout=None):
     try:
         if not pretrained:
             return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
-        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        weights = pretrained_weights(arch, weights)
         try:
             model = torchvision.models.get_model(arch, weights=weights, **kwargs)
         except (OSError, RuntimeError) as error:  # URLError is an OSError

@@ -20,11 +20,13 @@ NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.m
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
-    """The optimizer's parameter groups. With --norm-weight-decay and/or --bias-weight-decay other than --wd:
-    "other" (weight_decay), "norm" (every parameter of a normalisation layer: norm_weight_decay) and "bias"
-    (the biases of the other layers: bias_weight_decay), in that order, each in model.parameters() order;
-    a kind whose decay is --wd's stays in "other", and empty groups are left out. Else the single group of
-    model.parameters(), as before these flags: checkpoints of earlier runs resume, training is unchanged."""
+    """The optimizer's parameter groups, as torchvision's references/classification/train.py makes them with
+    utils.set_weight_decay: with --bias-weight-decay, every parameter named "bias" (a norm layer's too) has
+    that decay; with --norm-weight-decay, the other parameters of normalisation layers (their weights) have
+    that one; every other parameter --wd. Frozen parameters (requires_grad False) are left out, as there.
+    Groups "other", "norm" and "bias", in that order, each in model.parameters() order; a kind whose decay is
+    --wd's stays in "other" (the same decay in one group fewer), and empty groups are left out. Without either
+    flag: the single group of model.parameters(), as before these flags (checkpoints of earlier runs resume)."""
     decay = {"other": weight_decay,
              "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
              "bias": weight_decay if bias_weight_decay is None else bias_weight_decay}
@@ -33,10 +35,15 @@ def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_de
     groups, seen = {kind: [] for kind in decay}, set()
     for module in model.modules():  # the order of model.parameters(): modules in order, each one's own
         for name, parameter in module.named_parameters(recurse=False):
-            if id(parameter) in seen:  # shared by two modules: in the group of the first, as parameters() does
+            if id(parameter) in seen or not parameter.requires_grad:  # shared: in the group of the first module
                 continue
             seen.add(id(parameter))
-            kind = "norm" if isinstance(module, NORM_LAYERS) else "bias" if name == "bias" else "other"
+            if bias_weight_decay is not None and name == "bias":  # set_weight_decay's custom key "bias" first
+                kind = "bias"
+            elif norm_weight_decay is not None and isinstance(module, NORM_LAYERS):
+                kind = "norm"
+            else:
+                kind = "other"
             groups[kind if decay[kind] != weight_decay else "other"].append(parameter)
     return [{"params": params, "weight_decay": decay[kind], "name": kind} for kind, params in groups.items() if params]
 
@@ -52,8 +59,8 @@ def describe_optimizer(optimizer, args):
     """One header line: the lr (and how --lr-scaling got it), momentum, weight decay of each group."""
     lr = f"lr {args.lr:g}"
     if args.lr_scaling == "linear":
-        lr += f" (--lr {args.lr_given:g} x {args.batch_size}/256, --lr-scaling linear)"
-    where = {"norm": " on norm layers", "bias": " on biases"}
+        lr += f" ({args.lr_source} {args.lr_given:g} x {args.batch_size}/{args.lr_reference_batch}, --lr-scaling linear)"
+    where = {"norm": " on norm layers" if args.bias_weight_decay is None else " on norm weights", "bias": " on biases"}
     decay = ", ".join(f"{group['weight_decay']:g}{where.get(group.get('name'), '')}"
                       + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
                       for group in optimizer.param_groups)

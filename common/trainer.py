@@ -161,7 +161,7 @@ class Trainer:
                                gpu=device.type == "cuda")
         if not args.resume and not args.evaluate and not args.overwrite:
             self._refuse_to_replace_a_run()
-        model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout)
+        model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout, getattr(args, "weights", None))
         if resumed:
             checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
         if args.sync_bn:
@@ -236,8 +236,13 @@ class Trainer:
                 self.optimizer.load_state_dict(resumed["optimizer"])
             except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed
                 saved = resumed.get("args", {})
+                names = ("norm_weight_decay", "bias_weight_decay")
+                if all(saved.get(name) == getattr(args, name) for name in names):
+                    raise UsageError(f"{self.resume_path} groups its parameters for weight decay as these scripts did "
+                                     "before norm layers' biases took --bias-weight-decay (as in torchvision): "
+                                     "finish it with that version, or start afresh with --overwrite") from None
                 flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}"
-                         for name in ("norm_weight_decay", "bias_weight_decay")]
+                         for name in names]
                 raise UsageError(f"{self.resume_path} holds an optimizer with other weight-decay groups than this "
                                  f"run's: resume it as it was started, with {' and '.join(flags)}") from None
         if resumed.get("scaler"):
@@ -299,8 +304,12 @@ class Trainer:
         log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
                   f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images, "
                   f"{args.workers} loader worker(s) per process)")
-        log.print(f"model: {args.arch}, {'channels_last' if self.channels_last else 'default'} memory format "
+        log.print(f"model: {args.arch}" + (f" from {args.weights}" if getattr(args, "weights", None) else "")
+                  + f", {'channels_last' if self.channels_last else 'default'} memory format "
                   f"(--channels-last {args.channels_last}), --amp {args.amp}")
+        if getattr(args, "val_preprocessing", None):
+            log.print(f"validation: resize {args.val_resize_size}, crop {args.val_crop_size}, {args.val_interpolation} "
+                      f"(from {args.val_preprocessing}; --val-resize-size, --val-crop-size, --interpolation override)")
         if args.preset:
             log.print(f"recipe: {args.preset} ({RECIPES[args.preset]['name']})" + (
                 "; on the demo set its epochs, batch, lr and image sizes stay the demo's" if args.dataset == "demo" else ""))

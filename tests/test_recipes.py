@@ -137,8 +137,9 @@ class EveryNorm(nn.Module):
         self.tied.weight = self.head.weight  # one parameter in two modules
 
 
-NORM = {"bn.weight", "bn.bias", "gn.weight", "gn.bias", "inorm.weight", "inorm.bias", "ln.weight", "ln.bias"}
-BIAS = {"conv.bias", "fc.bias"}
+NORM_WEIGHTS = {"bn.weight", "gn.weight", "inorm.weight", "ln.weight"}
+NORM_BIASES = {"bn.bias", "gn.bias", "inorm.bias", "ln.bias"}
+OTHER_BIASES = {"conv.bias", "fc.bias"}
 
 
 def group_names(model, groups):
@@ -147,24 +148,61 @@ def group_names(model, groups):
 
 
 def test_norm_and_bias_weight_decay_groups_hold_every_parameter_once_where_it_belongs():
+    """Both flags: every bias (a norm layer's too) has the bias decay, the norm layers' weights the norm decay."""
     model = EveryNorm()
     groups = parameter_groups(model, 1e-4, norm_weight_decay=0.0, bias_weight_decay=0.0)
     named = group_names(model, groups)
     everything = [name for names in named.values() for name in names]
     assert sorted(everything) == sorted(name for name, _ in model.named_parameters())  # each exactly once
-    assert set(named["norm"]) == NORM and set(named["bias"]) == BIAS
+    assert set(named["norm"]) == NORM_WEIGHTS and set(named["bias"]) == NORM_BIASES | OTHER_BIASES
     assert [(group["name"], group["weight_decay"]) for group in groups] == [("other", 1e-4), ("norm", 0.0), ("bias", 0.0)]
     order = [name for name, _ in model.named_parameters()]
     assert all(names == sorted(names, key=order.index) for names in named.values())  # model order in each group
     assert group_names(model, parameter_groups(model, 1e-4, 0.0, 0.0)) == named  # deterministic
 
 
-def test_norm_weight_decay_alone_leaves_the_biases_with_the_other_weights():
+def test_norm_weight_decay_alone_covers_the_norm_layers_and_bias_weight_decay_alone_every_bias():
     model = EveryNorm()
     named = group_names(model, parameter_groups(model, 2e-5, norm_weight_decay=0.0))
-    assert set(named) == {"other", "norm"} and set(named["norm"]) == NORM and BIAS <= set(named["other"])
+    assert set(named) == {"other", "norm"} and set(named["norm"]) == NORM_WEIGHTS | NORM_BIASES
+    assert OTHER_BIASES <= set(named["other"])
     named = group_names(model, parameter_groups(model, 2e-5, bias_weight_decay=0.0))
-    assert set(named) == {"other", "bias"} and set(named["bias"]) == BIAS and NORM <= set(named["other"])
+    assert set(named) == {"other", "bias"} and set(named["bias"]) == NORM_BIASES | OTHER_BIASES
+    assert NORM_WEIGHTS <= set(named["other"])
+
+
+def decay_of_each_parameter(model, groups, weight_decay):
+    """{parameter name: its weight decay} under the optimizer's parameter groups (a plain list: weight_decay)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    return {names[id(parameter)]: group.get("weight_decay", weight_decay) for group in groups
+            for parameter in group["params"]}
+
+
+@pytest.mark.parametrize("arch", ["resnet50", "vit_b_16"])
+def test_every_parameter_has_the_weight_decay_torchvision_s_set_weight_decay_gives_it(arch):
+    """torchvision's references/classification utils.set_weight_decay, called as its train.py calls it from the
+    same flags (tests/torchvision_reference.py), against ours: the same decay for each parameter."""
+    from tests.torchvision_reference import torchvision_parameter_groups
+    model = getattr(torchvision.models, arch)()
+    for norm, bias in [(None, None), (0.0, None), (None, 0.0), (0.0, 0.0), (1e-5, 0.0), (0.0, 2e-5), (2e-5, 2e-5)]:
+        theirs = decay_of_each_parameter(model, torchvision_parameter_groups(model, 2e-5, norm, bias), 2e-5)
+        groups = parameter_groups(model, 2e-5, norm, bias)
+        ours = decay_of_each_parameter(model, groups, 2e-5)
+        assert ours == theirs, (norm, bias)
+        assert sorted(ours) == sorted(name for name, _ in model.named_parameters())  # every parameter, once
+        assert sum(len(group["params"]) if isinstance(group, dict) else 1 for group in groups) == len(ours)
+    if arch == "resnet50":  # --bias-weight-decay 0 alone: every bias, BatchNorm's included, 54 of 161 tensors
+        decays = decay_of_each_parameter(model, parameter_groups(model, 2e-5, None, 0.0), 2e-5)
+        assert sum(decay == 0.0 for decay in decays.values()) == 54 and len(decays) == 161
+
+
+def test_frozen_parameters_are_left_out_of_the_groups_as_torchvision_does():
+    model = EveryNorm()
+    model.conv.requires_grad_(False)
+    named = group_names(model, parameter_groups(model, 1e-4, norm_weight_decay=0.0))
+    assert not {"conv.weight", "conv.bias"} & {name for names in named.values() for name in names}
 
 
 @pytest.mark.parametrize("norm, bias", [(None, None), (1e-4, None), (None, 1e-4), (1e-4, 1e-4)])
@@ -197,6 +235,29 @@ def test_lr_scaling_linear_shows_the_scaled_lr_and_how(monkeypatch):
     assert line.startswith("optimizer: SGD, lr 0.4 (--lr 0.1 x 1024/256, --lr-scaling linear), momentum 0.9"), line
     args = train_dp.parse_args(["--dummy", "--lr", "0.1", "-b", "1024"])
     assert "lr 0.1, " in describe_optimizer(build_optimizer(nn.Linear(2, 2), args), args)
+
+
+
+@pytest.mark.parametrize("argv, env, header", [
+    # A preset's lr is scaled from the batch it was set for, not from 256.
+    (["--dummy", "--preset", "tv-v2"], {}, "lr 0.5 (--preset tv-v2's lr 0.5 x 1024/1024"),
+    (["--dummy", "--preset", "tv-v2", "-b", "2048"], {}, "lr 1 (--preset tv-v2's lr 0.5 x 2048/1024"),
+    ([], {}, "lr 0.04 (the demo preset's lr 0.04 x 64/64"),
+    (["-b", "32", "--preset", "tv-v2"], {}, "lr 0.02 (the demo preset's lr 0.04 x 32/64"),
+    (["--dummy", "-b", "512"], {}, "lr 0.2 (the imagenet preset's lr 0.1 x 512/256"),
+    # The user's lr, from the command line or the platform's LR, is for 256 images, over any preset.
+    (["--dummy", "--preset", "tv-v2", "--lr", "0.1", "-b", "1024"], {}, "lr 0.4 (--lr 0.1 x 1024/256"),
+    (["--dummy", "--preset", "tv-v2", "-b", "512"], {"LR": "0.2"}, "lr 0.4 (LR 0.2 x 512/256"),
+])
+def test_lr_scaling_linear_scales_an_lr_from_the_batch_it_was_given_for(monkeypatch, argv, env, header):
+    for name in ("LR", "BATCH_SIZE", "EPOCHS", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    import train_dp
+    args = train_dp.parse_args([*argv, "--lr-scaling", "linear"])
+    line = describe_optimizer(build_optimizer(nn.Linear(2, 2), args), args)
+    assert line.startswith(f"optimizer: SGD, {header}, --lr-scaling linear), momentum 0.9"), line
 
 
 # ----------------------------------------------------------------------------- mixing in train_one_epoch
