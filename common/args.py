@@ -97,7 +97,8 @@ PRESETS = {
 RECIPE_DEFAULTS = dict(momentum=0.9, weight_decay=1e-4, norm_weight_decay=None, bias_weight_decay=None,
                        label_smoothing=0.0, mixup_alpha=0.0, cutmix_alpha=0.0, auto_augment="none",
                        ra_magnitude=9, random_erase=0.0, model_ema=False, model_ema_decay=0.99998,
-                       model_ema_steps=32, ra_sampler=False, ra_reps=3, lr_scaling="none")
+                       model_ema_steps=32, ra_sampler=False, ra_reps=3, lr_scaling="none",
+                       lr_step_unit="step")
 
 # --preset: a published recipe in one flag. "name" is what the run's header says of it; "training" holds
 # what applies to any data (augmentation, regularisation); "scale" what fits ImageNet only (epochs, batch,
@@ -113,7 +114,7 @@ RECIPES = {
         name="torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here",
         training=dict(label_smoothing=0.1, mixup_alpha=0.2, cutmix_alpha=1.0, auto_augment="ta_wide",
                       random_erase=0.1, weight_decay=2e-5, norm_weight_decay=0.0, model_ema=True,
-                      model_ema_decay=0.99998, model_ema_steps=32, ra_sampler=True, ra_reps=4),
+                      model_ema_decay=0.99998, model_ema_steps=32, ra_sampler=True, ra_reps=4, lr_step_unit="epoch"),
         scale=dict(epochs=600, batch_size=1024, lr=0.5, lr_schedule="cosine", warmup_epochs=5.0,
                    train_crop_size=176, val_resize_size=232, val_crop_size=224)),
 }
@@ -174,6 +175,9 @@ def build_parser(description):
     add("--label-smoothing", type=float, default=None, metavar="E", help="label smoothing (0; tv-v2 0.1)")
     add("--lr-schedule", choices=["step", "cosine", "constant"], default=None,
         help="step: x gamma every --lr-step-size epochs (default; demo: cosine)")
+    add("--lr-step-unit", choices=["step", "epoch"], default=None,
+        help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
+             "train.py (default under --preset tv-v2)")
     add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
     add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
     add("--warmup-epochs", type=float, default=None, metavar="N",
@@ -222,9 +226,11 @@ def build_parser(description):
     add("--mixup-alpha", type=float, default=None, metavar="A", help="MixUp, per batch on the device (0: off)")
     add("--cutmix-alpha", type=float, default=None, metavar="A",
         help="CutMix, per batch on the device (0: off); with --mixup-alpha, one of the two per batch")
-    add("--auto-augment", choices=["none", "ta_wide", "ra", "aa"], default=None,
-        help="TrivialAugmentWide, RandAugment or AutoAugment (ImageNet policy), per image (none)")
+    add("--auto-augment", choices=["none", "ta_wide", "ra", "aa", "imagenet", "augmix"], default=None,
+        help="TrivialAugmentWide, RandAugment, AutoAugment's ImageNet policy (aa, or torchvision's name imagenet) "
+             "or AugMix, per image (none)")
     add("--ra-magnitude", type=int, default=None, metavar="M", help="RandAugment magnitude (9)")
+    add("--augmix-severity", type=int, default=3, metavar="S", help="AugMix severity, 1 to 10 (%(default)s)")
     add("--random-erase", type=float, default=None, metavar="P",
         help="RandomErasing probability, per image, filling with the mean pixel (0)")
     add("--model-ema", action="store_const", const=True, default=None,
@@ -374,6 +380,8 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     if args.warmup_epochs < 0 or (args.warmup_epochs > 0 and args.warmup_epochs >= args.epochs):
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {args.warmup_epochs}")
+    if args.lr_step_unit == "epoch" and args.warmup_epochs != int(args.warmup_epochs):
+        raise UsageError(f"--warmup-epochs {args.warmup_epochs:g} with --lr-step-unit epoch: give whole epochs")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
     _check_at_least(args, ["mixup_alpha", "cutmix_alpha"], 0, "0 (off) or positive")
@@ -384,6 +392,8 @@ def parse_args(parser, argv=None):
     _check_at_least(args, ["model_ema_steps", "ra_reps"], 1, "1 or more")
     if not 0 <= args.ra_magnitude <= 30:
         raise UsageError(f"--ra-magnitude must be in [0, 30], got {args.ra_magnitude}")
+    if not 1 <= args.augmix_severity <= 10:
+        raise UsageError(f"--augmix-severity must be in [1, 10], got {args.augmix_severity}")
     _check_at_least(args, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum"], 0, "0 or more")
     args.lr_given = args.lr  # before --lr-scaling linear, for args.lr_reference_batch images
     if args.lr_scaling == "linear":

@@ -31,26 +31,41 @@ def seeded(key):
         yield
 
 
-def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0):
-    """The per-image v2 transforms after crop and flip, on a uint8 CHW tensor, or None for none."""
-    steps = []
+def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0, interpolation="bilinear",
+                       augmix_severity=3):
+    """The per-image v2 transforms after crop and flip, on a uint8 CHW tensor, or None for none: those of
+    torchvision's presets.ClassificationPresetTrain, with its names (aa is AutoAugment's imagenet policy).
+    On tensors these ops resize with nearest or bilinear only: --interpolation bicubic gives them bilinear."""
+    steps, interpolation = [], v2.InterpolationMode("nearest" if interpolation == "nearest" else "bilinear")
     if auto_augment == "ta_wide":
-        steps.append(v2.TrivialAugmentWide(interpolation=v2.InterpolationMode.BILINEAR))
+        steps.append(v2.TrivialAugmentWide(interpolation=interpolation))
     elif auto_augment == "ra":
-        steps.append(v2.RandAugment(magnitude=ra_magnitude, interpolation=v2.InterpolationMode.BILINEAR))
-    elif auto_augment == "aa":
-        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=v2.InterpolationMode.BILINEAR))
+        steps.append(v2.RandAugment(magnitude=ra_magnitude, interpolation=interpolation))
+    elif auto_augment in ("aa", "imagenet"):
+        steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=interpolation))
+    elif auto_augment == "augmix":
+        steps.append(v2.AugMix(severity=augmix_severity, interpolation=interpolation))
     if random_erase > 0:
         steps.append(v2.RandomErasing(p=random_erase, value=list(IMAGENET_MEAN_UINT8)))
     return v2.Compose(steps) if steps else None
 
 
+def partner_order(batch_size, copies):
+    """The order in which MixUp/CutMix see a batch, whose images come in runs of up to `copies` copies of one
+    image (--ra-sampler with fewer processes than repetitions): torchvision's transforms pair each image
+    with the one before it (a roll by 1), so the batch is read column by column as a grid of `copies` columns
+    (0, c, 2c, ..., 1, c + 1, ...): neighbours are then `copies` apart, never two copies of one image (unless
+    the batch holds no more than two runs). copies 1: the batch's own order."""
+    return [index for column in range(copies) for index in range(column, batch_size, copies)]
+
+
 class BatchMix:
     """MixUp and/or CutMix of a batch (torchvision.transforms.v2, one of the two per batch when both are
     on, as torchvision's train.py does): (images, integer labels) -> (mixed images, soft labels whose rows
-    sum to 1). Its draws are seeded by `key`."""
+    sum to 1), in the batch's order. Its draws are seeded by `key`. `copies`: the longest run of copies of
+    one image in a batch (partner_order), so that no image is mixed with its own copy."""
 
-    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0):
+    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0, copies=1):
         choices = []
         if mixup_alpha > 0:
             choices.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
@@ -58,12 +73,21 @@ class BatchMix:
             choices.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
         if not choices:
             raise ValueError("BatchMix needs --mixup-alpha or --cutmix-alpha")
-        self.num_classes = num_classes
+        self.num_classes, self.copies = num_classes, copies
         self.transform = choices[0] if len(choices) == 1 else v2.RandomChoice(choices)
 
     def __call__(self, images, target, key):
+        order = None
+        if self.copies > 1:
+            order = torch.tensor(partner_order(len(target), self.copies), device=target.device)
+            images, target = images[order], target[order]
         with seeded(key):
-            return self.transform(images, target)
+            images, labels = self.transform(images, target)
+        if order is not None:  # back to the batch's order: image i with its own label, mixed with its partner
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(order), device=order.device)
+            images, labels = images[inverse], labels[inverse]
+        return images, labels
 
 
 def batch_mix_key(seed, epoch, step, rank):
@@ -71,8 +95,10 @@ def batch_mix_key(seed, epoch, step, rank):
     return random.Random(f"mix-{seed}-{epoch}-{step}-{rank}").getrandbits(63)
 
 
-def build_batch_mix(args, num_classes):
-    """A BatchMix for --mixup-alpha / --cutmix-alpha, or None when both are 0."""
+def build_batch_mix(args, num_classes, world_size):
+    """A BatchMix for --mixup-alpha / --cutmix-alpha, or None when both are 0. With --ra-sampler, a process of
+    `world_size` holds runs of up to ceil(--ra-reps / world_size) copies of an image (RepeatedAugmentationSampler)."""
     if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
         return None
-    return BatchMix(num_classes, args.mixup_alpha, args.cutmix_alpha)
+    copies = -(-args.ra_reps // world_size) if getattr(args, "ra_sampler", False) else 1
+    return BatchMix(num_classes, args.mixup_alpha, args.cutmix_alpha, copies)

@@ -370,7 +370,8 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
         # A file that cannot be decoded: in training the next one takes its place (every batch keeps its
         # size); in validation it is left out (no image is counted twice). --strict-data: an error.
         augmentation = image_augmentation(option("auto_augment", "none"), option("ra_magnitude", 9),
-                                          option("random_erase", 0.0))
+                                          option("random_erase", 0.0), option("interpolation", "bilinear"),
+                                          option("augmix_severity", 3))
         train_set = SeededTransform(SkipUnreadable(train_files, load_image, True, args.strict_data),
                                     TrainPreset(args.train_crop_size, args.min_crop_scale, augmentation=augmentation,
                                                 res_schedule=res_schedule,

@@ -3,8 +3,9 @@
 Built as torchvision's references/classification/train.py builds it: torch.optim.swa_utils.AveragedModel
 with its EMA helper, over parameters and buffers (BatchNorm statistics), updated every --model-ema-steps
 optimizer steps, its decay adjusted for the batch, the update interval and the epochs, and restarted from
-the weights at every update of the warmup epochs. Updates are counted by global step (epoch x steps per
-epoch + step), so a run resumed mid-epoch updates at the steps an uninterrupted one did.
+the weights at every update of the warmup epochs. As there, it updates after the steps of an epoch whose
+index in the epoch is a multiple of --model-ema-steps (0, N, 2N, ...), so a run resumed mid-epoch updates
+at the steps an uninterrupted one did.
 """
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -37,12 +38,12 @@ class ModelEma:
     def n_averaged(self):
         return int(self.averaged.n_averaged)
 
-    def after_step(self, global_step, epoch):
-        """After the optimizer step numbered `global_step` (from 0, over the whole run) of `epoch`: every
-        `every`-th step (0, every, 2 x every, ...) the EMA moves towards the weights. During the warmup
-        epochs it restarts from them each time (torchvision resets n_averaged to 0, so the next update
-        copies the weights). Returns whether it updated."""
-        if global_step % self.every:
+    def after_step(self, step, epoch):
+        """After the optimizer step numbered `step` (from 0, in its epoch) of `epoch`: at steps 0, every,
+        2 x every, ... of each epoch (torchvision's `i % args.model_ema_steps == 0`) the EMA moves towards the
+        weights. During the warmup epochs it restarts from them each time (torchvision resets n_averaged to
+        0, so the next update copies the weights). Returns whether it updated."""
+        if step % self.every:
             return False
         self.averaged.update_parameters(self.model)
         if epoch < self.warmup_epochs:

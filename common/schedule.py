@@ -1,10 +1,15 @@
-"""The optimizer (SGD, with weight-decay groups) and its learning-rate schedule, stepped once per
-optimizer step.
+"""The optimizer (SGD, with weight-decay groups) and its learning-rate schedule, a function of the optimizer
+step (so a resumed run recomputes it).
 
 - step:     lr x gamma every `step_size` epochs (the articles' x0.1 every 30 epochs)
 - cosine:   half a cosine from lr to 0 over the run
 - constant: lr throughout
 each optionally after a linear warmup from 1% of lr over `warmup_epochs`.
+
+--lr-step-unit step (the default): the lr changes at every step, warmup and cosine included, and the step
+schedule decays at epochs 30, 60, ... counted from the start (pytorch/examples' StepLR). epoch: the lr is
+constant within an epoch and follows torchvision's train.py, whose schedulers step once per epoch: LinearLR
+warmup over the first W epochs, then CosineAnnealingLR(T_max = epochs - W) or StepLR counted from the warmup's end.
 """
 import math
 from dataclasses import dataclass
@@ -77,8 +82,11 @@ class LrFactor:
     warmup_epochs: float = 0.0
     step_size: int = 30
     gamma: float = 0.1
+    unit: str = "step"
 
     def __call__(self, step):
+        if self.unit == "epoch":
+            return self.per_epoch(step // self.steps_per_epoch)
         warmup_steps = int(round(self.warmup_epochs * self.steps_per_epoch))
         if step < warmup_steps:
             return WARMUP_START + (1.0 - WARMUP_START) * step / warmup_steps
@@ -91,12 +99,24 @@ class LrFactor:
             return 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
+    def per_epoch(self, epoch):
+        """The factor of `epoch` as torchvision's SequentialLR([LinearLR, main], milestones=[W]) gives it."""
+        warmup = int(self.warmup_epochs)
+        if epoch < warmup:
+            return WARMUP_START + (1.0 - WARMUP_START) * epoch / warmup
+        after = epoch - warmup
+        if self.schedule == "step":
+            return self.gamma ** (after // self.step_size)
+        if self.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(after / max(self.epochs - warmup, 1), 1.0)))
+        return 1.0
+
 
 def build_scheduler(optimizer, args, steps_per_epoch, start_step=0):
     """A LambdaLR positioned at `start_step`. The lr is a function of the step and
     the flags alone, so a resumed run recomputes it (and may change --epochs or --lr)."""
     factor = LrFactor(args.lr_schedule, steps_per_epoch, args.epochs, args.warmup_epochs,
-                      args.lr_step_size, args.lr_gamma)
+                      args.lr_step_size, args.lr_gamma, getattr(args, "lr_step_unit", None) or "step")
     for group in optimizer.param_groups:
         group["initial_lr"] = args.lr
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)

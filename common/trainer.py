@@ -180,7 +180,7 @@ class Trainer:
 
         # Soft targets (mixup / cutmix): CrossEntropyLoss takes class probabilities as they are.
         self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing).to(device)
-        self.batch_mix = build_batch_mix(args, len(self.data.classes))
+        self.batch_mix = build_batch_mix(args, len(self.data.classes), runtime.world_size)
         self.optimizer = build_optimizer(self.model, args)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
         self.bad_images = BadImageLog(runtime.rank, runtime.world_size, known=(resumed or {}).get("bad_images", ()))
@@ -278,7 +278,7 @@ class Trainer:
         --checkpoint-interval steps, and the clean stop that a SIGTERM / SIGUSR1 asks for. Returns True to stop."""
         global_step = epoch * self.steps_per_epoch + steps_done  # steps done in the run
         if self.ema is not None:
-            self.ema.after_step(global_step - 1, epoch)  # by global step: a resumed run updates where this one did
+            self.ema.after_step(steps_done - 1, epoch)  # by step in the epoch: a resumed run updates where this one did
         stop = self.stop_signal.poll()
         interval = self.args.checkpoint_interval
         if stop or (interval and global_step % interval == 0 and steps_done < self.steps_per_epoch):
@@ -313,6 +313,9 @@ class Trainer:
         if args.preset:
             log.print(f"recipe: {args.preset} ({RECIPES[args.preset]['name']})" + (
                 "; on the demo set its epochs, batch, lr and image sizes stay the demo's" if args.dataset == "demo" else ""))
+        if args.dummy and (args.auto_augment != "none" or args.random_erase > 0):
+            log.print("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
+                      "and images/s leaves out their cost (measure it with --data)")
         if self.resume_path:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
                       + (f", step {self.start_step})" if self.start_step else ")"))

@@ -91,6 +91,27 @@ def test_randaugment_and_autoaugment_are_seeded_per_image(auto_augment):
     assert any(not torch.equal(outputs[index], plain[index][0]) for index in range(4))
 
 
+@pytest.mark.parametrize("name, interpolation", [("ta_wide", "bilinear"), ("ra", "nearest"), ("aa", "bilinear"),
+                                                 ("imagenet", "nearest"), ("augmix", "bilinear")])
+def test_auto_augment_builds_what_torchvision_s_preset_builds_for_that_name(name, interpolation):
+    """torchvision's presets.ClassificationPresetTrain: ra, ta_wide, augmix by name, any other name an
+    AutoAugmentPolicy (imagenet; aa is our short name for it), with --interpolation and --augmix-severity."""
+    from torchvision.transforms import v2
+    mode = v2.InterpolationMode(interpolation)
+    theirs = {"ra": v2.RandAugment(interpolation=mode, magnitude=9), "ta_wide": v2.TrivialAugmentWide(interpolation=mode),
+              "augmix": v2.AugMix(interpolation=mode, severity=3)}.get(
+        name, v2.AutoAugment(policy=v2.AutoAugmentPolicy("imagenet"), interpolation=mode))
+    ours = image_augmentation(name, 9, 0.0, interpolation, 3)
+    image = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for seed in range(6):
+        torch.manual_seed(seed)
+        expected = theirs(image)
+        torch.manual_seed(seed)
+        assert torch.equal(ours(image), expected), seed
+    # torchvision's ops refuse bicubic on tensors ("unsupported with Tensor input"): bicubic gives them bilinear.
+    assert image_augmentation(name, 9, 0.0, "bicubic", 3)(image).shape == image.shape
+
+
 def test_random_erase_one_erases_a_rectangle_of_the_mean_pixel():
     plain = SeededTransform(images(), TrainPreset(16, min_scale=0.1), 0)
     erased = augmented("none", random_erase=1.0)
@@ -332,5 +353,59 @@ def test_batch_mix_depends_on_its_key_only_and_leaves_the_global_rng_alone():
 def test_batch_mix_needs_an_alpha():
     with pytest.raises(ValueError):
         BatchMix(8, 0.0, 0.0)
-    assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0), 8) is None
-    assert isinstance(build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0), 8), BatchMix)
+    assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0), 8, 1) is None
+    assert isinstance(build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0), 8, 1), BatchMix)
+
+
+def mixing_partners(mix, batch_size, key):
+    """{position: the position it was mixed with} in a batch of `batch_size`, read off MixUp's soft labels when
+    image i is class i (row i: lam at i, 1 - lam at its partner)."""
+    _, soft = mix(torch.zeros(batch_size, 3, 4, 4), torch.arange(batch_size), key)
+    partners = {}
+    for position, row in enumerate(soft):
+        others = [column for column in row.nonzero().flatten().tolist() if column != position]
+        partners[position] = others[0] if others else position
+    return partners
+
+
+def copy_pairs(world_size, reps, copies, length=48, batch_size=16):
+    """The share of the images of epoch 0 that MixUp (alpha 1) pairs with a copy of themselves, on every rank of
+    `world_size` with RepeatedAugmentationSampler of `reps` repetitions (the images: their dataset indices)."""
+    same = total = 0
+    for rank in range(world_size):
+        sampler = RepeatedAugmentationSampler(list(range(length)), world_size, rank, reps, seed=0)
+        sampler.set_epoch(0)
+        shard = [index % length for index in sampler]
+        mix = BatchMix(batch_size, mixup_alpha=1.0, copies=copies)
+        for start in range(0, len(shard), batch_size):
+            images = shard[start:start + batch_size]
+            partners = mixing_partners(mix, len(images), key=start)
+            same += sum(images[position] == images[partner] for position, partner in partners.items())
+            total += len(images)
+    return same / total
+
+
+@pytest.mark.parametrize("world_size, reps", [(1, 4), (2, 4), (1, 2), (2, 3), (3, 4), (4, 4), (1, 1)])
+def test_mixing_never_pairs_an_image_with_its_own_copy_under_the_ra_sampler(world_size, reps):
+    args = SimpleNamespace(mixup_alpha=1.0, cutmix_alpha=0.0, ra_sampler=True, ra_reps=reps)
+    copies = build_batch_mix(args, 16, world_size).copies
+    assert copies == -(-reps // world_size)
+    assert copy_pairs(world_size, reps, copies) == 0
+
+
+def test_without_the_partner_order_mixing_pairs_copies_as_the_neighbours_they_are():
+    """The fault the partner order mends: torchvision's pairing with the previous image, under train_dp.py
+    with tv-v2's 4 repetitions, mixes 3 of 4 images with their own copy; 2 processes, half of them."""
+    assert copy_pairs(1, 4, copies=1) == 0.75
+    assert copy_pairs(2, 4, copies=1) == 0.5
+
+
+def test_the_partner_order_keeps_each_image_in_its_place_with_its_own_label():
+    images_batch, target = batch(count=8)
+    mixed, soft = BatchMix(8, mixup_alpha=1.0, copies=2)(images_batch, target, key=11)
+    partners = mixing_partners(BatchMix(8, mixup_alpha=1.0, copies=2), 8, key=11)
+    lam = soft[0, 0].item()
+    assert 0 < lam < 1 and all(soft[i, i].item() == pytest.approx(lam) for i in range(8))
+    expected = torch.stack([lam * images_batch[i] + (1 - lam) * images_batch[partners[i]] for i in range(8)])
+    assert torch.allclose(mixed, expected, atol=1e-6)
+    assert sorted(partners.values()) == list(range(8)) and all(abs(i - p) >= 2 for i, p in partners.items())

@@ -16,12 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
+from common.args import UsageError
 from common.ema import ModelEma, adjusted_decay
 from common.engine import train_one_epoch
 from common.logger import CSV_FIELDS, EMA_FIELDS, STEP_TAGS, RunLogger
 from common.meters import MetricSums
 from common.schedule import build_optimizer, build_scheduler, describe_optimizer, parameter_groups
-from conftest import PYTHON, REPO, TINY, Job, free_port, make_image_folder, run_together, torchrun_command
+from conftest import PYTHON, REPO, TINY, Job, free_port, make_image_folder, run_script, run_together, torchrun_command
 from tests.tiny_models import TinyNet
 
 # ----------------------------------------------------------------------------- the EMA
@@ -65,24 +66,29 @@ def test_the_ema_decay_is_adjusted_as_torchvisions_train_py_does():
     assert adjusted_decay(0.9, 1024, 32, 600) == 0.0  # alpha capped at 1: the EMA is the weights
 
 
-def test_the_ema_updates_every_n_global_steps_and_restarts_from_the_weights_during_warmup():
-    """4 steps an epoch, an update every 3 global steps (0, 3, 6, 9: across the epoch boundary), one warmup
-    epoch: the updates of epoch 0 copy the weights and leave n_averaged at 0, so the first of epoch 1
-    copies them too; then decay 0.5 averages."""
+def test_the_ema_updates_at_torchvision_s_steps_and_restarts_from_the_weights_during_warmup():
+    """4 steps an epoch, --model-ema-steps 3: updates after the steps whose index in the epoch is a multiple of 3,
+    as torchvision's train_one_epoch (`if model_ema and i % args.model_ema_steps == 0`): global steps 0, 3, 4, 7,
+    8, 11. One warmup epoch: the updates of epoch 0 copy the weights and leave n_averaged at 0, so the first of
+    epoch 1 copies them too; then decay 0.5 averages."""
     model = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(model.weight)
     ema = ModelEma(model, decay=0.5, every=3, warmup_epochs=1)
-    updated, counts, values = [], [], []
-    for global_step in range(12):
-        with torch.no_grad():
-            model.weight += 1  # the weight after step g is g + 1
-        if ema.after_step(global_step, epoch=global_step // 4):
-            updated.append(global_step)
-            counts.append(ema.n_averaged)
-            values.append(ema.module.weight.item())
-    assert updated == [0, 3, 6, 9]
-    assert counts == [0, 0, 1, 2]
-    assert values == [1.0, 4.0, 7.0, 0.5 * 7.0 + 0.5 * 10.0]
+    updated, counts, values, torchvision_updates = [], [], [], []
+    for epoch in range(3):
+        for i in range(4):  # torchvision's loop variable
+            global_step = epoch * 4 + i
+            with torch.no_grad():
+                model.weight += 1  # the weight after step g is g + 1
+            if i % 3 == 0:
+                torchvision_updates.append(global_step)
+            if ema.after_step(i, epoch=epoch):
+                updated.append(global_step)
+                counts.append(ema.n_averaged)
+                values.append(ema.module.weight.item())
+    assert updated == torchvision_updates == [0, 3, 4, 7, 8, 11]
+    assert counts == [0, 0, 1, 2, 3, 4]
+    assert values[:3] == [1.0, 4.0, 5.0] and values[3] == 0.5 * 5.0 + 0.5 * 8.0
 
 
 def test_an_ema_saved_and_loaded_mid_run_goes_on_as_one_that_was_not():
@@ -588,3 +594,66 @@ def test_with_mixing_ddp_mixes_within_each_rank_and_so_differs_from_the_unmixed_
     DDP with mixing trains, and ends elsewhere than without it (the mixing was on)."""
     assert largest_difference(exact_runs["ddp"]["state_dict"], exact_runs["ddp-mixed"]["state_dict"]) > 1e-3
     assert exact_runs["ddp-mixed"]["args"]["mixup_alpha"] == 0.2
+
+
+# ----------------------------------------------------------------------------- --lr-step-unit epoch
+
+def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1):
+    """The lr of each epoch as torchvision's references/classification/train.py schedules it: its schedulers
+    (LinearLR warmup from 0.01, then CosineAnnealingLR or StepLR, in a SequentialLR), stepped once per epoch."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    if schedule == "cosine":
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs - warmup, eta_min=0.0)
+    else:
+        main = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
+    if warmup > 0:
+        warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=warmup)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=[warm, main], milestones=[warmup])
+    else:
+        scheduler = main
+    lrs = []
+    for _ in range(epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule, epochs, warmup", [("cosine", 12, 3), ("cosine", 10, 0), ("step", 70, 5),
+                                                       ("step", 65, 0)])
+def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(schedule, epochs, warmup):
+    args = SimpleNamespace(lr=0.5, momentum=0.9, weight_decay=1e-4, norm_weight_decay=None, bias_weight_decay=None,
+                           lr_schedule=schedule, epochs=epochs, warmup_epochs=float(warmup), lr_step_size=30,
+                           lr_gamma=0.1, lr_step_unit="epoch")
+    optimizer = build_optimizer(nn.Linear(2, 2), args)
+    scheduler = build_scheduler(optimizer, args, steps_per_epoch=3)
+    ours = []
+    for _ in range(epochs * 3):
+        ours.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [lr for lr in torchvision_epoch_lrs(0.5, schedule, epochs, warmup) for _ in range(3)]
+    assert ours == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    if schedule == "step" and warmup:  # the decays come 30 epochs after the warmup's end, as there
+        assert ours[3 * 34] == pytest.approx(0.5) and ours[3 * 35] == pytest.approx(0.05)
+
+
+def test_the_tv_v2_preset_steps_the_lr_per_epoch_and_a_fractional_warmup_is_refused(monkeypatch):
+    for name in ("LR", "BATCH_SIZE", "EPOCHS", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    import train_dp
+    assert train_dp.parse_args(["--dummy", "--preset", "tv-v2"]).lr_step_unit == "epoch"
+    assert train_dp.parse_args(["--dummy"]).lr_step_unit == "step"
+    assert train_dp.parse_args(["--dummy", "--preset", "tv-v2", "--lr-step-unit", "step"]).lr_step_unit == "step"
+    with pytest.raises(UsageError, match=r"^--warmup-epochs 0\.5 with --lr-step-unit epoch: give whole epochs$"):
+        train_dp.parse_args(["--dummy", "--lr-step-unit", "epoch", "--warmup-epochs", "0.5"])
+
+
+def test_dummy_with_the_recipe_says_its_images_skip_the_per_image_augmentation(tmp_path):
+    """--dummy images are synthetic tensors: a throughput figure of --dummy --preset tv-v2 leaves out the cost of
+    TrivialAugment and erasing, and the header says so."""
+    result = run_script("train_dp.py", "--dummy", "--dummy-size", "16", "--preset", "tv-v2", *TINY, "-b", "8",
+                        "--epochs", "1", "-a", "tests.tiny_models:TinyNet", "--output-dir", tmp_path / "out")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert ("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, and "
+            "images/s leaves out their cost (measure it with --data)") in result.stdout.splitlines()
