@@ -409,3 +409,12 @@ def test_the_partner_order_keeps_each_image_in_its_place_with_its_own_label():
     expected = torch.stack([lam * images_batch[i] + (1 - lam) * images_batch[partners[i]] for i in range(8)])
     assert torch.allclose(mixed, expected, atol=1e-6)
     assert sorted(partners.values()) == list(range(8)) and all(abs(i - p) >= 2 for i, p in partners.items())
+
+
+def test_random_erase_fills_with_the_uint8_pixel_nearest_to_torchvision_s_zero_after_normalising():
+    """torchvision erases after normalising, with value 0 (the mean); our images stay uint8 until the batch is
+    normalised, so the fill is the uint8 pixel nearest the mean: within half a level of torchvision's value."""
+    from common.data import IMAGENET_MEAN, IMAGENET_STD
+    for fill, mean, std in zip(IMAGENET_MEAN_UINT8, IMAGENET_MEAN, IMAGENET_STD):
+        assert fill == round(mean * 255)
+        assert abs((fill / 255 - mean) / std) <= 0.5 / 255 / std  # torchvision's fill: exactly 0
