@@ -73,21 +73,28 @@ class BatchMix:
             choices.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
         if not choices:
             raise ValueError("BatchMix needs --mixup-alpha or --cutmix-alpha")
-        self.num_classes, self.copies = num_classes, copies
+        self.num_classes, self.copies, self._cache = num_classes, copies, {}
         self.transform = choices[0] if len(choices) == 1 else v2.RandomChoice(choices)
 
     def __call__(self, images, target, key):
-        order = None
         if self.copies > 1:
-            order = torch.tensor(partner_order(len(target), self.copies), device=target.device)
+            order, inverse = self._orders(len(target), target.device)
             images, target = images[order], target[order]
         with seeded(key):
             images, labels = self.transform(images, target)
-        if order is not None:  # back to the batch's order: image i with its own label, mixed with its partner
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(order), device=order.device)
+        if self.copies > 1:  # back to the batch's order: image i with its own label, mixed with its partner
             images, labels = images[inverse], labels[inverse]
         return images, labels
+
+    def _orders(self, batch_size, device):
+        """partner_order and its inverse as index tensors on `device`, made once per batch size: copying a
+        list to a GPU waits for it, which a step must not."""
+        if (batch_size, device) not in self._cache:
+            order = torch.tensor(partner_order(batch_size, self.copies))
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(batch_size)
+            self._cache[batch_size, device] = (order.to(device), inverse.to(device))
+        return self._cache[batch_size, device]
 
 
 def batch_mix_key(seed, epoch, step, rank):
