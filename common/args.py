@@ -414,8 +414,10 @@ def parse_args(parser, argv=None):
         if args.dataset != "demo":
             # As torchvision's train.py evaluates weights: with their own transforms() (what they were measured with).
             preprocessing = weights.transforms()
-            args.val_resize_size = args.val_resize_size if "val_resize_size" in val_sizes_given else preprocessing.resize_size[0]
-            args.val_crop_size = args.val_crop_size if "val_crop_size" in val_sizes_given else preprocessing.crop_size[0]
+            if "val_resize_size" not in val_sizes_given:
+                args.val_resize_size = preprocessing.resize_size[0]
+            if "val_crop_size" not in val_sizes_given:
+                args.val_crop_size = preprocessing.crop_size[0]
             val_interpolation = val_interpolation or preprocessing.interpolation.value
             args.val_preprocessing = f"{args.weights}.transforms()"
     args.val_interpolation = val_interpolation or "bilinear"

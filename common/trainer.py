@@ -161,7 +161,7 @@ class Trainer:
                                gpu=device.type == "cuda")
         if not args.resume and not args.evaluate and not args.overwrite:
             self._refuse_to_replace_a_run()
-        model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout, getattr(args, "weights", None))
+        model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout, args.weights)
         if resumed:
             checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
         if args.sync_bn:
@@ -304,10 +304,10 @@ class Trainer:
         log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
                   f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images, "
                   f"{args.workers} loader worker(s) per process)")
-        log.print(f"model: {args.arch}" + (f" from {args.weights}" if getattr(args, "weights", None) else "")
+        log.print(f"model: {args.arch}" + (f" from {args.weights}" if args.weights else "")
                   + f", {'channels_last' if self.channels_last else 'default'} memory format "
                   f"(--channels-last {args.channels_last}), --amp {args.amp}")
-        if getattr(args, "val_preprocessing", None):
+        if args.val_preprocessing:
             log.print(f"validation: resize {args.val_resize_size}, crop {args.val_crop_size}, {args.val_interpolation} "
                       f"(from {args.val_preprocessing}; --val-resize-size, --val-crop-size, --interpolation override)")
         if args.preset:
