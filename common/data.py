@@ -225,7 +225,13 @@ class DeviceLoader:
         batches = iter(self.loader)
         while True:
             with waiting_for_data():  # a stop signal may end a wait that never ends (a hung file system)
-                batch = next(batches, None)
+                try:
+                    batch = next(batches, None)
+                except (EOFError, ConnectionResetError) as error:
+                    # A worker that died while handing over a batch (its tensors' shared memory can no longer
+                    # be fetched from it): the fault torch reports as "DataLoader worker ... exited unexpectedly".
+                    raise RuntimeError(f"DataLoader worker exited unexpectedly while sending a batch "
+                                       f"({type(error).__name__})") from None
             if batch is None:
                 return
             images, target, bad = batch

@@ -283,10 +283,11 @@ def test_a_loader_worker_killed_ends_the_run(killed_loader_workers, mode):
     assert len(workers) == LOADER_WORKERS[mode], workers
     returncode, output = ended_cleanly({mode: killed_loader_workers[mode][1]}, mode)
     assert returncode != 0
-    # As the kernel's OOM killer would: the loader reports the dead worker (or its broken queue, if it died
-    # while sending a batch).
-    assert re.search(r"DataLoader worker \(pids?\(?s?\)? ?[\d, ]+\)? (is killed by signal|exited unexpectedly)"
-                     r"|ConnectionResetError", output), output[-3000:]
+    # As the kernel's OOM killer would: the loader reports the dead worker, in one line of ours (also when it
+    # died while sending a batch: DeviceLoader turns the broken hand-over into the same report).
+    assert re.search(r"^error: (rank \d: )?DataLoader worker (\(pids?\(?s?\)? ?[\d, ]+\)? )?(is killed by signal|exited "
+                     r"unexpectedly)", output, re.MULTILINE), output[-3000:]
+    assert no_traceback_of_ours(output), output[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -417,3 +418,30 @@ def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
     assert re.search(r"^warning: skipped \S+/broken-\\xff\.jpg: cannot decode it", output, re.MULTILINE), output
     path = out / "odd-name-data" / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")
     assert (out / "odd-name-dp" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(path)))
+
+
+class _BrokenHandOver:
+    """A loader whose second batch cannot be fetched from its worker, as when the worker is killed while
+    sending it (torch's fd hand-over then raises EOFError or ConnectionResetError in the main process)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        yield torch.zeros(1, 3, 4, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), ()
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [EOFError(), ConnectionResetError(104, "Connection reset by peer")])
+def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line(error):
+    from common.args import known_failure
+    from common.data import DeviceLoader
+    batches = iter(DeviceLoader(_BrokenHandOver(error), torch.device("cpu")))
+    next(batches)
+    with pytest.raises(RuntimeError) as raised:
+        next(batches)
+    assert known_failure(raised.value) == (f"error: DataLoader worker exited unexpectedly while sending a batch "
+                                           f"({type(error).__name__}) (out of memory? fewer --workers use less)")
