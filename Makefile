@@ -15,7 +15,12 @@ UV_VERSION := 0.13.9
 UV_VENV    := .venv-lock
 UV         := $(UV_VENV)/bin/uv
 UV_COMPILE  = $(UV) pip compile --quiet --upgrade --generate-hashes --universal \
-              --python-version $(LOCK_PYTHON) --fork-strategy fewest requirements-dev.txt
+              --python-version $(LOCK_PYTHON) --fork-strategy fewest --custom-compile-command "make lock" \
+              requirements-dev.txt
+# $(call venv_from,DIR,LOCKFILE): DIR made anew, holding exactly what LOCKFILE lists. --require-hashes: every
+# package, dependencies included, must be there with its hash, and each file pip takes must match one (a
+# local wheel of the same version with another build cannot).
+venv_from = rm -rf $(1) && $(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install --quiet --require-hashes -r $(2)
 
 .PHONY: benchmark demo gpu-check lock test test-latest test-slurm venv clean
 
@@ -46,14 +51,10 @@ gpu-check: $(STAMP)
 venv: $(STAMP)
 
 # A new lock makes a new venv: it then holds exactly what the lock lists, nothing left from before.
-# --require-hashes: every package, dependencies included, must be in the lock with its hash, and each
-# file pip takes must match one (a local wheel of the same version with another build cannot).
 $(STAMP): $(LOCK)
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(v < ($(subst .,$(comma),$(LOCK_PYTHON)),) and \
 	  f"error: $(PYTHON) is Python {v[0]}.{v[1]}; $(LOCK) is for Python $(LOCK_PYTHON) or newer: make PYTHON=python$(LOCK_PYTHON) ...")'
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
+	$(call venv_from,$(VENV),$(LOCK))
 	touch $(STAMP)
 
 $(UV):
@@ -63,15 +64,13 @@ $(UV):
 # The newest versions that requirements-dev.txt allows, with their hashes, into the lock. Run
 # `make test-latest` first: it tries those versions without touching .venv or the lock.
 lock: $(UV)
-	$(UV_COMPILE) --custom-compile-command "make lock" -o $(LOCK)
+	$(UV_COMPILE) -o $(LOCK)
 
 # The newest versions into .venv-latest (not .venv), then the suite there; the lock is left alone.
 # Ends with what `make lock` would change in the lock.
 test-latest: $(UV)
-	$(UV_COMPILE) --custom-compile-command "make lock" -o $(UV_VENV)/latest.txt
-	rm -rf .venv-latest
-	$(PYTHON) -m venv .venv-latest
-	.venv-latest/bin/python -m pip install --quiet --require-hashes -r $(UV_VENV)/latest.txt
+	$(UV_COMPILE) -o $(UV_VENV)/latest.txt
+	$(call venv_from,.venv-latest,$(UV_VENV)/latest.txt)
 	grep -E '^[a-z]' $(LOCK) >$(UV_VENV)/locked.pins; grep -E '^[a-z]' $(UV_VENV)/latest.txt >$(UV_VENV)/latest.pins
 	status=0; .venv-latest/bin/python -m pytest -q tests || status=$$?; \
 	echo "what make lock would change in $(LOCK) (< locked, > latest):"; \
