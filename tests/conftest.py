@@ -65,12 +65,23 @@ def free_port():
         return port
 
 
+# The managed platform's variables that set the scripts' defaults.
+PLATFORM_VARIABLES = ("EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND", "WORKER_PER_NODE")
+
+
+@pytest.fixture
+def no_platform_env(monkeypatch):
+    """In-process: a shell with none of the platform variables that set defaults."""
+    for name in PLATFORM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
 def clean_env(gpu=False, **extra):
     """The environment of a user's shell: no launcher or platform variables leaking in
     (and no GPU unless `gpu`: the CPU paths are tested on every machine)."""
     env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EPOCHS", "LR",
-                          "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND", "WORKER_PER_NODE")
+           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *PLATFORM_VARIABLES)
            and not key.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:

@@ -25,18 +25,6 @@ from common.models import build_model
 from common.schedule import LrFactor, build_scheduler
 from common.trainer import per_process_batch
 
-ENV_VARIABLES = ("EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND",
-                 "WORKER_PER_NODE")
-
-
-@pytest.fixture
-def no_platform_env(monkeypatch):
-    """A shell with none of the platform variables that set defaults."""
-    for name in ENV_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 def parse(*argv):
     return cli.parse_args(cli.build_parser("test"), list(argv))
 

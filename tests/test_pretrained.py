@@ -13,6 +13,8 @@ from common.args import UsageError, build_parser, parse_args
 from common.data import EvalPreset, normalise, pixel_stats
 from conftest import TINY, assert_ok, clean_env, run_script
 
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
+
 # What torchvision's metadata says today, for models whose preprocessing differs from resize 256, crop 224, bilinear.
 PUBLISHED = {"resnet50": (232, 224, "bilinear"), "efficientnet_b0": (256, 224, "bicubic"),
              "swin_t": (232, 224, "bicubic"), "convnext_tiny": (236, 224, "bilinear"),

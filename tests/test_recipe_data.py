@@ -32,11 +32,7 @@ def parse(*argv):
     return cli.parse_args(cli.build_parser("test"), list(argv))
 
 
-@pytest.fixture(autouse=True)
-def no_platform_env(monkeypatch):
-    """A shell with none of the platform variables that set defaults."""
-    for name in ("EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND", "WORKER_PER_NODE"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
 
 # ----------------------------------------------------------------------------- per-image augmentation

@@ -232,9 +232,7 @@ def test_the_schedule_sets_the_lr_of_every_group():
     assert scheduler.last_epoch == 3
 
 
-def test_lr_scaling_linear_shows_the_scaled_lr_and_how(monkeypatch):
-    for name in ("LR", "BATCH_SIZE", "EPOCHS", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND"):
-        monkeypatch.delenv(name, raising=False)
+def test_lr_scaling_linear_shows_the_scaled_lr_and_how(no_platform_env):
     import train_dp
     args = train_dp.parse_args(["--dummy", "--lr", "0.1", "-b", "1024", "--lr-scaling", "linear"])
     line = describe_optimizer(build_optimizer(nn.Linear(2, 2), args), args)
@@ -255,11 +253,9 @@ def test_lr_scaling_linear_shows_the_scaled_lr_and_how(monkeypatch):
     (["--dummy", "--preset", "tv-v2", "--lr", "0.1", "-b", "1024"], {}, "lr 0.4 (--lr 0.1 x 1024/256"),
     (["--dummy", "--preset", "tv-v2", "-b", "512"], {"LR": "0.2"}, "lr 0.4 (LR 0.2 x 512/256"),
 ])
-def test_lr_scaling_linear_scales_an_lr_from_the_batch_it_was_given_for(monkeypatch, argv, env, header):
-    for name in ("LR", "BATCH_SIZE", "EPOCHS", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND"):
-        monkeypatch.delenv(name, raising=False)
+def test_lr_scaling_linear_scales_an_lr_from_the_batch_it_was_given_for(no_platform_env, argv, env, header):
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        no_platform_env.setenv(name, value)
     import train_dp
     args = train_dp.parse_args([*argv, "--lr-scaling", "linear"])
     line = describe_optimizer(build_optimizer(nn.Linear(2, 2), args), args)
@@ -638,9 +634,7 @@ def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(s
         assert ours[3 * 34] == pytest.approx(0.5) and ours[3 * 35] == pytest.approx(0.05)
 
 
-def test_the_tv_v2_preset_steps_the_lr_per_epoch_and_a_fractional_warmup_is_refused(monkeypatch):
-    for name in ("LR", "BATCH_SIZE", "EPOCHS", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND"):
-        monkeypatch.delenv(name, raising=False)
+def test_the_tv_v2_preset_steps_the_lr_per_epoch_and_a_fractional_warmup_is_refused(no_platform_env):
     import train_dp
     assert train_dp.parse_args(["--dummy", "--preset", "tv-v2"]).lr_step_unit == "epoch"
     assert train_dp.parse_args(["--dummy"]).lr_step_unit == "step"
