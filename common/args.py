@@ -15,13 +15,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .console import say
+from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError  # noqa: F401 (the scripts use cli.UsageError)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line and exit code 2."""
-    exit_code = 2
 
 
 def run_main(main, parse_args):
@@ -66,13 +62,6 @@ def known_failure(error):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
     return None
-
-
-class Preempted(Exception):
-    """Stopped on SIGTERM / SIGUSR1 after writing a checkpoint; exit code PREEMPTED_EXIT_CODE."""
-
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --resume auto
 
 
 class Parser(argparse.ArgumentParser):

@@ -12,7 +12,7 @@ import re
 from torch.utils.data import Dataset
 
 from . import distributed
-from .args import Preempted, UsageError
+from .errors import Preempted, UsageError
 from .console import say
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .args import UsageError
+from .errors import UsageError
 from .engine import AutocastForward
 
 

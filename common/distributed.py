@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .args import UsageError
+from .errors import UsageError
 from .console import say
 
 

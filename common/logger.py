@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .args import UsageError
+from .errors import UsageError
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS, atomic_write
 from .console import say
 

@@ -4,7 +4,7 @@ import importlib
 import torch.nn as nn
 import torchvision
 
-from .args import UsageError
+from .errors import UsageError
 
 
 def _replace_head(model, num_classes):

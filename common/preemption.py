@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
-from .args import Preempted
+from .errors import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DATA_WAIT_GRACE = 10  # seconds

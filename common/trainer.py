@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, distributed
-from .args import RECIPES, Preempted, UsageError, default_output_dir, flag
+from .args import RECIPES, default_output_dir, flag
+from .errors import Preempted, UsageError
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
 from .data import DeviceLoader, build_data, loader_workers
