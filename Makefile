@@ -34,19 +34,19 @@ test: $(STAMP)
 # The cluster is stopped afterwards whatever happened; the exit status is pytest's (or start's).
 # REQUIRE_SLURM=1: a Slurm node that does not respond fails the tests instead of skipping them.
 test-slurm: $(STAMP)
-	run_scripts/slurm_local_cluster.sh install
+	tools/slurm_local_cluster.sh install
 	status=0; \
-	run_scripts/slurm_local_cluster.sh start && REQUIRE_SLURM=1 $(PY) -m pytest -q tests/test_slurm.py || status=$$?; \
-	run_scripts/slurm_local_cluster.sh stop; \
+	tools/slurm_local_cluster.sh start && REQUIRE_SLURM=1 $(PY) -m pytest -q tests/test_slurm.py || status=$$?; \
+	tools/slurm_local_cluster.sh stop; \
 	exit $$status
 
 benchmark: $(STAMP)
-	$(PY) run_scripts/benchmark.py
+	$(PY) tools/benchmark.py
 
 # Every script, launch mode and GPU flag on this machine's GPUs: one table, exit 1 on any failure.
 # Without a GPU it says so and exits 0.
 gpu-check: $(STAMP)
-	$(PY) run_scripts/gpu_check.py
+	$(PY) tools/gpu_check.py
 
 venv: $(STAMP)
 
@@ -78,9 +78,9 @@ test-latest: $(UV)
 	exit $$status
 
 # Only what `make` and the tests generate: the venvs, pytest's cache, the built-in demo set
-# (common/demo_data.py) and the benchmark's JPEGs (run_scripts/benchmark.py). Your runs/ and
+# (common/demo_data.py) and the benchmark's JPEGs (tools/benchmark.py). Your runs/ and
 # anything else under data/ stay.
 clean:
 	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v1 data/bench-jpegs-500x375
-	rm -rf __pycache__ common/__pycache__ run_scripts/__pycache__ tests/__pycache__
+	rm -rf __pycache__ common/__pycache__ tools/__pycache__ tests/__pycache__
 	rmdir data 2>/dev/null || true

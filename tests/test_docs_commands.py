@@ -6,9 +6,10 @@ the scripts is parsed with that script's own argument parser, in this process, w
 - `python train_{dp,ddp,spawn}.py ARGS`: `parse_args(ARGS)` of that script must accept them.
 - `torchrun OPTIONS train_ddp.py ARGS` and `python -m torch.distributed.{run,launch} OPTIONS train_ddp.py ARGS`:
   OPTIONS must parse with the launcher's own parser, and ARGS with train_ddp.py's.
-- `run_scripts/NAME ARGS` (also after `bash`, `sbatch OPTIONS`, `srun`): the script must exist. A shell
-  launcher passes ARGS on to the one train_*.py it starts, so ARGS must parse with that script's
-  parser; for `python run_scripts/NAME.py ARGS`, every option in ARGS must be one its argparse defines.
+- `run_scripts/NAME ARGS` and `tools/NAME ARGS` (also after `bash`, `sbatch OPTIONS`, `srun`): the script
+  must exist. A shell launcher passes ARGS on to the one train_*.py it starts, so ARGS must parse with
+  that script's parser; for `python tools/NAME.py ARGS`, every option in ARGS must be one its argparse
+  defines.
 - `make TARGET`: the Makefile must have that target.
 - `torchrun OPTIONS --no-python ...` (no train script): OPTIONS must parse.
 
@@ -29,7 +30,9 @@ at the file system (it checks values and the --arch name, not --data or --resume
 Some documented commands are examples of errors; EXPECTED_TO_FAIL lists them, and they must fail.
 
 The second half checks the links of the same files: a relative link must name an existing file, and a
-`#anchor` must be a heading of the file it points to (GitHub's anchors).
+`#anchor` must be a heading of the file it points to (GitHub's anchors). Every path into the repository's
+folders (common/, docs/, run_scripts/, tools/, tests/) that the files name anywhere, in prose, inline
+code or any code block (file listings included), must exist.
 
 The `python -c` snippets of README.md and docs/*.md are run, one after the other in one process (a
 few seconds in all): the README's answers to the twelve questions rely on them.
@@ -75,8 +78,14 @@ PYTHON = re.compile(r"(?:^|/)python(?:3(?:\.\d+)?)?$")
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", ";;"}
 DROPPED_WORDS = {"$", "do", "then", "else", "time", "exec", "done", "fi"}
-CANDIDATE = re.compile(r"train_(?:dp|ddp|spawn)\.py|run_scripts/|torchrun|torch\.distributed\.(?:run|launch)|\bmake\b"
-                       r"|python3? -c")
+# A script of the repository's run_scripts/ (launchers) or tools/, also as ./tools/... or $PWD/tools/...,
+# but not setuptools/.
+SCRIPT_FOLDER = re.compile(r"(?<![\w.-])(?:run_scripts|tools)/")
+CANDIDATE = re.compile(rf"train_(?:dp|ddp|spawn)\.py|{SCRIPT_FOLDER.pattern}|torchrun|torch\.distributed\.(?:run|launch)"
+                       r"|\bmake\b|python3? -c")
+# A path into one of the repository's folders, as the documents name them (run_scripts/single_node_{dp,ddp}.sh,
+# docs/*.md); not a part of a longer path (/usr/share/docs/...) or of a URL.
+REPO_PATH = re.compile(r"(?<![\w./$-])(?:common|docs|run_scripts|tools|tests)/[\w.{},/*-]*")
 
 
 # ---------------------------------------------------------------- reading the documents
@@ -340,8 +349,8 @@ def check(command):
         return
 
     for index, token in enumerate(tokens):
-        if "run_scripts/" in token:
-            return check_run_script(token, tokens[:index], tokens[index + 1:], assignments)
+        if SCRIPT_FOLDER.search(token):
+            return check_repo_script(token, tokens[:index], tokens[index + 1:], assignments)
         script = TRAIN_SCRIPT.search(token)
         if script:
             before = tokens[:index]
@@ -379,8 +388,8 @@ def launcher_of(before):
     return None
 
 
-def check_run_script(token, before, args, assignments):
-    paths = expand_braces(token[token.index("run_scripts/"):].rstrip("/"))
+def check_repo_script(token, before, args, assignments):
+    paths = expand_braces(token[SCRIPT_FOLDER.search(token).start():].rstrip("/"))
     for path in paths:
         if not (REPO / path).exists():
             raise Invalid(f"{path} does not exist")
@@ -407,7 +416,7 @@ def test_the_documents_hold_the_commands_this_test_checks():
     """The extraction works: if it silently found nothing, every other test here would pass."""
     texts = [" ".join(command.tokens) for command in COMMANDS]
     for expected in ("torchrun --standalone --nproc_per_node=8 train_ddp.py", "python train_spawn.py",
-                     "python train_dp.py", "run_scripts/prepare_imagenet.py", "run_scripts/slurm_ddp.sbatch",
+                     "python train_dp.py", "tools/prepare_imagenet.py", "run_scripts/slurm_ddp.sbatch",
                      "python -m torch.distributed.launch", "make demo", "make test"):
         assert any(expected in text for text in texts), f"no documented command holds {expected!r}"
     assert len(COMMANDS) > 50
@@ -427,10 +436,23 @@ def test_a_misspelled_flag_fails_the_check():
                    ["torchrun", "--nproc-per-nod=2", "train_ddp.py"],
                    ["python", "train_spawn.py", "--nprocs-per-node", "2"],
                    ["run_scripts/single_node_ddp.sh", "--lr", "fast"],
-                   ["python", "run_scripts/prepare_imagenet.py", "a", "b", "--resise", "256"],
+                   ["python", "tools/prepare_imagenet.py", "a", "b", "--resise", "256"],
+                   ["python", "./tools/benchmark.py", "--quik"],
                    ["make", "no-such-target"]):
         with pytest.raises(Invalid):
             check(Command("example", tokens, " ".join(tokens)))
+
+
+def test_a_script_that_does_not_exist_fails_the_check():
+    """Moved or renamed: the documents must follow (the tools left run_scripts/ for tools/)."""
+    for tokens in (["python", "run_scripts/prepare_imagenet.py", "a", "b"],
+                   ["run_scripts/slurm_local_cluster.sh", "start"],
+                   ["bash", "tools/single_node_ddp.sh"],
+                   ["python", "$PWD/tools/no_such_tool.py"],
+                   ["run_scripts/single_node_{dp,nope}.sh"]):
+        with pytest.raises(Invalid, match="does not exist"):
+            check(Command("example", tokens, " ".join(tokens)))
+    check(Command("example", ["python", "tools/gpu_check.py", "--quick"], ""))
 
 
 def test_a_documented_command_parses_in_an_empty_environment_plus_its_own_assignments():
@@ -479,6 +501,35 @@ def test_link_resolves(path, target):
         assert destination.suffix == ".md", f"an anchor into {destination.name}, which is not a Markdown file"
         assert anchor in anchors(destination), (f"{path.relative_to(REPO)} links to #{anchor}, not a heading of "
                                                 f"{destination.relative_to(REPO)}")
+
+
+def missing_repo_paths(text):
+    """The paths into the repository's folders that `text` names (anywhere) and that do not exist."""
+    missing = []
+    for match in REPO_PATH.finditer(text):
+        for path in expand_braces(match.group(0).rstrip(".,")):
+            if not (any(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+                missing.append(path)
+    return missing
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_path_a_document_names_exists(path):
+    """Prose, inline code and every code block, file listings included: not only the commands."""
+    missing = missing_repo_paths(path.read_text())
+    assert not missing, f"{path.relative_to(REPO)} names paths that do not exist: {', '.join(dict.fromkeys(missing))}"
+
+
+def test_a_missing_path_is_found_wherever_it_is_named():
+    text = """- `run_scripts/`: launchers; run_scripts/benchmark.py measures (tools/benchmark.py now).
+```text
+run_scripts/gpu_check.py     the GPU check
+tools/single_node_{dp,ddp}.sh
+```
+See [the docs](docs/no-such-page.md), common/trainer.py, tests/*.py, /usr/share/docs/x and setuptools/y."""
+    assert missing_repo_paths(text) == ["run_scripts/benchmark.py", "run_scripts/gpu_check.py",
+                                        "tools/single_node_dp.sh", "tools/single_node_ddp.sh",
+                                        "docs/no-such-page.md"]
 
 
 def test_the_readme_stays_short():

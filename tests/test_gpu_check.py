@@ -1,4 +1,4 @@
-"""run_scripts/gpu_check.py (`make gpu-check`): its checks pass on a GPU machine, its harness is proven
+"""tools/gpu_check.py (`make gpu-check`): its checks pass on a GPU machine, its harness is proven
 on the CPU (the same code with gloo and a tiny model), and it fails when training does not learn."""
 import re
 
@@ -7,7 +7,7 @@ import torch
 
 from conftest import PYTHON, REPO, assert_ok, clean_env, run, run_together
 
-CHECK = REPO / "run_scripts" / "gpu_check.py"
+CHECK = REPO / "tools" / "gpu_check.py"
 TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
                        r"\| (?P<result>[^|]+?) \|$", re.MULTILINE)
 

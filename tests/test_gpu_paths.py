@@ -3,7 +3,7 @@
 --amp (autocast and the fp16 GradScaler, the DataParallel autocast wrapper), --channels-last,
 --compile, --deterministic, per-rank random streams, and the refusals that go with them. What
 only a GPU can show (NCCL, CUDA streams, DataParallel over several GPUs) is in
-run_scripts/gpu_check.py (`make gpu-check`) and tests/test_gpu_check.py.
+tools/gpu_check.py (`make gpu-check`) and tests/test_gpu_check.py.
 """
 import re
 import threading

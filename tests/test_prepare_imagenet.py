@@ -1,4 +1,4 @@
-"""run_scripts/prepare_imagenet.py on a miniature ImageNet: the official archives (real per-class
+"""tools/prepare_imagenet.py on a miniature ImageNet: the official archives (real per-class
 tars, a real meta.mat, the ground-truth file) and Kaggle's extracted layout, with the odd files the
 real set has (CMYK, grayscale, a PNG named .JPEG)."""
 import io
@@ -22,7 +22,7 @@ from common.data import load_image
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
 
-SCRIPT = REPO / "run_scripts" / "prepare_imagenet.py"
+SCRIPT = REPO / "tools" / "prepare_imagenet.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import prepare_imagenet  # noqa: E402
 

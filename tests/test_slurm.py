@@ -1,7 +1,7 @@
 """The Slurm job scripts under a real Slurm: `sbatch --wait` on a one-node cluster of this machine, and a
 job stopped by the signal Slurm sends before its time limit, which requeues itself and finishes.
 
-`make test-slurm` installs, starts and afterwards stops that cluster (run_scripts/slurm_local_cluster.sh).
+`make test-slurm` installs, starts and afterwards stops that cluster (tools/slurm_local_cluster.sh).
 Without a responsive Slurm node these tests are skipped, unless REQUIRE_SLURM=1 (which `make test-slurm`
 sets, and nothing else): then each of them fails, so that a cluster that is down, or stops responding
 during the run, fails the target instead of passing it with everything skipped."""
@@ -30,17 +30,17 @@ def _slurm_unavailable():
         if ping.returncode != 0:
             answer = (ping.stdout.strip().splitlines() or ["no output"])[0][:200]
             return (f"the Slurm controller does not respond (scontrol ping: {answer}): start a one-node "
-                    "cluster with run_scripts/slurm_local_cluster.sh start, or run `make test-slurm`")
+                    "cluster with tools/slurm_local_cluster.sh start, or run `make test-slurm`")
         result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], text=True, timeout=30,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
-        return "scontrol/sinfo did not answer within 30 s: is slurmctld running? (run_scripts/slurm_local_cluster.sh start)"
+        return "scontrol/sinfo did not answer within 30 s: is slurmctld running? (tools/slurm_local_cluster.sh start)"
     # A state ending in '*' means the node does not respond; idle/mix/alloc can run jobs.
     states = [line.split()[-1] for line in result.stdout.splitlines() if line.strip()]
     if result.returncode != 0 or not any(state in ("idle", "mix", "alloc") for state in states):
         answer = " ".join(result.stdout.split())[:300] or "no output"
         return (f"no responsive Slurm node (sinfo: {answer}): start one with "
-                "run_scripts/slurm_local_cluster.sh start")
+                "tools/slurm_local_cluster.sh start")
     return None
 
 

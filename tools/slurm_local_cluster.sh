@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A real one-node Slurm cluster on this machine (Debian's slurm-wlm and munge, on localhost), for
-# running the sbatch scripts of this folder in tests (`make test-slurm`). Needs root.
+# running the sbatch scripts of run_scripts/ in tests (`make test-slurm`). Needs root.
 #
-#   run_scripts/slurm_local_cluster.sh install   # apt-get install slurm-wlm munge (if missing)
-#   run_scripts/slurm_local_cluster.sh start     # munge key, munged, slurm.conf, slurmctld, slurmd;
-#                                                # waits until `sinfo` shows the node idle
-#   run_scripts/slurm_local_cluster.sh status    # which daemons run, and sinfo
-#   run_scripts/slurm_local_cluster.sh stop      # stop the daemons `start` started (by pid file)
+#   tools/slurm_local_cluster.sh install   # apt-get install slurm-wlm munge (if missing)
+#   tools/slurm_local_cluster.sh start     # munge key, munged, slurm.conf, slurmctld, slurmd;
+#                                          # waits until `sinfo` shows the node idle
+#   tools/slurm_local_cluster.sh status    # which daemons run, and sinfo
+#   tools/slurm_local_cluster.sh stop      # stop the daemons `start` started (by pid file)
 #
 # `start` is safe to run twice: running daemons are left alone. It writes /etc/slurm/slurm.conf
 # (one node, <hostname -s> with <nproc> CPUs, partition "debug") and refuses to replace a slurm.conf
@@ -18,7 +18,7 @@
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
-MARKER="# Written by run_scripts/slurm_local_cluster.sh"
+MARKER="# Written by tools/slurm_local_cluster.sh"
 RUN_DIR=/run/slurm-local                      # pid files of the daemons this script starts
 STATE_DIR=/var/lib/slurm-local                # slurmctld state and slurmd spool
 LOG_DIR=/var/log/slurm

@@ -1,9 +1,9 @@
 """Prove a GPU machine: every script, launch mode and GPU flag trains correctly here. `make gpu-check`.
 
-    python run_scripts/gpu_check.py              # everything (about 10-20 min on one GPU)
-    python run_scripts/gpu_check.py --quick      # the JPEG rows only, no synthetic ResNet-50
-    python run_scripts/gpu_check.py --only ddp   # the rows whose name matches a regular expression
-    python run_scripts/gpu_check.py --cpu        # the same harness on the CPU (gloo, a tiny model): a self-test
+    python tools/gpu_check.py              # everything (about 10-20 min on one GPU)
+    python tools/gpu_check.py --quick      # the JPEG rows only, no synthetic ResNet-50
+    python tools/gpu_check.py --only ddp   # the rows whose name matches a regular expression
+    python tools/gpu_check.py --cpu        # the same harness on the CPU (gloo, a tiny model): a self-test
 
 Each row is one real run, started as a user starts it, for a few dozen steps: train_dp.py on one
 GPU and on all of them (nn.DataParallel), train_ddp.py under torchrun, train_spawn.py, both with

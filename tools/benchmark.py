@@ -1,11 +1,11 @@
 """Speed benchmark: prints one table (markdown) from one run.
 
-    python run_scripts/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
-    python run_scripts/benchmark.py --quick              # fewer images, for a smoke test
-    python run_scripts/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
-    python run_scripts/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
-    python run_scripts/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
-    python run_scripts/benchmark.py --res-compare        # only: demo epoch at 24 vs 32 px (progressive resizing)
+    python tools/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
+    python tools/benchmark.py --quick              # fewer images, for a smoke test
+    python tools/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
+    python tools/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
+    python tools/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
+    python tools/benchmark.py --res-compare        # only: demo epoch at 24 vs 32 px (progressive resizing)
 
 a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (generated,
    500x375, when --jpeg-dir is not given): ours (torchvision.io decode, uint8 crop/flip, uint8
@@ -171,7 +171,7 @@ def resize_compare(jpeg_dir, images, batch=64):
     the process doing the work, so other load on the machine does not skew them."""
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
-    sys.path.insert(0, str(REPO / "run_scripts"))
+    sys.path.insert(0, str(REPO / "tools"))
     from prepare_imagenet import resize_jpeg
 
     originals = sorted(path for path in Path(jpeg_dir, "train").rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))

@@ -1,9 +1,9 @@
 """Turn the ImageNet (ILSVRC2012) downloads into the folders the training scripts read:
 OUT_DIR/train/<wnid>/*.JPEG and OUT_DIR/val/<wnid>/*.JPEG (torchvision's ImageFolder layout).
 
-    python run_scripts/prepare_imagenet.py ~/downloads/imagenet /data/imagenet
-    python run_scripts/prepare_imagenet.py ~/downloads/imagenet /data/imagenet-256 --resize 256
-    python run_scripts/prepare_imagenet.py ~/kaggle/imagenet-object-localization-challenge /data/imagenet
+    python tools/prepare_imagenet.py ~/downloads/imagenet /data/imagenet
+    python tools/prepare_imagenet.py ~/downloads/imagenet /data/imagenet-256 --resize 256
+    python tools/prepare_imagenet.py ~/kaggle/imagenet-object-localization-challenge /data/imagenet
     python train_dp.py --data /data/imagenet
 
 ARCHIVE_DIR holds the official archives (ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and

@@ -1,7 +1,7 @@
 """Startup at ImageNet scale: listing the folder the old way and the new way, and launch to the first step.
 
-    python run_scripts/benchmark_startup.py --repeats 2 --nproc 8    # full scale: 1,281,167 + 50,000 files
-    python run_scripts/benchmark_startup.py --scale 0.1              # a 10% sample (builds in a few seconds)
+    python tools/benchmark_startup.py --repeats 2 --nproc 8    # full scale: 1,281,167 + 50,000 files
+    python tools/benchmark_startup.py --scale 0.1              # a 10% sample (builds in a few seconds)
 
 A fake ImageNet is built once under --root and kept: 1000 class folders in train/ and val/, one real
 64x64 JPEG per class, every other file a hard link to it. Each row of the table is a fresh process, with
