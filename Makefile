@@ -82,5 +82,5 @@ test-latest: $(UV)
 # anything else under data/ stay.
 clean:
 	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v1 data/bench-jpegs-500x375
-	rm -rf __pycache__ common/__pycache__ tools/__pycache__ tests/__pycache__
+	rm -rf __pycache__ common/__pycache__ tools/__pycache__ tests/__pycache__ examples/__pycache__
 	rmdir data 2>/dev/null || true

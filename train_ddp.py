@@ -11,6 +11,12 @@ at. Every process holds a full replica of the model, trains on its own shard
 of each batch, and DDP averages the gradients over all processes during
 backward(). Under Slurm, `srun` with one task per GPU works too (SLURM_PROCID,
 SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR/MASTER_PORT exported by the job script).
+
+Where each DDP essential lives: init_process_group and torch.cuda.set_device in setup() below
+(common/distributed.py's init_process_group); the DistributedDataParallel wrap in main() below;
+DistributedSampler (ResumableSampler) and ShardSampler in common/data.py's build_data; set_epoch in
+Trainer.fit; the save by rank 0 alone in Trainer.save (common/trainer.py); destroy_process_group in main().
+Your own model, data, loss or optimizer: docs/adapting.md.
 """
 import argparse
 import os
@@ -48,14 +54,16 @@ def setup(args):
 def main(args):
     from torch.nn.parallel import DistributedDataParallel
     from common.distributed import destroy_process_group
-    from common.trainer import Trainer
+    from common.trainer import trainer_class
     runtime = setup(args)
     try:
-        trainer = Trainer(args, runtime)
+        trainer = trainer_class(args.trainer)(args, runtime)
         # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
-        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True)
+        # find_unused_parameters: for models whose forward leaves some parameters out (--find-unused-parameters).
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                        find_unused_parameters=args.find_unused_parameters)
         # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)

@@ -51,10 +51,10 @@ def main(args):
     import torch.nn as nn
     from common.distributed import Runtime
     from common.engine import AutocastForward
-    from common.trainer import Trainer
+    from common.trainer import trainer_class
     device, gpus = setup(args)
     runtime = Runtime("dp", device, num_devices=max(len(gpus), 1), device_ids=tuple(gpus))
-    trainer = Trainer(args, runtime)
+    trainer = trainer_class(args.trainer)(args, runtime)
     model = trainer.model
     if len(gpus) == 1 and args.compile:
         trainer.log.print("one GPU and --compile: the bare model is compiled (DataParallel would split the graph)")

@@ -86,7 +86,7 @@ def worker(local_rank, args, init_method):
     from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group,
                                     select_device, usable_cores)
     from common.preemption import before_exit
-    from common.trainer import Trainer
+    from common.trainer import trainer_class
     # Global rank: the processes of node 0 come first, then those of node 1, ...
     rank = args.node_rank * args.nproc_per_node + local_rank
     world_size = args.nnodes * args.nproc_per_node
@@ -98,10 +98,11 @@ def worker(local_rank, args, init_method):
         backend = choose_backend(args.dist_backend, device)
         init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
         runtime = Runtime("spawn", device, rank, local_rank, world_size, args.nproc_per_node)
-        trainer = Trainer(args, runtime)
+        trainer = trainer_class(args.trainer)(args, runtime)
         device_ids = [device.index] if device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
-        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True)
+        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                        find_unused_parameters=args.find_unused_parameters)
         trainer.fit(train_model=model, eval_model=trainer.model)
     except cli.UsageError:
         raise  # reported by main() as one line
@@ -140,7 +141,7 @@ def main(args):
             pass
     except mp.ProcessRaisedException as error:
         # A bad-input error in a worker arrives as its traceback text: report its one line.
-        usage = re.search(r"(?:UsageError|UnreadableImage): (.*)\s*$", str(error))
+        usage = re.search(r"(?:UsageError|UnreadableImage|BadItem): (.*)\s*$", str(error))
         if usage:
             raise cli.UsageError(usage.group(1)) from None
         raise

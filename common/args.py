@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .console import say
+from .named import import_named
 from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError  # noqa: F401 (the scripts use cli.UsageError)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,10 @@ def known_failure(error):
     if text.startswith("DataLoader worker"):
         # "DataLoader worker (pid X) is killed by signal: Killed.": the kernel's OOM killer, mostly.
         return f"error: {text.splitlines()[0].strip()} (out of memory? fewer --workers use less)"
+    if "Expected to have finished reduction in the prior iteration" in text:
+        # DDP waited for the gradient of a parameter that the forward did not use.
+        return ("error: DDP: the model has parameters that received no gradient: add --find-unused-parameters "
+                "(or use them all in forward)")
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
@@ -120,6 +125,14 @@ def env_default(name, kind=str):
         raise UsageError(f"environment variable {name}={value!r} is not a valid {kind.__name__}")
 
 
+def floats(text):
+    """--mean / --std: comma-separated numbers (an argparse type)."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
 def workers_count(text):
     """-j: 'auto' or a count of 0 or more (an argparse type)."""
     if text == "auto":
@@ -140,6 +153,14 @@ def build_parser(description):
     add("data_positional", nargs="?", metavar="DIR", help="same as --data")
     add("--data", metavar="DIR", help="ImageFolder root with train/<class>/* and val/<class>/* "
         "(default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)")
+    add("--dataset", dest="dataset_fn", default=None, metavar="PKG.MOD:FN",
+        help="your own data: FN(args) returns (classes, train_set, val_set) of (image, label) items (docs/adapting.md)")
+    add("--mean", type=floats, default=None, metavar="M,M,M",
+        help="per-channel mean of the images, 0-1 scale (default: the dataset's .mean, else ImageNet's)")
+    add("--std", type=floats, default=None, metavar="S,S,S",
+        help="per-channel std of the images, 0-1 scale (default: the dataset's .std, else ImageNet's)")
+    add("--trainer", default=None, metavar="PKG.MOD:CLASS",
+        help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)")
     add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
     add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
     add("-a", "--arch", default="resnet18",
@@ -158,7 +179,9 @@ def build_parser(description):
         help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)")
     add("--lr", "--learning-rate", type=float, default=None, dest="lr", metavar="LR",
         help="learning rate for the global batch (env LR; 0.1; demo 0.04)")
-    add("--momentum", type=float, default=None, metavar="M", help="SGD momentum (0.9)")
+    add("--opt", choices=["sgd", "sgd-nesterov", "adamw", "rmsprop"], default="sgd",
+        help="optimizer, as torchvision's train.py builds it (%(default)s)")
+    add("--momentum", type=float, default=None, metavar="M", help="momentum of sgd and rmsprop (0.9)")
     add("--wd", "--weight-decay", type=float, default=None, dest="weight_decay", metavar="W",
         help="weight decay (1e-4; tv-v2 2e-5)")
     add("--label-smoothing", type=float, default=None, metavar="E", help="label smoothing (0; tv-v2 0.1)")
@@ -167,6 +190,9 @@ def build_parser(description):
     add("--lr-step-unit", choices=["step", "epoch"], default=None,
         help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
              "train.py (default under --preset tv-v2)")
+    add("--lr-min", type=float, default=0.0, metavar="LR", help="where the cosine schedule ends (%(default)s)")
+    add("--clip-grad-norm", type=float, default=None, metavar="N",
+        help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping")
     add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
     add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
     add("--warmup-epochs", type=float, default=None, metavar="N",
@@ -204,6 +230,8 @@ def build_parser(description):
         help="NHWC memory format for model and images (alone: on); auto: on for convolutional networks on the "
              "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)")
     add("--compile", action="store_true", help="torch.compile the model")
+    add("--find-unused-parameters", action="store_true",
+        help="DDP: for models whose forward leaves parameters unused (else DDP stops with an error naming them); slower")
 
     r = p.add_argument_group("recipe", "today's ImageNet training recipe, from torchvision's own parts "
                              "(flag names as in torchvision's references/classification/train.py)")
@@ -320,7 +348,14 @@ def check_arch(arch):
 
 
 def parse_args(parser, argv=None):
-    """Parse, apply environment and preset defaults, and validate; raises UsageError."""
+    """Parse, apply environment and preset defaults, and validate; raises UsageError. A --trainer class adds
+    its own flags (Trainer.add_arguments) before the command line is parsed."""
+    chosen_trainer = argparse.ArgumentParser(add_help=False)
+    chosen_trainer.add_argument("--trainer")
+    name = chosen_trainer.parse_known_args(argv)[0].trainer
+    add_arguments = getattr(import_named(name or "", "--trainer"), "add_arguments", None)  # imports torch, if any
+    if add_arguments is not None:
+        add_arguments(parser.add_argument_group(f"--trainer {name}"))
     args = parser.parse_args(argv)
     if args.data_positional and args.data and args.data_positional != args.data:
         raise UsageError("give the data directory once: as DIR or as --data, not both")
@@ -330,7 +365,7 @@ def parse_args(parser, argv=None):
         root, names = env_default("DATASETS_PATH"), env_default("DATASETS")
         if root:
             args.data = os.path.join(root, names.split(",")[0]) if names else root
-    args.dataset = "dummy" if args.dummy else ("imagenet" if args.data else "demo")
+    args.dataset = "dummy" if args.dummy else ("custom" if args.dataset_fn else "imagenet" if args.data else "demo")
     preset_name = "demo" if args.dataset == "demo" else "imagenet"
     preset = PRESETS[preset_name]
 
@@ -349,9 +384,12 @@ def parse_args(parser, argv=None):
     # a preset's for that preset's batch.
     args.lr_source, args.lr_reference_batch = next(
         (name, 256 if name in ("--lr", "LR") else layer["batch_size"]) for name, layer in reversed(layers) if "lr" in layer)
-    chosen = {}
-    for _, layer in layers:
+    chosen, origin = {}, {}
+    for position, (_, layer) in enumerate(layers):
         chosen.update(layer)
+        origin.update(dict.fromkeys(layer, position))
+    args.data_preset = preset_name  # and the defaults it gave (layer 1), for the run's header
+    args.from_data_preset = [name for name in preset if origin.get(name) == 1 and getattr(args, name, None) is None]
     for name, value in chosen.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -383,10 +421,18 @@ def parse_args(parser, argv=None):
         raise UsageError(f"--ra-magnitude must be in [0, 30], got {args.ra_magnitude}")
     if not 1 <= args.augmix_severity <= 10:
         raise UsageError(f"--augmix-severity must be in [1, 10], got {args.augmix_severity}")
-    _check_at_least(args, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum"], 0, "0 or more")
+    _check_at_least(args, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum", "lr_min"], 0, "0 or more")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise UsageError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm}")
+    if args.lr_min and args.lr_schedule != "cosine":
+        raise UsageError(f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine (not {args.lr_schedule})")
     args.lr_given = args.lr  # before --lr-scaling linear, for args.lr_reference_batch images
     if args.lr_scaling == "linear":
         args.lr = args.lr * args.batch_size / args.lr_reference_batch
+    if args.lr_min and args.lr_min >= args.lr:
+        raise UsageError(f"--lr-min {args.lr_min:g} must be below the lr, {args.lr:g}")
+    if args.dataset_fn and args.dummy:
+        raise UsageError("give --dataset or --dummy, not both")
     if args.deterministic:  # read by cuBLAS when it starts: before anything touches CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     args.pretrained = args.pretrained or args.weights is not None
@@ -413,8 +459,33 @@ def parse_args(parser, argv=None):
     return args
 
 
+def describe_preset(args, first_image=None):
+    """Header lines: which dataset preset set which defaults of this run, and why; a warning where the
+    ImageNet preset's crop is far larger than the images (first_image: (channels, height, width, dtype))."""
+    names = {"epochs": "{} epochs", "batch_size": "-b {}", "lr": "lr {:g}", "train_crop_size": "{} px crops",
+             "val_resize_size": "val resize {}", "val_crop_size": "val crop {}", "lr_schedule": "{} schedule"}
+    given = [text.format(getattr(args, name)) for name, text in names.items() if name in args.from_data_preset]
+    if not given:
+        return []
+    why = ("the built-in demo set" if args.data_preset == "demo"
+           else "the default for --data, --dataset and --dummy, made for ImageNet-sized images")
+    lines = [f"preset: {args.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset "
+             "override it"]
+    if first_image and "train_crop_size" in args.from_data_preset and 2 * min(first_image[1:3]) <= args.train_crop_size:
+        height, width = first_image[1:3]
+        lines.append(f"warning: the first training image is {width}x{height} px, the {args.data_preset} preset crops "
+                     f"{args.train_crop_size} px: for images this small give --train-crop-size, --val-resize-size and "
+                     f"--val-crop-size near {min(height, width)} (and --epochs, -b, --lr for your data)")
+    return lines
+
+
 def default_output_dir(args, mode):
-    """A run name fixed by mode, arch and data, so --resume auto finds the last run again."""
-    dataset = args.dataset if args.dataset != "imagenet" else Path(args.data).resolve().name
+    """A run name fixed by mode, arch and data, so --resume auto finds the last run again (your own
+    package.module:name as its name)."""
+    if args.dataset == "custom":
+        dataset = args.dataset_fn.replace(":", ".")
+    else:
+        dataset = args.dataset if args.dataset != "imagenet" else Path(args.data).resolve().name
     root = env_default("WORKSPACE") or "runs"
-    return os.path.join(root, f"{mode}-{args.arch}-{dataset}")
+    # No colon in the name: TensorBoard's --logdir reads NAME:PATH, and some file systems refuse it.
+    return os.path.join(root, f"{mode}-{args.arch.replace(':', '.')}-{dataset}")

@@ -32,9 +32,10 @@ def seeded(key):
 
 
 def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0, interpolation="bilinear",
-                       augmix_severity=3):
-    """The per-image v2 transforms after crop and flip, on a uint8 CHW tensor, or None for none: those of
-    torchvision's presets.ClassificationPresetTrain, with its names (aa is AutoAugment's imagenet policy).
+                       augmix_severity=3, fill=IMAGENET_MEAN_UINT8):
+    """The per-image v2 transforms after crop and flip, on a CHW tensor (uint8, or float in 0-1), or None for
+    none: those of torchvision's presets.ClassificationPresetTrain, with its names (aa is AutoAugment's imagenet
+    policy). Random erasing fills with `fill`, the mean pixel on the images' scale (0 after normalisation).
     On tensors these ops resize with nearest or bilinear only: --interpolation bicubic gives them bilinear."""
     steps, interpolation = [], v2.InterpolationMode("nearest" if interpolation == "nearest" else "bilinear")
     if auto_augment == "ta_wide":
@@ -46,7 +47,7 @@ def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0, in
     elif auto_augment == "augmix":
         steps.append(v2.AugMix(severity=augmix_severity, interpolation=interpolation))
     if random_erase > 0:
-        steps.append(v2.RandomErasing(p=random_erase, value=list(IMAGENET_MEAN_UINT8)))
+        steps.append(v2.RandomErasing(p=random_erase, value=list(fill)))
     return v2.Compose(steps) if steps else None
 
 

@@ -18,13 +18,26 @@ from .console import say
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
 
 
-class UnreadableImage(UsageError):
-    """--strict-data met a file that cannot be decoded."""
+class WorkerUsageError(UsageError):
+    """A UsageError that may be raised in a DataLoader worker, and still reads as one line."""
 
     def __init__(self, message):
         # A DataLoader worker's error arrives in the main process as "Caught ... Original Traceback
         # ...: <message>": keep the one line that says what happened.
-        super().__init__(message.strip().splitlines()[-1].split("UnreadableImage: ", 1)[-1])
+        super().__init__(message.strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1])
+
+
+class UnreadableImage(WorkerUsageError):
+    """--strict-data met a file that cannot be decoded."""
+
+
+class BadItem(WorkerUsageError):
+    """A dataset's item is not what the loaders take: (image, label) of a PIL image or a CHW tensor and a
+    class index."""
+
+
+# Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
 
 
 def printable(path):
@@ -39,31 +52,53 @@ def describe(error):
 
 
 class SkipUnreadable(Dataset):
-    """(image, label, bad) for each (path, label) of `samples`, where `bad` lists the (path, reason) of
-    the files that could not be loaded on the way. replace=True (training): the next readable file
-    takes a bad one's place; replace=False (validation): image is None. strict=True: raise instead."""
+    """(image, label, bad) for each item, where `bad` lists the (name, reason) of the items that could not
+    be loaded on the way. Items are (loader(path), label) for each (path, label) of `samples` (image files:
+    any error is a file that cannot be decoded), or with loader None, check(*samples[i], i) of a dataset's
+    (image, label) items, named by the dataset's name(i) if it has one (else "Class[i]"); there an error of
+    the dataset's own code (PROGRAMMING_ERRORS) is raised, not skipped. replace=True (training): the next
+    readable item takes a bad one's place; replace=False (validation): image is None. strict=True: raise instead."""
 
-    def __init__(self, samples, loader, replace, strict):
-        self.samples, self.loader, self.replace, self.strict = samples, loader, replace, strict
+    def __init__(self, samples, loader, replace, strict, check=None):
+        self.samples, self.loader, self.replace, self.strict, self.check = samples, loader, replace, strict, check
 
     def __len__(self):
         return len(self.samples)
 
+    def _read(self, index):
+        if self.loader is not None:
+            path, label = self.samples[index]
+            return path, (self.loader(path), label)
+        name = self.samples.name(index) if hasattr(self.samples, "name") else f"{type(self.samples).__name__}[{index}]"
+        try:
+            item = self.samples[index]
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise BadItem(f"item {index} of the {self.check.split} set is a {type(item).__name__}; items must be "
+                              "(image, label)")
+            return name, self.check(*item, index)
+        except Exception as error:
+            error.item_name = name
+            raise
+
     def __getitem__(self, index):
         bad = []
         for attempt in range(MAX_IN_A_ROW):
-            path, label = self.samples[(index + attempt) % len(self.samples)]
+            position = (index + attempt) % len(self.samples)
             try:
-                return self.loader(path), label, bad
+                _, (image, label) = self._read(position)
+                return image, label, bad
             except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
                 raise
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
+                if self.loader is None and isinstance(error, PROGRAMMING_ERRORS):
+                    raise
+                path = getattr(error, "item_name", None) or self.samples[position][0]
                 if self.strict:
                     raise UnreadableImage(f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
                                           "such files are skipped and listed in bad_images.txt") from None
                 bad.append((path, describe(error)))
                 if not self.replace:
-                    return None, label, bad
+                    return None, None, bad
         raise UnreadableImage(f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {printable(bad[0][0])} on "
                               f"({bad[0][1]}): is the data set readable?")
 

@@ -10,8 +10,10 @@ Two properties the scripts rely on:
 Every sample is (image, label, bad): `bad` lists the files that could not be decoded on the way
 (common/bad_images.py); the loader's batches are (images, target, bad).
 """
+import csv
 import math
 import multiprocessing
+import os
 import random
 from pathlib import Path
 from typing import NamedTuple
@@ -29,9 +31,11 @@ from torchvision.transforms.v2 import functional as F
 from . import distributed
 from .args import ResSchedule
 from .augment import image_augmentation, seeded
-from .bad_images import SkipUnreadable
+from .bad_images import BadItem, SkipUnreadable
 from .demo_data import ensure_demo_dataset
+from .errors import UsageError
 from .folder_index import scan_image_folder
+from .named import import_named
 from .preemption import ignore_stop_signals, waiting_for_data
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -165,11 +169,11 @@ class SyntheticImages(Dataset):
         return self.image, index % self.length % self.num_classes, ()
 
 
-def pixel_stats(device=None):
-    """ImageNet mean and std on the 0-255 scale, shaped to broadcast over (N, 3, H, W)."""
+def pixel_stats(device=None, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """mean and std on the 0-255 scale, shaped to broadcast over (N, C, H, W)."""
     def scaled(values):
-        return torch.tensor(values, device=device).view(1, 3, 1, 1) * 255
-    return scaled(IMAGENET_MEAN), scaled(IMAGENET_STD)
+        return torch.tensor(values, device=device).view(1, len(values), 1, 1) * 255
+    return scaled(mean), scaled(std)
 
 
 def normalise(images, mean, std):
@@ -177,14 +181,33 @@ def normalise(images, mean, std):
     return images.float().sub_(mean).div_(std)
 
 
+class Normalise:
+    """Images to normalised float32: (x - mean) / std per channel, for uint8 images on the 0-255 scale
+    (x / 255 first), for float images as they are (0 to 1). The same arithmetic on the CPU (Collate) and
+    on a GPU (DeviceLoader)."""
+
+    def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, device=None):
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.mean255, self.std255 = pixel_stats(device, self.mean, self.std)
+        self.mean1, self.std1 = self.mean255 / 255, self.std255 / 255
+
+    def to(self, device):
+        return Normalise(self.mean, self.std, device)
+
+    def __call__(self, images):
+        if images.dtype == torch.uint8:
+            return normalise(images, self.mean255, self.std255)
+        return (images.float() - self.mean1) / self.std1
+
+
 class Collate:
     """collate_fn: (images, target, bad) from (image, label, bad) samples, leaving out skipped files
-    (images None when all were). normalise=True turns the uint8 batch into normalised floats inside
-    the loader worker: on the CPU, where the main process is the bottleneck and the workers have
-    cores to spare."""
+    (images None when all were). normalise (a Normalise; True: ImageNet's) turns the batch into normalised
+    floats inside the loader worker: on the CPU, where the main process is the bottleneck and the workers
+    have cores to spare."""
 
     def __init__(self, normalise):
-        self.stats = pixel_stats() if normalise else None
+        self.normalise = Normalise() if normalise is True else (normalise or None)
 
     def __call__(self, samples):
         bad = [entry for _, _, found in samples for entry in found]
@@ -192,22 +215,22 @@ class Collate:
         if not samples:
             return None, None, bad
         images, target = default_collate(samples)
-        if self.stats is not None:
-            images = normalise(images, *self.stats)
+        if self.normalise is not None:
+            images = self.normalise(images)
         return images, target, bad
 
 
 class DeviceLoader:
     """The batches of `loader` on `device`, as normalised float images.
 
-    On CUDA, images travel as uint8 (a quarter of float32's bytes) and are converted,
-    normalised and made channels-last on the GPU, and the copy of the next batch runs on a side
-    stream while the current one computes. On the CPU the loader workers have normalised them.
-    The files skipped as undecodable go to on_bad(list of (path, reason))."""
+    On CUDA, images travel as they were decoded (uint8: a quarter of float32's bytes) and are converted,
+    normalised (`normalise`, a Normalise; None: the loader's Collate did it) and made channels-last on the
+    GPU, and the copy of the next batch runs on a side stream while the current one computes. On the CPU
+    the loader workers have normalised them. The files skipped as undecodable go to on_bad(list of (path, reason))."""
 
-    def __init__(self, loader, device, channels_last=False, on_bad=None):
+    def __init__(self, loader, device, channels_last=False, on_bad=None, normalise=None):
         self.loader, self.device, self.channels_last, self.on_bad = loader, device, channels_last, on_bad
-        self.mean, self.std = pixel_stats(device)
+        self.normalise = normalise.to(device) if normalise is not None else None
 
     def __len__(self):
         return len(self.loader)
@@ -216,8 +239,8 @@ class DeviceLoader:
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        if images.dtype == torch.uint8:
-            images = normalise(images, self.mean, self.std)
+        if self.normalise is not None:
+            images = self.normalise(images)
         return images, target.to(self.device, non_blocking=True)
 
     def _batches(self):
@@ -352,37 +375,216 @@ class Data(NamedTuple):
     train_loader: DataLoader
     val_loader: DataLoader
     train_sampler: ResumableSampler
+    normalise: "Normalise"  # what makes the loaders' images the model's inputs (on the device: DeviceLoader)
+    first_image: tuple  # (channels, height, width, dtype) of the first training image; None: none read
 
 
-def build_data(args, seed, rank, world_size, per_process_batch, gpu):
-    """Datasets and loaders of one process (single process is rank 0 of world 1). With gpu=True the
-    batches are pinned uint8 for DeviceLoader to copy and normalise; else normalised floats."""
+class ImageFiles(Dataset):
+    """(image, label) of each (path, label) of `samples` (a FolderIndex, a list), the file decoded by
+    load_image. Its files may be unreadable: SkipUnreadable skips them (common/bad_images.py)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        return load_image(path), label
+
+    def name(self, index):
+        return self.samples[index][0]
+
+
+def read_split_file(path, root):
+    """[(path, class name)] of a CSV or TSV split file: rows `path,label` (a first row `path,label` is a
+    header), paths relative to `root` (the file's folder) unless absolute."""
+    delimiter = "\t" if path.suffix == ".tsv" else ","
+    rows = []
+    try:
+        with open(path, newline="") as file:
+            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
+                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+                    continue
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    raise UsageError(f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}")
+                rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    if not rows:
+        raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
+    return rows
+
+
+def split_files(root):
+    """{split: path} of the CSV or TSV split files in `root` (train.csv and val.csv, or .tsv), or None."""
+    for suffix in (".csv", ".tsv"):
+        found = {split: Path(root) / f"{split}{suffix}" for split in ("train", "val")}
+        if any(path.is_file() for path in found.values()):
+            missing = [path.name for path in found.values() if not path.is_file()]
+            if missing:
+                raise UsageError(f"--data {root} has {'train' if 'val' in missing[0] else 'val'}{suffix} but no "
+                                 f"{missing[0]}: give both splits")
+            return found
+    return None
+
+
+def scan_split_files(root):
+    """The classes (sorted names of the train split's labels) and (path, label) samples of root/train.csv and
+    root/val.csv (or .tsv); UsageError for a val label that training never sees."""
+    rows = {split: read_split_file(path, root) for split, path in split_files(root).items()}
+    classes = sorted({label for _, label in rows["train"]})
+    index = {name: k for k, name in enumerate(classes)}
+    unknown = sorted({label for _, label in rows["val"]} - index.keys())
+    if unknown:
+        raise UsageError(f"val labels {', '.join(unknown[:5])} of {root} do not occur in its train split")
+    return classes, *([(path, index[label]) for path, label in rows[split]] for split in ("train", "val"))
+
+
+def build_datasets(args):
+    """(classes, train set, val set) of the data the flags name: --dummy's synthetic images; --dataset
+    package.module:function's (called as function(args)); --data's train.csv / val.csv (or .tsv); --data's
+    train/ and val/ image folders; else the built-in demo set. A set's items are (image, label)."""
+    if args.dummy:
+        res_schedule = ResSchedule.parse(args.res_schedule) if getattr(args, "res_schedule", None) else None
+        val_length = math.ceil(args.dummy_size * 50_000 / 1_281_167)
+        train_set = SyntheticImages(args.dummy_size, args.train_crop_size, res_schedule=res_schedule)
+        return [str(i) for i in range(train_set.num_classes)], train_set, SyntheticImages(val_length, args.val_crop_size)
+    function = import_named(getattr(args, "dataset_fn", None) or "", "--dataset")
+    if function is not None:
+        result = function(args)
+        if not (isinstance(result, (tuple, list)) and len(result) == 3):
+            raise UsageError(f"--dataset {args.dataset_fn} returned {type(result).__name__}: return "
+                             "(classes, train_set, val_set)")
+        return tuple(result)
+    root = Path(args.data) if args.data else ensure_demo_dataset()
+    args.data = str(root)
+    # Rank 0 lists the folder (or reads the split files), once for the job (1.33 M files on ImageNet).
+    scan = scan_split_files if root.is_dir() and split_files(root) else scan_image_folder
+    classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
+    return classes, ImageFiles(train_files), ImageFiles(val_files)
+
+
+def describe_item(item):
+    return (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}")
+
+
+class ItemCheck:
+    """The image and label of a dataset item as the loaders need them: the image a CHW tensor (a PIL image
+    converted to RGB, then to uint8; a tensor uint8 or float, kept), with the channels and kind (uint8 or
+    float) of the first; the label an int below num_classes. Anything else: BadItem, one line."""
+
+    def __init__(self, num_classes, split, channels=None, floating=None):
+        self.num_classes, self.split, self.channels, self.floating = num_classes, split, channels, floating
+
+    def __call__(self, image, label, index):
+        where = f"item {index} of the {self.split} set"
+        if isinstance(image, Image.Image):
+            image = F.pil_to_tensor(image.convert("RGB"))
+        elif isinstance(image, torch.Tensor):
+            if image.ndim != 3 or not 1 <= image.shape[0] <= 4:
+                raise BadItem(f"{where}: an image of shape {list(image.shape)}; expected channels x height x width "
+                              "(CHW, 1 to 4 channels): permute an HWC image with image.permute(2, 0, 1)")
+            if image.is_floating_point():
+                image = image.float()
+            elif image.dtype != torch.uint8:
+                raise BadItem(f"{where}: an image of dtype {image.dtype}; expected uint8 (0-255) or float (0-1)")
+        else:
+            raise BadItem(f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor"
+                          + (" (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)"
+                             if type(image).__name__ == "ndarray" else ""))
+        if self.channels is not None and (image.shape[0], image.is_floating_point()) != (self.channels, self.floating):
+            raise BadItem(f"{where}: a {'float' if image.is_floating_point() else 'uint8'} image of {image.shape[0]} "
+                          f"channel(s), after {'float' if self.floating else 'uint8'} images of {self.channels}: "
+                          "give every image the same channels and dtype")
+        if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
+            label = label.item()
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < self.num_classes:
+            raise BadItem(f"{where}: label {label!r}; expected a class index, an int in 0..{self.num_classes - 1}")
+        return image, label
+
+
+def first_item(dataset, split, num_classes):
+    """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked: one line (BadItem) naming
+    what is wrong with it. None for image files (--data's), which the loader workers read and check."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"the {split} set is a {type(dataset).__name__}: give a map-style dataset (len() and [i]); "
+                         "the samplers index it, for shards, resume and exact validation")
+    if len(dataset) == 0:
+        raise UsageError(f"the {split} set is empty")
+    if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
+        return None
+    item = dataset[0]
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise BadItem(f"item 0 of the {split} set is {describe_item(item)}; items must be (image, label)")
+    image, _ = ItemCheck(num_classes, split)(*item, 0)
+    return (image.shape[0], *image.shape[-2:], image.dtype)
+
+
+def dataset_normalisation(args, train_set, channels):
+    """(mean, std, source) of normalisation: --mean/--std, else the train set's own `mean` and `std`
+    attributes, else ImageNet's for 3-channel images; UsageError for other channels or a length that is not
+    theirs."""
+    given = {name: getattr(args, name, None) for name in ("mean", "std")}
+    found = {name: given[name] or getattr(train_set, name, None) for name in given}
+    if all(found.values()):
+        source = "--mean/--std" if all(given.values()) else ("the dataset's mean/std" if not any(given.values())
+                                                             else "--mean/--std and the dataset's")
+    elif any(found.values()):
+        missing = next(name for name, value in found.items() if not value)
+        raise UsageError(f"--{missing} is missing: give --mean and --std together (or both as dataset attributes)")
+    elif channels in (None, 3):
+        return IMAGENET_MEAN, IMAGENET_STD, "ImageNet's"
+    else:
+        raise UsageError(f"the images have {channels} channel(s): give --mean and --std with {channels} value(s) each "
+                         "(or set train_set.mean and .std), as ImageNet's are for 3")
+    mean, std = (tuple(float(value) for value in found[name]) for name in ("mean", "std"))
+    if len(mean) != len(std) or (channels is not None and len(mean) != channels):
+        raise UsageError(f"mean {mean} and std {std} must have one value per image channel ({channels})")
+    if min(std) <= 0:
+        raise UsageError(f"std {std} must be positive")
+    return mean, std, source
+
+
+def build_data(args, seed, rank, world_size, per_process_batch, gpu, datasets=None):
+    """Datasets and loaders of one process (single process is rank 0 of world 1). `datasets`: (classes, train
+    set, val set) of (image, label) items (Trainer.build_datasets), else build_datasets(args). The library wraps
+    them: seeded transforms, skipping of unreadable items, the resumable sampler, exact validation. With gpu=True
+    the batches stay as decoded (pinned) for DeviceLoader to copy and normalise; else normalised floats."""
     # Options added after the first release: a Namespace from an older checkpoint or a direct caller may
     # lack them (or hold None).
     def option(name, default):
         value = getattr(args, name, None)
         return default if value is None else value
     res_schedule = ResSchedule.parse(args.res_schedule) if option("res_schedule", None) else None
-    if args.dummy:
-        val_length = math.ceil(args.dummy_size * 50_000 / 1_281_167)
-        train_set = SyntheticImages(args.dummy_size, args.train_crop_size, res_schedule=res_schedule)
-        val_set = SyntheticImages(val_length, args.val_crop_size)
-        classes = [str(i) for i in range(train_set.num_classes)]
-    else:
-        root = Path(args.data) if args.data else ensure_demo_dataset()
-        args.data = str(root)
-        # Rank 0 lists the folder, once for the job (1.33 M files on ImageNet).
-        classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan_image_folder(root))
+    classes, train_set, val_set = datasets if datasets is not None else build_datasets(args)
+    classes = list(classes)
+    synthetic = isinstance(train_set, SyntheticImages)
+    first = None if synthetic else first_item(train_set, "train", len(classes))
+    if not synthetic:
+        first_item(val_set, "val", len(classes))
+    mean, std, source = dataset_normalisation(args, train_set, first[0] if first else None)
+    args.normalisation = f"mean {', '.join(f'{m:.4g}' for m in mean)}, std {', '.join(f'{s:.4g}' for s in std)} ({source})"
+    if not synthetic:
+        floating = bool(first and first[3].is_floating_point)
+        fill = tuple(mean) if floating else tuple(round(255 * m) for m in mean)
         # A file that cannot be decoded: in training the next one takes its place (every batch keeps its
         # size); in validation it is left out (no image is counted twice). --strict-data: an error.
         augmentation = image_augmentation(option("auto_augment", "none"), option("ra_magnitude", 9),
                                           option("random_erase", 0.0), option("interpolation", "bilinear"),
-                                          option("augmix_severity", 3))
-        train_set = SeededTransform(SkipUnreadable(train_files, load_image, True, args.strict_data),
-                                    TrainPreset(args.train_crop_size, args.min_crop_scale, augmentation=augmentation,
-                                                res_schedule=res_schedule,
+                                          option("augmix_severity", 3), fill=fill)
+
+        def skipping(dataset, split, replace):
+            if isinstance(dataset, ImageFiles):
+                return SkipUnreadable(dataset.samples, load_image, replace, args.strict_data)
+            return SkipUnreadable(dataset, None, replace, args.strict_data,
+                                  check=ItemCheck(len(classes), split, first and first[0], floating))
+        train_set = SeededTransform(skipping(train_set, "train", True),
+                                    TrainPreset(args.train_crop_size, option("min_crop_scale", 0.08),
+                                                augmentation=augmentation, res_schedule=res_schedule,
                                                 interpolation=option("interpolation", "bilinear")), seed)
-        val_set = SeededTransform(SkipUnreadable(val_files, load_image, False, args.strict_data),
+        val_set = SeededTransform(skipping(val_set, "val", False),
                                   EvalPreset(args.val_resize_size, args.val_crop_size,
                                              option("val_interpolation", "bilinear")), seed)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
@@ -391,11 +593,12 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
         train_sampler = RepeatedAugmentationSampler(train_set, world_size, rank, option("ra_reps", 3), seed=seed)
     else:
         train_sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    normalisation = Normalise(mean, std)
     # The loaders draw their worker seeds from generators of their own, not from the global RNG
     # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
     loader_options = dict(num_workers=args.workers, pin_memory=gpu, worker_init_fn=ignore_stop_signals,
-                          # On the CPU the workers also normalise; on a GPU the uint8 batch goes there.
-                          collate_fn=Collate(normalise=not gpu))
+                          # On the CPU the workers also normalise; on a GPU the batch goes there as it is.
+                          collate_fn=Collate(normalise=None if gpu else normalisation))
     if args.workers and "fork" in multiprocessing.get_all_start_methods():
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.
@@ -405,4 +608,4 @@ def build_data(args, seed, rank, world_size, per_process_batch, gpu):
                               generator=torch.Generator().manual_seed(seed), **loader_options)
     val_loader = DataLoader(val_set, batch_size=per_process_batch, sampler=ShardSampler(len(val_set), rank, world_size),
                             generator=torch.Generator().manual_seed(seed), **loader_options)
-    return Data(classes, train_loader, val_loader, train_sampler)
+    return Data(classes, train_loader, val_loader, train_sampler, normalisation, first)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .args import UsageError
+from .errors import UsageError
 
 
 class FolderIndex:

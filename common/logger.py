@@ -4,6 +4,7 @@ Only the process that writes checkpoints writes files; every other process
 gets a RunLogger that prints and writes nothing.
 """
 import csv
+import io
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ from .console import say
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second", "bad_images"]
 EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others
+NOT_PLOTTED = ("epoch", "start_time", "seconds", "bad_images")  # log.csv columns that are no curve in TensorBoard
 # Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them.
 STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/lr",
              "images_per_second": "step/images_per_second"}
@@ -66,43 +68,57 @@ class RunLogger:
                 (self.output_dir / name).unlink(missing_ok=True)
             for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
                 events.unlink()
-        self.fields = CSV_FIELDS + EMA_FIELDS if ema else CSV_FIELDS
+        self.fields = CSV_FIELDS + EMA_FIELDS if ema else list(CSV_FIELDS)
         if not resumed or not log.exists():
-            with open(log, "w", newline="") as file:
-                csv.writer(file).writerow(self.fields)
+            self._rewrite_log([])
         else:
             with open(log, newline="") as file:
                 header, *rows = list(csv.reader(file)) or [[]]
             if header[:len(self.fields)] == self.fields:
-                self.fields = header  # as it was (the EMA's columns of an earlier leg of the run stay)
+                self.fields = header  # as it was (the EMA's and named values' columns of earlier legs stay)
             else:
                 # A run begun by an earlier version of these scripts, or without --model-ema: its rows
-                # lack the newer (last) columns.
-                with open(log, "w", newline="") as file:
-                    csv.writer(file).writerows([self.fields, *(row + [""] * (len(self.fields) - len(row))
-                                                               for row in rows)])
+                # lack the newer columns.
+                self.fields += [field for field in header if field not in self.fields]
+                self._rewrite_log([dict(zip(header, row)) for row in rows])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
         # purge_step: TensorBoard hides the events of the steps at and after it in the earlier files.
         self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),
                                          purge_step=global_step + 1 if resumed else None)
 
+    def _rewrite_log(self, rows):
+        """log.csv anew with the header self.fields and `rows` (dicts; a column a row lacks stays empty)."""
+        text = io.StringIO()
+        csv.writer(text).writerows([self.fields, *([row.get(field, "") for field in self.fields] for row in rows)])
+        write_text(self.output_dir / "log.csv", text.getvalue())
+
     def log_epoch(self, row):
+        """One row of log.csv and its numbers in TensorBoard. A value this log has no column for yet (a
+        named value of Trainer.train_step / evaluate_step) gets a new last column: the file is rewritten
+        with it, earlier rows empty there."""
         if not self.writes:
             return
-        with open(self.output_dir / "log.csv", "a", newline="") as file:
-            csv.writer(file).writerow([row.get(field, "") for field in self.fields])
-        for key in ("lr", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "images_per_second",
-                    *EMA_FIELDS):
-            if key in row:
-                self.tensorboard.add_scalar(key, row[key], row["epoch"])
+        new = [field for field in row if field not in self.fields]
+        if new:
+            with open(self.output_dir / "log.csv", newline="") as file:
+                header, *rows = list(csv.reader(file))
+            self.fields += new
+            self._rewrite_log([dict(zip(header, line)) for line in rows] + [row])
+        else:
+            with open(self.output_dir / "log.csv", "a", newline="") as file:
+                csv.writer(file).writerow([row.get(field, "") for field in self.fields])
+        for key, value in row.items():
+            if key not in NOT_PLOTTED and isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, row["epoch"])
         self.tensorboard.flush()
 
     def log_step(self, global_step, values):
-        """The per-step scalars of a progress line (STEP_TAGS), at `global_step` (steps done in the run),
-        flushed: TensorBoard shows them at once, and a run killed later loses none of them."""
+        """The per-step scalars of a progress line (STEP_TAGS, and step/train_NAME for each named value), at
+        `global_step` (steps done in the run), flushed: TensorBoard shows them at once, and a run killed later
+        loses none of them."""
         if self.writes and self.tensorboard is not None:
-            for key, tag in STEP_TAGS.items():
-                self.tensorboard.add_scalar(tag, values[key], global_step)
+            for key, value in values.items():
+                self.tensorboard.add_scalar(STEP_TAGS.get(key, f"step/train_{key}"), value, global_step)
             self.tensorboard.flush()
 
     def write_bad_images(self, found):

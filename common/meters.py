@@ -5,6 +5,7 @@ import time
 import torch
 
 from . import distributed
+from .errors import UsageError
 
 
 def correct_counts(output, target, topk=(1,)):
@@ -45,38 +46,90 @@ class AverageMeter:
         return ("{name} {val" + self.fmt + "} ({avg" + self.fmt + "})").format(**self.__dict__)
 
 
-class MetricSums:
-    """Loss and top-1/top-5 hits summed on the device, without a host sync per step.
+# The sums every run keeps, in this order; a checkpoint of a mid-epoch stop before named sums held them as
+# the list [loss, hits@1, hits@5, count].
+BUILT_IN = ("loss", "hits1", "hits5")
 
-    Values are read (and summed over all ranks) only when `summary()` is called. `base` holds
-    totals over all ranks carried over from before a mid-epoch resume: [loss, hits@1, hits@5, count]."""
+
+def totals_by_name(totals):
+    """A checkpoint's train_totals as {name: total, ..., "count": n}: as saved (a dict), or from the list
+    that checkpoints before named metrics held. None: no totals."""
+    if totals is None:
+        return {}
+    if isinstance(totals, dict):
+        return dict(totals)
+    return dict(zip((*BUILT_IN, "count"), totals))
+
+
+class MetricSums:
+    """The loss, top-1/top-5 hits and any named value (Trainer.train_step / evaluate_step), summed on the
+    device, without a host sync per step. A named value is a batch mean (a scalar); its sum is weighted by
+    the batch's images, so its epoch value is the mean over every image of every rank.
+
+    Values are read (and summed over all ranks) only when `summary()` is called. `base` holds totals over
+    all ranks carried over from before a mid-epoch resume, by name (totals_by_name)."""
 
     def __init__(self, device, base=None):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, hits@1, hits@5
+        self.device, self.names = device, list(BUILT_IN)
+        self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.count = 0  # known on the host: no need to read it from the device
-        self.base = list(base) if base else [0.0, 0.0, 0.0, 0]
+        self.base = totals_by_name(base)
 
-    def update(self, loss, output, target):
+    def update(self, loss, output, target, values=None):
         n = target.size(0)
         hits1, hits5 = correct_counts(output.detach(), target, topk=(1, 5))
-        self.sums += torch.stack([loss.detach().double() * n, hits1.double(), hits5.double()])
+        batch = {"loss": loss.detach().double() * n, "hits1": hits1.double(), "hits5": hits5.double()}
+        for name, value in (values or {}).items():
+            if name in batch or name == "count":
+                raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise UsageError(f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)")
+                value = value.detach().reshape(()).to(self.device, torch.float64)
+            else:
+                value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+            batch[name] = value * n
+        new = [name for name in batch if name not in self.names]
+        if new:  # a name first returned now: its sum starts here
+            self.names += new
+            self.sums = torch.cat([self.sums, self.sums.new_zeros(len(new))])
+        zero = self.sums.new_zeros(())
+        self.sums += torch.stack([batch.get(name, zero) for name in self.names])
         self.count += n
 
     def totals(self, reduce=True):
-        """[loss sum, hits@1, hits@5, count], over all ranks when `reduce` (a collective: every rank calls it)."""
-        count = torch.tensor([float(self.count)], dtype=torch.float64, device=self.sums.device)
-        sums = torch.cat([self.sums, count])
+        """{name: sum, ..., "count": images}, over all ranks when `reduce` (a collective: every rank calls it;
+        a name that only some ranks have logged counts 0 on the others)."""
+        names = self.names
+        if reduce:
+            names = list(dict.fromkeys(name for names in distributed.all_gather_object(self.names) for name in names))
+        index = {name: i for i, name in enumerate(self.names)}
+        sums = torch.stack([self.sums[index[name]] if name in index else self.sums.new_zeros(()) for name in names]
+                           + [self.sums.new_tensor(float(self.count))])
         if reduce:
             distributed.all_reduce_sum(sums)
-            return [value + base for value, base in zip(sums.tolist(), self.base)]
-        return sums.tolist()
+        totals = dict(zip([*names, "count"], sums.tolist()))
+        if reduce:
+            for name, value in self.base.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
 
     def summary(self, reduce=True):
-        """{'loss', 'acc1', 'acc5', 'count'}: averages over all ranks when `reduce`, else this rank's."""
-        loss, hits1, hits5, count = self.totals(reduce)
+        """{'loss', 'acc1', 'acc5', 'count', and each named value}: means over all ranks' images when `reduce`,
+        else over this rank's."""
+        totals = self.totals(reduce)
+        count = totals.pop("count")
         denominator = max(count, 1.0)
-        return {"loss": loss / denominator, "acc1": 100.0 * hits1 / denominator,
-                "acc5": 100.0 * hits5 / denominator, "count": int(count)}
+        summary = {"loss": totals.pop("loss") / denominator, "acc1": 100.0 * totals.pop("hits1") / denominator,
+                   "acc5": 100.0 * totals.pop("hits5") / denominator, "count": int(count)}
+        summary.update({name: value / denominator for name, value in totals.items()})
+        return summary
+
+    @staticmethod
+    def extra(summary):
+        """The named values of a summary(): all but the run's own."""
+        return {name: value for name, value in summary.items()
+                if name not in ("loss", "acc1", "acc5", "count", "images_per_second")}
 
 
 class ProgressMeter:
@@ -107,6 +160,7 @@ class ProgressMeter:
         parts = [f"{self.prefix} [{done:>{width}}/{self.num_batches}]",
                  f"loss {metrics['loss']:.4f}", f"acc@1 {metrics['acc1']:6.2f}",
                  f"acc@5 {metrics['acc5']:6.2f}"]
+        parts += [f"{name} {value:.4g}" for name, value in MetricSums.extra(metrics).items()]
         if lr is not None:
             parts.append(f"lr {lr:.4g}")
         parts += [f"{images_per_second:8.1f} img/s", f"eta {eta}"]

@@ -1,10 +1,10 @@
 """Any torchvision classification model by name, or your own as `package.module:callable`."""
-import importlib
-
+import torch
 import torch.nn as nn
 import torchvision
 
 from .errors import UsageError
+from .named import import_named
 
 
 def _replace_head(model, num_classes):
@@ -24,13 +24,7 @@ def _replace_head(model, num_classes):
 
 def custom_builder(arch):
     """The callable that `--arch package.module:callable` names (None for torchvision names)."""
-    if ":" not in arch:
-        return None
-    module_name, _, name = arch.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
-        raise UsageError(f"--arch {arch}: cannot import {name} from {module_name} ({error})")
+    return import_named(arch, "--arch")
 
 
 def pretrained_weights(arch, name=None):
@@ -55,6 +49,8 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
         return builder(num_classes=num_classes, **kwargs)
     try:
         if not pretrained:
+            if arch in ("googlenet", "inception_v3"):  # their default init, without the warning that it may change
+                kwargs["init_weights"] = True
             return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
         weights = pretrained_weights(arch, weights)
         try:
@@ -69,3 +65,41 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
     if len(weights.meta["categories"]) != num_classes:
         model = _replace_head(model, num_classes)
     return model
+
+
+def check_input_size(model, arch, train_sizes, val_size, channels=3):
+    """Refuse in one line an image size that `model` (--arch `arch`) cannot take (a crop smaller than its
+    layers allow, a vision transformer's fixed size), before any process trains: one forward of two images at
+    each training size and one at the validation crop, on the meta device (no memory, no arithmetic). Only
+    torchvision's models are checked: a forward of your own may do more than compute (print, count, write),
+    and it runs first in training; nor is a model the meta device cannot run."""
+    if custom_builder(arch) is not None:
+        return
+    meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
+    was_training = model.training
+    try:
+        for size, training in [*((size, True) for size in sorted(set(train_sizes))), (val_size, False)]:
+            model.train(training)
+            try:
+                with torch.no_grad():
+                    torch.func.functional_call(model, meta, (torch.empty(2, channels, size, size, device="meta"),))
+            except NotImplementedError:
+                return
+            except Exception as error:  # the layers' own shape checks: RuntimeError, AssertionError, ValueError
+                reason = " ".join(str(error).split())
+                if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
+                    return
+                raise UsageError(f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): "
+                                 f"{_size_hint(arch)}") from None
+    finally:
+        model.train(was_training)
+
+
+def _size_hint(arch):
+    """What the crop-size flags should be for `arch`: torchvision's minimum and trained size, where known."""
+    hint = "choose --train-crop-size and --val-crop-size that it takes"
+    if custom_builder(arch) is None:
+        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        hint += (f" (torchvision: at least {weights.meta['min_size'][0]} px; its weights were trained at "
+                 f"{weights.transforms().crop_size[0]} px)")
+    return hint

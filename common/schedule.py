@@ -1,8 +1,8 @@
-"""The optimizer (SGD, with weight-decay groups) and its learning-rate schedule, a function of the optimizer
+"""The optimizer (--opt, with weight-decay groups) and its learning-rate schedule, a function of the optimizer
 step (so a resumed run recomputes it).
 
 - step:     lr x gamma every `step_size` epochs (the articles' x0.1 every 30 epochs)
-- cosine:   half a cosine from lr to 0 over the run
+- cosine:   half a cosine from lr to --lr-min (0) over the run
 - constant: lr throughout
 each optionally after a linear warmup from 1% of lr over `warmup_epochs`.
 
@@ -54,22 +54,43 @@ def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_de
 
 
 def build_optimizer(model, args):
-    """SGD with momentum over `model`'s parameter groups (args: lr, momentum, weight_decay,
-    norm_weight_decay, bias_weight_decay)."""
+    """--opt over `model`'s parameter groups, as torchvision's train.py builds it: sgd / sgd-nesterov (with
+    --momentum), rmsprop (--momentum, alpha 0.9, eps 0.0316: torchvision's, for its EfficientNet / MobileNet
+    recipes), adamw (betas and eps torch's defaults); each with --lr and --wd."""
     groups = parameter_groups(model, args.weight_decay, args.norm_weight_decay, args.bias_weight_decay)
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    opt = getattr(args, "opt", None) or "sgd"
+    if opt.startswith("sgd"):
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                               nesterov=opt == "sgd-nesterov")
+    if opt == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                                   eps=0.0316, alpha=0.9)
+    return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+
+
+# The hyperparameters the header names, where an optimizer has them.
+DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
 
 
 def describe_optimizer(optimizer, args):
-    """One header line: the lr (and how --lr-scaling got it), momentum, weight decay of each group."""
-    lr = f"lr {args.lr:g}"
+    """One header line: the optimizer's class and its own settings, the lr (and how --lr-scaling got it), the
+    weight decay of each group, and --clip-grad-norm."""
+    lr = f"lr {optimizer.param_groups[0].get('initial_lr', optimizer.param_groups[0]['lr']):g}"
     if args.lr_scaling == "linear":
         lr += f" ({args.lr_source} {args.lr_given:g} x {args.batch_size}/{args.lr_reference_batch}, --lr-scaling linear)"
+    settings = []
+    for name in DESCRIBED:
+        value = optimizer.defaults.get(name)
+        if name == "nesterov":
+            settings += ["nesterov"] if value else []
+        elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
+            settings.append(f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}")
     where = {"norm": " on norm layers" if args.bias_weight_decay is None else " on norm weights", "bias": " on biases"}
-    decay = ", ".join(f"{group['weight_decay']:g}{where.get(group.get('name'), '')}"
+    decay = ", ".join(f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
                       + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
                       for group in optimizer.param_groups)
-    return f"optimizer: SGD, {lr}, momentum {args.momentum:g}, weight decay {decay}"
+    clip = f", gradients clipped to norm {args.clip_grad_norm:g}" if getattr(args, "clip_grad_norm", None) else ""
+    return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
 
 
 @dataclass
@@ -83,6 +104,7 @@ class LrFactor:
     step_size: int = 30
     gamma: float = 0.1
     unit: str = "step"
+    floor: float = 0.0  # --lr-min / --lr: where the cosine ends (torchvision's eta_min)
 
     def __call__(self, step):
         if self.unit == "epoch":
@@ -96,7 +118,7 @@ class LrFactor:
         if self.schedule == "cosine":
             total = max(self.epochs * self.steps_per_epoch - warmup_steps, 1)
             progress = min((step - warmup_steps) / total, 1.0)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
     def per_epoch(self, epoch):
@@ -108,7 +130,7 @@ class LrFactor:
         if self.schedule == "step":
             return self.gamma ** (after // self.step_size)
         if self.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(after / max(self.epochs - warmup, 1), 1.0)))
+            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * min(after / max(self.epochs - warmup, 1), 1.0)))
         return 1.0
 
 
@@ -116,7 +138,14 @@ def build_scheduler(optimizer, args, steps_per_epoch, start_step=0):
     """A LambdaLR positioned at `start_step`. The lr is a function of the step and
     the flags alone, so a resumed run recomputes it (and may change --epochs or --lr)."""
     factor = LrFactor(args.lr_schedule, steps_per_epoch, args.epochs, args.warmup_epochs,
-                      args.lr_step_size, args.lr_gamma, getattr(args, "lr_step_unit", None) or "step")
+                      args.lr_step_size, args.lr_gamma, getattr(args, "lr_step_unit", None) or "step",
+                      (getattr(args, "lr_min", None) or 0.0) / args.lr)
     for group in optimizer.param_groups:
         group["initial_lr"] = args.lr
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)
+
+
+def is_step_function(scheduler):
+    """Whether `scheduler` is build_scheduler's: a function of the step and the flags, recomputed on resume."""
+    return (isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+            and all(isinstance(factor, LrFactor) for factor in scheduler.lr_lambdas))

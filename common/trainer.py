@@ -19,18 +19,26 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, distributed
-from .args import RECIPES, default_output_dir, flag
+from .args import RECIPES, ResSchedule, default_output_dir, describe_preset, flag
 from .errors import Preempted, UsageError
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
+from . import data, models, schedule
 from .data import DeviceLoader, build_data, loader_workers
 from .ema import ModelEma, adjusted_decay
-from .engine import evaluate, train_one_epoch
+from .engine import evaluate, loss_with_aux, split_output, train_one_epoch
 from .logger import RunLogger, describe_environment
 from .meters import MetricSums
-from .models import build_model
+from .named import import_named
 from .preemption import StopSignal
-from .schedule import build_optimizer, build_scheduler, describe_optimizer
+
+
+def trainer_class(name):
+    """Trainer, or the subclass that --trainer package.module:Class names."""
+    found = import_named(name or "", "--trainer") or Trainer
+    if not (isinstance(found, type) and issubclass(found, Trainer)):
+        raise UsageError(f"--trainer {name} is not a subclass of common.trainer.Trainer")
+    return found
 
 
 def per_process_batch(batch_size, world_size):
@@ -121,6 +129,72 @@ def use_channels_last(choice, device, amp, model):
 
 
 class Trainer:
+    """A training run. The parts a researcher changes are the methods below `add_arguments` (through
+    `build_optimizer`'s scheduler, `train_step` and `evaluate_step`): override them in a subclass, and
+    select it with --trainer package.module:Class (docs/adapting.md). Everything that keeps a run exact and
+    resumable stays here: seeding, sharded and resumable sampling, exact validation, bad-file skipping,
+    checkpoints, stops, AMP, clipping and logging.
+
+    A script sets up its launch mode (process group, device, Runtime), builds a Trainer (data sharded by
+    rank, bare model on the device, optimizer, resumed state), wraps `trainer.model` its own way
+    (DataParallel or DistributedDataParallel), and calls `trainer.fit(train_model, eval_model)`."""
+
+    @classmethod
+    def add_arguments(cls, parser):
+        """Add this trainer's own flags to `parser` (an argparse group); they arrive in self.args."""
+
+    def build_datasets(self):
+        """(classes, train set, val set): class names, and two map-style datasets whose items are (image,
+        label), image a PIL image or a CHW tensor (uint8, or float in 0-1), label an int. The default reads
+        what the flags name (--data folders or CSV, --dataset, --dummy, the demo set). Give the train set
+        `mean` and `std` attributes for images that are not ImageNet-like (else --mean / --std)."""
+        return data.build_datasets(self.args)
+
+    def build_model(self, num_classes):
+        """The bare model (on the CPU; the base class moves it to the device and wraps it). Its forward may
+        return logits, or (logits, auxiliary logits, ...) / {"logits": ..., ...} (engine.loss_with_aux)."""
+        args = self.args
+        return models.build_model(args.arch, num_classes, args.pretrained, args.dropout, args.weights)
+
+    def build_criterion(self):
+        """The loss on (logits, labels) that train_step and evaluate_step take; labels may be class indices
+        or (with --mixup-alpha / --cutmix-alpha) class probabilities."""
+        return nn.CrossEntropyLoss(label_smoothing=self.args.label_smoothing)
+
+    def build_optimizer(self, model):
+        """The optimizer over `model`'s parameters (--opt, --lr, --wd, their weight-decay groups)."""
+        return schedule.build_optimizer(model, self.args)
+
+    def build_scheduler(self, optimizer):
+        """The lr scheduler, stepped once per optimizer step. The default (--lr-schedule) is a function of the
+        step alone, recomputed on resume; any other is saved in the checkpoint and loaded on resume."""
+        return schedule.build_scheduler(optimizer, self.args, self.steps_per_epoch)
+
+    def train_step(self, model, images, labels):
+        """One batch's forward, under autocast: returns (loss, logits) or (loss, logits, {name: value}), each
+        value a scalar (the batch's mean) that is summed over ranks exactly, shown, logged in log.csv as
+        train_NAME and in TensorBoard, and resumed by name. The base class does backward, clipping, the
+        optimizer and scheduler steps; the accuracy counts the logits against the unmixed labels."""
+        return loss_with_aux(self.criterion, model(images), labels, self.aux_weight)
+
+    def evaluate_step(self, model, images, target):
+        """One validation batch's forward (eval mode, no grad, autocast): (loss, logits) or (loss, logits,
+        {name: value}); values as train_step's, logged as val_NAME."""
+        output, _, _ = split_output(model(images))
+        return self.criterion(output, target), output
+
+    def optimizer_step(self, loss):
+        """Backward (scaled under --amp fp16), --clip-grad-norm on the unscaled gradients, the optimizer's and
+        the scheduler's step. No value is read back from the device."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()  # the scaler is a no-op unless --amp fp16
+        if self.args.clip_grad_norm:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+
     def __init__(self, args, runtime):
         self.args, self.runtime = args, runtime
         device = runtime.device
@@ -159,12 +233,19 @@ class Trainer:
         self.per_process_batch = per_process_batch(args.batch_size, runtime.world_size)
         args.workers = loader_workers(args.workers, runtime.local_world_size)
         self.data = build_data(args, self.seed, runtime.rank, runtime.world_size, self.per_process_batch,
-                               gpu=device.type == "cuda")
+                               gpu=device.type == "cuda", datasets=self.build_datasets())
         if not args.resume and not args.evaluate and not args.overwrite:
             self._refuse_to_replace_a_run()
-        model = build_model(args.arch, len(self.data.classes), args.pretrained, args.dropout, args.weights)
+        model = self.build_model(len(self.data.classes))
+        train_sizes = [args.train_crop_size]
+        if args.res_schedule:  # progressive resizing: its smallest and largest crops
+            schedule_sizes = ResSchedule.parse(args.res_schedule)
+            train_sizes = [schedule_sizes.size(0), schedule_sizes.size(schedule_sizes.last_epoch)]
+        models.check_input_size(model, args.arch, train_sizes, args.val_crop_size,
+                                self.data.first_image[0] if self.data.first_image else 3)
         if resumed:
             checkpoint.load_weights(model, resumed, args.arch, self.data.classes, self.resume_path)
+        self.aux_weight = getattr(model, "aux_loss_weight", None)
         if args.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.channels_last = use_channels_last(args.channels_last, device, args.amp, model)
@@ -179,21 +260,23 @@ class Trainer:
                 self.ema.load(resumed)
         seed_this_rank(self.seed, runtime.rank, runtime.devices)
 
-        # Soft targets (mixup / cutmix): CrossEntropyLoss takes class probabilities as they are.
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing).to(device)
+        self.criterion = self.build_criterion().to(device)
         self.batch_mix = build_batch_mix(args, len(self.data.classes), runtime.world_size)
-        self.optimizer = build_optimizer(self.model, args)
+        self.steps_per_epoch = len(self.data.train_loader)
+        self.optimizer = self.build_optimizer(self.model)
+        self.scheduler = self.build_scheduler(self.optimizer)
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
         self.bad_images = BadImageLog(runtime.rank, runtime.world_size, known=(resumed or {}).get("bad_images", ()))
-        self.train_batches = DeviceLoader(self.data.train_loader, device, self.channels_last, self.bad_images.report)
-        self.val_batches = DeviceLoader(self.data.val_loader, device, self.channels_last, self.bad_images.report)
-        self.steps_per_epoch = len(self.data.train_loader)
+        on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
+        self.train_batches = DeviceLoader(self.data.train_loader, device, self.channels_last, self.bad_images.report,
+                                          on_device)
+        self.val_batches = DeviceLoader(self.data.val_loader, device, self.channels_last, self.bad_images.report,
+                                        on_device)
         self.start_epoch, self.start_step, self.best_acc1, self.best_ema_acc1, self.resumed_totals = 0, 0, 0.0, 0.0, None
+        self.epoch_lr = None  # the lr at the start of the epoch in progress
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
         if resumed and not args.evaluate:
             self._restore(resumed)
-        self.scheduler = build_scheduler(self.optimizer, args, self.steps_per_epoch,
-                                         start_step=self.start_epoch * self.steps_per_epoch + self.start_step)
         self.stop_signal = StopSignal()
 
     def _refuse_to_replace_a_run(self):
@@ -228,10 +311,20 @@ class Trainer:
                 raise UsageError(f"{self.resume_path} stopped part-way through an epoch with global batch "
                                  f"{saved_batch}: resume it with -b {saved_batch}")
             self.resumed_totals = resumed.get("train_totals")
+            self.epoch_lr = resumed.get("epoch_lr")  # log.csv's lr: the epoch's first, not the resumed step's
         self.best_acc1 = float(resumed.get("best_acc1", 0.0))
         self.best_ema_acc1 = float(resumed.get("best_ema_acc1", 0.0))
         if self.ema is not None and "model_ema" not in resumed:
             self.log.print(f"model EMA: {self.resume_path} holds none; it starts from the checkpoint's weights")
+        saved_trainer = resumed.get("args", {}).get("trainer")
+        if saved_trainer != args.trainer:
+            with_it = f"with --trainer {saved_trainer}" if saved_trainer else "without --trainer"
+            raise UsageError(f"{self.resume_path} was trained {with_it}: resume it so (a trainer's state and steps "
+                             "are its own)")
+        saved_opt = resumed.get("args", {}).get("opt", "sgd")
+        if "optimizer" in resumed and saved_opt != args.opt:
+            raise UsageError(f"{self.resume_path} was trained with --opt {saved_opt}: resume it with --opt {saved_opt} "
+                             "(its optimizer state is that optimizer's)")
         if "optimizer" in resumed:
             try:
                 self.optimizer.load_state_dict(resumed["optimizer"])
@@ -246,18 +339,38 @@ class Trainer:
                          for name in names]
                 raise UsageError(f"{self.resume_path} holds an optimizer with other weight-decay groups than this "
                                  f"run's: resume it as it was started, with {' and '.join(flags)}") from None
+        self._restore_scheduler(resumed)
         if resumed.get("scaler"):
             self.scaler.load_state_dict(resumed["scaler"])
         states = resumed.get("rng_states")
         if states and len(states) == self.runtime.world_size:  # else: another world size, fresh streams
             set_rng_state(states[self.runtime.rank], self.runtime.devices)
 
+    def _restore_scheduler(self, resumed):
+        """The default schedule is recomputed at the resumed step (a resumed run may change --epochs or --lr);
+        any other scheduler takes its saved state, which must be at that step (stepped once per optimizer step)."""
+        done = self.start_epoch * self.steps_per_epoch + self.start_step
+        if schedule.is_step_function(self.scheduler):
+            self.scheduler = schedule.build_scheduler(self.optimizer, self.args, self.steps_per_epoch, start_step=done)
+            return
+        kind = type(self.scheduler).__name__
+        if resumed.get("scheduler_type") != kind:
+            raise UsageError(f"{self.resume_path} holds no {kind} state (its scheduler: "
+                             f"{resumed.get('scheduler_type') or 'the default --lr-schedule'}): resume it with the "
+                             "scheduler it was trained with")
+        self.scheduler.load_state_dict(resumed["scheduler"])
+        if self.scheduler.last_epoch != done:
+            raise UsageError(f"{self.resume_path}: its {kind} stood at step {self.scheduler.last_epoch}, the run at "
+                             f"{done}: a scheduler is stepped once per optimizer step, by the trainer alone")
+
     def _state(self, epoch, step_in_epoch, train_totals, rng_states, bad_images):
         return {"epoch": epoch, "step_in_epoch": step_in_epoch, "arch": self.args.arch,
                 "num_classes": len(self.data.classes), "classes": list(self.data.classes), "seed": self.seed,
                 "state_dict": checkpoint.unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scheduler_type": type(self.scheduler).__name__,
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "train_totals": train_totals,
+                "epoch_lr": self.epoch_lr,
                 "rng_states": rng_states, "world_size": self.runtime.world_size, "args": dict(vars(self.args)),
                 "bad_images": bad_images,
                 **({"best_ema_acc1": self.best_ema_acc1, **self.ema.state()} if self.ema is not None else {})}
@@ -302,9 +415,14 @@ class Trainer:
             train_model, eval_model = torch.compile(train_model), torch.compile(eval_model)
         log.print(f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
                   f"{describe_environment(runtime.device, runtime.num_devices)}")
-        log.print(f"data: {args.data or 'synthetic (--dummy)'} ({len(self.data.classes)} classes, "
+        source = (f"--dataset {args.dataset_fn}" if args.dataset_fn else args.data) or "synthetic (--dummy)"
+        log.print(f"data: {source} ({len(self.data.classes)} classes, "
                   f"{len(self.data.train_loader.dataset)} train / {len(self.data.val_loader.dataset)} val images, "
-                  f"{args.workers} loader worker(s) per process)")
+                  f"{args.workers} loader worker(s) per process), normalised with {args.normalisation}")
+        for line in describe_preset(args, self.data.first_image):
+            log.print(line)
+        if args.trainer:
+            log.print(f"trainer: {args.trainer}")
         log.print(f"model: {args.arch}" + (f" from {args.weights}" if args.weights else "")
                   + f", {'channels_last' if self.channels_last else 'default'} memory format "
                   f"(--channels-last {args.channels_last}), --amp {args.amp}")
@@ -321,15 +439,17 @@ class Trainer:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
                       + (f", step {self.start_step})" if self.start_step else ")"))
         if args.evaluate:
-            evaluate(eval_model, self.criterion, self.val_batches, runtime.device, args, log.print)
+            evaluate(self, eval_model, self.val_batches)
             if self.ema is not None:
-                evaluate(self.ema.module, self.criterion, self.val_batches, runtime.device, args, log.print,
-                         prefix="Test EMA", label="EMA")
+                evaluate(self, self.ema.module, self.val_batches, prefix="Test EMA", label="EMA")
             return None
         if self.start_epoch >= args.epochs:
             log.print(f"already trained {self.start_epoch} of --epochs {args.epochs}: nothing to do")
             return None
-        log.print(describe_optimizer(self.optimizer, args))
+        log.print(schedule.describe_optimizer(self.optimizer, args))
+        if not schedule.is_step_function(self.scheduler):
+            log.print(f"lr scheduler: {type(self.scheduler).__name__} (build_scheduler), stepped every optimizer step, "
+                      "saved in the checkpoints")
         if self.ema is not None:
             log.print(f"model EMA: decay {self.ema.decay:.8g} every {args.model_ema_steps} steps (--model-ema-decay "
                       f"{args.model_ema_decay:g} adjusted as torchvision's train.py does for batch {args.batch_size}, "
@@ -348,10 +468,11 @@ class Trainer:
             if hasattr(self.data.train_loader.dataset, "set_epoch"):
                 self.data.train_loader.dataset.set_epoch(epoch)
             metrics = MetricSums(runtime.device, base=self.resumed_totals if first_step else None)
-            epoch_start, lr = time.time(), self.optimizer.param_groups[0]["lr"]
+            if not first_step or self.epoch_lr is None:
+                self.epoch_lr = self.optimizer.param_groups[0]["lr"]
+            epoch_start, lr = time.time(), self.epoch_lr
             train, stopped = train_one_epoch(
-                train_model, self.criterion, self.optimizer, self.scheduler, self.scaler, self.train_batches,
-                runtime.device, epoch, args, log.print, metrics, first_step,
+                self, train_model, self.train_batches, epoch, metrics, first_step,
                 after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics),
                 mix=self._mixer(epoch),
                 log_step=lambda steps_done, values: log.log_step(epoch * self.steps_per_epoch + steps_done, values))
@@ -363,15 +484,15 @@ class Trainer:
                 raise Preempted()
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)
-            val = evaluate(eval_model, self.criterion, self.val_batches, runtime.device, args, log.print)
+            val = evaluate(self, eval_model, self.val_batches)
             row = {}
             if self.ema is not None:
                 # The EMA's BatchNorm statistics average each rank's own: evaluate and save rank 0's.
                 distributed.broadcast_buffers(self.ema.module)
-                ema_val = evaluate(self.ema.module, self.criterion, self.val_batches, runtime.device, args, log.print,
-                                   prefix="Test EMA", label="EMA")
+                ema_val = evaluate(self, self.ema.module, self.val_batches, prefix="Test EMA", label="EMA")
                 self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
-                row = {"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"]}
+                row = {"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
+                       **{f"ema_val_{name}": value for name, value in MetricSums.extra(ema_val).items()}}
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
             bad_images = self.save(epoch + 1, is_best=is_best)
@@ -380,7 +501,9 @@ class Trainer:
                            "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"],
                            "images_per_second": round(train["images_per_second"], 1),
-                           "bad_images": len(bad_images), **row})
+                           "bad_images": len(bad_images), **row,
+                           **{f"train_{name}": value for name, value in MetricSums.extra(train).items()},
+                           **{f"val_{name}": value for name, value in MetricSums.extra(val).items()}})
         summary = {"mode": runtime.mode, "arch": args.arch, "epochs": args.epochs, "world_size": runtime.world_size,
                    "devices_per_process": runtime.num_devices, "device": str(runtime.device),
                    "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],

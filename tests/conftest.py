@@ -139,6 +139,12 @@ def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
     return run(torchrun_command(script, nproc, *args, extra=extra), timeout=timeout, env=env)
 
 
+def no_traceback_of_ours(output):
+    """No traceback through this repository's code (torchrun prints its own on a failed job, from the
+    environment that runs the tests, which may be inside the repository: .venv, .venv-latest)."""
+    return not re.search(rf'File "{re.escape(str(REPO))}/(?!{re.escape(os.path.relpath(sys.prefix, REPO))}/)', output)
+
+
 def assert_ok(result):
     assert result.returncode == 0, result.stdout[-4000:]
     return result.stdout

@@ -537,15 +537,23 @@ def test_train_preset_crops_inside_the_image_and_returns_the_crop_size():
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_device_loader_normalises_uint8_batches_on_the_device(channels_last):
-    images = torch.randint(0, 256, (2, 3, 5, 5), dtype=torch.uint8)
-    loader = DeviceLoader([(images, torch.tensor([1, 2]), [])], torch.device("cpu"), channels_last)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_device_loader_and_the_loader_workers_normalise_alike_uint8_and_float_images(channels_last, dtype):
+    """On a GPU DeviceLoader normalises (the batch travels as decoded), on the CPU the workers' Collate does: one
+    arithmetic for both, uint8 images on the 0-255 scale, float ones on 0-1 (the same pixels give the same
+    inputs). Once float images were left unnormalised on a GPU, silently."""
+    pixels = torch.randint(0, 256, (2, 3, 5, 5), dtype=torch.uint8)
+    images = pixels if dtype == torch.uint8 else pixels.float() / 255
+    normalise = data_module.Normalise()
+    loader = DeviceLoader([(images, torch.tensor([1, 2]), [])], torch.device("cpu"), channels_last, normalise=normalise)
     (batch, target), = list(loader)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-    assert torch.allclose(batch, (images.float() / 255 - mean) / std, atol=1e-5)
+    assert torch.allclose(batch, (pixels.float() / 255 - mean) / std, atol=1e-5)
     assert batch.is_contiguous(memory_format=torch.channels_last) == channels_last
     assert target.tolist() == [1, 2] and len(loader) == 1
+    collated, _, _ = data_module.Collate(normalise)([(image, label, ()) for image, label in zip(images, [1, 2])])
+    assert torch.allclose(collated, batch, atol=1e-6)
 
 
 def test_seeded_transform_is_a_function_of_seed_epoch_and_index():

@@ -23,7 +23,7 @@ from common.args import build_parser, parse_args
 from common.bad_images import SkipUnreadable, UnreadableImage
 from common.data import Collate, build_data, load_image
 from common.preemption import StopNow
-from conftest import PYTHON, REPO, Job, free_port, make_image_folder, process_stat
+from conftest import PYTHON, REPO, Job, free_port, make_image_folder, no_traceback_of_ours, process_stat
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
@@ -77,12 +77,6 @@ def ended_cleanly(runs, name):
     returncode, output, left_behind = runs[name]
     assert returncode is not None and not left_behind, f"left behind: {left_behind}\n{output[-3000:]}"
     return returncode, output
-
-
-def no_traceback_of_ours(output):
-    """No traceback through this repository's code (torchrun prints its own on a failed job, from the
-    environment that runs the tests, which may be inside the repository: .venv, .venv-latest)."""
-    return not re.search(rf'File "{re.escape(str(REPO))}/(?!{re.escape(os.path.relpath(sys.prefix, REPO))}/)', output)
 
 
 def jpeg_bytes(mode="RGB", fmt="JPEG", size=(40, 40), color=(200, 30, 30)):

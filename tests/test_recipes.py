@@ -5,6 +5,7 @@ the repeated-augmentation sampler included), and per-step TensorBoard scalars re
 TensorBoard's own EventAccumulator. (The data side of the recipe: tests/test_recipe_data.py.)"""
 import copy
 import csv
+import functools
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ import torchvision
 from common.args import UsageError
 from common.ema import ModelEma, adjusted_decay
 from common.engine import train_one_epoch
+from common.trainer import Trainer
 from common.logger import CSV_FIELDS, EMA_FIELDS, STEP_TAGS, RunLogger
 from common.meters import MetricSums
 from common.schedule import build_optimizer, build_scheduler, describe_optimizer, parameter_groups
@@ -288,10 +290,15 @@ def test_train_one_epoch_takes_the_loss_on_the_mixed_targets_and_the_accuracy_on
         return images, soft
 
     metrics = MetricSums(torch.device("cpu"))
-    summary, stopped = train_one_epoch(
-        model, criterion, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), batches,
-        torch.device("cpu"), 0, SimpleNamespace(amp="none", print_freq=2), lines.append, metrics, first_step=5,
-        mix=mix, log_step=lambda steps_done, values: logged.append((steps_done, values)))
+    # The Trainer's own train_step and optimizer_step, on the parts they use.
+    trainer = SimpleNamespace(args=SimpleNamespace(amp="none", print_freq=2, clip_grad_norm=None), model=model,
+                              runtime=SimpleNamespace(device=torch.device("cpu")), log=SimpleNamespace(print=lines.append),
+                              criterion=criterion, aux_weight=None, optimizer=optimizer, scheduler=scheduler,
+                              scaler=torch.amp.GradScaler("cpu", enabled=False))
+    trainer.train_step = functools.partial(Trainer.train_step, trainer)
+    trainer.optimizer_step = functools.partial(Trainer.optimizer_step, trainer)
+    summary, stopped = train_one_epoch(trainer, model, batches, 0, metrics, first_step=5, mix=mix,
+                                       log_step=lambda steps_done, values: logged.append((steps_done, values)))
     expected = sum(criterion(10 * images, F.one_hot((target + 1) % classes, classes).float()).item()
                    for images, target in batches) / len(batches)
     assert not stopped and mixed_steps == [5, 6, 7]
@@ -594,12 +601,12 @@ def test_with_mixing_ddp_mixes_within_each_rank_and_so_differs_from_the_unmixed_
 
 # ----------------------------------------------------------------------------- --lr-step-unit epoch
 
-def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1):
+def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1, lr_min=0.0):
     """The lr of each epoch as torchvision's references/classification/train.py schedules it: its schedulers
     (LinearLR warmup from 0.01, then CosineAnnealingLR or StepLR, in a SequentialLR), stepped once per epoch."""
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
     if schedule == "cosine":
-        main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs - warmup, eta_min=0.0)
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs - warmup, eta_min=lr_min)
     else:
         main = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
     if warmup > 0:
@@ -615,12 +622,14 @@ def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1)
     return lrs
 
 
-@pytest.mark.parametrize("schedule, epochs, warmup", [("cosine", 12, 3), ("cosine", 10, 0), ("step", 70, 5),
-                                                       ("step", 65, 0)])
-def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(schedule, epochs, warmup):
+@pytest.mark.parametrize("schedule, epochs, warmup, lr_min", [("cosine", 12, 3, 0.0), ("cosine", 10, 0, 0.0),
+                                                               ("cosine", 12, 3, 0.02), ("step", 70, 5, 0.0),
+                                                               ("step", 65, 0, 0.0)])
+def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(schedule, epochs, warmup, lr_min):
+    """--lr-min is CosineAnnealingLR's eta_min (torchvision's --lr-min)."""
     args = SimpleNamespace(lr=0.5, momentum=0.9, weight_decay=1e-4, norm_weight_decay=None, bias_weight_decay=None,
                            lr_schedule=schedule, epochs=epochs, warmup_epochs=float(warmup), lr_step_size=30,
-                           lr_gamma=0.1, lr_step_unit="epoch")
+                           lr_gamma=0.1, lr_step_unit="epoch", lr_min=lr_min)
     optimizer = build_optimizer(nn.Linear(2, 2), args)
     scheduler = build_scheduler(optimizer, args, steps_per_epoch=3)
     ours = []
@@ -628,7 +637,7 @@ def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(s
         ours.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    expected = [lr for lr in torchvision_epoch_lrs(0.5, schedule, epochs, warmup) for _ in range(3)]
+    expected = [lr for lr in torchvision_epoch_lrs(0.5, schedule, epochs, warmup, lr_min=lr_min) for _ in range(3)]
     assert ours == pytest.approx(expected, rel=1e-9, abs=1e-12)
     if schedule == "step" and warmup:  # the decays come 30 epochs after the warmup's end, as there
         assert ours[3 * 34] == pytest.approx(0.5) and ours[3 * 35] == pytest.approx(0.05)
