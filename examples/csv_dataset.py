@@ -1,0 +1,43 @@
+"""Your own dataset: `--dataset examples.csv_dataset:build --data DIR`, no other change.
+
+    python train_dp.py --dataset examples.csv_dataset:build --data DIR -a resnet18
+
+Here DIR/annotations.csv lists every image with its split and class, columns `file,split,species` (a
+layout of your own; for plain `path,label` files per split, --data DIR with DIR/train.csv and DIR/val.csv
+needs no code at all). build(args) returns (classes, train_set, val_set); each set is a map-style dataset
+whose items are (image, label): a PIL image (or a CHW tensor, uint8 or float in 0-1) and a class index.
+The trainer wraps both: seeded crops and flips, the resumable sampler, exact validation, and the skipping
+of unreadable files, which name(index) names in warnings and bad_images.txt.
+"""
+import csv
+from pathlib import Path
+
+from PIL import Image
+from torch.utils.data import Dataset
+
+
+class ImageList(Dataset):
+    def __init__(self, items):
+        self.items = items  # [(path, class index)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, index):
+        path, label = self.items[index]
+        return Image.open(path), label  # decoded (and converted to RGB) by the trainer's wrapper
+
+    def name(self, index):
+        return self.items[index][0]
+
+
+def build(args):
+    root = Path(args.data)
+    with open(root / "annotations.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    classes = sorted({row["species"] for row in rows})
+    index = {name: k for k, name in enumerate(classes)}
+
+    def split(name):
+        return ImageList([(str(root / row["file"]), index[row["species"]]) for row in rows if row["split"] == name])
+    return classes, split("train"), split("val")

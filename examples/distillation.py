@@ -1,0 +1,44 @@
+"""Knowledge distillation from a trained teacher: `--trainer examples.distillation:Distillation`.
+
+    python train_dp.py -a resnet18 --trainer examples.distillation:Distillation \
+        --teacher runs/dp-resnet50-imagenet/model_best.pth --teacher-arch resnet50
+
+One file of your own: a Trainer subclass that adds its flags, builds the teacher beside the student, and
+replaces train_step. The loss is (1 - alpha) x cross-entropy + alpha x T^2 x KL(teacher || student) at
+temperature T (Hinton et al. 2015); both terms are logged by name (train_ce_loss, train_distill_loss in
+log.csv and TensorBoard, summed over ranks exactly, resumed by name). Validation is the base class's:
+the student's cross-entropy and accuracy.
+"""
+import torch
+import torch.nn.functional as F
+
+from common import checkpoint, models
+from common.trainer import Trainer
+
+
+class Distillation(Trainer):
+    @classmethod
+    def add_arguments(cls, parser):
+        parser.add_argument("--teacher", required=True, metavar="PATH", help="the teacher's checkpoint")
+        parser.add_argument("--teacher-arch", default="resnet50", help="the teacher's --arch (%(default)s)")
+        parser.add_argument("--distill-alpha", type=float, default=0.5, help="weight of the distillation term")
+        parser.add_argument("--distill-temperature", type=float, default=4.0, help="softmax temperature T")
+
+    def build_model(self, num_classes):
+        student = super().build_model(num_classes)
+        teacher = models.build_model(self.args.teacher_arch, num_classes)
+        saved = checkpoint.load_checkpoint(self.args.teacher)  # weights_only=True: nothing in it runs
+        checkpoint.load_weights(teacher, saved, self.args.teacher_arch, self.data.classes, self.args.teacher)
+        # Frozen, in eval mode, on this process's device; not part of the student, so not in its checkpoints.
+        self.teacher = teacher.eval().requires_grad_(False).to(self.runtime.device)
+        return student
+
+    def train_step(self, model, images, labels):
+        logits = model(images)
+        with torch.no_grad():
+            teacher_logits = self.teacher(images)
+        temperature, alpha = self.args.distill_temperature, self.args.distill_alpha
+        ce = self.criterion(logits, labels)
+        distill = F.kl_div(F.log_softmax(logits / temperature, dim=1), F.log_softmax(teacher_logits / temperature, dim=1),
+                           reduction="batchmean", log_target=True) * temperature ** 2
+        return (1 - alpha) * ce + alpha * distill, logits, {"ce_loss": ce, "distill_loss": distill}

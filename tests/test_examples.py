@@ -1,0 +1,143 @@
+"""examples/: the five changes a researcher makes (own model with an auxiliary head, own dataset, distillation,
+another optimizer and schedule with clipping, an extra metric), each one file of theirs, run with the real
+launchers: torchrun with 2 processes against one process (the same losses and named values, 1e-5), a SIGKILL
+of the whole job mid-epoch then --resume auto (bitwise the weights, exactly the logged values of the run that
+was never stopped), and validation counting each image once."""
+import csv
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, Job, free_port
+
+SIZE = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1"]
+# tiny_data: 24 train images, 12 val; global batch 4: 6 steps an epoch, a checkpoint every 2 steps.
+RUN = [*SIZE, "-b", "4", "--epochs", "2", "--seed", "3", "--lr", "0.02", "--checkpoint-interval", "2"]
+TINY_NET = ["-a", "tests.tiny_models:TinyNet"]
+VAL_IMAGES = 12
+KILL_AT = re.compile(r"^Epoch: \[1\] \[3/6\]")  # the last checkpoint before it: epoch 1, step 2
+
+
+def example_arguments(name, data, teacher):
+    """The flags of each example: what its docstring tells a researcher to pass."""
+    return {"aux_model": ["-a", "examples.aux_model:build", "--data", data],
+            "csv_dataset": [*TINY_NET, "--dataset", "examples.csv_dataset:build", "--data", data],
+            "distillation": [*TINY_NET, "--data", data, "--trainer", "examples.distillation:Distillation",
+                             "--teacher", teacher, "--teacher-arch", "tests.tiny_models:TinyNet"],
+            "adamw_onecycle": [*TINY_NET, "--data", data, "--trainer", "examples.adamw_onecycle:AdamWOneCycle",
+                               "--clip-grad-norm", "0.05", "--wd", "0.05"],
+            "extra_metric": [*TINY_NET, "--data", data, "--trainer", "examples.extra_metric:WithConfidence"]}[name]
+
+
+EXAMPLES = ["aux_model", "csv_dataset", "distillation", "adamw_onecycle", "extra_metric"]
+# The named values each example logs (log.csv columns beyond the run's own).
+NAMED = {"distillation": ["train_ce_loss", "train_distill_loss"],
+         "extra_metric": ["train_top5_error", "train_confidence", "val_top5_error", "val_confidence"]}
+
+
+def torchrun(*args):
+    return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *args]
+
+
+def finished(job):
+    returncode, output = job.finish(timeout=300)
+    assert returncode == 0, output[-3000:]
+    return output
+
+
+def runs_of(name, data, teacher, out):
+    """The example's three runs: one process (train_dp.py), torchrun with 2 processes, and torchrun with 2
+    processes SIGKILLed (all of it) mid-epoch 1, then resumed to the end."""
+    flags = [*RUN, *example_arguments(name, data, teacher)]
+    single = Job([PYTHON, REPO / "train_dp.py", *flags, "--output-dir", out / "single"])
+    ddp = Job(torchrun(*flags, "--output-dir", out / "ddp"))
+    outputs = {"single": finished(single), "ddp": finished(ddp)}
+    killed = Job(torchrun(*flags, "--output-dir", out / "killed", "--resume", "auto"))
+    killed.wait_for(KILL_AT, timeout=300)
+    killed.kill()
+    outputs["resumed"] = finished(Job(torchrun(*flags, "--output-dir", out / "killed", "--resume", "auto")))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def csv_data(tiny_data, tmp_path_factory):
+    """tiny_data listed in one annotations.csv (file, split, species): examples/csv_dataset.py's layout."""
+    root = tmp_path_factory.mktemp("annotated")
+    with open(root / "annotations.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["file", "split", "species"])
+        for path in sorted(tiny_data.glob("*/*/*.jpg")):
+            writer.writerow([path, path.parent.parent.name, path.parent.name])
+    return root
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    finished(Job([PYTHON, REPO / "train_dp.py", *SIZE, *TINY_NET, "--data", tiny_data, "--epochs", "2", "-b", "4",
+                  "--seed", "1", "--output-dir", out]))
+    return out / "checkpoint.pth"
+
+
+@pytest.fixture(scope="module")
+def example_runs(tiny_data, csv_data, teacher, tmp_path_factory):
+    """name -> {run: output}; the output dirs under name's folder. Two examples at a time."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
+
+    def run(name):
+        data = csv_data if name == "csv_dataset" else tiny_data
+        return runs_of(name, data, teacher, folders[name])
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, name) for name in EXAMPLES}
+    return {name: (future.result(), folders[name]) for name, future in futures.items()}
+
+
+def log_rows(folder):
+    with open(folder / "log.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def compared_columns(rows):
+    return [field for field in rows[0] if field not in ("epoch", "start_time", "seconds", "images_per_second")]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_an_example_under_ddp_follows_the_single_process_run(example_runs, name):
+    outputs, folder = example_runs[name]
+    single, ddp = log_rows(folder / "single"), log_rows(folder / "ddp")
+    assert len(single) == len(ddp) == 2
+    columns = compared_columns(ddp)
+    assert set(NAMED.get(name, [])) <= set(columns), columns  # each named value is a column of its own
+    for a, b in zip(single, ddp):
+        for column in columns:
+            assert float(a[column]) == pytest.approx(float(b[column]), rel=1e-5, abs=1e-5), (column, a, b)
+    # Equality proves nothing if training stood still: the last 2 steps moved the weights.
+    last, before = (torch.load(folder / "ddp" / file, weights_only=True)["state_dict"]
+                    for file in ("checkpoint.pth", "checkpoint_prev.pth"))
+    assert max((last[key].float() - before[key].float()).abs().max().item() for key in last) > 1e-5
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_an_example_killed_mid_epoch_resumes_to_the_same_end_bitwise(example_runs, name):
+    outputs, folder = example_runs[name]
+    assert re.search(r"^resumed from .*checkpoint\.pth \(epoch 1, step [24]\)", outputs["resumed"], re.MULTILINE), \
+        outputs["resumed"][-3000:]
+    final = {run: torch.load(folder / run / "checkpoint.pth", weights_only=True) for run in ("ddp", "killed")}
+    assert final["ddp"]["state_dict"].keys() == final["killed"]["state_dict"].keys()
+    for key, value in final["ddp"]["state_dict"].items():
+        assert torch.equal(value, final["killed"]["state_dict"][key]), key
+    uninterrupted, resumed = log_rows(folder / "ddp"), log_rows(folder / "killed")
+    for column in compared_columns(uninterrupted):  # the named values' sums too: resumed by name
+        assert [row[column] for row in uninterrupted] == [row[column] for row in resumed], column
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_an_example_validates_every_image_once(example_runs, name):
+    outputs, _ = example_runs[name]
+    for run, output in outputs.items():
+        counts = re.findall(r"^ \* Acc@1 .*\((\d+) images\)$", output, re.MULTILINE)
+        assert counts and set(counts) == {str(VAL_IMAGES)}, (run, output[-2000:])
