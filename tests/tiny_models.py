@@ -77,3 +77,32 @@ def OrderRecorder(num_classes, dropout=0.0):
     one line per step: on a set of one-colour images (one value each) it records the order this rank trains
     in."""
     return _RecordsOrder(num_classes, dropout)
+
+
+class _LeavesOneOut(nn.Module):
+    def __init__(self, num_classes, dropout):
+        super().__init__()
+        self.net = TinyNet(num_classes, dropout)
+        self.unused = nn.Linear(4, num_classes)  # never called: DDP waits for its gradient
+
+    def forward(self, images):
+        return self.net(images)
+
+
+def UnusedNet(num_classes, dropout=0.0):
+    """TinyNet beside a layer its forward never uses: DDP needs --find-unused-parameters for it."""
+    return _LeavesOneOut(num_classes, dropout)
+
+
+def _returns_logits_only():
+    from common.trainer import Trainer
+
+    class ReturnsLogitsOnly(Trainer):
+        """A train_step that forgot the loss."""
+
+        def train_step(self, model, images, labels):
+            return model(images)
+    return ReturnsLogitsOnly
+
+
+ReturnsLogitsOnly = _returns_logits_only()

@@ -1,0 +1,102 @@
+"""Datasets of a researcher's own, as --dataset tests.custom_datasets:NAME gives them to the scripts: the
+kinds that must train (PIL images, float tensors, 1-channel images with their mean and std) and the
+mistakes that must be refused in one line at start."""
+import torch
+import torch.nn as nn
+from PIL import Image
+from torch.utils.data import Dataset, IterableDataset
+
+CLASSES = ["dark", "mid", "light"]
+TRAIN, VAL = 12, 6
+
+
+def pixels(index, channels=3, size=20):
+    """A uint8 CHW image of class index % 3: a grey level per class, with a little noise."""
+    generator = torch.Generator().manual_seed(index)
+    level = 40 + 80 * (index % 3)
+    noise = torch.randint(-20, 21, (channels, size, size), generator=generator)
+    return (level + noise).clamp(0, 255).to(torch.uint8)
+
+
+class Items(Dataset):
+    def __init__(self, count, make, offset=0):
+        self.count, self.make, self.offset = count, make, offset
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return self.make(index + self.offset)
+
+
+def splits(make):
+    return CLASSES, Items(TRAIN, make), Items(VAL, make, offset=TRAIN)
+
+
+def pil_images(args):
+    return splits(lambda i: (Image.fromarray(pixels(i).permute(1, 2, 0).numpy()).convert("L"), i % 3))
+
+
+def float_tensors(args):
+    return splits(lambda i: (pixels(i).float() / 255, torch.tensor(i % 3)))
+
+
+def gray_tensors(args):
+    return splits(lambda i: (pixels(i, channels=1), i % 3))
+
+
+def gray_with_stats(args):
+    classes, train, val = gray_tensors(args)
+    train.mean, train.std = [0.47], [0.3]
+    return classes, train, val
+
+
+def gray_net(num_classes, dropout=0.0):
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, num_classes))
+
+
+# Mistakes: each is refused at start in one line.
+def triples(args):
+    return splits(lambda i: (pixels(i), i % 3, "extra"))
+
+
+def numpy_images(args):
+    return splits(lambda i: (pixels(i).permute(1, 2, 0).numpy(), i % 3))
+
+
+def hwc_tensors(args):
+    return splits(lambda i: (pixels(i, size=20).permute(1, 2, 0).contiguous()[:, :6], i % 3))
+
+
+def labels_out_of_range(args):
+    return splits(lambda i: (pixels(i), 3 + i % 3))
+
+
+def iterable(args):
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(pixels(i), i % 3) for i in range(TRAIN)])
+    return CLASSES, Stream(), Items(VAL, lambda i: (pixels(i), i % 3))
+
+
+def two_things(args):
+    return CLASSES, Items(TRAIN, lambda i: (pixels(i), i % 3))
+
+
+def uint16_images(args):
+    return splits(lambda i: (pixels(i).to(torch.int16), i % 3))
+
+
+def late_bad_item(args):
+    """Item 5 of the train set is a 3-tuple: found by a loader worker, not at start."""
+    return splits(lambda i: (pixels(i), i % 3) if i != 5 else (pixels(i), i % 3, None))
+
+
+def unreadable_items(args):
+    """Training items 2 and 3 raise OSError, as a file a dataset cannot read: skipped and listed, like broken files."""
+    def make(i):
+        if i in (2, 3):
+            raise OSError(f"cannot read sample {i}")
+        return pixels(i), i % 3
+    return splits(make)
