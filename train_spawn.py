@@ -140,16 +140,20 @@ def main(args):
         while not context.join():
             pass
     except mp.ProcessRaisedException as error:
-        # A bad-input error in a worker arrives as its traceback text: report its one line.
-        usage = re.search(r"(?:UsageError|UnreadableImage|BadItem): (.*)\s*$", str(error))
+        # A bad-input error in a worker arrives as its traceback text: report its one line, with its exit code
+        # (a checkpoint that could not be written: 1).
+        usage = re.search(r"(UsageError|UnreadableImage|BadItem|CheckpointWriteError): (.*)\s*$", str(error))
         if usage:
-            raise cli.UsageError(usage.group(1)) from None
+            failure = cli.UsageError(usage.group(2))
+            failure.exit_code = 1 if usage.group(1) == "CheckpointWriteError" else cli.UsageError.exit_code
+            raise failure from None
         raise
     except mp.ProcessExitedException as error:
         if error.exit_code not in (cli.PREEMPTED_EXIT_CODE, 130):  # stopped on request
             say(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
                 "see the errors above", file=sys.stderr)
-        raise SystemExit(error.exit_code or 1) from None
+        # A worker killed by a signal: 128 + its number, as a shell reports it (a negative code would exit 256 - N).
+        raise SystemExit(128 - error.exit_code if error.exit_code < 0 else error.exit_code or 1) from None
 
 
 if __name__ == "__main__":

@@ -225,7 +225,15 @@ class Trainer:
 
         # The same seed on every rank: same initial weights and same data order (until the
         # model is built: then seed_this_rank).
-        seed = args.seed if args.seed is not None else (resumed or {}).get("seed")
+        # A resumed run keeps its checkpoint's seed: data order, augmentation and mixing follow it.
+        seed, saved_seed = args.seed, (resumed or {}).get("seed")
+        if saved_seed is not None and not args.evaluate:
+            if seed is not None and seed != saved_seed:
+                self.log.print(f"warning: --seed {seed} ignored: {self.resume_path} was trained with seed {saved_seed}, "
+                               "which this run keeps; another seed is another run (--overwrite or another --output-dir)")
+            seed = saved_seed
+        elif seed is None:
+            seed = saved_seed
         self.seed = distributed.shared_seed(seed)
         random.seed(self.seed)
         torch.manual_seed(self.seed)

@@ -414,7 +414,7 @@ def finished_run(data, tmp_path_factory):
     common = [*TINY_NET, "--epochs", "2", "--checkpoint-interval", "0"]
     assert_ok(run_script("train_dp.py", *common, "--data", data, "--output-dir", run_dir))
     copies = {name: shutil.copytree(run_dir, root / name) for name in ("damaged", "damaged-resumed", "full-disk",
-                                                                       "overwritten")}
+                                                                       "full-disk-spawn", "overwritten")}
     for name in ("damaged", "damaged-resumed"):
         saved = (copies[name] / "checkpoint.pth").read_bytes()
         (copies[name] / "checkpoint.pth").write_bytes(saved[:1000])  # truncated, as by a crash of the storage
@@ -431,7 +431,10 @@ def finished_run(data, tmp_path_factory):
     jobs = {"damaged-resumed": train_dp(copies["damaged-resumed"], "--resume", "auto", "--epochs", "3"),
             "full-disk": train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3",
                                   preexec_fn=limit_file_size(64 * 1024)),
-            "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite")}
+            "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite"),
+            "full-disk-spawn": Job([PYTHON, REPO / "train_spawn.py", *common, "--data", data, "--output-dir",
+                                    copies["full-disk-spawn"], "--resume", "auto", "--epochs", "3", "--nproc-per-node", "2",
+                                    "-j", "0", "--master-port", free_port()], preexec_fn=limit_file_size(64 * 1024))}
     relaunches = {
         "forgot-resume": ["--data", data, "--output-dir", run_dir],
         "forgot-resume-damaged": ["--data", data, "--output-dir", copies["damaged"]],
@@ -471,6 +474,15 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_intact(fini
     assert not [path.name for path in run_dir.iterdir() if path.name.startswith(".")]
 
 
+def test_a_checkpoint_that_cannot_be_written_under_spawn_ends_in_its_one_line_too(finished_run):
+    """Once a traceback: spawn passed the worker's CheckpointWriteError up as its text."""
+    returncode, output = finished_run.ended["full-disk-spawn"]
+    assert returncode == 1, output[-3000:]
+    assert re.search(r"^error: could not write a checkpoint to \S+ \(.+\); the checkpoints already there are intact$",
+                     output, re.MULTILINE), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 def test_an_output_dir_of_another_run_is_refused_unless_resume_names_it(finished_run):
     for name in ("other-arch", "other-data"):
         result = finished_run.refused[name]
@@ -506,3 +518,34 @@ def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(fini
     assert not (run_dir / "bad_images.txt").exists() and not (run_dir / "checkpoint_prev.pth").exists()
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert (run_dir / "checkpoint.pth").stat().st_mtime_ns > finished_run.before["overwritten"]
+
+
+# ----------------------------------------------------------------------------- seeds and exit codes
+
+def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(data, tmp_path):
+    """Seen once: --seed 2 resumed a --seed 1 run with no word, in another data order from then on."""
+    common = [*TINY_NET, "--data", data, "--checkpoint-interval", "0"]
+    first, uninterrupted = run_prewarmed("train_dp.py", [
+        [*common, "--epochs", "1", "--seed", "1", "--output-dir", tmp_path / "resumed"],
+        [*common, "--epochs", "2", "--seed", "1", "--output-dir", tmp_path / "uninterrupted"]])
+    assert_ok(first), assert_ok(uninterrupted)
+    resumed, = run_prewarmed("train_dp.py", [[*common, "--epochs", "2", "--seed", "2", "--resume", "auto",
+                                              "--output-dir", tmp_path / "resumed"]])
+    output = assert_ok(resumed)
+    assert re.search(r"^warning: --seed 2 ignored: \S+checkpoint\.pth was trained with seed 1, which this run keeps; "
+                     r"another seed is another run \(--overwrite or another --output-dir\)$", output, re.MULTILINE), output
+    assert_bitwise_equal(weights(tmp_path / "resumed"), weights(tmp_path / "uninterrupted"))
+
+
+def test_a_spawn_worker_killed_by_a_signal_ends_the_job_with_128_plus_its_number(data, tmp_path):
+    """Once 247 for SIGKILL: spawn's negative exit code passed to SystemExit."""
+    job = Job([PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", tmp_path, "--epochs", "5",
+               "--nproc-per-node", "2", "-j", "0", "--master-port", free_port()])
+    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
+    workers = [pid for pid in job.leftovers() if process_stat(pid) and int(process_stat(pid)[1]) == job.process.pid
+               and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not spawn's resource tracker
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    returncode, output = job.finish(timeout=120)
+    assert returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert re.search(r"^error: process \d exited \(SIGKILL\); see the errors above$", output, re.MULTILINE), output[-3000:]
