@@ -54,7 +54,7 @@ def describe(error):
 class SkipUnreadable(Dataset):
     """(image, label, bad) for each item, where `bad` lists the (name, reason) of the items that could not
     be loaded on the way. Items are (loader(path), label) for each (path, label) of `samples` (image files:
-    any error is a file that cannot be decoded), or with loader None, check(*samples[i], i) of a dataset's
+    any error is a file that cannot be decoded), or with loader None, check(samples[i], i) of a dataset's
     (image, label) items, named by the dataset's name(i) if it has one (else "Class[i]"); there an error of
     the dataset's own code (PROGRAMMING_ERRORS) is raised, not skipped. replace=True (training): the next
     readable item takes a bad one's place; replace=False (validation): image is None. strict=True: raise instead."""
@@ -68,31 +68,30 @@ class SkipUnreadable(Dataset):
     def _read(self, index):
         if self.loader is not None:
             path, label = self.samples[index]
-            return path, (self.loader(path), label)
-        name = self.samples.name(index) if hasattr(self.samples, "name") else f"{type(self.samples).__name__}[{index}]"
-        try:
-            item = self.samples[index]
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise BadItem(f"item {index} of the {self.check.split} set is a {type(item).__name__}; items must be "
-                              "(image, label)")
-            return name, self.check(*item, index)
-        except Exception as error:
-            error.item_name = name
-            raise
+            return self.loader(path), label
+        return self.check(self.samples[index], index)
+
+    def _name(self, index):
+        """What warnings and bad_images.txt call item `index`: its path, or the dataset's name for it."""
+        if self.loader is not None:
+            return self.samples[index][0]
+        if hasattr(self.samples, "name"):
+            return self.samples.name(index)
+        return f"{type(self.samples).__name__}[{index}]"
 
     def __getitem__(self, index):
         bad = []
         for attempt in range(MAX_IN_A_ROW):
             position = (index + attempt) % len(self.samples)
             try:
-                _, (image, label) = self._read(position)
+                image, label = self._read(position)
                 return image, label, bad
             except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
                 raise
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
                 if self.loader is None and isinstance(error, PROGRAMMING_ERRORS):
                     raise
-                path = getattr(error, "item_name", None) or self.samples[position][0]
+                path = self._name(position)
                 if self.strict:
                     raise UnreadableImage(f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
                                           "such files are skipped and listed in bad_images.txt") from None

@@ -471,15 +471,18 @@ def describe_item(item):
 
 
 class ItemCheck:
-    """The image and label of a dataset item as the loaders need them: the image a CHW tensor (a PIL image
+    """A dataset item as the loaders need it: an (image, label) pair, the image a CHW tensor (a PIL image
     converted to RGB, then to uint8; a tensor uint8 or float, kept), with the channels and kind (uint8 or
     float) of the first; the label an int below num_classes. Anything else: BadItem, one line."""
 
     def __init__(self, num_classes, split, channels=None, floating=None):
         self.num_classes, self.split, self.channels, self.floating = num_classes, split, channels, floating
 
-    def __call__(self, image, label, index):
+    def __call__(self, item, index):
         where = f"item {index} of the {self.split} set"
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise BadItem(f"{where} is {describe_item(item)}; items must be (image, label)")
+        image, label = item
         if isinstance(image, Image.Image):
             image = F.pil_to_tensor(image.convert("RGB"))
         elif isinstance(image, torch.Tensor):
@@ -515,10 +518,7 @@ def first_item(dataset, split, num_classes):
         raise UsageError(f"the {split} set is empty")
     if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
         return None
-    item = dataset[0]
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise BadItem(f"item 0 of the {split} set is {describe_item(item)}; items must be (image, label)")
-    image, _ = ItemCheck(num_classes, split)(*item, 0)
+    image, _ = ItemCheck(num_classes, split)(dataset[0], 0)
     return (image.shape[0], *image.shape[-2:], image.dtype)
 
 

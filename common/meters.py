@@ -126,9 +126,9 @@ class MetricSums:
         return summary
 
     @staticmethod
-    def extra(summary):
-        """The named values of a summary(): all but the run's own."""
-        return {name: value for name, value in summary.items()
+    def extra(summary, prefix=""):
+        """The named values of a summary(): all but the run's own, each name after `prefix` (log.csv's train_)."""
+        return {prefix + name: value for name, value in summary.items()
                 if name not in ("loss", "acc1", "acc5", "count", "images_per_second")}
 
 

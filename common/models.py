@@ -96,10 +96,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3):
 
 
 def _size_hint(arch):
-    """What the crop-size flags should be for `arch`: torchvision's minimum and trained size, where known."""
-    hint = "choose --train-crop-size and --val-crop-size that it takes"
-    if custom_builder(arch) is None:
-        weights = torchvision.models.get_model_weights(arch).DEFAULT
-        hint += (f" (torchvision: at least {weights.meta['min_size'][0]} px; its weights were trained at "
-                 f"{weights.transforms().crop_size[0]} px)")
-    return hint
+    """What the crop-size flags should be for torchvision's `arch`: its minimum and trained size."""
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    return (f"choose --train-crop-size and --val-crop-size that it takes (torchvision: at least "
+            f"{weights.meta['min_size'][0]} px; its weights were trained at {weights.transforms().crop_size[0]} px)")

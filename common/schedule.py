@@ -117,9 +117,12 @@ class LrFactor:
             return self.gamma ** ((step // self.steps_per_epoch) // self.step_size)
         if self.schedule == "cosine":
             total = max(self.epochs * self.steps_per_epoch - warmup_steps, 1)
-            progress = min((step - warmup_steps) / total, 1.0)
-            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return self.cosine(min((step - warmup_steps) / total, 1.0))
         return 1.0
+
+    def cosine(self, progress):
+        """Half a cosine from 1 down to the floor, at `progress` (0 to 1) of it."""
+        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def per_epoch(self, epoch):
         """The factor of `epoch` as torchvision's SequentialLR([LinearLR, main], milestones=[W]) gives it."""
@@ -130,7 +133,7 @@ class LrFactor:
         if self.schedule == "step":
             return self.gamma ** (after // self.step_size)
         if self.schedule == "cosine":
-            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * min(after / max(self.epochs - warmup, 1), 1.0)))
+            return self.cosine(min(after / max(self.epochs - warmup, 1), 1.0))
         return 1.0
 
 

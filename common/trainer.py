@@ -500,7 +500,7 @@ class Trainer:
                 ema_val = evaluate(self, self.ema.module, self.val_batches, prefix="Test EMA", label="EMA")
                 self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
                 row = {"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
-                       **{f"ema_val_{name}": value for name, value in MetricSums.extra(ema_val).items()}}
+                       **MetricSums.extra(ema_val, "ema_val_")}
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
             bad_images = self.save(epoch + 1, is_best=is_best)
@@ -510,8 +510,7 @@ class Trainer:
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"],
                            "images_per_second": round(train["images_per_second"], 1),
                            "bad_images": len(bad_images), **row,
-                           **{f"train_{name}": value for name, value in MetricSums.extra(train).items()},
-                           **{f"val_{name}": value for name, value in MetricSums.extra(val).items()}})
+                           **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")})
         summary = {"mode": runtime.mode, "arch": args.arch, "epochs": args.epochs, "world_size": runtime.world_size,
                    "devices_per_process": runtime.num_devices, "device": str(runtime.device),
                    "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torchvision
 
 from conftest import assert_ok, no_traceback_of_ours, run_prewarmed, torchrun
+from common import data
 from common.engine import loss_with_aux
 from common.meters import MetricSums, totals_by_name
 from common.models import build_model, check_input_size
@@ -44,7 +45,7 @@ REFUSED = {
     "two_things": "returned tuple: return (classes, train_set, val_set)",
     "uint16_images": "an image of dtype torch.int16; expected uint8 (0-255) or float (0-1)",
     "gray_tensors": "the images have 1 channel(s): give --mean and --std with 1 value(s) each",
-    "late_bad_item": "item 5 of the train set is a tuple; items must be (image, label)",
+    "late_bad_item": "item 5 of the train set is a tuple of 3; items must be (image, label)",
 }
 
 
@@ -115,8 +116,6 @@ def test_items_a_dataset_cannot_read_are_skipped_and_listed_by_name(own_datasets
 
 def float_and_uint8_inputs():
     """The model inputs of one batch of the same pixels given as uint8 and as float images (CPU loaders)."""
-    from common import data
-    from tests import custom_datasets
     inputs = []
     for name in ("pil_images", "float_tensors"):
         args = SimpleNamespace(dummy=False, dataset_fn=f"tests.custom_datasets:{name}", data=None, workers=0, compile=False,
@@ -124,7 +123,6 @@ def float_and_uint8_inputs():
                                mean=None, std=None)
         loaders = data.build_data(args, seed=0, rank=0, world_size=1, per_process_batch=6, gpu=False)
         inputs.append(next(iter(loaders.val_loader))[0])
-    del custom_datasets
     return inputs
 
 
