@@ -8,12 +8,23 @@ A checkpoint is a dict of plain data and tensors:
   rng_states (one per rank), world_size, args (a plain dict); with --model-ema also
   model_ema (the EMA's state_dict, keys as state_dict's: it loads into the same plain model),
   model_ema_n_averaged (its updates since it last restarted) and best_ema_acc1.
-checkpoint.pth is the latest; checkpoint_prev.pth the one before it.
+checkpoint.pth is the latest; checkpoint_prev.pth the one before it. Each save has its own
+checkpoint_id, by which the ranks of a resumed job check that they all loaded the same one.
+
+One run at a time writes an output directory: OutputLock (run.lock there) refuses a second.
 """
+import contextlib
+import errno
+import fcntl
+import json
 import os
 import pickle
 import re
 import shutil
+import socket
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -66,32 +77,49 @@ def _fsync_dir(directory):
         os.close(fd)
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _temporary_beside(path):
+    """A new, empty file of a name no other process can hold (mkstemp: also not one in another container
+    whose PIDs are this one's), next to `path`, with the permissions of a file that open() creates."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, Path(name)
+
+
 def _write_synced(path, write):
-    """Run write(file) on a new file at `path` and fsync it: its bytes are on disk when this returns."""
+    """Run write(file) on a new temporary file beside `path` and fsync it: its bytes are on disk when this
+    returns its name."""
+    fd, tmp = _temporary_beside(Path(path))
     try:
-        with open(path, "wb") as file:
+        with open(fd, "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
     except BaseException:
-        Path(path).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    return tmp
 
 
 def atomic_write(path, write):
     """Write beside `path`, then rename over it: a reader (or a crash) sees the old file or the
     new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _write_synced(tmp, write)
-    os.replace(tmp, path)
+    tmp = _write_synced(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
 def _keep_as_previous(latest, previous):
     """Give the current latest checkpoint the name `previous`, leaving `latest` in place."""
-    link = previous.with_name(f".{previous.name}.tmp-{os.getpid()}")
-    link.unlink(missing_ok=True)
+    link = previous.with_name(f".{previous.name}.{uuid.uuid4().hex}.tmp")
     try:
         os.link(latest, link)  # a second name for the same bytes: no copy
     except OSError:  # a file system without hard links
@@ -104,9 +132,10 @@ def save_checkpoint(state, output_dir, is_best):
     model_best.pth when is_best). Call it from the writer rank only. On failure (a full disk, say)
     the checkpoints already there stay as they were, and CheckpointWriteError says so."""
     output_dir = Path(output_dir)
-    latest, new = output_dir / CHECKPOINT, output_dir / f".{CHECKPOINT}.tmp-{os.getpid()}"
+    latest, new = output_dir / CHECKPOINT, None
+    state = {**state, "checkpoint_id": uuid.uuid4().hex}
     try:
-        _write_synced(new, lambda file: torch.save(state, file))
+        new = _write_synced(latest, lambda file: torch.save(state, file))
         if latest.exists():
             _keep_as_previous(latest, output_dir / PREVIOUS)
         os.replace(new, latest)
@@ -115,12 +144,14 @@ def save_checkpoint(state, output_dir, is_best):
             with open(latest, "rb") as source:
                 atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
-        new.unlink(missing_ok=True)
+        if new is not None:
+            new.unlink(missing_ok=True)
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({reason}); "
                                    "the checkpoints already there are intact") from None
     except BaseException:  # Ctrl-C, say: no full-size temporary left behind
-        new.unlink(missing_ok=True)
+        if new is not None:
+            new.unlink(missing_ok=True)
         raise
 
 
@@ -194,3 +225,69 @@ def load_weights(model, checkpoint, arch, classes, path):
     except RuntimeError as error:
         detail = " ".join(str(error).split())
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
+
+
+LOCK = "run.lock"
+LOCK_WAIT_ON_REQUEUE = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
+# errno of a file system that does not lock (Lustre mounted without -o flock, some FUSE file systems)
+NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _describe_holder(path):
+    try:
+        holder = json.loads(Path(path).read_text() or "{}")
+        return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "which has not written who it is yet"
+
+
+class OutputLock:
+    """The output directory's lock, held from a run's start to its process's end (the kernel drops it then,
+    however the process ends: a requeued or restarted job takes it again). A second run that would write
+    the same directory (a duplicate submission, a requeue while the lost node's step still runs, a fine-tune
+    whose default --output-dir is its parent's) is refused in one line naming the first. A POSIX lock
+    (lockf): it works over NFS, and a forked loader worker does not inherit it."""
+
+    def __init__(self, output_dir, wait=0.0, say=None):
+        self.directory = Path(output_dir)
+        self.created = not self.directory.exists()
+        self.path, self.warning = self.directory / LOCK, None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as error:
+            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                             "choose a directory you can write to") from None
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno in NO_LOCKING:
+                    self.warning = (f"warning: cannot lock {self.path} ({error.strerror}): this file system does not "
+                                    "lock files, so a second run started in this --output-dir would not be refused")
+                    return
+                if error.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                holder = _describe_holder(self.path)
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise UsageError(f"{self.directory} is in use by another run ({holder}): one run at a time writes "
+                                     "an output directory; wait for that one to end, or give this one another "
+                                     "--output-dir") from None
+                if say is not None and not said:
+                    say(f"waiting up to {wait:.0f} s for the run before this requeue to release {self.path} ({holder})")
+                    said = True
+                time.sleep(1)
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, text.encode(), 0)
+
+    def abandon(self):
+        """A run that ended before it wrote anything leaves no directory that it created."""
+        if self.created and [entry.name for entry in self.directory.iterdir()] == [LOCK]:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import checkpoint, distributed
+from . import agreement, checkpoint, distributed
 from .args import RECIPES, ResSchedule, default_output_dir, describe_preset, flag
 from .errors import Preempted, UsageError
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
+from .console import say
 from . import data, models, schedule
 from .data import DeviceLoader, build_data, loader_workers
 from .ema import ModelEma, adjusted_decay
@@ -200,10 +201,29 @@ class Trainer:
         device = runtime.device
         distributed.check_sync_bn(args.sync_bn, device)
         args.output_dir = args.output_dir or default_output_dir(args, runtime.mode)
-        self.log = RunLogger(args.output_dir, prints=runtime.is_main,
-                             writes=runtime.writes_checkpoints(args.save_on))
-        self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
+        writes = runtime.writes_checkpoints(args.save_on)
+        self.log = RunLogger(args.output_dir, prints=runtime.is_main, writes=writes)
+        self.output_lock, self.resume_path, resumed, error = None, None, None, None
+        try:
+            if writes and not args.evaluate:  # -e writes nothing
+                requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+                self.output_lock = checkpoint.OutputLock(
+                    args.output_dir, wait=checkpoint.LOCK_WAIT_ON_REQUEUE if requeued else 0, say=say)
+            self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
+        except UsageError as failure:  # said by every rank, below
+            error = str(failure)
+        try:
+            agreement.check_start(args, agreement.resume_facts(self.resume_path, resumed), error)
+            if self.output_lock is not None and self.output_lock.warning:
+                say(self.output_lock.warning)
+            self._build(args, runtime, resumed)
+        except BaseException:
+            if self.output_lock is not None:
+                self.output_lock.abandon()
+            raise
 
+    def _build(self, args, runtime, resumed):
+        device = runtime.device
         if args.evaluate and resumed is None and not args.pretrained:  # --resume auto found nothing
             raise UsageError(f"-e: no checkpoint in {args.output_dir} to evaluate (--resume auto): "
                              "give --resume PATH, or --pretrained")

@@ -1,0 +1,211 @@
+"""Faults of a real cluster, with real processes: two runs given one output directory, the ranks of a job
+started with different arguments or resuming from different checkpoints. Each ends in one line that names
+what differs, before anything is written."""
+import os
+import re
+import shutil
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, TINY, Job, assert_ok, free_port, make_image_folder, no_traceback_of_ours, run_prewarmed
+from common import agreement, checkpoint
+
+TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8", "--seed", "7"]
+WAIT = 300
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=16, val_per_class=4)
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+# ----------------------------------------------------------------------------- one run per output directory
+
+def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(data, tmp_path):
+    """Seen: two `--resume auto` runs of one --output-dir (a duplicate submission, a requeue while the lost
+    node's step still ran) both trained, interleaving log.csv rows and checkpoints, and both exited 0."""
+    out = tmp_path / "run"
+    common = [*TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out, "--checkpoint-interval", "2"]
+    first = Job([PYTHON, REPO / "train_dp.py", *common, "--epochs", "3"])
+    try:
+        first.wait_for(re.compile(r"^Epoch: \[0\] \[ *2/"), timeout=WAIT)
+        second, = run_prewarmed("train_dp.py", [[*common, "--epochs", "3", "--seed", "8"]])
+        assert second.returncode == 2, second.stdout[-3000:]
+        lines = error_lines(second.stdout)
+        assert len(lines) == 1 and re.fullmatch(
+            rf"error: {re.escape(str(out))} is in use by another run \(host \S+, PID \d+, started \S+\): one run at a "
+            r"time writes an output directory; wait for that one to end, or give this one another --output-dir",
+            lines[0]), second.stdout
+        assert no_traceback_of_ours(second.stdout)
+        returncode, output = first.finish(timeout=WAIT)
+    finally:
+        first.kill()
+    assert returncode == 0, output[-3000:]
+    epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
+    assert epochs == ["0", "1", "2"]  # one run's rows, each epoch once
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["seed"] == 7
+
+
+def test_a_killed_run_releases_its_output_dir_and_the_relaunch_resumes(data, tmp_path):
+    """The lock dies with the process however it ends: a requeued (or torchrun-restarted) job goes on."""
+    out = tmp_path / "run"
+    common = [*TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out, "--checkpoint-interval", "2",
+              "--epochs", "1"]
+    job = Job([PYTHON, REPO / "train_dp.py", *common])
+    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
+    job.kill()  # SIGKILL: no exit handler runs
+    relaunch, = run_prewarmed("train_dp.py", [common])
+    output = assert_ok(relaunch)
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 2\)", output, re.MULTILINE), output[-3000:]
+
+
+def test_a_run_that_ends_before_writing_leaves_no_output_dir_behind(data, tmp_path):
+    out = tmp_path / "never"
+    failed, = run_prewarmed("train_dp.py", [[*TINY_NET, "--data", data, "--output-dir", out, "--resume", "missing.pth"]])
+    assert failed.returncode == 2 and error_lines(failed.stdout), failed.stdout
+    assert not out.exists()
+
+
+def test_a_checkpoint_s_temporary_file_never_takes_a_name_another_process_may_write(tmp_path):
+    """Temporary names once held only the PID, which a process in another container can share: its half-written
+    file would have been renamed over the checkpoint."""
+    state = {"state_dict": {"w": torch.ones(2)}, "epoch": 1}
+    others = [tmp_path / f".checkpoint.pth.tmp-{os.getpid()}", tmp_path / f".checkpoint_prev.pth.tmp-{os.getpid()}"]
+    for other in others:
+        other.write_bytes(b"another process's bytes")
+    checkpoint.save_checkpoint(state, tmp_path, is_best=True)
+    checkpoint.save_checkpoint(state, tmp_path, is_best=True)
+    assert all(other.read_bytes() == b"another process's bytes" for other in others)
+    saved = checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")
+    assert saved["epoch"] == 1 and len(saved["checkpoint_id"]) == 32
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        ["checkpoint.pth", "checkpoint_prev.pth", "model_best.pth", *(other.name for other in others)])
+    assert (tmp_path / "checkpoint.pth").stat().st_mode & 0o777 == 0o666 & ~checkpoint._UMASK
+
+
+# ----------------------------------------------------------------------------- the ranks of one job agree
+
+def two_nodes(port, node_args):
+    """torchrun on two "nodes" of one process each (loopback), node k started with node_args[k]."""
+    return [Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
+                 "--master-addr=127.0.0.1", f"--master-port={port}", REPO / "train_ddp.py", *args])
+            for rank, args in enumerate(node_args)]
+
+
+def finish_all(jobs):
+    try:
+        return [job.finish(timeout=WAIT) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+
+
+@pytest.fixture(scope="module")
+def disagreeing_jobs(data, tmp_path_factory):
+    """Two two-node jobs side by side: one whose node 1 was given another batch size; one whose nodes (with
+    --save-on node, a directory each) hold checkpoints of different steps. name -> [(returncode, output)]."""
+    out = tmp_path_factory.mktemp("disagree")
+    common = [*TINY_NET, "--data", data, "--epochs", "2"]
+    saved = out / "saved"
+    assert_ok(run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2",
+                                              "--output-dir", saved]])[0])
+    (out / "node0").mkdir(), (out / "node1").mkdir()
+    shutil.copy(saved / "checkpoint.pth", out / "node0" / "checkpoint.pth")  # epoch 1
+    shutil.copy(saved / "checkpoint_prev.pth", out / "node1" / "checkpoint.pth")  # epoch 0, step 4: an older copy
+    jobs = {
+        "batch": two_nodes(free_port(), [[*common, "-b", "8", "--output-dir", out / "batch"],
+                                         [*common, "-b", "16", "--output-dir", out / "batch"]]),
+        "resume": two_nodes(free_port(), [[*common, "--save-on", "node", "--resume", "auto", "--output-dir",
+                                           out / f"node{rank}"] for rank in (0, 1)]),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
+    return out, results
+
+
+def test_ranks_started_with_different_arguments_end_in_one_line_naming_the_difference(disagreeing_jobs):
+    """Seen: -b 8 on node 0 and -b 16 on node 1 aborted rank 1 in gloo ("Received data size doesn't match
+    expected size") with two torchrun tracebacks, and rank 0 said only that another process ended."""
+    out, results = disagreeing_jobs
+    expected = ("error: the processes of this job were started with different arguments: --batch-size is 8 on rank 0, "
+                "16 on rank 1; every process takes the same ones (only --workers, --data and, with --save-on node, "
+                "--output-dir may differ between nodes)")
+    for returncode, output in results["batch"]:
+        assert returncode != 0
+        assert error_lines(output) == [expected], output[-3000:]
+        assert "EnforceNotMet" not in output and no_traceback_of_ours(output)
+        assert re.search(r"exitcode\s*:\s*2\b", output), output[-3000:]  # torchrun reports the worker's exit code 2
+    assert not (out / "batch" / "checkpoint.pth").exists()
+
+
+def test_ranks_that_loaded_different_checkpoints_refuse_to_train(disagreeing_jobs):
+    out, results = disagreeing_jobs
+    for returncode, output in results["resume"]:
+        assert returncode != 0
+        lines = error_lines(output)
+        assert len(lines) == 1 and re.fullmatch(
+            r"error: the processes of this job would resume from different checkpoints: \S+node0/checkpoint\.pth "
+            r"\(epoch 1, seed 7\) on rank 0, \S+node1/checkpoint\.pth \(epoch 0 step 4, seed 7\) on rank 1; a job "
+            r"resumes from one checkpoint: give every node a copy of the same one \(--save-on node\), or name it with "
+            r"--resume PATH", lines[0]), output[-3000:]
+        assert "Epoch: [" not in output and no_traceback_of_ours(output)
+    for rank, epoch in ((0, 1), (1, 0)):  # untouched
+        assert torch.load(out / f"node{rank}" / "checkpoint.pth", weights_only=True)["epoch"] == epoch
+
+
+def test_the_ranks_text_and_the_first_difference():
+    assert agreement.ranks_text([3]) == "rank 3"
+    assert agreement.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    same = {"batch_size": 8, "lr": 0.1, "output_dir": "x"}
+    assert agreement.argument_difference([same, dict(same)]) is None
+    line = agreement.argument_difference([same, same, {**same, "lr": 0.2}, {**same, "lr": None}])
+    assert "--lr is 0.1 on ranks 0-1, 0.2 on rank 2, unset on rank 3;" in line
+    fresh = agreement.resume_facts(None, None)
+    loaded = agreement.resume_facts(Path("a/checkpoint.pth"), {"epoch": 2, "seed": 1, "checkpoint_id": "x"})
+    assert agreement.resume_difference([loaded, dict(loaded)]) is None
+    assert agreement.resume_difference([fresh, fresh]) is None
+    assert ("a/checkpoint.pth (epoch 2, seed 1) on rank 0, no checkpoint (a fresh start) on rank 1"
+            in agreement.resume_difference([loaded, fresh]))
+    assert agreement.resume_difference([loaded, {**loaded, "id": "y"}]) is not None  # same place, other bytes
+
+
+def test_with_save_on_node_the_output_dir_may_differ_but_not_by_default():
+    from types import SimpleNamespace
+    node = [SimpleNamespace(save_on="node", output_dir=f"/n{k}", workers=k, data=f"/d{k}", lr=0.1) for k in (0, 1)]
+    assert agreement.argument_difference([agreement.comparable_args(args) for args in node]) is None
+    for args in node:
+        args.save_on = "global"
+    assert "--output-dir is /n0 on rank 0, /n1 on rank 1" in agreement.argument_difference(
+        [agreement.comparable_args(args) for args in node])
+
+
+def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_path):
+    """On a requeue (SLURM_RESTART_COUNT > 0) the lost node's lock may outlive it by the file system's lease:
+    the run waits for it (up to checkpoint.LOCK_WAIT_ON_REQUEUE s), then goes on."""
+    import fcntl
+    out = tmp_path / "run"
+    out.mkdir()
+    held = os.open(out / "run.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.lockf(held, fcntl.LOCK_EX)
+    os.write(held, b'{"host": "lost-node", "pid": 4242, "started": "2026-11-24T00:00:00+0000"}\n')
+    from conftest import clean_env
+    job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out,
+               "--epochs", "1"], env=clean_env(SLURM_RESTART_COUNT=1))
+    try:
+        job.wait_for(re.compile(r"^waiting up to 180 s for the run before this requeue to release \S+run\.lock "
+                                r"\(host lost-node, PID 4242, started 2026-11-24T00:00:00\+0000\)$"), timeout=WAIT)
+        assert not (out / "log.csv").exists()
+        os.close(held)  # the lost node's lease ends
+        returncode, output = job.finish(timeout=WAIT)
+    finally:
+        job.kill()
+    assert returncode == 0, output[-3000:]
+    assert "lost-node" not in (out / "run.lock").read_text()
