@@ -1,6 +1,7 @@
 """tools/prepare_imagenet.py on a miniature ImageNet: the official archives (real per-class
 tars, a real meta.mat, the ground-truth file) and Kaggle's extracted layout, with the odd files the
-real set has (CMYK, grayscale, a PNG named .JPEG)."""
+real set has (CMYK, grayscale, a PNG named .JPEG); a val/ sorted by valprep.sh; reruns after a crash
+left empty or cut-short markers and images."""
 import io
 import os
 import re
@@ -115,6 +116,15 @@ def make_kaggle(root, images):
         if split == "val":
             rows.append(f"{Path(file).stem},{wnid} 1 2 30 40 {wnid} 5 6 20 30")
     (root / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def make_valprep(root, images):
+    """Both archives extracted by hand, val/ sorted into class folders by pytorch/examples' valprep.sh:
+    root/val/<wnid>/ILSVRC2012_val_*.JPEG, and no labels file."""
+    for name, data in images.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
     return root
 
 
@@ -302,6 +312,115 @@ def test_meta_bin_cut_short_is_parsed_again(archives, prepared, images, tmp_path
     assert contents(out) == images and not list((out / ".prepare").glob(".devkit.tmp-*"))
     truth = [name.split("/")[1] for name in sorted(images, key=lambda name: Path(name).name) if name.startswith("val/")]
     assert prepare_imagenet.imagenet.load_meta_file(str(out / ".prepare"))[1] == truth  # val wnids in name order
+
+
+def inodes(folder):
+    return {path.name: path.stat().st_ino for path in folder.iterdir()}
+
+
+def warnings(output):
+    assert "Traceback" not in output, output
+    return [line for line in output.splitlines() if line.startswith("warning: ") and "ImageNet-1k has" not in line]
+
+
+def test_empty_or_cut_short_markers_are_redone(archives, prepared, images, tmp_path):
+    """After a power loss (under an older version, which did not fsync) a marker may be empty or cut
+    short: its class or val chunk is written again, with one warning line each, not a JSONDecodeError."""
+    out = tmp_path / "out"
+    shutil.copytree(prepared[0], out)
+    state = out / ".prepare"
+    (state / "train-n01443537.done").write_bytes(b"")
+    (state / "val-0000.done").write_bytes((state / "val-0000.done").read_bytes()[:9])
+    before = {wnid: inodes(out / "train" / wnid) for wnid in CLASSES}
+    output = assert_ok(prepare(archives, out, "--skip-md5"))
+    assert warnings(output) == [
+        f"warning: {state}/train-n01443537.done is empty: redoing train/n01443537",
+        f"warning: {state}/val-0000.done is cut short or corrupt (not JSON): redoing val images 1 to 8 (in name order)",
+    ], output
+    assert "carrying on: 3 of 4 classes and 0 val chunks were done before" in output, output
+    assert "4 classes, 20 train images, 8 val images" in output, output
+    assert contents(out) == images and not temporaries(out)
+    after = {wnid: inodes(out / "train" / wnid) for wnid in CLASSES}
+    for wnid in CLASSES:  # the class redone was written anew, the others kept
+        assert (after[wnid] == before[wnid]) == (wnid != "n01443537"), wnid
+    output = assert_ok(prepare(archives, out, "--skip-md5"))  # the new markers are trusted: nothing redone
+    assert warnings(output) == [] and "carrying on: 4 of 4 classes and 1 val chunks were done before" in output
+    assert {wnid: inodes(out / "train" / wnid) for wnid in CLASSES} == after
+
+
+def test_image_emptied_under_its_marker_is_restored(archives, prepared, images, tmp_path):
+    """A marker that reads well but does not match its files (an image emptied by a power loss: the
+    number of bytes differs) is redone too; a marker of an older version ([images, undecodable], no
+    byte count) is kept while none of its images is empty."""
+    out = tmp_path / "out"
+    shutil.copytree(prepared[0], out)
+    state = out / ".prepare"
+    emptied = ["train/n01484850/n01484850_102.JPEG", "val/n01440764/ILSVRC2012_val_00000001.JPEG"]
+    for name in emptied:
+        (out / name).write_bytes(b"")
+    (state / "train-n01491361.done").write_text("[5, []]")  # an older version's, matching
+    total = sum(len(data) for name, data in images.items() if name.startswith("train/n01484850/"))
+    val_total = sum(len(data) for name, data in images.items() if name.startswith("val/"))
+    output = assert_ok(prepare(archives, out, "--skip-md5"))
+    assert warnings(output) == [
+        f"warning: {state}/train-n01484850.done says 5 images of {total:,} bytes, but 5 of "
+        f"{total - len(images[emptied[0]]):,} bytes are there (1 empty): redoing train/n01484850",
+        f"warning: {state}/val-0000.done says 8 images of {val_total:,} bytes, but 8 of "
+        f"{val_total - len(images[emptied[1]]):,} bytes are there (1 empty): redoing val images 1 to 8 (in name order)",
+    ], output
+    assert contents(out) == images and not temporaries(out)
+
+
+def test_val_sorted_into_class_folders(images, tmp_path, capsys):
+    """valprep.sh's layout: val/<wnid>/ is taken as it is (its folders are the labels), as train/."""
+    source, out = make_valprep(tmp_path / "extracted", images), tmp_path / "out"
+    output = assert_ok(prepare(source, out))
+    assert warnings(output) == [] and "4 classes, 20 train images, 8 val images" in output, output
+    assert contents(out) == images
+    name = "val/n01491361/ILSVRC2012_val_00000002.JPEG"
+    assert (out / name).stat().st_ino == (source / name).stat().st_ino  # linked, not copied
+    (source / name).rename(source / "val" / Path(name).name)  # valprep.sh stopped part-way, and no labels
+    assert "lacks ILSVRC2012_devkit_t12.tar.gz" in one_error_line(capsys, source, out)
+
+
+def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, monkeypatch):
+    """Every file is fsynced under its temporary name before it is renamed into place (else a power loss
+    can leave the final name empty), and a marker is written once its images' folders are synced."""
+    calls, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))  # the file's name at the time
+        fsync(fd)
+
+    def recorded_replace(old, new):
+        calls.append(("replace", str(old), str(new)))
+        replace(old, new)
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    out = tmp_path.resolve() / "out"
+    prepare_imagenet.open_output(out, None, 90)
+    labels = {Path(name).stem: name.split("/")[1] for name in images if name.startswith("val/")}
+    jobs = prepare_imagenet.make_jobs(archives / prepare_imagenet.TRAIN_TAR, archives / prepare_imagenet.VAL_TAR,
+                                      labels)
+    for job in jobs:
+        prepare_imagenet.run_job(job, out, None, 90)
+    assert contents(out) == images
+    written = [path for path in out.rglob("*") if path.is_file()]  # images, markers and options.json
+    assert len(written) == len(images) + len(jobs) + 1, written
+    renamed = {}
+    for path in written:
+        renamed[path] = calls.index(("replace", str(prepare_imagenet.temporary(path)), str(path)))
+        assert ("fsync", str(prepare_imagenet.temporary(path))) in calls[:renamed[path]], path
+        if path.parent.name == ".prepare":  # its folder synced after the rename
+            assert ("fsync", str(path.parent)) in calls[renamed[path]:], path
+    for job in jobs:
+        marker = out / ".prepare" / job.marker
+        synced = calls.index(("fsync", str(prepare_imagenet.temporary(marker))))
+        split = "val" if job.split == "val" else f"train/{job.args[0]}"
+        for path in (path for path in written if path.relative_to(out).as_posix().startswith(split + "/")):
+            assert renamed[path] < synced, path
+            assert ("fsync", str(path.parent)) in calls[renamed[path]:synced], path
+        assert ("fsync", str(out / job.split)) in calls[:synced], job.marker
 
 
 def one_error_line(capsys, *args):

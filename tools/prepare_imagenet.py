@@ -9,17 +9,22 @@ OUT_DIR/train/<wnid>/*.JPEG and OUT_DIR/val/<wnid>/*.JPEG (torchvision's ImageFo
 ARCHIVE_DIR holds the official archives (ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and
 ILSVRC2012_devkit_t12.tar.gz; their MD5s are checked unless --skip-md5), or an extracted train/<wnid>/
 and a flat val/ (also found under Kaggle's ILSVRC/Data/CLS-LOC/) labelled by Kaggle's
-LOC_val_solution.csv or by the devkit. Extracted images are hard-linked, not copied. Reading the
-devkit needs scipy: pip install -r requirements-imagenet.txt.
+LOC_val_solution.csv or by the devkit, or a val/<wnid>/ already sorted into class folders (as
+pytorch/examples' valprep.sh leaves it; no labels needed). Extracted images are hard-linked, not
+copied. Reading the devkit needs scipy: pip install -r requirements-imagenet.txt.
 
 --resize N stores every image with its shorter side at most N pixels, as an RGB JPEG of --quality
 (90 by default; keep it at 90 or more). A loader worker reads those faster: 1.7x at --resize 256 for
 224 px crops, 2.7x at --resize 160 for 160 px crops, on 500x375 photos (docs/benchmarks.md). Without
 it, the bytes are copied unchanged.
 
-Stopped (Ctrl-C, a kill, a crash)? Run the same command again: it carries on where it stopped.
+Stopped (Ctrl-C, a kill, a crash, a power loss)? Run the same command again: it carries on where it
+stopped. Every file is fsynced before it is renamed into place, and a class is marked done only once its
+images are on disk; a rerun checks each marker against the files (their number and total size) and
+redoes, with a warning, a class whose marker is empty, corrupt or does not match.
 """
 import argparse
+import contextlib
 import csv
 import hashlib
 import io
@@ -105,11 +110,27 @@ def temporary(path):
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def write_atomically(path, data):
-    """A final path never holds half a file: write a temporary, then rename it over (atomic)."""
+def sync(path):
+    """fsync a file, or a folder (its entries: the renames into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path, data, sync_folder=True):
+    """A final path never holds half a file, even after a power loss: write a temporary, fsync it,
+    rename it over (atomic), fsync the folder. (Without the first fsync the rename may reach the disk
+    before the bytes do: an empty file under the final name.) Images pass sync_folder=False: run_job
+    syncs their folder once, before the marker."""
     with open(temporary(path), "wb") as file:
         file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(temporary(path), path)
+    if sync_folder:
+        sync(path.parent)
 
 
 def resize_jpeg(data, size, quality=90):
@@ -167,8 +188,9 @@ def val_files(folder, items):
 
 
 def store(dest, source, resize, quality):
-    """Put one image (bytes, or a file's path) at dest. False if --resize could not decode it:
-    then it is copied unchanged, and the training loader reports it."""
+    """Put one image (bytes, or a file's path) at dest, over what is there: (False if --resize could not
+    decode it, its size). An image --resize cannot decode is copied unchanged, and the training loader
+    reports it."""
     decoded = True
     if resize:
         source = Path(source).read_bytes() if isinstance(source, str) else source
@@ -177,33 +199,128 @@ def store(dest, source, resize, quality):
         except (OSError, SyntaxError, ValueError):
             decoded = False
     if isinstance(source, bytes):
-        write_atomically(dest, source)
-        return decoded
+        write_atomically(dest, source, sync_folder=False)
+        return decoded, len(source)
     try:
-        os.link(source, dest)  # no second 140 GB; and a link appears whole or not at all
-    except FileExistsError:
-        pass
+        os.link(source, temporary(dest))  # no second 140 GB: the source's own bytes, nothing new to sync
     except OSError:  # another file system, or one without hard links
         shutil.copyfile(source, temporary(dest))
-        os.replace(temporary(dest), dest)
-    return decoded
+        sync(temporary(dest))
+    os.replace(temporary(dest), dest)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary(dest))  # dest was this very link already (a redone job): the rename did nothing
+    return decoded, os.stat(dest).st_size
 
 
-def run_job(job, out_dir, resize, quality):
-    """Put a job's images in place (skipping those there already), then write its marker."""
-    images, undecodable = 0, []
+def finished_size(dest, source, resize):
+    """The size of the image at dest if a killed run finished it (not empty, and the source's size
+    unless --resize), synced again (an older version of this script did not); else None."""
+    try:
+        fd = os.open(dest, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        expected = None if resize else len(source) if isinstance(source, bytes) else os.stat(source).st_size
+        if size == 0 or (expected is not None and size != expected):
+            return None
+        os.fsync(fd)
+        return size
+    finally:
+        os.close(fd)
+
+
+def run_job(job, out_dir, resize, quality, redo=False):
+    """Put a job's images in place, keeping those a killed run finished (every one written again when
+    `redo`: its marker did not match them), sync their folders, then write its marker."""
+    images, total, undecodable, folders = 0, 0, [], {}
     try:
         for wnid, name, source in job.read(job.source, *job.args):
             dest = out_dir / job.split / wnid / name
-            if not dest.exists():
+            if dest.parent not in folders:
                 dest.parent.mkdir(exist_ok=True)
-                if not store(dest, source, resize, quality):
+                folders[dest.parent] = True
+            size = None if redo else finished_size(dest, source, resize)
+            if size is None:
+                decoded, size = store(dest, source, resize, quality)
+                if not decoded:
                     undecodable.append(f"{job.split}/{wnid}/{name}")
-            images += 1
-        write_atomically(out_dir / STATE / job.marker, json.dumps([images, undecodable]).encode())
+            images, total = images + 1, total + size
+        for folder in [*folders, out_dir / job.split]:  # the renames (and new folders) on disk before the marker
+            sync(folder)
+        write_atomically(out_dir / STATE / job.marker,
+                         json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode())
     except (OSError, tarfile.TarError, EOFError) as error:
         raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}")
     return images, undecodable
+
+
+def read_marker(path):
+    """{"images", "bytes", "undecodable"} from a job's marker ("bytes" None in the [images, undecodable]
+    of older versions). OSError if it cannot be read, ValueError (why, in words) if it is not one."""
+    data = path.read_bytes()
+    if not data:
+        raise ValueError("is empty")
+    try:
+        record = json.loads(data)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError("is cut short or corrupt (not JSON)") from None
+    if isinstance(record, list) and len(record) == 2:
+        record = {"images": record[0], "bytes": None, "undecodable": record[1]}
+    if not (isinstance(record, dict) and isinstance(record.get("images"), int)
+            and isinstance(record.get("bytes"), (int, type(None))) and isinstance(record.get("undecodable"), list)):
+        raise ValueError("is not a marker this script writes")
+    return record
+
+
+def image_sizes(job, out_dir):
+    """The sizes of the images a job put in OUT_DIR, as they are now: those in its class folder (train),
+    those of its names found (val)."""
+    try:
+        if job.split == "train":
+            try:
+                with os.scandir(out_dir / "train" / job.args[0]) as entries:  # no temporaries: open_output
+                    return [entry.stat().st_size for entry in entries if not entry.name.startswith(".")]
+            except FileNotFoundError:
+                return []
+        sizes = []
+        for wnid, name, *_ in job.args[0]:
+            with contextlib.suppress(FileNotFoundError):
+                sizes.append(os.stat(out_dir / "val" / wnid / name).st_size)
+        return sizes
+    except OSError as error:
+        raise Failure(f"cannot list {error.filename}: {error.strerror or error}")
+
+
+def described(job):
+    if job.split == "train":
+        return f"train/{job.args[0]}"
+    start = int(job.marker.removeprefix("val-").removesuffix(".done")) * VAL_CHUNK
+    return f"val images {start + 1:,} to {start + len(job.args[0]):,} (in name order)"
+
+
+def check_marker(job, out_dir):
+    """(whether the job is done, a warning line or None). A marker is trusted once it reads as one and
+    the images it counts are there with its total size (a stat each, no reading): after a power loss,
+    writes of an older version of this script could be empty."""
+    path = out_dir / STATE / job.marker
+    try:
+        record = read_marker(path)
+    except FileNotFoundError:
+        return False, None
+    except ValueError as error:
+        problem = str(error)
+    except OSError as error:
+        problem = f"cannot be read ({error.strerror or error})"
+    else:
+        sizes, images, size = image_sizes(job, out_dir), record["images"], record["bytes"]
+        # size None: the marker of an older version, without it; then only no image may be empty
+        if len(sizes) == images and (0 not in sizes if size is None else sum(sizes) == size):
+            return True, None
+        problem = (f"says {images:,} images" + ("" if size is None else f" of {size:,} bytes")
+                   + f", but {len(sizes):,} of {sum(sizes):,} bytes are there"
+                   + (f" ({sizes.count(0):,} empty)" if 0 in sizes else ""))
+    return False, f"warning: {path} {problem}: redoing {described(job)}"
 
 
 def find_inputs(archive_dir):
@@ -215,11 +332,32 @@ def find_inputs(archive_dir):
         [archive_dir / TRAIN_TAR, *(root / "train" for root in roots)],
         [archive_dir / VAL_TAR, *(root / "val" for root in roots)],
         [archive_dir / KAGGLE_LABELS, archive_dir / DEVKIT])]
-    if None in found:
-        missing = [name for name, path in zip((TRAIN_TAR, VAL_TAR, DEVKIT), found) if path is None]
+    labelled = found[1] is not None and sorted_val(found[1])  # by its folders: no CSV, devkit or scipy needed
+    missing = [name for name, path in zip((TRAIN_TAR, VAL_TAR, DEVKIT), found)
+               if path is None and not (name == DEVKIT and labelled)]
+    if missing:
         raise Failure(f"{archive_dir} lacks {', '.join(missing)}: expected the official archives, or extracted "
-                      f"train/ and val/ (maybe under {KAGGLE_ROOT}/) with {KAGGLE_LABELS} or {DEVKIT}")
-    return found
+                      f"train/ and val/ (maybe under {KAGGLE_ROOT}/) with {KAGGLE_LABELS} or {DEVKIT}, "
+                      "or a val/ sorted into <wnid>/ folders (valprep.sh)")
+    return found[0], found[1], None if labelled else found[2]
+
+
+def sorted_val(val):
+    """Whether an extracted val/ is sorted into class folders (pytorch/examples' valprep.sh): folders,
+    and no image outside them (one part-way through valprep.sh needs labels for those)."""
+    if not val.is_dir():
+        return False
+    folders = False
+    try:
+        with os.scandir(val) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    folders = True
+                elif entry.name.lower().endswith(IMG_EXTENSIONS):
+                    return False
+    except OSError as error:
+        raise Failure(f"cannot list {val}: {error.strerror or error}")
+    return folders
 
 
 def verify_md5(path, state):
@@ -227,7 +365,7 @@ def verify_md5(path, state):
     a rerun does not hash 140 GB again."""
     stat, expected = path.stat(), OFFICIAL_MD5[path.name]
     stamp, key = state / f"md5-{path.name}", f"{expected} {stat.st_size} {stat.st_mtime_ns}"
-    if stamp.exists() and stamp.read_text() == key:
+    if stamp.exists() and stamp.read_bytes() == key.encode():
         return
     digest, progress = hashlib.md5(), Progress(f"MD5 of {path.name}", stat.st_size)
     with open(path, "rb") as file:
@@ -280,7 +418,9 @@ def val_labels(labels, state):
             with tempfile.TemporaryDirectory(prefix=".devkit.tmp-", dir=state) as folder, \
                     mock.patch.object(imagenet, "_verify_archive", lambda *args: None):
                 imagenet.parse_devkit_archive(folder, str(labels.resolve()))
+                sync(os.path.join(folder, imagenet.META_FILE))
                 os.replace(os.path.join(folder, imagenet.META_FILE), state / imagenet.META_FILE)
+                sync(state)
         except (OSError, tarfile.TarError, EOFError, KeyError, ValueError) as error:
             raise Failure(f"cannot read the devkit {labels}: {error!r}")
         wnids = imagenet.load_meta_file(str(state))[1]
@@ -308,17 +448,22 @@ def make_jobs(train, val, labels):
         else:
             jobs = [Job(f"train-{entry.name}.done", "train", entry.path, class_folder, (entry.name,))
                     for entry in sorted(os.scandir(train), key=lambda entry: entry.name) if entry.is_dir()]
+        sorted_images = []  # (wnid, name, path) of val/<wnid>/ folders (valprep.sh's layout)
         if val.is_file():  # name: where it is (offset and size in the archive, or the file's path)
             images, read = {os.path.basename(m.name): (m.offset_data, m.size) for m in members(val)}, tar_members
         else:
             images, read = {entry.name: (entry.path,) for entry in os.scandir(val)
                             if entry.name.lower().endswith(IMG_EXTENSIONS)}, val_files
+            for entry in sorted(os.scandir(val), key=lambda entry: entry.name):
+                if entry.is_dir():
+                    sorted_images += class_folder(entry.path, entry.name)
     except OSError as error:  # a folder or an entry that cannot be listed (run_job reports a class folder's)
         raise Failure(f"cannot list {error.filename}: {error.strerror or error}")
     labelled = [(labels[Path(name).stem], name, *where) for name, where in sorted(images.items())
                 if Path(name).stem in labels]
     if len(labelled) < len(images):
         say(f"warning: {len(images) - len(labelled)} val images have no label: left out")
+    labelled = sorted(labelled + sorted_images, key=lambda image: (image[1], image[0]))  # in name order
     for start in range(0, len(labelled), VAL_CHUNK):
         jobs.append(Job(f"val-{start // VAL_CHUNK:04d}.done", "val", str(val), read,
                         (labelled[start:start + VAL_CHUNK],)))
@@ -331,10 +476,20 @@ def open_output(out_dir, resize, quality):
     try:
         for folder in (state, out_dir / "train", out_dir / "val"):
             folder.mkdir(parents=True, exist_ok=True)
-        if (state / "options.json").exists() and (state / "options.json").read_text() != options:
-            raise Failure(f"{out_dir} was prepared with other options ({(state / 'options.json').read_text()}): "
-                          "pass the same --resize and --quality to carry on, or choose a new OUT_DIR")
-        write_atomically(state / "options.json", options.encode())
+        sync(out_dir)  # .prepare, train and val on disk before what they hold
+        stored = state / "options.json"
+        if stored.exists():
+            previous = stored.read_bytes()
+            try:
+                json.loads(previous)
+            except ValueError:  # empty or cut short: written without fsync by an older version, then a crash
+                say(f"warning: {stored} is empty or corrupt: taking this run's options (if an earlier run had "
+                    "another --resize or --quality, start again in a new OUT_DIR)")
+            else:
+                if previous != options.encode():
+                    raise Failure(f"{out_dir} was prepared with other options ({previous.decode(errors='replace')}): "
+                                  "pass the same --resize and --quality to carry on, or choose a new OUT_DIR")
+        write_atomically(stored, options.encode())
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
                 if entry.name.startswith(".") and ".tmp-" in entry.name:  # a file, or val_labels' folder
@@ -350,7 +505,7 @@ def ignore_interrupts():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def run_pool(jobs, out_dir, args):
+def run_pool(jobs, redo, out_dir, args):
     """A worker's death (the OOM killer's SIGKILL) raises BrokenProcessPool, where a
     multiprocessing.Pool would wait for its task forever."""
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(jobs))
@@ -358,7 +513,7 @@ def run_pool(jobs, out_dir, args):
     work = partial(run_job, out_dir=out_dir, resize=args.resize, quality=args.quality)
     pool = ProcessPoolExecutor(workers, initializer=ignore_interrupts)
     try:
-        for future in as_completed([pool.submit(work, job) for job in jobs]):
+        for future in as_completed([pool.submit(work, job, redo=job.marker in redo) for job in jobs]):
             count, undecodable = future.result()
             for name in undecodable:
                 say(f"warning: cannot decode {name}: copied unchanged")
@@ -377,29 +532,35 @@ def prepare(args):
     start, out_dir = time.monotonic(), Path(args.out_dir)
     train, val, labels = find_inputs(Path(args.archive_dir))
     state = open_output(out_dir, args.resize, args.quality)
-    if labels.name == DEVKIT:
+    if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
-    for path in [] if args.skip_md5 else [path for path in (train, val, labels) if path.name in OFFICIAL_MD5]:
+    for path in [] if args.skip_md5 else [path for path in (train, val, labels) if path and path.name in OFFICIAL_MD5]:
         verify_md5(path, state)
-    jobs = make_jobs(train, val, val_labels(labels, state))
-    finished = [(state / job.marker).exists() for job in jobs]
+    jobs = make_jobs(train, val, val_labels(labels, state) if labels else {})
+    finished, redo = [], set()
+    for job in jobs:
+        done, warning = check_marker(job, out_dir)
+        finished.append(done)
+        if warning:
+            say(warning)
+            redo.add(job.marker)
     pending = [job for job, done in zip(jobs, finished) if not done]
     if any(finished):
         classes = [done for job, done in zip(jobs, finished) if job.split == "train"]
         say(f"carrying on: {sum(classes)} of {len(classes)} classes and {sum(finished) - sum(classes)} val chunks "
             "were done before")
     if pending:
-        run_pool(pending, out_dir, args)
+        run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
 
 
 def summary(out_dir, jobs, seconds):
     """What OUT_DIR holds, earlier runs included (from the markers), and how it differs from ImageNet-1k."""
-    records = [(job.split, *json.loads((out_dir / STATE / job.marker).read_text())) for job in jobs]
-    found = {"classes": sum(split == "train" for split, _, _ in records),
-             "train images": sum(images for split, images, _ in records if split == "train"),
-             "val images": sum(images for split, images, _ in records if split == "val")}
-    undecodable = sum(len(names) for _, _, names in records)
+    records = [(job.split, read_marker(out_dir / STATE / job.marker)) for job in jobs]  # checked or just written
+    found = {"classes": sum(split == "train" for split, _ in records),
+             "train images": sum(record["images"] for split, record in records if split == "train"),
+             "val images": sum(record["images"] for split, record in records if split == "val")}
+    undecodable = sum(len(record["undecodable"]) for _, record in records)
     print(f"prepared {out_dir} in {duration(seconds)}: " + ", ".join(f"{n:,} {what}" for what, n in found.items())
           + (f" ({undecodable} could not be decoded: copied unchanged)" if undecodable else ""), flush=True)
     if found != OFFICIAL_COUNTS:
