@@ -81,16 +81,15 @@ def setup(args):
 
 def worker(local_rank, args, init_method):
     """Runs in each spawned process."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-    from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group,
-                                    select_device, usable_cores)
-    from common.preemption import before_exit
-    from common.trainer import trainer_class
+    cli.stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too
     # Global rank: the processes of node 0 come first, then those of node 1, ...
     rank = args.node_rank * args.nproc_per_node + local_rank
     world_size = args.nnodes * args.nproc_per_node
     try:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+        from common.distributed import Runtime, choose_backend, init_process_group, select_device, usable_cores
+        from common.trainer import trainer_class
         device = select_device(args.device, local_rank)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The processes share this node's cores (as torchrun does with OMP_NUM_THREADS=1).
@@ -120,8 +119,9 @@ def worker(local_rank, args, init_method):
         say(report.replace("error: ", f"error: rank {rank}: ", 1), file=sys.stderr)
         sys.exit(1)
     finally:
-        before_exit()  # no loader worker left (the exit would wait for it forever), no alarm pending
-        destroy_process_group()
+        if "common.preemption" in sys.modules:  # (not imported yet: nothing to clean up)
+            sys.modules["common.preemption"].before_exit()  # no loader worker left, no alarm pending
+            sys.modules["common.distributed"].destroy_process_group()
 
 
 def main(args):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from .console import say
 from .named import import_named
-from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError  # noqa: F401 (the scripts use cli.UsageError)
+from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, stop_at_once_until_training  # noqa: F401 (the scripts use cli.UsageError)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +26,7 @@ def run_main(main, parse_args):
     process never outlives its DataLoader workers, nor waits for them, whatever happened."""
     try:
         try:
+            stop_at_once_until_training()
             main(parse_args())
         finally:
             # Now, while an error still holds the data loaders: once it is handled they shut down,
@@ -220,6 +221,10 @@ def build_parser(description):
         help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
     add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
+    add("--stop-grace", type=float, default=env_default("STOP_GRACE", float) or 30, metavar="SECONDS",
+        help="how long the launcher lets a stop signal's clean stop take before it kills (torchrun's "
+             "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
+             "third of it for a batch (default: %(default)s, torchrun's own)")
     add("--dist-timeout", type=float, default=1800, metavar="SECONDS",
         help="a collective waiting this long for a stalled rank fails the job (%(default)s)")
     add("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU only)")

@@ -6,9 +6,13 @@ all-reduce that is started at one step and read at the next, so no step
 waits for it; every rank then stops after the same step, rank 0 saves a
 checkpoint, and the process exits with args.PREEMPTED_EXIT_CODE (75).
 
+A signal at the end of an epoch's training (or in its last steps) stops before validation, with a
+checkpoint of the trained epoch: validation runs on resume. Before training starts, a stop signal ends the
+process at once with the same exit code (errors.stop_at_once_until_training).
+
 A step that never comes must not keep the process alive: when the main
-thread has waited for data for DATA_WAIT_GRACE seconds after the signal (a
-hung network file system, say), or when another SIGTERM / SIGUSR1 comes
+thread has waited for data for a third of --stop-grace after the signal (a
+hung network file system, say; 10 s at the default 30 s), or when another SIGTERM / SIGUSR1 comes
 SECOND_SIGNAL_AFTER seconds or more after the first (sooner, it is a copy of
 the same request: Slurm and torchrun both pass one on), the process stops at
 once with the same exit code, and --resume auto continues from the last
@@ -25,10 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
-from .errors import Preempted
+from .errors import STOP_SIGNALS, Preempted
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-DATA_WAIT_GRACE = 10  # seconds
 SECOND_SIGNAL_AFTER = 5  # seconds
 
 _waiting_since = None  # when the main thread began waiting for a batch; None while it is not waiting
@@ -72,7 +74,8 @@ def before_exit():
 
 
 class StopSignal:
-    def __init__(self):
+    def __init__(self, stop_grace=30.0):
+        self.data_wait = stop_grace / 3  # the rest of the grace: the last step, the checkpoint
         self.received = None  # name of the signal, once one came
         self.received_at = None
         if threading.current_thread() is threading.main_thread():
@@ -107,8 +110,8 @@ class StopSignal:
         if self.received is None:
             return
         since = _waiting_since
-        if since is not None and time.monotonic() - max(since, self.received_at) >= DATA_WAIT_GRACE:
-            raise StopNow(f"stopped on {self.received} after waiting {DATA_WAIT_GRACE} s for data: no "
+        if since is not None and time.monotonic() - max(since, self.received_at) >= self.data_wait:
+            raise StopNow(f"stopped on {self.received} after waiting {self.data_wait:g} s for data: no "
                           "checkpoint of this step; --resume auto continues from the last checkpoint")
         signal.alarm(1)
 
@@ -127,4 +130,18 @@ class StopSignal:
             self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         if agreed and threading.current_thread() is threading.main_thread():
             signal.alarm(0)  # the step boundary came: the checkpoint is written however long it takes
+        return agreed
+
+    def poll_now(self):
+        """True when some rank has received a stop signal by now (the same answer on every rank): poll() without
+        its one-step delay, for the end of an epoch's training (a blocking all-reduce, once an epoch). Every rank
+        must call it at the same point."""
+        agreed = self.poll()
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            self.pending = None
+            agreed = agreed or bool(flag.item())
+        if agreed and threading.current_thread() is threading.main_thread():
+            signal.alarm(0)
         return agreed

@@ -305,7 +305,7 @@ class Trainer:
         self.resumed_epoch = int(resumed.get("epoch", 0)) if resumed else 0
         if resumed and not args.evaluate:
             self._restore(resumed)
-        self.stop_signal = StopSignal()
+        self.stop_signal = StopSignal(args.stop_grace)
 
     def _refuse_to_replace_a_run(self):
         """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
@@ -504,6 +504,11 @@ class Trainer:
                 after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics),
                 mix=self._mixer(epoch),
                 log_step=lambda steps_done, values: log.log_step(epoch * self.steps_per_epoch + steps_done, values))
+            if not stopped and self.stop_signal.poll_now():
+                # Asked to stop in the epoch's last steps: its checkpoint before validation (which may take long,
+                # twice with --model-ema); a resumed run validates it.
+                self.save(epoch, self.steps_per_epoch, metrics.totals())
+                self.steps_done, stopped = self.steps_per_epoch, True
             if stopped:
                 log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
                           f"epoch {epoch} step {self.steps_done} in {args.output_dir}; "

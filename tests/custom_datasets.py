@@ -100,3 +100,16 @@ def unreadable_items(args):
             raise OSError(f"cannot read sample {i}")
         return pixels(i), i % 3
     return splits(make)
+
+
+def from_a_fifo(args):
+    """A start-up blocked on I/O (a folder scan or a read on a hung network file system): opens the FIFO that
+    env TEST_FIFO names, which blocks until a writer opens it (none does), after saying so."""
+    import os
+    import sys
+    path = os.environ["TEST_FIFO"]
+    sys.stdout.write(f"opening {path}\n")
+    sys.stdout.flush()
+    with open(path, "rb") as fifo:
+        fifo.read()
+    raise AssertionError("a writer opened the FIFO")

@@ -322,7 +322,8 @@ def test_a_resume_with_another_optimizer_or_trainer_is_refused_in_one_line(tiny_
     assert_ok(first)
     more = [*SMALL, "--epochs", "2", *TINY_NET, "--data", tiny_data, "--output-dir", out, "--resume", "auto"]
     refusals = run_prewarmed("train_dp.py", [[*more, "--opt", "adamw"],
-                                             [*more, "--trainer", "examples.extra_metric:WithConfidence"]])
+                                             [*more, "--trainer", "examples.extra_metric:WithConfidence"]],
+                              parallel=1)  # one run at a time in an output directory
     lines = [one_line_error(result) for result in refusals]
     assert lines[0].endswith("was trained with --opt sgd: resume it with --opt sgd (its optimizer state is that optimizer's)")
     assert lines[1].endswith("was trained without --trainer: resume it so (a trainer's state and steps are its own)")

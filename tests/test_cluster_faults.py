@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -209,3 +210,101 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
         job.kill()
     assert returncode == 0, output[-3000:]
     assert "lost-node" not in (out / "run.lock").read_text()
+
+
+# ----------------------------------------------------------------------------- stops that fit the launcher's grace
+
+def test_a_stop_that_needs_40_s_completes_under_the_torchrun_of_run_scripts(data, tmp_path):
+    """torchrun SIGKILLs its workers 30 s after passing a stop on, unless --shutdown-timeout says otherwise: the
+    launchers give it STOP_GRACE (120 s). Here the stop's checkpoint takes 40 s (tests.tiny_models:SlowStop)."""
+    from conftest import clean_env
+    out = tmp_path / "run"
+    job = Job(["bash", REPO / "run_scripts" / "single_node_ddp.sh", *TINY_NET, "--data", data, "--output-dir", out,
+               "--epochs", "3", "--trainer", "tests.tiny_models:SlowStop"], env=clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2))
+    try:
+        job.wait_for(re.compile(r"^Epoch: \[0\] \[ *2/"), timeout=WAIT)
+        signalled = time.monotonic()
+        job.process.send_signal(signal.SIGTERM)  # the script became torchrun (exec)
+        returncode, output = job.finish(timeout=WAIT)
+        seconds = time.monotonic() - signalled
+    finally:
+        job.kill()
+    stopped = re.search(r"^stopped on SIGTERM: checkpoint of epoch 0 step (\d) in ", output, re.MULTILINE)
+    assert stopped and seconds >= 40, output[-3000:]
+    assert "--shutdown-timeout=120" in output  # the command the script printed
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (0, int(stopped.group(1)))
+
+
+def test_a_stop_in_an_epoch_s_last_step_saves_the_epoch_before_validating_it(data, tmp_path):
+    """Once, a stop in the last step waited for the whole validation (twice with --model-ema), the epoch's save,
+    the next epoch's loader and 1-2 steps: a slow validation batch then cost the finished epoch. Now the trained
+    epoch is saved first (at its last step), and the resumed run validates it."""
+    from conftest import torchrun_command
+    out = tmp_path / "run"
+    common = [*TINY_NET, "--data", data, "--output-dir", out, "--epochs", "2", "--resume", "auto"]
+    job = Job(torchrun_command("train_ddp.py", 2, *common, "--trainer", "tests.tiny_models:SlowLastStep"))
+    try:
+        job.wait_for(re.compile(r"^the epoch's last step begins"), timeout=WAIT)
+        job.process.send_signal(signal.SIGTERM)
+        returncode, output = job.finish(timeout=WAIT)
+    finally:
+        job.kill()
+    assert returncode != 0 and "stopped on SIGTERM: checkpoint of epoch 0 step 6 in" in output, output[-3000:]
+    assert " * Acc@1" not in output  # not validated
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (0, 6)
+    resumed = Job(torchrun_command("train_ddp.py", 2, *common, "--trainer", "tests.tiny_models:SlowLastStep"))
+    returncode, output = resumed.finish(timeout=WAIT)
+    assert returncode == 0, output[-3000:]
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 6\)", output, re.MULTILINE), output[-3000:]
+    assert not re.search(r"^Epoch: \[0\]", output, re.MULTILINE)  # nothing of epoch 0 trained again
+    assert len(re.findall(r"^ \* Acc@1 .*\(12 images\)$", output, re.MULTILINE)) == 2  # epochs 0 and 1 validated
+    epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
+    assert epochs == ["0", "1"]
+
+
+@pytest.mark.parametrize("launcher", ["dp", "torchrun", "spawn"])
+def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_path, launcher):
+    """Seen in the code: a SIGTERM in the start-up (rank 0's folder scan, the checkpoint load: minutes on ImageNet
+    over NFS) killed the process: 143, which a requeue logic reads as a crash. Here the start-up is blocked in an
+    open() of a FIFO that nothing writes (tests.custom_datasets:from_a_fifo)."""
+    from conftest import clean_env, torchrun_command
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", tmp_path / "out"]
+    command = {"dp": [PYTHON, REPO / "train_dp.py", *args], "torchrun": torchrun_command("train_ddp.py", 2, *args),
+               "spawn": [PYTHON, REPO / "train_spawn.py", *args, "--nproc-per-node", "2", "--master-port", free_port()]}
+    command = command[launcher]
+    job = Job(command, env=clean_env(TEST_FIFO=fifo), prewarmed=False)
+    try:
+        job.wait_for(re.compile(r"^opening "), timeout=WAIT)
+        if launcher != "dp":
+            job.wait_for(re.compile(r"^opening "), timeout=WAIT)  # both ranks
+        time.sleep(0.5)  # in open() by now
+        if launcher != "torchrun":  # spawn's parent passes it on
+            job.process.send_signal(signal.SIGTERM)
+        else:  # to the workers, as Slurm signals every process of a step: torchrun then reports their exit codes
+            from test_failures import training_processes
+            workers = training_processes(job)
+            assert sorted(workers) == [0, 1], workers
+            for pid in workers.values():
+                os.kill(pid, signal.SIGTERM)
+        returncode, output = job.finish(timeout=60)
+    finally:
+        job.kill()
+    stop = ("stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it "
+            "was started")
+    if launcher == "dp":
+        assert returncode == 75, output[-3000:]
+        assert [line for line in output.splitlines() if "SIGTERM" in line] == [stop], output[-3000:]
+    elif launcher == "spawn":
+        assert returncode == 75, output[-3000:]
+        assert sorted(line for line in output.splitlines() if "SIGTERM" in line) == [
+            f"rank {rank}: {stop}" for rank in (0, 1)], output[-3000:]
+    else:
+        from test_failures import torchrun_exit_codes
+        assert torchrun_exit_codes(output) == {"0": "75", "1": "75"}, output[-3000:]
+        assert output.count(stop) == 2, output[-3000:]
+    assert no_traceback_of_ours(output) and not (tmp_path / "out").exists()
+    assert not job.left_behind

@@ -1,10 +1,12 @@
 """Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
 import os
+import time
 
 import torch.distributed as dist
 import torch.nn as nn
 
 from common.data import IMAGENET_MEAN, IMAGENET_STD
+from common.trainer import Trainer
 
 
 def TinyNet(num_classes, dropout=0.0):
@@ -106,3 +108,24 @@ def _returns_logits_only():
 
 
 ReturnsLogitsOnly = _returns_logits_only()
+
+
+class SlowStop(Trainer):
+    """A trainer whose checkpoint on a stop takes SLOW_STOP_SECONDS (40) longer: a large model's save on a slow
+    network file system, longer than torchrun's default 30 s of grace."""
+
+    def save(self, epoch, step_in_epoch=0, train_totals=None, is_best=False):
+        if self.stop_signal.received:
+            time.sleep(float(os.environ.get("SLOW_STOP_SECONDS", 40)))
+        return super().save(epoch, step_in_epoch, train_totals, is_best)
+
+
+class SlowLastStep(Trainer):
+    """A trainer whose last training step of every epoch takes 3 s longer on rank 0, which says when it begins:
+    a stop signal can then be sent in an epoch's last step."""
+
+    def train_step(self, model, images, labels):
+        if getattr(self, "steps_done", 0) % self.steps_per_epoch == self.steps_per_epoch - 1 and self.runtime.is_main:
+            self.log.print("the epoch's last step begins")
+            time.sleep(3)
+        return super().train_step(model, images, labels)
