@@ -13,17 +13,16 @@ from .args import flag
 from .errors import UsageError
 
 # Arguments that may differ between nodes: loader workers, where a node holds its copy of the data (the
-# same files: build_data checks their counts), and the process's own place in the job.
-PER_NODE = ("workers", "data", "local_rank", "node_rank")
-# With --save-on node each node writes (and resumes from) a directory of its own.
-PER_NODE_WITH_SAVE_ON_NODE = ("output_dir",)
+# same files: build_data checks their counts), where it writes (only the writer ranks write: rank 0, or with
+# --save-on node each node's first; the checkpoint each rank resumes from is compared on its own), and the
+# process's own place in the job.
+PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank")
 _MISSING = "(not given)"
 
 
 def comparable_args(args):
     """The arguments that every rank must have alike, as a plain dict."""
-    skip = set(PER_NODE) | (set(PER_NODE_WITH_SAVE_ON_NODE) if getattr(args, "save_on", None) == "node" else set())
-    return {name: value for name, value in sorted(vars(args).items()) if name not in skip}
+    return {name: value for name, value in sorted(vars(args).items()) if name not in PER_NODE}
 
 
 def ranks_text(ranks):
@@ -54,7 +53,7 @@ def argument_difference(per_rank):
         values = [arguments.get(name, _MISSING) for arguments in per_rank]
         if any(value != values[0] for value in values):
             shown = _grouped(values, lambda value: "unset" if value is None else str(value))
-            allowed = ", ".join(flag(name) for name in ("workers", "data")) + " and, with --save-on node, --output-dir"
+            allowed = ", ".join(flag(name) for name in ("workers", "data")) + " and --output-dir"
             return (f"the processes of this job were started with different arguments: {flag(name)} is {shown}; "
                     f"every process takes the same ones (only {allowed} may differ between nodes)")
     return None

@@ -5,7 +5,10 @@ copies, empty files, a disk error). By default such a file is skipped: in traini
 image takes its place, so every batch keeps its size and every rank its number of steps; in
 validation it is left out, so no other image is counted twice. Each process warns once per
 file, and at each checkpoint the ranks pool what they found: the writer rank lists the files
-in OUTPUT/bad_images.txt and log.csv / summary.json carry their number.
+in OUTPUT/bad_images.txt and log.csv / summary.json carry their number. A skipped file is read
+again each time it comes up: the list is the epoch's, so a file that a transient outage made
+unreadable leaves it once it reads again. A validation that cannot read more than
+MAX_UNREADABLE_SHARE of its images (or any) ends the run: its accuracy would mean nothing.
 """
 import re
 
@@ -16,6 +19,7 @@ from .errors import Preempted, UsageError
 from .console import say
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
+MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but an unreadable set
 
 
 class WorkerUsageError(UsageError):
@@ -103,21 +107,41 @@ class SkipUnreadable(Dataset):
 
 
 class BadImageLog:
-    """What this process skipped; a warning line the first time each file is met."""
+    """What the run could not read in the epoch in progress; a warning line the first time each file is met."""
 
     def __init__(self, rank, world_size, known=()):
         self.prefix = f"rank {rank}: " if world_size > 1 else ""
-        self.found = dict(known)  # path -> reason, of every rank as of the last sync, and of this one since
+        self.found = dict(known)  # path -> reason, this epoch, of every rank as of the last sync and of this one since
+        self.new = {}  # this process's since the last sync: all that sync() gathers
+        self.warned = set(self.found)
 
     def report(self, bad):
         for path, reason in bad:
             if path not in self.found:
-                self.found[path] = reason
+                self.found[path] = self.new[path] = reason
+            if path not in self.warned:
+                self.warned.add(path)
                 say(f"warning: {self.prefix}skipped {printable(path)}: cannot decode it ({reason})")
 
+    def next_epoch(self):
+        """Files that could not be read are read again; the list starts afresh."""
+        self.found, self.new = {}, {}
+
     def sync(self):
-        """Pool every rank's findings (a collective: all ranks call it at the same point). Returns
-        the sorted [path, reason] pairs of the whole run."""
-        for found in distributed.all_gather_object(self.found):
+        """Pool every rank's findings since the last sync (a collective: all ranks call it at the same point).
+        Returns the sorted [path, reason] pairs of the epoch."""
+        for found in distributed.all_gather_object(self.new):
             self.found.update(found)
+        self.new = {}
         return sorted([path, reason] for path, reason in self.found.items())
+
+    def check_validation(self, counted, total):
+        """UsageError when a validation counted none of its `total` images, or left out more than
+        MAX_UNREADABLE_SHARE of them. Call it on every rank, with the counts of all."""
+        unread = total - counted
+        if total and (counted == 0 or unread > MAX_UNREADABLE_SHARE * total):
+            example = next(iter(self.found.items()), None)
+            raise UsageError(f"validation could not read {unread} of its {total} images"
+                             + (f" (e.g. {printable(example[0])}: {example[1]})" if example else "")
+                             + f", more than {MAX_UNREADABLE_SHARE:.0%}: its accuracy would mean nothing; is the data "
+                               "set readable? (after a transient outage, --resume auto goes on from the last checkpoint)")

@@ -123,7 +123,9 @@ class RunLogger:
 
     def write_bad_images(self, found):
         """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""
-        if self.writes and found:
+        if self.writes and not found:
+            (self.output_dir / "bad_images.txt").unlink(missing_ok=True)  # an earlier epoch's: those read again
+        elif self.writes:
             lines = "".join(f"{path}\t{reason}\n" for path, reason in found)  # file names as their bytes
             atomic_write(self.output_dir / "bad_images.txt", lambda file: file.write(lines.encode("utf-8", "surrogateescape")))
 

@@ -329,10 +329,30 @@ class Trainer:
                  else f"({', '.join(path.name for path in there)}; the first is damaged)")
         raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 
+    def _samples(self):
+        return {"train": len(self.data.train_loader.dataset), "val": len(self.data.val_loader.dataset)}
+
+    def _check_samples(self, saved):
+        """A data set that changed since the checkpoint (files added or removed, a node's incomplete copy) shifts
+        the data order, the lr schedule and, mid-epoch, which images the resumed epoch skips: refused mid-epoch,
+        a warning line at an epoch's end."""
+        now = self._samples()
+        changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val")
+                   if split in saved and saved[split] != now[split]]
+        if not changed:
+            return
+        if self.start_step and saved.get("train") != now["train"]:
+            raise UsageError(f"{self.resume_path} stopped part-way through an epoch of {saved['train']} training images; "
+                             f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
+                             "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end")
+        self.log.print(f"warning: the data changed since {self.resume_path} (images: {', '.join(changed)}): the run goes "
+                       "on with the data as it is now (its epochs, lr schedule and accuracy follow the new counts)")
+
     def _restore(self, resumed):
         args = self.args
         self.start_epoch = int(resumed.get("epoch", 0))
         self.start_step = int(resumed.get("step_in_epoch", 0))
+        self._check_samples(resumed.get("samples") or {})
         if self.start_step:
             saved_batch = resumed.get("args", {}).get("batch_size")
             if saved_batch != args.batch_size:
@@ -400,6 +420,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "train_totals": train_totals,
                 "epoch_lr": self.epoch_lr,
                 "rng_states": rng_states, "world_size": self.runtime.world_size, "args": dict(vars(self.args)),
+                "samples": self._samples(),
                 "bad_images": bad_images,
                 **({"best_ema_acc1": self.best_ema_acc1, **self.ema.state()} if self.ema is not None else {})}
 
@@ -427,6 +448,19 @@ class Trainer:
             self.save(epoch, steps_done, metrics.totals())
         self.steps_done = steps_done
         return stop
+
+    def _validate(self, model, **label):
+        """evaluate() over the val set; a validation that could not read its images ends the run (one line, exit 2),
+        with the files it could not read in bad_images.txt."""
+        summary = evaluate(self, model, self.val_batches, **label)
+        try:
+            self.bad_images.check_validation(int(summary["count"]), len(self.data.val_loader.dataset))
+        except UsageError:
+            found = self.bad_images.sync()
+            if self.runtime.writes_checkpoints(self.args.save_on) and not self.args.evaluate:
+                self.log.write_bad_images(found)
+            raise
+        return summary
 
     def _mixer(self, epoch):
         """mix(images, target, step) for train_one_epoch, or None: --mixup-alpha / --cutmix-alpha, drawn
@@ -467,9 +501,9 @@ class Trainer:
             log.print(f"resumed from {self.resume_path} (epoch {self.resumed_epoch}"
                       + (f", step {self.start_step})" if self.start_step else ")"))
         if args.evaluate:
-            evaluate(self, eval_model, self.val_batches)
+            self._validate(eval_model)
             if self.ema is not None:
-                evaluate(self, self.ema.module, self.val_batches, prefix="Test EMA", label="EMA")
+                self._validate(self.ema.module, prefix="Test EMA", label="EMA")
             return None
         if self.start_epoch >= args.epochs:
             log.print(f"already trained {self.start_epoch} of --epochs {args.epochs}: nothing to do")
@@ -496,6 +530,8 @@ class Trainer:
             if hasattr(self.data.train_loader.dataset, "set_epoch"):
                 self.data.train_loader.dataset.set_epoch(epoch)
             metrics = MetricSums(runtime.device, base=self.resumed_totals if first_step else None)
+            if not first_step:
+                self.bad_images.next_epoch()
             if not first_step or self.epoch_lr is None:
                 self.epoch_lr = self.optimizer.param_groups[0]["lr"]
             epoch_start, lr = time.time(), self.epoch_lr
@@ -517,12 +553,12 @@ class Trainer:
                 raise Preempted()
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)
-            val = evaluate(self, eval_model, self.val_batches)
+            val = self._validate(eval_model)
             row = {}
             if self.ema is not None:
                 # The EMA's BatchNorm statistics average each rank's own: evaluate and save rank 0's.
                 distributed.broadcast_buffers(self.ema.module)
-                ema_val = evaluate(self, self.ema.module, self.val_batches, prefix="Test EMA", label="EMA")
+                ema_val = self._validate(self.ema.module, prefix="Test EMA", label="EMA")
                 self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
                 row = {"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
                        **MetricSums.extra(ema_val, "ema_val_")}

@@ -137,8 +137,8 @@ def test_ranks_started_with_different_arguments_end_in_one_line_naming_the_diffe
     expected size") with two torchrun tracebacks, and rank 0 said only that another process ended."""
     out, results = disagreeing_jobs
     expected = ("error: the processes of this job were started with different arguments: --batch-size is 8 on rank 0, "
-                "16 on rank 1; every process takes the same ones (only --workers, --data and, with --save-on node, "
-                "--output-dir may differ between nodes)")
+                "16 on rank 1; every process takes the same ones (only --workers, --data and --output-dir may differ "
+                "between nodes)")
     for returncode, output in results["batch"]:
         assert returncode != 0
         assert error_lines(output) == [expected], output[-3000:]
@@ -178,13 +178,12 @@ def test_the_ranks_text_and_the_first_difference():
     assert agreement.resume_difference([loaded, {**loaded, "id": "y"}]) is not None  # same place, other bytes
 
 
-def test_with_save_on_node_the_output_dir_may_differ_but_not_by_default():
+def test_the_per_node_arguments_may_differ():
     from types import SimpleNamespace
-    node = [SimpleNamespace(save_on="node", output_dir=f"/n{k}", workers=k, data=f"/d{k}", lr=0.1) for k in (0, 1)]
+    node = [SimpleNamespace(output_dir=f"/n{k}", workers=k, data=f"/d{k}", local_rank=k, lr=0.1) for k in (0, 1)]
     assert agreement.argument_difference([agreement.comparable_args(args) for args in node]) is None
-    for args in node:
-        args.save_on = "global"
-    assert "--output-dir is /n0 on rank 0, /n1 on rank 1" in agreement.argument_difference(
+    node[1].lr = 0.2
+    assert "--lr is 0.1 on rank 0, 0.2 on rank 1" in agreement.argument_difference(
         [agreement.comparable_args(args) for args in node])
 
 
@@ -308,3 +307,76 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_pa
         assert output.count(stop) == 2, output[-3000:]
     assert no_traceback_of_ours(output) and not (tmp_path / "out").exists()
     assert not job.left_behind
+
+
+# ----------------------------------------------------------------------------- no silent zero
+
+def test_a_validation_set_it_cannot_read_ends_the_run_in_one_line(data, tmp_path):
+    """Seen: every val file empty trained to the end with ` * Acc@1 0.000 ... (0 images)`, `done: best acc@1 0.00`
+    and exit 0."""
+    root = tmp_path / "data"
+    shutil.copytree(data, root)
+    for image in (root / "val").rglob("*.*"):
+        image.write_bytes(b"")
+    out = tmp_path / "out"
+    result, = run_prewarmed("train_dp.py", [[*TINY_NET, "--data", root, "--output-dir", out, "--epochs", "2"]])
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert error_lines(result.stdout) == [
+        f"error: validation could not read 12 of its 12 images (e.g. {root}/val/circle/00000.jpg: cannot identify image "
+        "file), more than 10%: its accuracy would mean nothing; is the data set readable? (after a transient outage, "
+        "--resume auto goes on from the last checkpoint)"], result.stdout[-3000:]
+    assert "done:" not in result.stdout and no_traceback_of_ours(result.stdout)
+    assert len((out / "bad_images.txt").read_text().splitlines()) == 12
+
+
+def test_a_share_of_unreadable_validation_images_over_the_limit_is_refused():
+    from common.bad_images import BadImageLog
+    log = BadImageLog(0, 1)
+    log.check_validation(12, 13)  # one broken file of 13: skipped
+    with pytest.raises(Exception, match=r"could not read 2 of its 13 images, more than 10%"):
+        log.check_validation(11, 13)
+
+
+def test_a_file_unreadable_in_one_epoch_is_read_again_in_the_next(data, tmp_path):
+    """A transient outage once entered its files in the bad list for good (and every rank gathered the whole list at
+    each save). Here one training image is unreadable until the run has met it once."""
+    root = tmp_path / "data"
+    shutil.copytree(data, root)
+    victim = sorted((root / "train" / "square").iterdir())[0]
+    kept = victim.read_bytes()
+    victim.write_bytes(b"not an image")
+    out = tmp_path / "out"
+    job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "--data", root, "--output-dir", out, "--epochs", "2"])
+    try:
+        job.wait_for(re.compile(rf"^warning: skipped {re.escape(str(victim))}: cannot decode it"), timeout=WAIT)
+        victim.write_bytes(kept)  # the outage ends
+        returncode, output = job.finish(timeout=WAIT)
+    finally:
+        job.kill()
+    assert returncode == 0, output[-3000:]
+    rows = (out / "log.csv").read_text().splitlines()
+    column = rows[0].split(",").index("bad_images")
+    assert [row.split(",")[column] for row in rows[1:]] == ["1", "0"]
+    assert not (out / "bad_images.txt").exists() or victim.name not in (out / "bad_images.txt").read_text()
+
+
+def test_a_data_set_that_changed_since_the_checkpoint_is_refused_mid_epoch_and_named_at_an_epoch_s_end(data, tmp_path):
+    root = tmp_path / "data"
+    shutil.copytree(data, root)
+    first = tmp_path / "first"
+    common = [*TINY_NET, "--data", root, "--epochs", "2"]
+    assert_ok(run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2",
+                                              "--output-dir", first]])[0])
+    for image in sorted((root / "train" / "ring").iterdir())[:8]:  # 48 -> 40 training images
+        image.unlink()
+    mid_epoch, epoch_end = run_prewarmed("train_dp.py", [
+        [*common, "--resume", first / "checkpoint_prev.pth", "--output-dir", tmp_path / "mid"],  # epoch 0, step 4
+        [*common, "--resume", first / "checkpoint.pth", "--output-dir", tmp_path / "end"]])
+    assert mid_epoch.returncode == 2, mid_epoch.stdout[-3000:]
+    assert error_lines(mid_epoch.stdout) == [
+        f"error: {first}/checkpoint_prev.pth stopped part-way through an epoch of 48 training images; the data now "
+        "holds 40: the resumed epoch would skip other images than it trained on: restore the data as it was, or "
+        "resume from a checkpoint at an epoch's end"], mid_epoch.stdout[-3000:]
+    output = assert_ok(epoch_end)
+    assert (f"warning: the data changed since {first}/checkpoint.pth (images: train 48 -> 40): the run goes on with "
+            "the data as it is now (its epochs, lr schedule and accuracy follow the new counts)") in output.splitlines()

@@ -398,7 +398,8 @@ def limit_file_size(limit):
 
 
 def mtimes(folder):
-    return {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
+    """When each file of a run was last written (run.lock aside: a refused relaunch held it, and wrote who it was)."""
+    return {path.name: path.stat().st_mtime_ns for path in folder.iterdir() if path.name != "run.lock"}
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +444,8 @@ def finished_run(data, tmp_path_factory):
         "uncreatable-output-dir": ["--data", data, "--output-dir", root / "a-file" / "run"],
     }
     try:
-        refused = dict(zip(relaunches, run_prewarmed("train_dp.py", [[*common, *flags] for flags in relaunches.values()])))
+        refused = dict(zip(relaunches, run_prewarmed("train_dp.py", [[*common, *flags] for flags in relaunches.values()],
+                                                     parallel=1)))  # one at a time: a second would find run_dir locked
     except BaseException:
         for job in jobs.values():
             job.kill()
