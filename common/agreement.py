@@ -101,3 +101,11 @@ def check_start(args, resumed_from, error):
     line = line or resume_difference([rank["resume"] for rank in gathered])
     if line is not None:
         raise UsageError(line)
+
+
+def raise_any(error):
+    """A collective: every rank gives the error (a line) that stops it, or None; the first rank's is raised on
+    every rank, so none is left waiting for another."""
+    for rank, line in enumerate(distributed.all_gather_object(error)):
+        if line is not None:
+            raise UsageError(line if rank == distributed.get_rank() else f"rank {rank}: {line}")

@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -28,13 +29,13 @@ except ImportError:
     decode_image = None
 from torchvision.transforms.v2 import functional as F
 
-from . import distributed
+from . import agreement, distributed
 from .args import ResSchedule
 from .augment import image_augmentation, seeded
 from .bad_images import BadItem, SkipUnreadable
 from .demo_data import ensure_demo_dataset
 from .errors import UsageError
-from .folder_index import scan_image_folder
+from .folder_index import FolderIndex, scan_image_folder
 from .named import import_named
 from .preemption import ignore_stop_signals, waiting_for_data
 
@@ -463,7 +464,48 @@ def build_datasets(args):
     # Rank 0 lists the folder (or reads the split files), once for the job (1.33 M files on ImageNet).
     scan = scan_split_files if root.is_dir() and split_files(root) else scan_image_folder
     classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
+    train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
     return classes, ImageFiles(train_files), ImageFiles(val_files)
+
+
+def _first_difference(split, classes, own, rank_0s):
+    """Where this node's FolderIndex of `split` differs from rank 0's, in words; None where they list the same files."""
+    if own.blob == rank_0s.blob and np.array_equal(own.labels, rank_0s.labels):
+        return None
+    here, there = (np.bincount(index.labels, minlength=len(classes)) for index in (own, rank_0s))
+    for name, count_here, count_there in zip(classes, here, there):
+        if count_here != count_there:
+            return f"{split}/{name}: {count_here} images here, {count_there} on rank 0"
+    return f"{split}/: the same number of images per class, of other names"
+
+
+def this_node_s_copy(root, classes, train_files, val_files):
+    """The samples at this rank's --data. A node may hold its copy of an image folder at another path than rank
+    0's (a node-local disk): it lists its copy, which must hold the files of rank 0's, name for name, else every
+    rank stops with one line naming the first difference. A collective; with one --data path for all, nothing more."""
+    roots = distributed.all_gather_object(str(root))
+    if all(other == roots[0] for other in roots):
+        return train_files, val_files
+    error = None
+    if str(root) != roots[0]:
+        where = f"--data {root} (rank 0: {roots[0]})"
+        if not isinstance(train_files, FolderIndex):
+            error = (f"{where}: with train.csv / val.csv every node gives the same --data path (the files' paths are read "
+                     "from them); copies at other paths are for image folders")
+        else:
+            try:
+                own = scan_image_folder(root)
+                difference = (f"classes {', '.join(own.classes[:3])}, ... here" if own.classes != classes else
+                              _first_difference("train", classes, own.train, train_files)
+                              or _first_difference("val", classes, own.val, val_files))
+            except UsageError as failure:
+                own, difference = None, str(failure)
+            if difference:
+                error = f"{where} holds other files than rank 0's ({difference}): every node's copy must hold the same files"
+            else:
+                train_files, val_files = own.train, own.val
+    agreement.raise_any(error)
+    return train_files, val_files
 
 
 def describe_item(item):

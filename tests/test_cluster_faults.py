@@ -380,3 +380,45 @@ def test_a_data_set_that_changed_since_the_checkpoint_is_refused_mid_epoch_and_n
     output = assert_ok(epoch_end)
     assert (f"warning: the data changed since {first}/checkpoint.pth (images: train 48 -> 40): the run goes on with "
             "the data as it is now (its epochs, lr schedule and accuracy follow the new counts)") in output.splitlines()
+
+
+# ----------------------------------------------------------------------------- a copy of the data on each node
+
+@pytest.fixture(scope="module")
+def per_node_copies(data, tmp_path_factory):
+    """Two-node jobs whose node 1 reads its own copy of the image folder, at another path: a complete copy whose
+    three `00000.jpg` training images are broken (their names are rank 0's: only reading them tells the copies
+    apart), and a copy that lacks a training image. name -> ([(returncode, output)], node 1's copy)."""
+    out = tmp_path_factory.mktemp("per-node")
+    copies = {name: shutil.copytree(data, out / f"copy-{name}") for name in ("complete", "incomplete")}
+    for image in copies["complete"].glob("train/*/00000.jpg"):
+        image.write_bytes(b"broken on node 1 alone")
+    sorted((copies["incomplete"] / "train" / "ring").iterdir())[-1].unlink()
+    common = [*TINY_NET, "--epochs", "2", "--save-on", "node"]
+    jobs = {name: two_nodes(free_port(), [[*common, "--data", data, "--output-dir", out / name / "node0"],
+                                          [*common, "--data", copy, "--output-dir", out / name / "node1"]])
+            for name, copy in copies.items()}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
+    return {name: (results[name], copies[name]) for name in jobs}
+
+
+def test_each_node_reads_its_own_copy_of_the_data_at_its_own_path(per_node_copies, data):
+    """Once every rank read rank 0's --data path (the folder's index came from rank 0): a node-local copy at
+    another path was never read, or failed on every file."""
+    results, copy = per_node_copies["complete"]
+    outputs = [output for returncode, output in results]
+    assert [returncode for returncode, _ in results] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    skipped = re.findall(r"^warning: (rank \d): skipped (\S+): cannot decode it", "".join(outputs), re.MULTILINE)
+    assert skipped and all(rank == "rank 1" and path.startswith(f"{copy}/train/") for rank, path in skipped), skipped
+    assert "12 images" in outputs[0]
+
+
+def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_node_copies, data):
+    results, copy = per_node_copies["incomplete"]
+    expected = (f"--data {copy} (rank 0: {data}) holds other files than rank 0's (train/ring: 15 images here, 16 on "
+                "rank 0): every node's copy must hold the same files")
+    for rank, (returncode, output) in enumerate(results):
+        assert returncode != 0 and error_lines(output) == [f"error: {'rank 1: ' if rank == 0 else ''}{expected}"], \
+            output[-3000:]
+        assert no_traceback_of_ours(output) and "Epoch: [" not in output
