@@ -11,6 +11,7 @@ node_rank * nproc_per_node + local_rank. Everything else is as in train_ddp.py:
 each process holds a replica, trains on its shard of each batch, and DDP
 averages the gradients during backward().
 """
+import fcntl
 import logging
 import os
 import re
@@ -67,16 +68,37 @@ def setup(args):
     if url.startswith("tcp://") and args.node_rank == 0:
         host, _, port = url[len("tcp://"):].rpartition(":")
         check_port_free(host, int(port))  # rank 0 will listen there
-    elif url.startswith("file://"):
-        path = Path(url[len("file://"):])
-        if args.node_rank == 0 and path.exists() and path.stat().st_size:
-            raise cli.UsageError(f"rendezvous file {path} is left from an earlier run: delete it first")
+    elif url.startswith("file://") and args.node_rank == 0:
+        claim_rendezvous_file(Path(url[len("file://"):]))
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", args.master_addr)
         os.environ.setdefault("MASTER_PORT", str(args.master_port))
     elif not url.startswith("tcp://"):
         raise cli.UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
     return url
+
+
+_rendezvous_owner = None  # node 0's lock on its rendezvous file, held for the job's life
+
+
+def claim_rendezvous_file(path):
+    """Node 0's claim on a file:// rendezvous: a POSIX lock on PATH.owner for the job's life. The rendezvous file
+    of a job that was killed (SIGKILL, a lost node: nothing removed it) would hand the new job the dead one's
+    addresses; with no job holding its lock, it is removed, and said so. One a running job holds is refused."""
+    global _rendezvous_owner
+    try:
+        owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise cli.UsageError(f"--dist-url file://{path}: cannot create {path}.owner ({error.strerror})") from None
+    try:
+        fcntl.lockf(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(owner)
+        raise cli.UsageError(f"rendezvous file {path} is in use by a running job: give this one another --dist-url") from None
+    if path.exists() and path.stat().st_size:
+        path.unlink()
+        say(f"note: removed {path}, the rendezvous file of a job that ended without removing it (killed)")
+    _rendezvous_owner = owner
 
 
 def worker(local_rank, args, init_method):

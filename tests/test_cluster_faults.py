@@ -65,7 +65,7 @@ def test_a_killed_run_releases_its_output_dir_and_the_relaunch_resumes(data, tmp
     job.kill()  # SIGKILL: no exit handler runs
     relaunch, = run_prewarmed("train_dp.py", [common])
     output = assert_ok(relaunch)
-    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 2\)", output, re.MULTILINE), output[-3000:]
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
 
 
 def test_a_run_that_ends_before_writing_leaves_no_output_dir_behind(data, tmp_path):
@@ -422,3 +422,25 @@ def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_
         assert returncode != 0 and error_lines(output) == [f"error: {'rank 1: ' if rank == 0 else ''}{expected}"], \
             output[-3000:]
         assert no_traceback_of_ours(output) and "Epoch: [" not in output
+
+
+# ----------------------------------------------------------------------------- spawn's file:// rendezvous
+
+def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_auto(data, tmp_path):
+    """Once the rendezvous file a SIGKILLed job left behind refused the relaunch (exit 2, "delete it first")."""
+    out, rendezvous = tmp_path / "out", tmp_path / "rendezvous"
+    command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
+               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2", "--epochs"]
+    job = Job([*command, "30"])
+    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
+    running = Job([*command, "30"])  # a second job on the same rendezvous, while the first runs: refused
+    returncode, output = running.finish(timeout=WAIT)
+    assert returncode == 2 and error_lines(output) == [
+        f"error: rendezvous file {rendezvous} is in use by a running job: give this one another --dist-url"], output
+    job.kill()
+    assert rendezvous.stat().st_size  # left behind
+    returncode, output = Job([*command, "2"]).finish(timeout=WAIT)  # (the first may have trained 2 epochs by now)
+    assert returncode == 0, output[-3000:]
+    assert (f"note: removed {rendezvous}, the rendezvous file of a job that ended without removing it (killed)"
+            in output.splitlines())
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
