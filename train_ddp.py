@@ -47,8 +47,9 @@ def setup(args):
     device = select_device(args.device, local_rank)
     backend = choose_backend(args.dist_backend, device)
     per_process_batch(args.batch_size, world_size)  # fail before the rendezvous, not after
-    init_process_group(backend, "env://", rank, world_size, device, args.dist_timeout)
-    return Runtime("ddp", device, rank, local_rank, world_size, local_world_size_from_env(world_size))
+    local_world_size = local_world_size_from_env(world_size)
+    init_process_group(backend, "env://", rank, world_size, device, args.dist_timeout, local_world_size)
+    return Runtime("ddp", device, rank, local_rank, world_size, local_world_size)
 
 
 def main(args):

@@ -117,7 +117,7 @@ def worker(local_rank, args, init_method):
             # The processes share this node's cores (as torchrun does with OMP_NUM_THREADS=1).
             torch.set_num_threads(max(1, usable_cores() // args.nproc_per_node))
         backend = choose_backend(args.dist_backend, device)
-        init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout)
+        init_process_group(backend, init_method, rank, world_size, device, args.dist_timeout, args.nproc_per_node)
         runtime = Runtime("spawn", device, rank, local_rank, world_size, args.nproc_per_node)
         trainer = trainer_class(args.trainer)(args, runtime)
         device_ids = [device.index] if device.type == "cuda" else None

@@ -5,10 +5,13 @@ and reductions return their input, so the training code has no
 `if distributed:` branches.
 """
 import datetime
+import fcntl
+import ipaddress
 import os
 import random
 import re
 import socket
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +102,66 @@ def check_sync_bn(sync_bn, device):
         raise UsageError("--sync-bn needs GPUs: SyncBatchNorm does not run on the CPU")
 
 
-def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800):
+def _address_of(name):
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def _interface_towards(address):
+    """The name of this host's network interface whose address is the one it would reach `address` from (a UDP
+    socket's connect sends nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, 9))
+            local, interfaces = probe.getsockname()[0], socket.if_nameindex()
+        except OSError:
+            return None
+        for _, name in interfaces:
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                if socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]) == local:  # SIOCGIFADDR
+                    return name
+            except OSError:  # an interface without an IPv4 address
+                continue
+    return None
+
+
+def gloo_address_problem(host, host_address, master_address, multi_node, interface=None):
+    """One line when gloo would listen where other nodes cannot reach it: a job of several nodes (its rendezvous
+    address is not this host's loopback) on a host whose name resolves to a loopback address (Debian's
+    127.0.1.1 line in /etc/hosts, Kubernetes' hostNetwork), without GLOO_SOCKET_IFNAME; else None."""
+    def loopback(address):
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    if not multi_node or not loopback(host_address) or master_address is None or loopback(_address_of(master_address)):
+        return None
+    fix = f"export GLOO_SOCKET_IFNAME={interface or '<interface>'} on every node" + (
+        f" ({interface}: the interface that reaches {master_address} here)" if interface else
+        f" (the interface that reaches {master_address}: `ip route get {master_address}` names it)")
+    return (f"this host's name {host} resolves to {host_address}, a loopback address: gloo (the CPU group that carries "
+            "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the job "
+            f"would fail at start after a timeout: {fix}")
+
+
+def check_gloo_address(init_method, world_size, local_world_size):
+    """gloo_address_problem for this process: raised as a UsageError before the rendezvous."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or local_world_size is None or world_size <= local_world_size:
+        return
+    master = (os.environ.get("MASTER_ADDR") if init_method == "env://" else
+              init_method[len("tcp://"):].rpartition(":")[0].strip("[]") if init_method.startswith("tcp://") else None)
+    host = socket.gethostname()
+    problem = gloo_address_problem(host, _address_of(host), master, multi_node=True,
+                                   interface=_interface_towards(_address_of(master) or master) if master else None)
+    if problem:
+        raise UsageError(problem)
+
+
+def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None):
     """Join the group. A collective that waits longer than timeout_seconds for a stalled
-    rank fails instead of hanging, and the launcher then stops the job."""
+    rank fails instead of hanging, and the launcher then stops the job. With local_world_size (the processes on
+    this node), a host whose name resolves to a loopback address is refused first (check_gloo_address)."""
+    check_gloo_address(init_method, world_size, local_world_size)
     device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU

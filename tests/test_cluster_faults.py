@@ -444,3 +444,38 @@ def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_aut
     assert (f"note: removed {rendezvous}, the rendezvous file of a job that ended without removing it (killed)"
             in output.splitlines())
     assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
+
+
+# ----------------------------------------------------------------------------- gloo on a host named after loopback
+
+def test_which_hosts_are_refused_for_gloo():
+    from common.distributed import gloo_address_problem
+    line = gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", multi_node=True, interface="eth0")
+    assert line == ("this host's name node7 resolves to 127.0.1.1, a loopback address: gloo (the CPU group that carries "
+                    "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the "
+                    "job would fail at start after a timeout: export GLOO_SOCKET_IFNAME=eth0 on every node (eth0: the "
+                    "interface that reaches 10.1.2.3 here)")
+    assert "`ip route get 10.1.2.3` names it" in gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", True)
+    assert gloo_address_problem("node7", "10.1.2.7", "10.1.2.3", True) is None  # resolves to a reachable address
+    assert gloo_address_problem("node7", "127.0.1.1", "127.0.0.1", True) is None  # every "node" on this host
+    assert gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", False) is None  # one node
+
+
+def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_rendezvous(tmp_path):
+    """As srun starts a task of a two-node job (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR of node 0) on a host
+    whose name resolves to loopback: gloo would bind there and the job fail at start after a timeout. The master
+    address is one this test never reaches (the check comes first: a UDP socket's connect, which sends nothing, finds the
+    interface to name; without the check, rank 0 would try to meet there)."""
+    import socket
+    from conftest import clean_env
+    from common.distributed import _address_of
+    import ipaddress
+    if not ipaddress.ip_address(_address_of(socket.gethostname()) or "0.0.0.0").is_loopback:
+        pytest.skip(f"this host's name {socket.gethostname()} resolves to a reachable address: nothing to refuse")
+    env = clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, MASTER_ADDR="192.0.2.123", MASTER_PORT=free_port())
+    returncode, output = Job([PYTHON, REPO / "train_ddp.py", *TINY_NET, "--output-dir", tmp_path / "out"], env=env,
+                             prewarmed=False).finish(timeout=60)
+    assert returncode == 2, output[-3000:]
+    lines = error_lines(output)
+    assert len(lines) == 1 and lines[0].startswith(f"error: this host's name {socket.gethostname()} resolves to ")
+    assert "export GLOO_SOCKET_IFNAME=" in lines[0] and no_traceback_of_ours(output)
