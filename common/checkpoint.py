@@ -7,7 +7,8 @@ A checkpoint is a dict of plain data and tensors:
   scheduler, scaler, best_acc1, train_totals (the partial epoch's metric sums),
   rng_states (one per rank), world_size, args (a plain dict); with --model-ema also
   model_ema (the EMA's state_dict, keys as state_dict's: it loads into the same plain model),
-  model_ema_n_averaged (its updates since it last restarted) and best_ema_acc1.
+  model_ema_n_averaged (its updates since it last restarted) and best_ema_acc1; samples (the data's
+  train and val image counts: a resume mid-epoch on other counts is refused).
 checkpoint.pth is the latest; checkpoint_prev.pth the one before it. Each save has its own
 checkpoint_id, by which the ranks of a resumed job check that they all loaded the same one.
 
