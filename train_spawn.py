@@ -11,6 +11,7 @@ node_rank * nproc_per_node + local_rank. Everything else is as in train_ddp.py:
 each process holds a replica, trains on its shard of each batch, and DDP
 averages the gradients during backward().
 """
+import errno
 import fcntl
 import logging
 import os
@@ -68,8 +69,8 @@ def setup(args):
     if url.startswith("tcp://") and args.node_rank == 0:
         host, _, port = url[len("tcp://"):].rpartition(":")
         check_port_free(host, int(port))  # rank 0 will listen there
-    elif url.startswith("file://") and args.node_rank == 0:
-        claim_rendezvous_file(Path(url[len("file://"):]))
+    elif url.startswith("file://"):
+        claim_rendezvous_file(Path(url[len("file://"):]), args.node_rank)
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", args.master_addr)
         os.environ.setdefault("MASTER_PORT", str(args.master_port))
@@ -78,26 +79,41 @@ def setup(args):
     return url
 
 
-_rendezvous_owner = None  # node 0's lock on its rendezvous file, held for the job's life
+_rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life
+NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system that does not lock
 
 
-def claim_rendezvous_file(path):
-    """Node 0's claim on a file:// rendezvous: a POSIX lock on PATH.owner for the job's life. The rendezvous file
-    of a job that was killed (SIGKILL, a lost node: nothing removed it) would hand the new job the dead one's
-    addresses; with no job holding its lock, it is removed, and said so. One a running job holds is refused."""
+def claim_rendezvous_file(path, node_rank):
+    """Every node of a file:// rendezvous holds a shared POSIX lock on PATH.owner for the job's life. Node 0 first
+    tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's (SIGKILL,
+    a lost node: nothing removed it), which would hand this job the dead one's addresses, so it is removed (said
+    in a note). Held by others (this job's nodes that started first), the file is left as it is. On a file system
+    that does not lock, a non-empty file is refused as before."""
     global _rendezvous_owner
     try:
         owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as error:
         raise cli.UsageError(f"--dist-url file://{path}: cannot create {path}.owner ({error.strerror})") from None
     try:
-        fcntl.lockf(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        if node_rank == 0:
+            try:
+                fcntl.lockf(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            else:
+                if path.exists() and path.stat().st_size:
+                    path.unlink()
+                    say(f"note: removed {path}, the rendezvous file of a job that ended without removing it (killed)")
+        fcntl.lockf(owner, fcntl.LOCK_SH)  # (node 0: from exclusive to shared; others wait out node 0's check)
+    except OSError as error:
         os.close(owner)
-        raise cli.UsageError(f"rendezvous file {path} is in use by a running job: give this one another --dist-url") from None
-    if path.exists() and path.stat().st_size:
-        path.unlink()
-        say(f"note: removed {path}, the rendezvous file of a job that ended without removing it (killed)")
+        if error.errno not in NO_LOCKING:
+            raise cli.UsageError(f"cannot lock {path}.owner ({error.strerror})") from None
+        if node_rank == 0 and path.exists() and path.stat().st_size:
+            raise cli.UsageError(f"rendezvous file {path} is left from an earlier run (or a running job's: this file "
+                                 "system does not lock files to tell): delete it first if no job uses it") from None
+        return
     _rendezvous_owner = owner
 
 
@@ -151,13 +167,24 @@ def main(args):
     init_method = setup(args)
     # When a worker fails, spawn stops the others and logs each; our error line says what failed.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # A scheduler's stop signal reaches this process only: pass it to the workers, which
+    # agree on a step, save a checkpoint and exit (SIGINT: which stop at once). One that comes while they
+    # are being started is passed on once they are.
+    processes, early = [], []
+
+    def pass_on(signum, _frame):
+        if not processes:
+            early.append(signum)
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(signum, pass_on)
     context = mp.start_processes(worker, args=(args, init_method), nprocs=args.nproc_per_node,
                                  join=False, start_method="spawn")
-    # A scheduler's stop signal reaches this process only: pass it to the workers, which
-    # agree on a step, save a checkpoint and exit (SIGINT: which stop at once).
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(signum, lambda signum, _frame: [os.kill(process.pid, signum)
-                                                      for process in context.processes if process.is_alive()])
+    processes.extend(context.processes)
+    for signum in early:
+        pass_on(signum, None)
     try:
         while not context.join():
             pass

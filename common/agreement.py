@@ -14,15 +14,20 @@ from .errors import UsageError
 
 # Arguments that may differ between nodes: loader workers, where a node holds its copy of the data (the
 # same files: build_data checks their counts), where it writes (only the writer ranks write: rank 0, or with
-# --save-on node each node's first; the checkpoint each rank resumes from is compared on its own), and the
-# process's own place in the job.
-PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank")
+# --save-on node each node's first; the checkpoint each rank resumes from is compared on its own), the
+# process's own place in the job, and how a node names node 0 (train_spawn.py: 127.0.0.1 on node 0 itself).
+PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank", "master_addr", "dist_url")
 _MISSING = "(not given)"
 
 
+PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
+
+
 def comparable_args(args):
-    """The arguments that every rank must have alike, as a plain dict."""
-    return {name: value for name, value in sorted(vars(args).items()) if name not in PER_NODE}
+    """The arguments that every rank must have alike, as a plain dict (a value of another type, which a --trainer's
+    own flag may hold, as its repr)."""
+    return {name: value if isinstance(value, PLAIN) else repr(value)
+            for name, value in sorted(vars(args).items()) if name not in PER_NODE}
 
 
 def ranks_text(ranks):
@@ -86,19 +91,29 @@ def resume_difference(per_rank):
               "or name it with --resume PATH")
 
 
-def check_start(args, resumed_from, error):
-    """The job's first collective: every rank gives its arguments, the checkpoint it loaded (resume_facts) and
-    the error that stopped its start-up (a locked --output-dir, an unreadable checkpoint) or None. A mismatch
-    or any rank's error is raised on every rank as one UsageError, so no rank is left waiting for another."""
-    gathered = distributed.all_gather_object({"args": comparable_args(args), "resume": resumed_from, "error": error})
-    line = argument_difference([rank["args"] for rank in gathered])
-    if line is None:
-        failed = [(rank, facts["error"]) for rank, facts in enumerate(gathered) if facts["error"] is not None]
-        if failed:
-            rank, line = failed[0]
-            if rank != distributed.get_rank():
-                line = f"rank {rank}: {line}"
-    line = line or resume_difference([rank["resume"] for rank in gathered])
+def _first_error(gathered):
+    """The first rank's error line (prefixed with its rank on the others), or None."""
+    for rank, facts in enumerate(gathered):
+        if facts["error"] is not None:
+            return facts["error"] if rank == distributed.get_rank() else f"rank {rank}: {facts['error']}"
+    return None
+
+
+def check_start(args, error):
+    """The job's first collective: every rank gives its arguments and the error that stopped its start-up (the
+    writer's --output-dir locked by another run) or None. A difference, or any rank's error, is raised on every
+    rank as one UsageError, so no rank is left waiting for another."""
+    gathered = distributed.all_gather_object({"args": comparable_args(args), "error": error})
+    line = argument_difference([rank["args"] for rank in gathered]) or _first_error(gathered)
+    if line is not None:
+        raise UsageError(line)
+
+
+def check_resume(resumed_from, error):
+    """Every rank gives the checkpoint it loaded (resume_facts) and the error of its loading or None: a rank's
+    error, or ranks that loaded different checkpoints, are raised on every rank (a collective)."""
+    gathered = distributed.all_gather_object({"resume": resumed_from, "error": error})
+    line = _first_error(gathered) or resume_difference([rank["resume"] for rank in gathered])
     if line is not None:
         raise UsageError(line)
 

@@ -122,10 +122,14 @@ def _keep_as_previous(latest, previous):
     """Give the current latest checkpoint the name `previous`, leaving `latest` in place."""
     link = previous.with_name(f".{previous.name}.{uuid.uuid4().hex}.tmp")
     try:
-        os.link(latest, link)  # a second name for the same bytes: no copy
-    except OSError:  # a file system without hard links
-        shutil.copyfile(latest, link)
-    os.replace(link, previous)
+        try:
+            os.link(latest, link)  # a second name for the same bytes: no copy
+        except OSError:  # a file system without hard links
+            shutil.copyfile(latest, link)
+        os.replace(link, previous)
+    except BaseException:
+        link.unlink(missing_ok=True)  # (a copy cut short by a full disk: no full-size leftover)
+        raise
 
 
 def save_checkpoint(state, output_dir, is_best):
@@ -229,7 +233,7 @@ def load_weights(model, checkpoint, arch, classes, path):
 
 
 LOCK = "run.lock"
-LOCK_WAIT_ON_REQUEUE = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
+LOCK_WAIT_ON_RESTART = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
 # errno of a file system that does not lock (Lustre mounted without -o flock, some FUSE file systems)
 NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -270,7 +274,8 @@ class OutputLock:
                                     "lock files, so a second run started in this --output-dir would not be refused")
                     return
                 if error.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise
+                    os.close(self.fd)
+                    raise UsageError(f"cannot lock {self.path} ({error.strerror or error})") from None
                 holder = _describe_holder(self.path)
                 if time.monotonic() >= deadline:
                     os.close(self.fd)
@@ -278,13 +283,17 @@ class OutputLock:
                                      "an output directory; wait for that one to end, or give this one another "
                                      "--output-dir") from None
                 if say is not None and not said:
-                    say(f"waiting up to {wait:.0f} s for the run before this requeue to release {self.path} ({holder})")
+                    say(f"waiting up to {wait:.0f} s for the run this job replaces to release {self.path} ({holder})")
                     said = True
                 time.sleep(1)
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n"
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, text.encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, text.encode(), 0)
+        except OSError as error:  # a full disk, say
+            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                             "choose a directory you can write to") from None
 
     def abandon(self):
         """A run that ended before it wrote anything leaves no directory that it created."""

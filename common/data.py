@@ -300,7 +300,8 @@ class ResumableSampler(DistributedSampler):
 
     def set_epoch(self, epoch, start=0):
         super().set_epoch(epoch)
-        self.start = start
+        # A stop after an epoch's last step resumes at steps x batch, past the end of a last batch that is short.
+        self.start = min(start, self.num_samples)
 
     def shard(self):
         """This rank's indices of the current epoch, from its beginning."""

@@ -130,12 +130,19 @@ def _interface_towards(address):
 
 def gloo_address_problem(host, host_address, master_address, multi_node, interface=None):
     """One line when gloo would listen where other nodes cannot reach it: a job of several nodes (its rendezvous
-    address is not this host's loopback) on a host whose name resolves to a loopback address (Debian's
-    127.0.1.1 line in /etc/hosts, Kubernetes' hostNetwork), without GLOO_SOCKET_IFNAME; else None."""
+    address is no loopback address: a name, node 0's own included, or another host's address) on a host whose
+    name resolves to a loopback address (Debian's 127.0.1.1 line in /etc/hosts, Kubernetes' hostNetwork),
+    without GLOO_SOCKET_IFNAME; else None."""
     def loopback(address):
         return address is not None and ipaddress.ip_address(address).is_loopback
-    if not multi_node or not loopback(host_address) or master_address is None or loopback(_address_of(master_address)):
+    try:  # a loopback address given as the rendezvous: every "node" is this host (a rehearsal on one machine)
+        all_here = master_address == "localhost" or ipaddress.ip_address(master_address).is_loopback
+    except ValueError:  # a name: maybe node 0's own, which resolves to loopback on node 0 too
+        all_here = False
+    if not multi_node or not loopback(host_address) or master_address is None or all_here:
         return None
+    if interface == "lo":
+        interface = None
     fix = f"export GLOO_SOCKET_IFNAME={interface or '<interface>'} on every node" + (
         f" ({interface}: the interface that reaches {master_address} here)" if interface else
         f" (the interface that reaches {master_address}: `ip route get {master_address}` names it)")

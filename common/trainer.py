@@ -206,16 +206,24 @@ class Trainer:
         self.output_lock, self.resume_path, resumed, error = None, None, None, None
         try:
             if writes and not args.evaluate:  # -e writes nothing
-                requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+                # A restarted job (a Slurm requeue, torchrun's restart) may find the lock of the one it replaces
+                # still held: by a lost node's file system lease, or while the old step writes its stop's checkpoint.
+                restarted = any(os.environ.get(name, "0") not in ("", "0")
+                                for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
                 self.output_lock = checkpoint.OutputLock(
-                    args.output_dir, wait=checkpoint.LOCK_WAIT_ON_REQUEUE if requeued else 0, say=say)
-            self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
+                    args.output_dir, wait=checkpoint.LOCK_WAIT_ON_RESTART if restarted else 0, say=say)
         except UsageError as failure:  # said by every rank, below
             error = str(failure)
         try:
-            agreement.check_start(args, agreement.resume_facts(self.resume_path, resumed), error)
+            agreement.check_start(args, error)
             if self.output_lock is not None and self.output_lock.warning:
                 say(self.output_lock.warning)
+            error = None
+            try:  # once the directory is this run's: no save of the run before it can land after this load
+                self.resume_path, resumed = checkpoint.load_resume(args.resume, args.output_dir, warn=self.log.print)
+            except UsageError as failure:
+                error = str(failure)
+            agreement.check_resume(agreement.resume_facts(self.resume_path, resumed), error)
             self._build(args, runtime, resumed)
         except BaseException:
             if self.output_lock is not None:
@@ -330,18 +338,19 @@ class Trainer:
         raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 
     def _samples(self):
-        return {"train": len(self.data.train_loader.dataset), "val": len(self.data.val_loader.dataset)}
+        return {"train": len(self.data.train_loader.dataset), "val": len(self.data.val_loader.dataset),
+                "steps": self.steps_per_epoch}
 
-    def _check_samples(self, saved):
+    def _check_samples(self, saved, trained):
         """A data set that changed since the checkpoint (files added or removed, a node's incomplete copy) shifts
         the data order, the lr schedule and, mid-epoch, which images the resumed epoch skips: refused mid-epoch,
-        a warning line at an epoch's end."""
+        a warning line at an epoch's end (or after its last step: `trained`)."""
         now = self._samples()
         changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val")
                    if split in saved and saved[split] != now[split]]
         if not changed:
             return
-        if self.start_step and saved.get("train") != now["train"]:
+        if self.start_step and not trained and saved.get("train") != now["train"]:
             raise UsageError(f"{self.resume_path} stopped part-way through an epoch of {saved['train']} training images; "
                              f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
                              "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end")
@@ -352,10 +361,15 @@ class Trainer:
         args = self.args
         self.start_epoch = int(resumed.get("epoch", 0))
         self.start_step = int(resumed.get("step_in_epoch", 0))
-        self._check_samples(resumed.get("samples") or {})
+        saved = resumed.get("samples") or {}
+        # Stopped after the epoch's last step (before validating it): its validation comes next, whatever the batch.
+        trained = self.start_step >= saved.get("steps", self.steps_per_epoch)
+        self._check_samples(saved, trained)
+        if trained:
+            self.start_step = self.steps_per_epoch
         if self.start_step:
             saved_batch = resumed.get("args", {}).get("batch_size")
-            if saved_batch != args.batch_size:
+            if saved_batch != args.batch_size and not trained:
                 raise UsageError(f"{self.resume_path} stopped part-way through an epoch with global batch "
                                  f"{saved_batch}: resume it with -b {saved_batch}")
             self.resumed_totals = resumed.get("train_totals")

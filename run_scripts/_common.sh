@@ -7,12 +7,13 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 # STOP_GRACE: the seconds a clean stop may take (the last step and its checkpoint: a large model on a slow
 # file system). torchrun waits that long after passing a stop signal on before it SIGKILLs the processes
-# (its own default: 30 s), and train_*.py read it (--stop-grace). Keep it within the scheduler's warning
+# (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, its --shutdown-timeout; its own default: 30 s; an older torchrun without
+# it ignores the variable), and train_*.py read it (--stop-grace). Keep it within the scheduler's warning
 # (slurm_*.sbatch: --signal=B:USR1@120).
 export STOP_GRACE="${STOP_GRACE:-120}"
 [[ "$STOP_GRACE" =~ ^[1-9][0-9]*$ ]] || { echo "error: $(basename "$0"): STOP_GRACE=$STOP_GRACE is not a whole number of seconds" >&2; exit 2; }
-# The same program as `torchrun`, from this Python.
-TORCHRUN=("$PYTHON" -m torch.distributed.run --shutdown-timeout="$STOP_GRACE")
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_GRACE"
+TORCHRUN=("$PYTHON" -m torch.distributed.run)  # the same program as `torchrun`, from this Python
 
 fail() {  # fail "message": one line on stderr, exit code 2
   echo "error: $(basename "$0"): $1" >&2

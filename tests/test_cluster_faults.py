@@ -109,11 +109,9 @@ def finish_all(jobs):
             job.kill()
 
 
-@pytest.fixture(scope="module")
-def disagreeing_jobs(data, tmp_path_factory):
+def disagreeing_runs(data, out):
     """Two two-node jobs side by side: one whose node 1 was given another batch size; one whose nodes (with
-    --save-on node, a directory each) hold checkpoints of different steps. name -> [(returncode, output)]."""
-    out = tmp_path_factory.mktemp("disagree")
+    --save-on node, a directory each) hold checkpoints of different steps. (out, name -> [(returncode, output)])."""
     common = [*TINY_NET, "--data", data, "--epochs", "2"]
     saved = out / "saved"
     assert_ok(run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2",
@@ -130,6 +128,11 @@ def disagreeing_jobs(data, tmp_path_factory):
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
     return out, results
+
+
+@pytest.fixture(scope="module")
+def disagreeing_jobs(side_by_side):
+    return side_by_side["disagree"][0].result()
 
 
 def test_ranks_started_with_different_arguments_end_in_one_line_naming_the_difference(disagreeing_jobs):
@@ -189,7 +192,7 @@ def test_the_per_node_arguments_may_differ():
 
 def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_path):
     """On a requeue (SLURM_RESTART_COUNT > 0) the lost node's lock may outlive it by the file system's lease:
-    the run waits for it (up to checkpoint.LOCK_WAIT_ON_REQUEUE s), then goes on."""
+    the run waits for it (up to checkpoint.LOCK_WAIT_ON_RESTART s), then goes on."""
     import fcntl
     out = tmp_path / "run"
     out.mkdir()
@@ -200,7 +203,7 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
     job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out,
                "--epochs", "1"], env=clean_env(SLURM_RESTART_COUNT=1))
     try:
-        job.wait_for(re.compile(r"^waiting up to 180 s for the run before this requeue to release \S+run\.lock "
+        job.wait_for(re.compile(r"^waiting up to 180 s for the run this job replaces to release \S+run\.lock "
                                 r"\(host lost-node, PID 4242, started 2026-11-24T00:00:00\+0000\)$"), timeout=WAIT)
         assert not (out / "log.csv").exists()
         os.close(held)  # the lost node's lease ends
@@ -213,11 +216,10 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
 
 # ----------------------------------------------------------------------------- stops that fit the launcher's grace
 
-def test_a_stop_that_needs_40_s_completes_under_the_torchrun_of_run_scripts(data, tmp_path):
-    """torchrun SIGKILLs its workers 30 s after passing a stop on, unless --shutdown-timeout says otherwise: the
-    launchers give it STOP_GRACE (120 s). Here the stop's checkpoint takes 40 s (tests.tiny_models:SlowStop)."""
+def slow_stop_run(data, out):
+    """single_node_ddp.sh (torchrun, 2 processes) whose stop's checkpoint takes 40 s (tests.tiny_models:SlowStop),
+    SIGTERMed at epoch 0 step 2: (returncode, output, seconds from the signal to the end)."""
     from conftest import clean_env
-    out = tmp_path / "run"
     job = Job(["bash", REPO / "run_scripts" / "single_node_ddp.sh", *TINY_NET, "--data", data, "--output-dir", out,
                "--epochs", "3", "--trainer", "tests.tiny_models:SlowStop"], env=clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2))
     try:
@@ -225,40 +227,100 @@ def test_a_stop_that_needs_40_s_completes_under_the_torchrun_of_run_scripts(data
         signalled = time.monotonic()
         job.process.send_signal(signal.SIGTERM)  # the script became torchrun (exec)
         returncode, output = job.finish(timeout=WAIT)
-        seconds = time.monotonic() - signalled
+        return returncode, output, time.monotonic() - signalled
     finally:
         job.kill()
+
+
+def last_step_runs(data, out):
+    """torchrun, 2 processes, SIGTERM in epoch 0's last step (tests.tiny_models:SlowLastStep says when it begins),
+    then the same command again: [(returncode, output)] of both."""
+    from conftest import torchrun_command
+    # -b 10: 5 steps of 5 images per rank over its 24, the last batch short (a resume at 5 x 5 once failed there)
+    command = torchrun_command("train_ddp.py", 2, *TINY_NET, "-b", "10", "--data", data, "--output-dir", out, "--epochs",
+                               "2", "--resume", "auto", "--trainer", "tests.tiny_models:SlowLastStep")
+    job = Job(command)
+    try:
+        job.wait_for(re.compile(r"^the epoch's last step begins"), timeout=WAIT)
+        job.process.send_signal(signal.SIGTERM)
+        stopped = job.finish(timeout=WAIT)
+    finally:
+        job.kill()
+    return [stopped, Job(command).finish(timeout=WAIT)]
+
+
+def killed_rendezvous_runs(data, out):
+    """train_spawn.py through a file:// rendezvous, SIGKILLed at epoch 0 step 3, then relaunched with --resume auto:
+    (whether the rendezvous file was left, not empty; (returncode, output) of the relaunch)."""
+    rendezvous = out / "rendezvous"
+    command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
+               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2", "--epochs"]
+    job = Job([*command, "30"])
+    try:
+        job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
+    finally:
+        job.kill()
+    left_behind = rendezvous.exists() and rendezvous.stat().st_size > 0
+    return left_behind, Job([*command, "1"]).finish(timeout=WAIT)
+
+
+def node_1_first_runs(data, out):
+    """Two train_spawn.py nodes of one process through a file:// rendezvous, node 1 started first: node 0 starts once
+    node 1 wrote the file. [(returncode, output)] of nodes 0 and 1."""
+    rendezvous = out / "rendezvous"
+
+    def node(rank):
+        return Job([PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out / f"node{rank}",
+                    "--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--epochs", "1",
+                    "--dist-url", f"file://{rendezvous}"])
+    node1 = node(1)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (rendezvous.exists() and rendezvous.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return finish_all([node(0), node1])
+    finally:
+        node1.kill()
+
+
+@pytest.fixture(scope="module")
+def side_by_side(data, tmp_path_factory):
+    """The module's runs that wait for lines, send signals or sleep, side by side (most of their time is a wait):
+    name -> (future of its result, output dir)."""
+    out = tmp_path_factory.mktemp("side-by-side")
+    runs = {"slow-stop": slow_stop_run, "last-step": last_step_runs, "killed-rendezvous": killed_rendezvous_runs,
+            "node-1-first": node_1_first_runs, "disagree": disagreeing_runs, "per-node": per_node_runs}
+    for name in runs:
+        (out / name).mkdir()
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: (pool.submit(run, data, out / name), out / name) for name, run in runs.items()}
+    return futures
+
+
+def test_a_stop_that_needs_40_s_completes_under_the_torchrun_of_run_scripts(side_by_side):
+    """torchrun SIGKILLs its workers 30 s after passing a stop on, unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT (its
+    --shutdown-timeout) says otherwise: the launchers give it STOP_GRACE (120 s). Here the stop's checkpoint takes
+    40 s (tests.tiny_models:SlowStop)."""
+    future, out = side_by_side["slow-stop"]
+    returncode, output, seconds = future.result()
     stopped = re.search(r"^stopped on SIGTERM: checkpoint of epoch 0 step (\d) in ", output, re.MULTILINE)
     assert stopped and seconds >= 40, output[-3000:]
-    assert "--shutdown-timeout=120" in output  # the command the script printed
     saved = torch.load(out / "checkpoint.pth", weights_only=True)
     assert (saved["epoch"], saved["step_in_epoch"]) == (0, int(stopped.group(1)))
 
 
-def test_a_stop_in_an_epoch_s_last_step_saves_the_epoch_before_validating_it(data, tmp_path):
+def test_a_stop_in_an_epoch_s_last_step_saves_the_epoch_before_validating_it(side_by_side):
     """Once, a stop in the last step waited for the whole validation (twice with --model-ema), the epoch's save,
     the next epoch's loader and 1-2 steps: a slow validation batch then cost the finished epoch. Now the trained
     epoch is saved first (at its last step), and the resumed run validates it."""
-    from conftest import torchrun_command
-    out = tmp_path / "run"
-    common = [*TINY_NET, "--data", data, "--output-dir", out, "--epochs", "2", "--resume", "auto"]
-    job = Job(torchrun_command("train_ddp.py", 2, *common, "--trainer", "tests.tiny_models:SlowLastStep"))
-    try:
-        job.wait_for(re.compile(r"^the epoch's last step begins"), timeout=WAIT)
-        job.process.send_signal(signal.SIGTERM)
-        returncode, output = job.finish(timeout=WAIT)
-    finally:
-        job.kill()
-    assert returncode != 0 and "stopped on SIGTERM: checkpoint of epoch 0 step 6 in" in output, output[-3000:]
+    future, out = side_by_side["last-step"]
+    (returncode, output), (resumed_returncode, resumed) = future.result()
+    assert returncode != 0 and "stopped on SIGTERM: checkpoint of epoch 0 step 5 in" in output, output[-3000:]
     assert " * Acc@1" not in output  # not validated
-    saved = torch.load(out / "checkpoint.pth", weights_only=True)
-    assert (saved["epoch"], saved["step_in_epoch"]) == (0, 6)
-    resumed = Job(torchrun_command("train_ddp.py", 2, *common, "--trainer", "tests.tiny_models:SlowLastStep"))
-    returncode, output = resumed.finish(timeout=WAIT)
-    assert returncode == 0, output[-3000:]
-    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 6\)", output, re.MULTILINE), output[-3000:]
-    assert not re.search(r"^Epoch: \[0\]", output, re.MULTILINE)  # nothing of epoch 0 trained again
-    assert len(re.findall(r"^ \* Acc@1 .*\(12 images\)$", output, re.MULTILINE)) == 2  # epochs 0 and 1 validated
+    assert resumed_returncode == 0, resumed[-3000:]
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 5\)", resumed, re.MULTILINE), resumed[-3000:]
+    assert not re.search(r"^Epoch: \[0\]", resumed, re.MULTILINE)  # nothing of epoch 0 trained again
+    assert len(re.findall(r"^ \* Acc@1 .*\(12 images\)$", resumed, re.MULTILINE)) == 2  # epochs 0 and 1 validated
     epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
     assert epochs == ["0", "1"]
 
@@ -384,12 +446,10 @@ def test_a_data_set_that_changed_since_the_checkpoint_is_refused_mid_epoch_and_n
 
 # ----------------------------------------------------------------------------- a copy of the data on each node
 
-@pytest.fixture(scope="module")
-def per_node_copies(data, tmp_path_factory):
+def per_node_runs(data, out):
     """Two-node jobs whose node 1 reads its own copy of the image folder, at another path: a complete copy whose
     three `00000.jpg` training images are broken (their names are rank 0's: only reading them tells the copies
     apart), and a copy that lacks a training image. name -> ([(returncode, output)], node 1's copy)."""
-    out = tmp_path_factory.mktemp("per-node")
     copies = {name: shutil.copytree(data, out / f"copy-{name}") for name in ("complete", "incomplete")}
     for image in copies["complete"].glob("train/*/00000.jpg"):
         image.write_bytes(b"broken on node 1 alone")
@@ -401,6 +461,11 @@ def per_node_copies(data, tmp_path_factory):
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
     return {name: (results[name], copies[name]) for name in jobs}
+
+
+@pytest.fixture(scope="module")
+def per_node_copies(side_by_side):
+    return side_by_side["per-node"][0].result()
 
 
 def test_each_node_reads_its_own_copy_of_the_data_at_its_own_path(per_node_copies, data):
@@ -426,24 +491,23 @@ def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_
 
 # ----------------------------------------------------------------------------- spawn's file:// rendezvous
 
-def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_auto(data, tmp_path):
+def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_auto(side_by_side):
     """Once the rendezvous file a SIGKILLed job left behind refused the relaunch (exit 2, "delete it first")."""
-    out, rendezvous = tmp_path / "out", tmp_path / "rendezvous"
-    command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
-               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2", "--epochs"]
-    job = Job([*command, "30"])
-    job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
-    running = Job([*command, "30"])  # a second job on the same rendezvous, while the first runs: refused
-    returncode, output = running.finish(timeout=WAIT)
-    assert returncode == 2 and error_lines(output) == [
-        f"error: rendezvous file {rendezvous} is in use by a running job: give this one another --dist-url"], output
-    job.kill()
-    assert rendezvous.stat().st_size  # left behind
-    returncode, output = Job([*command, "2"]).finish(timeout=WAIT)  # (the first may have trained 2 epochs by now)
+    future, out = side_by_side["killed-rendezvous"]
+    left_behind, (returncode, output) = future.result()
+    assert left_behind  # the killed job's rendezvous file, not empty
     assert returncode == 0, output[-3000:]
-    assert (f"note: removed {rendezvous}, the rendezvous file of a job that ended without removing it (killed)"
+    assert (f"note: removed {out / 'rendezvous'}, the rendezvous file of a job that ended without removing it (killed)"
             in output.splitlines())
-    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
+    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 2\)", output, re.MULTILINE), output[-3000:]
+
+
+def test_a_file_rendezvous_whose_node_1_starts_first_is_not_taken_for_a_killed_job_s(side_by_side):
+    """Node 1's processes write the rendezvous file as they wait: node 0, started after, must not remove it."""
+    future, _ = side_by_side["node-1-first"]
+    results = future.result()
+    assert [returncode for returncode, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert "note: removed" not in results[0][1]
 
 
 # ----------------------------------------------------------------------------- gloo on a host named after loopback
@@ -458,6 +522,8 @@ def test_which_hosts_are_refused_for_gloo():
     assert "`ip route get 10.1.2.3` names it" in gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", True)
     assert gloo_address_problem("node7", "10.1.2.7", "10.1.2.3", True) is None  # resolves to a reachable address
     assert gloo_address_problem("node7", "127.0.1.1", "127.0.0.1", True) is None  # every "node" on this host
+    assert gloo_address_problem("node7", "127.0.1.1", "localhost", True) is None
+    assert "`ip route get node7` names it" in gloo_address_problem("node7", "127.0.1.1", "node7", True, "lo")  # node 0
     assert gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", False) is None  # one node
 
 

@@ -121,11 +121,11 @@ class SlowStop(Trainer):
 
 
 class SlowLastStep(Trainer):
-    """A trainer whose last training step of every epoch takes 3 s longer on rank 0, which says when it begins:
+    """A trainer whose last training step of every epoch takes 8 s longer on rank 0, which says when it begins:
     a stop signal can then be sent in an epoch's last step."""
 
     def train_step(self, model, images, labels):
         if getattr(self, "steps_done", 0) % self.steps_per_epoch == self.steps_per_epoch - 1 and self.runtime.is_main:
             self.log.print("the epoch's last step begins")
-            time.sleep(3)
+            time.sleep(8)  # (long enough for a busy test machine to send a signal in it)
         return super().train_step(model, images, labels)
