@@ -586,6 +586,11 @@ class Trainer:
                            "images_per_second": round(train["images_per_second"], 1),
                            "bad_images": len(bad_images), **row,
                            **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")})
+            if epoch + 1 < args.epochs and self.stop_signal.poll_now():
+                # Asked to stop during validation: the epoch's checkpoint is there; no step of the next one.
+                log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
+                          f"epoch {epoch + 1} step 0 in {args.output_dir}; continue with --resume auto")
+                raise Preempted()
         summary = {"mode": runtime.mode, "arch": args.arch, "epochs": args.epochs, "world_size": runtime.world_size,
                    "devices_per_process": runtime.num_devices, "device": str(runtime.device),
                    "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],

@@ -283,13 +283,28 @@ def node_1_first_runs(data, out):
         node1.kill()
 
 
+def during_validation_run(data, out):
+    """torchrun, 2 processes, SIGTERM while epoch 0 is validated (tests.tiny_models:SlowValidation): (returncode,
+    output)."""
+    from conftest import torchrun_command
+    job = Job(torchrun_command("train_ddp.py", 2, *TINY_NET, "--data", data, "--output-dir", out, "--epochs", "3",
+                               "--trainer", "tests.tiny_models:SlowValidation"))
+    try:
+        job.wait_for(re.compile(r"^validation begins"), timeout=WAIT)
+        job.process.send_signal(signal.SIGTERM)
+        return job.finish(timeout=WAIT)
+    finally:
+        job.kill()
+
+
 @pytest.fixture(scope="module")
 def side_by_side(data, tmp_path_factory):
     """The module's runs that wait for lines, send signals or sleep, side by side (most of their time is a wait):
     name -> (future of its result, output dir)."""
     out = tmp_path_factory.mktemp("side-by-side")
     runs = {"slow-stop": slow_stop_run, "last-step": last_step_runs, "killed-rendezvous": killed_rendezvous_runs,
-            "node-1-first": node_1_first_runs, "disagree": disagreeing_runs, "per-node": per_node_runs}
+            "node-1-first": node_1_first_runs, "disagree": disagreeing_runs, "per-node": per_node_runs,
+            "during-validation": during_validation_run}
     for name in runs:
         (out / name).mkdir()
     with ThreadPoolExecutor(len(runs)) as pool:
@@ -323,6 +338,16 @@ def test_a_stop_in_an_epoch_s_last_step_saves_the_epoch_before_validating_it(sid
     assert len(re.findall(r"^ \* Acc@1 .*\(12 images\)$", resumed, re.MULTILINE)) == 2  # epochs 0 and 1 validated
     epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
     assert epochs == ["0", "1"]
+
+
+def test_a_stop_during_validation_ends_after_the_epoch_s_checkpoint_before_the_next_epoch(side_by_side):
+    """Once, it went on into the next epoch's loader start and 1-2 steps before it stopped."""
+    future, out = side_by_side["during-validation"]
+    returncode, output = future.result()
+    assert returncode != 0 and "stopped on SIGTERM: checkpoint of epoch 1 step 0 in" in output, output[-3000:]
+    assert " * Acc@1" in output and not re.search(r"^Epoch: \[1\]", output, re.MULTILINE), output[-3000:]
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (1, 0)
 
 
 @pytest.mark.parametrize("launcher", ["dp", "torchrun", "spawn"])

@@ -129,3 +129,15 @@ class SlowLastStep(Trainer):
             self.log.print("the epoch's last step begins")
             time.sleep(8)  # (long enough for a busy test machine to send a signal in it)
         return super().train_step(model, images, labels)
+
+
+class SlowValidation(Trainer):
+    """A trainer whose validation of epoch 0 takes 8 s longer on rank 0, which says when it begins: a stop signal
+    can then be sent during validation."""
+
+    def evaluate_step(self, model, images, target):
+        if not getattr(self, "slowed", False) and self.runtime.is_main:
+            self.slowed = True
+            self.log.print("validation begins")
+            time.sleep(8)
+        return super().evaluate_step(model, images, target)
