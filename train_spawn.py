@@ -80,7 +80,6 @@ def setup(args):
 
 
 _rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life
-NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system that does not lock
 
 
 def claim_rendezvous_file(path, node_rank):
@@ -90,6 +89,7 @@ def claim_rendezvous_file(path, node_rank):
     in a note). Held by others (this job's nodes that started first), the file is left as it is. On a file system
     that does not lock, a non-empty file is refused as before."""
     global _rendezvous_owner
+    from common.checkpoint import NO_LOCKING
     try:
         owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError as error:

@@ -121,6 +121,6 @@ def check_resume(resumed_from, error):
 def raise_any(error):
     """A collective: every rank gives the error (a line) that stops it, or None; the first rank's is raised on
     every rank, so none is left waiting for another."""
-    for rank, line in enumerate(distributed.all_gather_object(error)):
-        if line is not None:
-            raise UsageError(line if rank == distributed.get_rank() else f"rank {rank}: {line}")
+    line = _first_error(distributed.all_gather_object({"error": error}))
+    if line is not None:
+        raise UsageError(line)

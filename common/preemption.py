@@ -115,9 +115,10 @@ class StopSignal:
                           "checkpoint of this step; --resume auto continues from the last checkpoint")
         signal.alarm(1)
 
-    def poll(self):
+    def poll(self, now=False):
         """True when some rank had received a stop signal by the previous poll (the same answer
-        on every rank). Every rank must call it at the same steps."""
+        on every rank). Every rank must call it at the same steps. now=True: by now, without the one-step
+        delay, for the end of an epoch's training (a blocking all-reduce, once an epoch)."""
         if self.group is None:
             agreed = self.received is not None
         else:
@@ -127,21 +128,11 @@ class StopSignal:
                 work.wait()
                 agreed = bool(flag.item())
             flag = torch.tensor([int(self.received is not None)])
-            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.pending = (work, flag)
+            if now:
+                work.wait()
+                self.pending, agreed = None, agreed or bool(flag.item())
         if agreed and threading.current_thread() is threading.main_thread():
             signal.alarm(0)  # the step boundary came: the checkpoint is written however long it takes
-        return agreed
-
-    def poll_now(self):
-        """True when some rank has received a stop signal by now (the same answer on every rank): poll() without
-        its one-step delay, for the end of an epoch's training (a blocking all-reduce, once an epoch). Every rank
-        must call it at the same point."""
-        agreed = self.poll()
-        if self.pending is not None:
-            work, flag = self.pending
-            work.wait()
-            self.pending = None
-            agreed = agreed or bool(flag.item())
-        if agreed and threading.current_thread() is threading.main_thread():
-            signal.alarm(0)
         return agreed

@@ -463,6 +463,13 @@ class Trainer:
         self.steps_done = steps_done
         return stop
 
+    def _stopped(self, epoch, step):
+        """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
+        self.log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
+                       f"epoch {epoch} step {step} in {self.args.output_dir}; continue with --resume auto")
+        distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
+        raise Preempted()
+
     def _validate(self, model, **label):
         """evaluate() over the val set; a validation that could not read its images ends the run (one line, exit 2),
         with the files it could not read in bad_images.txt."""
@@ -471,7 +478,7 @@ class Trainer:
             self.bad_images.check_validation(int(summary["count"]), len(self.data.val_loader.dataset))
         except UsageError:
             found = self.bad_images.sync()
-            if self.runtime.writes_checkpoints(self.args.save_on) and not self.args.evaluate:
+            if not self.args.evaluate:  # (-e writes nothing; else the writer rank's log writes)
                 self.log.write_bad_images(found)
             raise
         return summary
@@ -554,17 +561,13 @@ class Trainer:
                 after_step=lambda steps_done: self._after_step(epoch, steps_done, metrics),
                 mix=self._mixer(epoch),
                 log_step=lambda steps_done, values: log.log_step(epoch * self.steps_per_epoch + steps_done, values))
-            if not stopped and self.stop_signal.poll_now():
+            if not stopped and self.stop_signal.poll(now=True):
                 # Asked to stop in the epoch's last steps: its checkpoint before validation (which may take long,
                 # twice with --model-ema); a resumed run validates it.
                 self.save(epoch, self.steps_per_epoch, metrics.totals())
                 self.steps_done, stopped = self.steps_per_epoch, True
             if stopped:
-                log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
-                          f"epoch {epoch} step {self.steps_done} in {args.output_dir}; "
-                          "continue with --resume auto")
-                distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
-                raise Preempted()
+                self._stopped(epoch, self.steps_done)
             # BatchNorm statistics drift apart across ranks; evaluate and save rank 0's.
             distributed.broadcast_buffers(self.model)
             val = self._validate(eval_model)
@@ -586,11 +589,8 @@ class Trainer:
                            "images_per_second": round(train["images_per_second"], 1),
                            "bad_images": len(bad_images), **row,
                            **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")})
-            if epoch + 1 < args.epochs and self.stop_signal.poll_now():
-                # Asked to stop during validation: the epoch's checkpoint is there; no step of the next one.
-                log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
-                          f"epoch {epoch + 1} step 0 in {args.output_dir}; continue with --resume auto")
-                raise Preempted()
+            if epoch + 1 < args.epochs and self.stop_signal.poll(now=True):
+                self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
         summary = {"mode": runtime.mode, "arch": args.arch, "epochs": args.epochs, "world_size": runtime.world_size,
                    "devices_per_process": runtime.num_devices, "device": str(runtime.device),
                    "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],

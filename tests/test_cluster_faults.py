@@ -1,10 +1,15 @@
-"""Faults of a real cluster, with real processes: two runs given one output directory, the ranks of a job
-started with different arguments or resuming from different checkpoints. Each ends in one line that names
-what differs, before anything is written."""
+"""Faults of a real cluster, with real processes: two runs given one output directory; the ranks of a job
+started with different arguments, resuming from different checkpoints or reading copies of the data; stops
+that need longer than torchrun's default grace, or come in an epoch's last steps, during validation or before
+training; an unreadable validation set; a changed data set; spawn's rendezvous file after a kill; a host named
+after loopback. Each ends in one line that names what differs, or completes."""
+import fcntl
+import ipaddress
 import os
 import re
 import shutil
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,8 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, Job, assert_ok, free_port, make_image_folder, no_traceback_of_ours, run_prewarmed
+from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, no_traceback_of_ours,
+                      run_prewarmed, torchrun_command)
 from common import agreement, checkpoint
+from common.bad_images import BadImageLog
+from common.distributed import _address_of, gloo_address_problem
 
 TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8", "--seed", "7"]
 WAIT = 300
@@ -193,13 +201,11 @@ def test_the_per_node_arguments_may_differ():
 def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_path):
     """On a requeue (SLURM_RESTART_COUNT > 0) the lost node's lock may outlive it by the file system's lease:
     the run waits for it (up to checkpoint.LOCK_WAIT_ON_RESTART s), then goes on."""
-    import fcntl
     out = tmp_path / "run"
     out.mkdir()
     held = os.open(out / "run.lock", os.O_RDWR | os.O_CREAT)
     fcntl.lockf(held, fcntl.LOCK_EX)
     os.write(held, b'{"host": "lost-node", "pid": 4242, "started": "2026-11-24T00:00:00+0000"}\n')
-    from conftest import clean_env
     job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out,
                "--epochs", "1"], env=clean_env(SLURM_RESTART_COUNT=1))
     try:
@@ -219,7 +225,6 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
 def slow_stop_run(data, out):
     """single_node_ddp.sh (torchrun, 2 processes) whose stop's checkpoint takes 40 s (tests.tiny_models:SlowStop),
     SIGTERMed at epoch 0 step 2: (returncode, output, seconds from the signal to the end)."""
-    from conftest import clean_env
     job = Job(["bash", REPO / "run_scripts" / "single_node_ddp.sh", *TINY_NET, "--data", data, "--output-dir", out,
                "--epochs", "3", "--trainer", "tests.tiny_models:SlowStop"], env=clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2))
     try:
@@ -235,7 +240,6 @@ def slow_stop_run(data, out):
 def last_step_runs(data, out):
     """torchrun, 2 processes, SIGTERM in epoch 0's last step (tests.tiny_models:SlowLastStep says when it begins),
     then the same command again: [(returncode, output)] of both."""
-    from conftest import torchrun_command
     # -b 10: 5 steps of 5 images per rank over its 24, the last batch short (a resume at 5 x 5 once failed there)
     command = torchrun_command("train_ddp.py", 2, *TINY_NET, "-b", "10", "--data", data, "--output-dir", out, "--epochs",
                                "2", "--resume", "auto", "--trainer", "tests.tiny_models:SlowLastStep")
@@ -286,7 +290,6 @@ def node_1_first_runs(data, out):
 def during_validation_run(data, out):
     """torchrun, 2 processes, SIGTERM while epoch 0 is validated (tests.tiny_models:SlowValidation): (returncode,
     output)."""
-    from conftest import torchrun_command
     job = Job(torchrun_command("train_ddp.py", 2, *TINY_NET, "--data", data, "--output-dir", out, "--epochs", "3",
                                "--trainer", "tests.tiny_models:SlowValidation"))
     try:
@@ -355,7 +358,6 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_pa
     """Seen in the code: a SIGTERM in the start-up (rank 0's folder scan, the checkpoint load: minutes on ImageNet
     over NFS) killed the process: 143, which a requeue logic reads as a crash. Here the start-up is blocked in an
     open() of a FIFO that nothing writes (tests.custom_datasets:from_a_fifo)."""
-    from conftest import clean_env, torchrun_command
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", tmp_path / "out"]
@@ -417,7 +419,6 @@ def test_a_validation_set_it_cannot_read_ends_the_run_in_one_line(data, tmp_path
 
 
 def test_a_share_of_unreadable_validation_images_over_the_limit_is_refused():
-    from common.bad_images import BadImageLog
     log = BadImageLog(0, 1)
     log.check_validation(12, 13)  # one broken file of 13: skipped
     with pytest.raises(Exception, match=r"could not read 2 of its 13 images, more than 10%"):
@@ -538,7 +539,6 @@ def test_a_file_rendezvous_whose_node_1_starts_first_is_not_taken_for_a_killed_j
 # ----------------------------------------------------------------------------- gloo on a host named after loopback
 
 def test_which_hosts_are_refused_for_gloo():
-    from common.distributed import gloo_address_problem
     line = gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", multi_node=True, interface="eth0")
     assert line == ("this host's name node7 resolves to 127.0.1.1, a loopback address: gloo (the CPU group that carries "
                     "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the "
@@ -557,10 +557,6 @@ def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_
     whose name resolves to loopback: gloo would bind there and the job fail at start after a timeout. The master
     address is one this test never reaches (the check comes first: a UDP socket's connect, which sends nothing, finds the
     interface to name; without the check, rank 0 would try to meet there)."""
-    import socket
-    from conftest import clean_env
-    from common.distributed import _address_of
-    import ipaddress
     if not ipaddress.ip_address(_address_of(socket.gethostname()) or "0.0.0.0").is_loopback:
         pytest.skip(f"this host's name {socket.gethostname()} resolves to a reachable address: nothing to refuse")
     env = clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, MASTER_ADDR="192.0.2.123", MASTER_PORT=free_port())
