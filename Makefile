@@ -81,6 +81,6 @@ test-latest: $(UV)
 # (common/demo_data.py) and the benchmark's JPEGs (tools/benchmark.py). Your runs/ and
 # anything else under data/ stay.
 clean:
-	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v1 data/bench-jpegs-500x375
+	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v2 data/bench-jpegs-500x375
 	rm -rf __pycache__ common/__pycache__ tools/__pycache__ tests/__pycache__ examples/__pycache__
 	rmdir data 2>/dev/null || true

@@ -14,15 +14,16 @@ SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR/MASTER_PORT exported by the job script)
 
 Where each DDP essential lives: init_process_group and torch.cuda.set_device in setup() below
 (common/distributed.py's init_process_group); the DistributedDataParallel wrap in main() below;
-DistributedSampler (ResumableSampler) and ShardSampler in common/data.py's build_data; set_epoch in
-Trainer.fit; the save by rank 0 alone in Trainer.save (common/trainer.py); destroy_process_group in main().
-Your own model, data, loss or optimizer: docs/adapting.md.
+DistributedSampler (ResumableSampler, common/samplers.py) and its set_epoch in Trainer.train_one_epoch
+(common/trainer.py), as is the optimizer step; the save by rank 0 alone in Trainer.save; destroy_process_group
+in main(). Your own model, data, loss or optimizer: docs/adapting.md.
 """
 import argparse
 import os
 import sys
 
-from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
+from common import cli, launch  # torch is imported after the arguments are parsed: --help is instant
+from common.errors import UsageError
 
 
 def parse_args(argv=None):
@@ -30,41 +31,42 @@ def parse_args(argv=None):
     # torch.distributed.launch passes --local-rank (--local_rank before torch 2.0);
     # LOCAL_RANK in the environment says the same, and is what we read.
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return cli.parse_args(parser, argv)
+    return cli.parse_args(parser, argv, mode="ddp")
 
 
-def setup(args):
+def setup(config):
     """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT)."""
+    from common.data import per_process_batch
     from common.distributed import (Runtime, choose_backend, init_process_group, local_world_size_from_env,
                                     select_device, world_info_from_env)
-    from common.trainer import per_process_batch
     rank, local_rank, world_size = world_info_from_env()
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise cli.UsageError("MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
-                             "or export them in the job script when srun starts it")
-    device = select_device(args.device, local_rank)
-    backend = choose_backend(args.dist_backend, device)
-    per_process_batch(args.batch_size, world_size)  # fail before the rendezvous, not after
+        raise UsageError("MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
+                         "or export them in the job script when srun starts it")
+    device = select_device(config.device, local_rank)
+    backend = choose_backend(config.dist_backend, device)
+    per_process_batch(config.batch_size, world_size)  # fail before the rendezvous, not after
     local_world_size = local_world_size_from_env(world_size)
-    init_process_group(backend, "env://", rank, world_size, device, args.dist_timeout, local_world_size)
+    init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size)
     return Runtime("ddp", device, rank, local_rank, world_size, local_world_size)
 
 
-def main(args):
+def main(config):
     from torch.nn.parallel import DistributedDataParallel
     from common.distributed import destroy_process_group
+    from common.run import start_run
     from common.trainer import trainer_class
-    runtime = setup(args)
+    runtime = setup(config)
     try:
-        trainer = trainer_class(args.trainer)(args, runtime)
+        trainer = start_run(trainer_class(config.trainer)(config, runtime))
         # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
         # find_unused_parameters: for models whose forward leaves some parameters out (--find-unused-parameters).
         model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                        find_unused_parameters=args.find_unused_parameters)
+                                        find_unused_parameters=config.find_unused_parameters)
         # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)
@@ -73,4 +75,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_main(main, parse_args))
+    sys.exit(launch.run_main(main, parse_args))

@@ -11,58 +11,60 @@ script runs on the CPU.
 """
 import sys
 
-from common import args as cli  # torch is imported after the arguments are parsed: --help is instant
+from common import cli, launch  # torch is imported after the arguments are parsed: --help is instant
+from common.errors import UsageError
 
 
 def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=lambda text: [int(i) for i in text.split(",")], default=None,
                         metavar="0,1,..", help="GPU ids to use (default: every visible GPU)")
-    return cli.parse_args(parser, argv)
+    return cli.parse_args(parser, argv, mode="dp")
 
 
-def setup(args):
+def setup(config):
     """The device list: every visible GPU (or --gpus); none on the CPU."""
     import torch
     from common.distributed import select_device
-    device = select_device(args.device)
+    device = select_device(config.device)
     if device.type == "cpu":
-        if args.gpus:
-            raise cli.UsageError(f"--gpus {','.join(map(str, args.gpus))} asked for, but this run uses "
-                                 f"no GPU ({torch.cuda.device_count()} visible)")
+        if config.gpus:
+            raise UsageError(f"--gpus {','.join(map(str, config.gpus))} asked for, but this run uses "
+                             f"no GPU ({torch.cuda.device_count()} visible)")
         return device, []
     visible = list(range(torch.cuda.device_count()))
-    gpus = args.gpus if args.gpus is not None else visible
+    gpus = config.gpus if config.gpus is not None else visible
     missing = [gpu for gpu in gpus if gpu not in visible]
     if missing:
-        raise cli.UsageError(f"--gpus names GPU {missing[0]}, but the visible GPUs are {visible}")
-    if args.sync_bn and len(gpus) > 1:
-        raise cli.UsageError("DataParallel cannot synchronise BatchNorm over GPUs: "
-                             "use train_ddp.py or train_spawn.py for --sync-bn")
-    if args.compile and len(gpus) > 1:
-        raise cli.UsageError(f"--compile does not work with DataParallel over {len(gpus)} GPUs: "
-                             "use train_ddp.py (torchrun), or --gpus with one GPU")
+        raise UsageError(f"--gpus names GPU {missing[0]}, but the visible GPUs are {visible}")
+    if config.sync_bn and len(gpus) > 1:
+        raise UsageError("DataParallel cannot synchronise BatchNorm over GPUs: "
+                         "use train_ddp.py or train_spawn.py for --sync-bn")
+    if config.compile and len(gpus) > 1:
+        raise UsageError(f"--compile does not work with DataParallel over {len(gpus)} GPUs: "
+                         "use train_ddp.py (torchrun), or --gpus with one GPU")
     # The model and each batch go to the first GPU; DataParallel scatters from there.
     torch.cuda.set_device(gpus[0])
     return torch.device("cuda", gpus[0]), gpus
 
 
-def main(args):
+def main(config):
     import torch.nn as nn
     from common.distributed import Runtime
-    from common.engine import AutocastForward
+    from common.models import AutocastForward
+    from common.run import start_run
     from common.trainer import trainer_class
-    device, gpus = setup(args)
+    device, gpus = setup(config)
     runtime = Runtime("dp", device, num_devices=max(len(gpus), 1), device_ids=tuple(gpus))
-    trainer = trainer_class(args.trainer)(args, runtime)
+    trainer = start_run(trainer_class(config.trainer)(config, runtime))
     model = trainer.model
-    if len(gpus) == 1 and args.compile:
+    if len(gpus) == 1 and config.compile:
         trainer.log.print("one GPU and --compile: the bare model is compiled (DataParallel would split the graph)")
     elif gpus:
-        if args.amp != "none":
+        if config.amp != "none":
             # DataParallel's replica threads would each enter autocast with float16: the replicas
             # must set the --amp dtype themselves.
-            model = AutocastForward(model, device.type, args.amp)
+            model = AutocastForward(model, device.type, config.amp)
         model = nn.DataParallel(model, device_ids=gpus, output_device=gpus[0])
     else:
         trainer.log.print("no GPU in use: the bare model runs on the CPU (DataParallel needs GPUs)")
@@ -70,4 +72,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_main(main, parse_args))
+    sys.exit(launch.run_main(main, parse_args))

@@ -9,25 +9,20 @@ lr step, epoch and data order. So the first collective of a run compares both, a
 rank with one line that names the first difference and the ranks on each side (exit code 2).
 """
 from . import distributed
-from .args import flag
+from .config import PER_NODE, flag
 from .errors import UsageError
 
-# Arguments that may differ between nodes: loader workers, where a node holds its copy of the data (the
-# same files: build_data checks their counts), where it writes (only the writer ranks write: rank 0, or with
-# --save-on node each node's first; the checkpoint each rank resumes from is compared on its own), the
-# process's own place in the job, and how a node names node 0 (train_spawn.py: 127.0.0.1 on node 0 itself).
-PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank", "master_addr", "dist_url")
 _MISSING = "(not given)"
 
 
 PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 
 
-def comparable_args(args):
-    """The arguments that every rank must have alike, as a plain dict (a value of another type, which a --trainer's
-    own flag may hold, as its repr)."""
+def comparable_args(config):
+    """The arguments that every rank must have alike (all but config.PER_NODE's), as a plain dict (a value of
+    another type, which a --trainer's own flag may hold, as its repr)."""
     return {name: value if isinstance(value, PLAIN) else repr(value)
-            for name, value in sorted(vars(args).items()) if name not in PER_NODE}
+            for name, value in sorted(vars(config).items()) if name not in PER_NODE}
 
 
 def ranks_text(ranks):
@@ -99,11 +94,11 @@ def _first_error(gathered):
     return None
 
 
-def check_start(args, error):
+def check_start(config, error):
     """The job's first collective: every rank gives its arguments and the error that stopped its start-up (the
     writer's --output-dir locked by another run) or None. A difference, or any rank's error, is raised on every
     rank as one UsageError, so no rank is left waiting for another."""
-    gathered = distributed.all_gather_object({"args": comparable_args(args), "error": error})
+    gathered = distributed.all_gather_object({"args": comparable_args(config), "error": error})
     line = argument_difference([rank["args"] for rank in gathered]) or _first_error(gathered)
     if line is not None:
         raise UsageError(line)

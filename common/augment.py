@@ -103,10 +103,10 @@ def batch_mix_key(seed, epoch, step, rank):
     return random.Random(f"mix-{seed}-{epoch}-{step}-{rank}").getrandbits(63)
 
 
-def build_batch_mix(args, num_classes, world_size):
+def build_batch_mix(config, num_classes, world_size):
     """A BatchMix for --mixup-alpha / --cutmix-alpha, or None when both are 0. With --ra-sampler, a process of
     `world_size` holds runs of up to ceil(--ra-reps / world_size) copies of an image (RepeatedAugmentationSampler)."""
-    if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
+    if config.mixup_alpha <= 0 and config.cutmix_alpha <= 0:
         return None
-    copies = -(-args.ra_reps // world_size) if getattr(args, "ra_sampler", False) else 1
-    return BatchMix(num_classes, args.mixup_alpha, args.cutmix_alpha, copies)
+    copies = -(-config.ra_reps // world_size) if config.ra_sampler else 1
+    return BatchMix(num_classes, config.mixup_alpha, config.cutmix_alpha, copies)

@@ -15,29 +15,11 @@ import re
 from torch.utils.data import Dataset
 
 from . import distributed
-from .errors import Preempted, UsageError
+from .errors import BadItem, Preempted, UnreadableImage, UsageError
 from .console import say
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
 MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but an unreadable set
-
-
-class WorkerUsageError(UsageError):
-    """A UsageError that may be raised in a DataLoader worker, and still reads as one line."""
-
-    def __init__(self, message):
-        # A DataLoader worker's error arrives in the main process as "Caught ... Original Traceback
-        # ...: <message>": keep the one line that says what happened.
-        super().__init__(message.strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1])
-
-
-class UnreadableImage(WorkerUsageError):
-    """--strict-data met a file that cannot be decoded."""
-
-
-class BadItem(WorkerUsageError):
-    """A dataset's item is not what the loaders take: (image, label) of a PIL image or a CHW tensor and a
-    class index."""
 
 
 # Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
@@ -56,45 +38,40 @@ def describe(error):
 
 
 class SkipUnreadable(Dataset):
-    """(image, label, bad) for each item, where `bad` lists the (name, reason) of the items that could not
-    be loaded on the way. Items are (loader(path), label) for each (path, label) of `samples` (image files:
-    any error is a file that cannot be decoded), or with loader None, check(samples[i], i) of a dataset's
-    (image, label) items, named by the dataset's name(i) if it has one (else "Class[i]"); there an error of
-    the dataset's own code (PROGRAMMING_ERRORS) is raised, not skipped. replace=True (training): the next
-    readable item takes a bad one's place; replace=False (validation): image is None. strict=True: raise instead."""
+    """(image, label, bad) for each item of `dataset`, where `bad` lists the (name, reason) of the items that could
+    not be read on the way, named by the dataset's name(i) if it has one (else "Class[i]"). `check(item, i)`, when
+    given, makes a dataset's item what the loaders take (datasets.ItemCheck). An error of the dataset's own code
+    (PROGRAMMING_ERRORS) is raised, not skipped. replace=True (training): the next readable item takes a bad one's
+    place; replace=False (validation): image is None. strict=True: raise UnreadableImage instead."""
 
-    def __init__(self, samples, loader, replace, strict, check=None):
-        self.samples, self.loader, self.replace, self.strict, self.check = samples, loader, replace, strict, check
+    def __init__(self, dataset, replace, strict, check=None):
+        self.dataset, self.replace, self.strict, self.check = dataset, replace, strict, check
 
     def __len__(self):
-        return len(self.samples)
+        return len(self.dataset)
 
     def _read(self, index):
-        if self.loader is not None:
-            path, label = self.samples[index]
-            return self.loader(path), label
-        return self.check(self.samples[index], index)
+        item = self.dataset[index]
+        return item if self.check is None else self.check(item, index)
 
     def _name(self, index):
-        """What warnings and bad_images.txt call item `index`: its path, or the dataset's name for it."""
-        if self.loader is not None:
-            return self.samples[index][0]
-        if hasattr(self.samples, "name"):
-            return self.samples.name(index)
-        return f"{type(self.samples).__name__}[{index}]"
+        """What warnings and bad_images.txt call item `index`: the dataset's name for it (an image file's path)."""
+        if hasattr(self.dataset, "name"):
+            return self.dataset.name(index)
+        return f"{type(self.dataset).__name__}[{index}]"
 
     def __getitem__(self, index):
         bad = []
         for attempt in range(MAX_IN_A_ROW):
-            position = (index + attempt) % len(self.samples)
+            position = (index + attempt) % len(self.dataset)
             try:
                 image, label = self._read(position)
                 return image, label, bad
             except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
                 raise
+            except PROGRAMMING_ERRORS:
+                raise
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
-                if self.loader is None and isinstance(error, PROGRAMMING_ERRORS):
-                    raise
                 path = self._name(position)
                 if self.strict:
                     raise UnreadableImage(f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
@@ -109,11 +86,11 @@ class SkipUnreadable(Dataset):
 class BadImageLog:
     """What the run could not read in the epoch in progress; a warning line the first time each file is met."""
 
-    def __init__(self, rank, world_size, known=()):
+    def __init__(self, rank, world_size):
         self.prefix = f"rank {rank}: " if world_size > 1 else ""
-        self.found = dict(known)  # path -> reason, this epoch, of every rank as of the last sync and of this one since
+        self.found = {}  # path -> reason, this epoch, of every rank as of the last sync and of this one since
         self.new = {}  # this process's since the last sync: all that sync() gathers
-        self.warned = set(self.found)
+        self.warned = set()
 
     def report(self, bad):
         for path, reason in bad:
@@ -134,6 +111,14 @@ class BadImageLog:
             self.found.update(found)
         self.new = {}
         return sorted([path, reason] for path, reason in self.found.items())
+
+    def state_dict(self):
+        """The epoch's files so far, of every rank (a collective: sync)."""
+        return self.sync()
+
+    def load_state_dict(self, found):
+        self.found = dict(found)
+        self.warned |= set(self.found)
 
     def check_validation(self, counted, total):
         """UsageError when a validation counted none of its `total` images, or left out more than

@@ -3,7 +3,7 @@
 Ten classes (circle, ring, square, diamond, triangle, star, plus, cross,
 horizontal and vertical stripes), each drawn at a random position, size,
 rotation and colour on a random, noisy background. Generated on first use,
-deterministically, and cached (default: data/demo-shapes-v1 in the repository).
+deterministically, and cached (default: data/demo-shapes-v2 in the repository).
 """
 import contextlib
 import fcntl
@@ -13,11 +13,10 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from .args import REPO_ROOT
-
-DEFAULT_ROOT = REPO_ROOT / "data" / "demo-shapes-v1"
+DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "data" / "demo-shapes-v2"
 CLASSES = ["circle", "ring", "square", "diamond", "triangle", "star", "plus", "cross",
            "hstripes", "vstripes"]
 IMAGE_SIZE = 40
@@ -83,7 +82,9 @@ def draw_shape(label, rng, size=IMAGE_SIZE):
         for k in (-1, 0, 1):
             draw.polygon(_bar(cx + k * gap * normal[0], cy + k * gap * normal[1],
                               radius * 2.2, width * 0.7, angle), fill=colour)
-    noise = Image.effect_noise((size, size), rng.uniform(10, 30)).convert("RGB")
+    # Grey noise around 128 (as PIL's effect_noise makes it, which draws from a generator no seed reaches).
+    pixels = np.random.default_rng(rng.getrandbits(64)).normal(128, rng.uniform(10, 30), (size, size))
+    noise = Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert("RGB")
     image = Image.blend(image, noise, 0.12)
     return image.filter(ImageFilter.GaussianBlur(rng.uniform(0.0, 0.6)))
 

@@ -211,14 +211,18 @@ def shared_devices(owners):
     return None
 
 
-def check_one_process_per_gpu(device, backend, warn=say):
-    """Two ranks on one GPU: `torchrun --nproc_per_node=2` on a one-GPU node, or one
-    CUDA_VISIBLE_DEVICES exported to every task. NCCL refuses that unless NCCL_MULTI_RANK_GPU_ENABLE=1
-    (init_process_group above turns its error into this line). Asked for (that variable, or a backend
-    other than NCCL), it runs, slowly: a warning."""
-    if device.type != "cuda":
-        return
-    owners = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
+def check_one_process_per_gpu(device, backend):
+    """Two ranks on one GPU: `torchrun --nproc_per_node=2` on a one-GPU node, or one CUDA_VISIBLE_DEVICES exported
+    to every task (a collective: every rank says which GPU of which host it uses)."""
+    if device.type == "cuda":
+        owners = all_gather_object((socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)))
+        report_shared_gpus(owners, backend, device, get_rank())
+
+
+def report_shared_gpus(owners, backend, device, rank, warn=say):
+    """`owners`: each rank's (host, GPU id). NCCL refuses two ranks on one GPU unless NCCL_MULTI_RANK_GPU_ENABLE=1
+    (init_process_group above turns its error into this line). Asked for (that variable, or a backend other than
+    NCCL), it runs, slowly: a warning, from the second rank of the pair."""
     shared = shared_devices(owners)
     if shared is None:
         return
@@ -226,8 +230,8 @@ def check_one_process_per_gpu(device, backend, warn=say):
     message = _shared_gpu_message(f"ranks {rank_a} and {rank_b}", device)
     if backend == "nccl" and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
         raise UsageError(message)
-    if get_rank() == rank_b:
-        warn(f"warning: {message}", flush=True)
+    if rank == rank_b:
+        warn(f"warning: {message}")
 
 
 def destroy_process_group():
@@ -245,10 +249,6 @@ def get_rank():
 
 def get_world_size():
     return dist.get_world_size() if is_initialized() else 1
-
-
-def is_main_process():
-    return get_rank() == 0
 
 
 def barrier():

@@ -50,12 +50,11 @@ class ModelEma:
             self.averaged.n_averaged.fill_(0)
         return True
 
-    def state(self):
-        """What a checkpoint holds: `model_ema`, the EMA's state_dict with the bare model's keys (it loads
-        into a plain model), and `model_ema_n_averaged`, the count of updates since its last restart."""
-        return {"model_ema": self.module.state_dict(), "model_ema_n_averaged": self.n_averaged}
+    def state_dict(self):
+        """The EMA's weights, with the bare model's keys (they load into a plain model), and the count of its
+        updates since it last restarted."""
+        return {"state_dict": self.module.state_dict(), "n_averaged": self.n_averaged}
 
-    def load(self, saved):
-        """The EMA of a checkpoint (state() of an earlier run)."""
-        self.module.load_state_dict(saved["model_ema"])
-        self.averaged.n_averaged.fill_(int(saved.get("model_ema_n_averaged", 1)))
+    def load_state_dict(self, state):
+        self.module.load_state_dict(state["state_dict"])
+        self.averaged.n_averaged.fill_(int(state["n_averaged"]))

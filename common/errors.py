@@ -1,4 +1,4 @@
-"""The exceptions that end a run with one line instead of a traceback (common/args.py's run_main reports them).
+"""The exceptions that end a run with one line instead of a traceback (common/launch.py reports them).
 
 A module of their own, importing nothing of this repository (nor torch): every part of common/ raises them,
 and none needs the command line for it.
@@ -9,6 +9,29 @@ import signal
 class UsageError(Exception):
     """Bad input from the user: reported as one line and exit code 2."""
     exit_code = 2
+
+
+class CheckpointWriteError(UsageError):
+    """A checkpoint could not be written (a full disk): one line, exit code 1."""
+    exit_code = 1
+
+
+class WorkerUsageError(UsageError):
+    """A UsageError that may be raised in a DataLoader worker, and still reads as one line."""
+
+    def __init__(self, message):
+        # A DataLoader worker's error arrives in the main process as "Caught ... Original Traceback
+        # ...: <message>": keep the one line that says what happened.
+        super().__init__(message.strip().splitlines()[-1].split(f"{type(self).__name__}: ", 1)[-1])
+
+
+class UnreadableImage(WorkerUsageError):
+    """--strict-data met a file that cannot be decoded."""
+
+
+class BadItem(WorkerUsageError):
+    """A dataset's item is not what the loaders take: (image, label) of a PIL image or a CHW tensor and a
+    class index."""
 
 
 class Preempted(Exception):

@@ -6,15 +6,14 @@ gets a RunLogger that prints and writes nothing.
 import csv
 import io
 import json
-import os
-import platform
+import time
 from pathlib import Path
 
-import torch
-
-from .errors import UsageError
-from .checkpoint import BEST, CHECKPOINT, PREVIOUS, atomic_write
+from .checkpoint import BEST, CHECKPOINT, PREVIOUS
 from .console import say
+from .errors import UsageError
+from .meters import MetricSums
+from .run_dir import atomic_write
 
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second", "bad_images"]
@@ -25,14 +24,17 @@ STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/l
              "images_per_second": "step/images_per_second"}
 
 
-def describe_environment(device, num_devices):
-    """One line with versions and hardware, for the top of every run's output."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        hardware = f"{num_devices} x {name}, CUDA {torch.version.cuda}"
-    else:
-        hardware = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    return f"torch {torch.__version__}, python {platform.python_version()}, {hardware}"
+def epoch_row(epoch, start, lr, train, val, ema_val, bad_images):
+    """log.csv's row of an epoch that began at `start` (time.time()) with the lr `lr`: the run's columns, the
+    EMA's (`ema_val`, or None without one), then each named value (train_NAME, val_NAME, ema_val_NAME)."""
+    row = {"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+           "seconds": round(time.time() - start, 3), "lr": lr, "train_loss": train["loss"], "train_acc1": train["acc1"],
+           "val_loss": val["loss"], "val_acc1": val["acc1"], "val_acc5": val["acc5"],
+           "images_per_second": round(train["images_per_second"], 1), "bad_images": len(bad_images)}
+    if ema_val is not None:
+        row.update({"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
+                    **MetricSums.extra(ema_val, "ema_val_")})
+    return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
 
 
 def write_text(path, text):
@@ -48,7 +50,7 @@ class RunLogger:
         if self.prints:
             say(message)
 
-    def start(self, args, resumed, ema=False, global_step=0):
+    def start(self, config, resumed, ema=False, global_step=0):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
         columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
         the interrupted one logged after it (they are logged again)."""
@@ -56,7 +58,7 @@ class RunLogger:
             return
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            write_text(self.output_dir / "args.json", json.dumps(vars(args), indent=2, default=str))
+            write_text(self.output_dir / "args.json", json.dumps(vars(config), indent=2, default=str))
         except OSError as error:
             raise UsageError(f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
                              "choose a directory you can write to") from None
@@ -76,9 +78,7 @@ class RunLogger:
                 header, *rows = list(csv.reader(file)) or [[]]
             if header[:len(self.fields)] == self.fields:
                 self.fields = header  # as it was (the EMA's and named values' columns of earlier legs stay)
-            else:
-                # A run begun by an earlier version of these scripts, or without --model-ema: its rows
-                # lack the newer columns.
+            else:  # a run begun without --model-ema: its rows lack the EMA's columns
                 self.fields += [field for field in header if field not in self.fields]
                 self._rewrite_log([dict(zip(header, row)) for row in rows])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only

@@ -1,4 +1,4 @@
-"""Top-k accuracy, averages and progress lines."""
+"""Top-k hits, metric sums that are exact over the ranks, and progress lines."""
 import datetime
 import time
 
@@ -19,46 +19,7 @@ def correct_counts(output, target, topk=(1,)):
         return [hits[:min(k, maxk)].any(dim=0).sum() for k in topk]
 
 
-def accuracy(output, target, topk=(1,)):
-    """Top-k accuracy in percent, as pytorch/examples' accuracy() returns it."""
-    batch_size = target.size(0)
-    return [count.float() * (100.0 / batch_size) for count in correct_counts(output, target, topk)]
-
-
-class AverageMeter:
-    """Running sum and average of a host number (times, sizes)."""
-
-    def __init__(self, name, fmt=":f"):
-        self.name, self.fmt = name, fmt
-        self.reset()
-
-    def reset(self):
-        self.val = self.sum = self.avg = 0.0
-        self.count = 0
-
-    def update(self, val, n=1):
-        self.val = val
-        self.sum += val * n
-        self.count += n
-        self.avg = self.sum / self.count
-
-    def __str__(self):
-        return ("{name} {val" + self.fmt + "} ({avg" + self.fmt + "})").format(**self.__dict__)
-
-
-# The sums every run keeps, in this order; a checkpoint of a mid-epoch stop before named sums held them as
-# the list [loss, hits@1, hits@5, count].
-BUILT_IN = ("loss", "hits1", "hits5")
-
-
-def totals_by_name(totals):
-    """A checkpoint's train_totals as {name: total, ..., "count": n}: as saved (a dict), or from the list
-    that checkpoints before named metrics held. None: no totals."""
-    if totals is None:
-        return {}
-    if isinstance(totals, dict):
-        return dict(totals)
-    return dict(zip((*BUILT_IN, "count"), totals))
+BUILT_IN = ("loss", "hits1", "hits5")  # the sums every run keeps, in this order
 
 
 class MetricSums:
@@ -67,13 +28,21 @@ class MetricSums:
     the batch's images, so its epoch value is the mean over every image of every rank.
 
     Values are read (and summed over all ranks) only when `summary()` is called. `base` holds totals over
-    all ranks carried over from before a mid-epoch resume, by name (totals_by_name)."""
+    all ranks carried over from before a mid-epoch resume, by name (load_state_dict)."""
 
-    def __init__(self, device, base=None):
+    def __init__(self, device):
         self.device, self.names = device, list(BUILT_IN)
         self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.count = 0  # known on the host: no need to read it from the device
-        self.base = totals_by_name(base)
+        self.base = {}
+
+    def state_dict(self):
+        """The totals over all ranks, by name (a collective), base included."""
+        return self.totals()
+
+    def load_state_dict(self, totals):
+        """Start from the totals of a checkpoint's partial epoch (state_dict()), or none."""
+        self.base = dict(totals or {})
 
     def update(self, loss, output, target, values=None):
         n = target.size(0)

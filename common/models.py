@@ -1,4 +1,9 @@
-"""Any torchvision classification model by name, or your own as `package.module:callable`."""
+"""Models: any torchvision classification model by name, or your own as `package.module:callable`; what concerns
+a model's outputs (auxiliary heads' losses), its precision (autocast, and the wrapper DataParallel needs) and its
+memory format; the bare model inside its wrappers.
+"""
+import contextlib
+
 import torch
 import torch.nn as nn
 import torchvision
@@ -100,3 +105,121 @@ def _size_hint(arch):
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     return (f"choose --train-crop-size and --val-crop-size that it takes (torchvision: at least "
             f"{weights.meta['min_size'][0]} px; its weights were trained at {weights.transforms().crop_size[0]} px)")
+
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device, amp):
+    if amp == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
+
+
+class AutocastForward(nn.Module):
+    """`module` whose forward runs under autocast with the --amp dtype in whichever thread calls it.
+
+    Autocast's state is per thread. nn.DataParallel runs each replica in a thread of its own and
+    re-enters autocast there with the device's default dtype (float16 on CUDA), so without this
+    wrapper `--amp bf16` would compute the replicas in float16, unscaled (PyTorch's "AMP with
+    DataParallel" recipe). It holds no state of its own: checkpoints save the bare module."""
+
+    def __init__(self, module, device_type, amp):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, AMP_DTYPES[amp]
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+# Auxiliary heads' weights in the loss, by the type of output that carries them: torchvision's GoogLeNet and
+# Inception v3 return these in training (their papers' weights: 0.3 for each of GoogLeNet's two, 0.4 for
+# Inception's one). Another model's auxiliary outputs weigh its attribute `aux_loss_weight`, else AUX_WEIGHT.
+AUX_WEIGHTS = {"GoogLeNetOutputs": 0.3, "InceptionOutputs": 0.4}
+AUX_WEIGHT = 0.3
+
+
+def split_output(output):
+    """(main logits, [auxiliary logits], their weight or None) of a model's output: a tensor; a tuple or
+    list (GoogLeNet's and Inception's named tuples) whose first element is the main logits; or a dict whose
+    "logits" (or "out") entry is, the other tensors being auxiliary logits. None entries are skipped."""
+    if isinstance(output, torch.Tensor):
+        return output, [], None
+    if isinstance(output, dict):
+        key = next((key for key in ("logits", "out") if key in output), None)
+        if key is None:
+            raise UsageError(f"the model returned a dict without 'logits' or 'out' (keys {', '.join(map(str, output))}): "
+                             "name the main output 'logits'")
+        main, aux = output[key], [value for name, value in output.items() if name != key]
+    elif isinstance(output, (tuple, list)) and output:
+        main, aux = output[0], list(output[1:])
+    else:
+        raise UsageError(f"the model returned a {type(output).__name__}: return the logits as a tensor, a tuple "
+                         "(logits, auxiliary logits, ...) or a dict with 'logits'")
+    aux = [value for value in aux if value is not None]
+    if not all(isinstance(value, torch.Tensor) for value in [main, *aux]):
+        raise UsageError(f"the model's {type(output).__name__} holds {', '.join(type(v).__name__ for v in [main, *aux])}: "
+                         "each output must be a tensor of logits")
+    return main, aux, AUX_WEIGHTS.get(type(output).__name__)
+
+
+def loss_with_aux(criterion, output, labels, aux_weight=None):
+    """(loss, main logits): criterion on the main logits, plus each auxiliary head's criterion times its
+    weight (split_output's, else `aux_weight`, else AUX_WEIGHT), as torchvision's GoogLeNet / Inception v3
+    are trained."""
+    main, aux, weight = split_output(output)
+    loss = criterion(main, labels)
+    weight = weight if weight is not None else (aux_weight if aux_weight is not None else AUX_WEIGHT)
+    for logits in aux:
+        loss = loss + weight * criterion(logits, labels)
+    return loss, main
+
+
+def unwrap(model):
+    """The bare model inside DataParallel, DistributedDataParallel, AutocastForward and torch.compile wrappers."""
+    while True:
+        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel, AutocastForward)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def warn_slow_amp(amp, device, warn):
+    """One warning where --amp computes slower than float32: on a CPU without native bf16/fp16
+    instructions (emulated: about 40x slower here, docs/benchmarks.md), and bf16 on GPUs before
+    Ampere (compute capability < 8.0), which emulate it."""
+    if amp == "none":
+        return
+    if device.type == "cpu":
+        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if amp == "bf16"
+                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        if not native:
+            warn(f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
+                 f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here")
+    elif amp == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):
+        warn(f"warning: --amp bf16 on {torch.cuda.get_device_name(device)} (compute capability "
+             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))} < 8.0) is emulated: "
+             "use --amp fp16 on this GPU")
+
+
+# Convolutional networks that channels_last does not make faster on the CPU (docs/benchmarks.md,
+# measured on an idle machine: shufflenet_v2_x1_0 0.95-0.98x, its channel shuffle re-lays the whole
+# activation; convnext_tiny 1.01x, its LayerNorms permute to NHWC and back anyway).
+CHANNELS_LAST_NOT_FASTER = ("ShuffleNetV2", "ConvNeXt")
+
+
+def use_channels_last(choice, device, amp, model):
+    """--channels-last on/off, or for auto: on where it is measured faster (docs/benchmarks.md), that is
+    for convolutional networks (two Conv2d layers or more; a vision transformer has one, its patch
+    embedding) on the CPU (oneDNN's convolutions are fastest in NHWC) and on GPUs with --amp (tensor
+    cores read NHWC); off on GPUs in float32, where cuDNN gains little, for the networks measured not
+    to gain (CHANNELS_LAST_NOT_FASTER), and for other models."""
+    if choice != "auto":
+        return choice == "on"
+    if type(model).__name__ in CHANNELS_LAST_NOT_FASTER:
+        return False
+    convolutional = sum(isinstance(module, nn.Conv2d) for module in model.modules()) >= 2
+    return convolutional and (device.type == "cpu" or amp != "none")

@@ -74,18 +74,30 @@ def before_exit():
 
 
 class StopSignal:
-    def __init__(self, stop_grace=30.0):
+    """The stop that a signal asks for, agreed on by every rank at a step. listen=False: one that never comes (no
+    handler, no process group of its own): a trainer that is not fitting."""
+
+    def __init__(self, stop_grace=30.0, listen=True):
         self.data_wait = stop_grace / 3  # the rest of the grace: the last step, the checkpoint
         self.received = None  # name of the signal, once one came
         self.received_at = None
-        if threading.current_thread() is threading.main_thread():
+        self.handlers = {}  # the handlers before ours, put back by close()
+        if listen and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                signal.signal(signum, self._handle)
-            signal.signal(signal.SIGALRM, self._check_data_wait)
+                self.handlers[signum] = signal.signal(signum, self._handle)
+            self.handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._check_data_wait)
         # A CPU group of its own, so the flag never waits on GPU work.
-        self.group = dist.new_group(backend="gloo") if distributed.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if listen and distributed.is_initialized() else None
         self.pending = None
         self.saving = False
+
+    def close(self):
+        """The handlers as they were before (a run in a process that goes on: a test, a notebook)."""
+        if self.handlers:
+            signal.alarm(0)
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        self.handlers = {}
 
     @contextlib.contextmanager
     def no_stop_now(self):

@@ -30,13 +30,10 @@ def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_de
     that decay; with --norm-weight-decay, the other parameters of normalisation layers (their weights) have
     that one; every other parameter --wd. Frozen parameters (requires_grad False) are left out, as there.
     Groups "other", "norm" and "bias", in that order, each in model.parameters() order; a kind whose decay is
-    --wd's stays in "other" (the same decay in one group fewer), and empty groups are left out. Without either
-    flag: the single group of model.parameters(), as before these flags (checkpoints of earlier runs resume)."""
+    --wd's stays in "other" (the same decay in one group fewer), and empty groups are left out."""
     decay = {"other": weight_decay,
              "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
              "bias": weight_decay if bias_weight_decay is None else bias_weight_decay}
-    if decay["norm"] == weight_decay and decay["bias"] == weight_decay:
-        return list(model.parameters())
     groups, seen = {kind: [] for kind in decay}, set()
     for module in model.modules():  # the order of model.parameters(): modules in order, each one's own
         for name, parameter in module.named_parameters(recurse=False):
@@ -53,31 +50,31 @@ def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_de
     return [{"params": params, "weight_decay": decay[kind], "name": kind} for kind, params in groups.items() if params]
 
 
-def build_optimizer(model, args):
+def build_optimizer(model, config):
     """--opt over `model`'s parameter groups, as torchvision's train.py builds it: sgd / sgd-nesterov (with
     --momentum), rmsprop (--momentum, alpha 0.9, eps 0.0316: torchvision's, for its EfficientNet / MobileNet
     recipes), adamw (betas and eps torch's defaults); each with --lr and --wd."""
-    groups = parameter_groups(model, args.weight_decay, args.norm_weight_decay, args.bias_weight_decay)
-    opt = getattr(args, "opt", None) or "sgd"
-    if opt.startswith("sgd"):
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-                               nesterov=opt == "sgd-nesterov")
-    if opt == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-                                   eps=0.0316, alpha=0.9)
-    return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+    groups = parameter_groups(model, config.weight_decay, config.norm_weight_decay, config.bias_weight_decay)
+    lr, decay = config.lr, config.weight_decay
+    if config.opt.startswith("sgd"):
+        return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, weight_decay=decay,
+                               nesterov=config.opt == "sgd-nesterov")
+    if config.opt == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, momentum=config.momentum, weight_decay=decay, eps=0.0316, alpha=0.9)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=decay)
 
 
 # The hyperparameters the header names, where an optimizer has them.
 DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
 
 
-def describe_optimizer(optimizer, args):
+def describe_optimizer(optimizer, config):
     """One header line: the optimizer's class and its own settings, the lr (and how --lr-scaling got it), the
     weight decay of each group, and --clip-grad-norm."""
-    lr = f"lr {optimizer.param_groups[0].get('initial_lr', optimizer.param_groups[0]['lr']):g}"
-    if args.lr_scaling == "linear":
-        lr += f" ({args.lr_source} {args.lr_given:g} x {args.batch_size}/{args.lr_reference_batch}, --lr-scaling linear)"
+    lrs = sorted({group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}, reverse=True)
+    lr = f"lr {' to '.join(f'{value:g}' for value in lrs[::len(lrs) - 1 or 1])}"
+    if config.lr_scaling == "linear":
+        lr += f" ({config.lr_source} {config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}, --lr-scaling linear)"
     settings = []
     for name in DESCRIBED:
         value = optimizer.defaults.get(name)
@@ -85,11 +82,11 @@ def describe_optimizer(optimizer, args):
             settings += ["nesterov"] if value else []
         elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
             settings.append(f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}")
-    where = {"norm": " on norm layers" if args.bias_weight_decay is None else " on norm weights", "bias": " on biases"}
+    where = {"norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights", "bias": " on biases"}
     decay = ", ".join(f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
                       + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
                       for group in optimizer.param_groups)
-    clip = f", gradients clipped to norm {args.clip_grad_norm:g}" if getattr(args, "clip_grad_norm", None) else ""
+    clip = f", gradients clipped to norm {config.clip_grad_norm:g}" if config.clip_grad_norm else ""
     return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
 
 
@@ -137,18 +134,25 @@ class LrFactor:
         return 1.0
 
 
-def build_scheduler(optimizer, args, steps_per_epoch, start_step=0):
-    """A LambdaLR positioned at `start_step`. The lr is a function of the step and
-    the flags alone, so a resumed run recomputes it (and may change --epochs or --lr)."""
-    factor = LrFactor(args.lr_schedule, steps_per_epoch, args.epochs, args.warmup_epochs,
-                      args.lr_step_size, args.lr_gamma, getattr(args, "lr_step_unit", None) or "step",
-                      (getattr(args, "lr_min", None) or 0.0) / args.lr)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = args.lr
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)
+class LrSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """The default schedule (--lr-schedule): each group's lr times LrFactor of the optimizer step. Its state is its
+    place alone, the step and the steps of an epoch: a resumed run recomputes the schedule from its flags (it may
+    change --epochs or --lr) at the same epoch and step (of data that changed its size since: the epochs' new
+    length), with the lr of each of its optimizer's groups (a smaller lr for a backbone stays smaller)."""
+
+    def state_dict(self):
+        return {"last_epoch": self.last_epoch, "steps_per_epoch": self.lr_lambdas[0].steps_per_epoch}
+
+    def load_state_dict(self, state):
+        epoch, step = divmod(state["last_epoch"], state["steps_per_epoch"])
+        self.last_epoch = epoch * self.lr_lambdas[0].steps_per_epoch + step
+        self._last_lr = [base * factor(self.last_epoch) for base, factor in zip(self.base_lrs, self.lr_lambdas)]
+        for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr):
+            group["initial_lr"], group["lr"] = base, lr
 
 
-def is_step_function(scheduler):
-    """Whether `scheduler` is build_scheduler's: a function of the step and the flags, recomputed on resume."""
-    return (isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
-            and all(isinstance(factor, LrFactor) for factor in scheduler.lr_lambdas))
+def build_scheduler(optimizer, config, steps_per_epoch):
+    """The LrSchedule of the flags over `optimizer`, at step 0: each group's lr as the optimizer was built with it."""
+    factor = LrFactor(config.lr_schedule, steps_per_epoch, config.epochs, config.warmup_epochs, config.lr_step_size,
+                      config.lr_gamma, config.lr_step_unit, config.lr_min / config.lr)
+    return LrSchedule(optimizer, factor)

@@ -18,9 +18,9 @@ class AdamWOneCycle(Trainer):
     def build_optimizer(self, model):
         decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.args.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.args.lr)
+        return torch.optim.AdamW([{"params": decay, "weight_decay": self.config.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.config.lr)
 
-    def build_scheduler(self, optimizer):
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.args.lr,
-                                                   total_steps=self.args.epochs * self.steps_per_epoch)
+    def build_scheduler(self, optimizer, steps_per_epoch):
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.config.lr,
+                                                   total_steps=self.config.epochs * steps_per_epoch)

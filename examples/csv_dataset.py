@@ -4,7 +4,7 @@
 
 Here DIR/annotations.csv lists every image with its split and class, columns `file,split,species` (a
 layout of your own; for plain `path,label` files per split, --data DIR with DIR/train.csv and DIR/val.csv
-needs no code at all). build(args) returns (classes, train_set, val_set); each set is a map-style dataset
+needs no code at all). build(config) returns (classes, train_set, val_set); each set is a map-style dataset
 whose items are (image, label): a PIL image (or a CHW tensor, uint8 or float in 0-1) and a class index.
 The trainer wraps both: seeded crops and flips, the resumable sampler, exact validation, and the skipping
 of unreadable files, which name(index) names in warnings and bad_images.txt.
@@ -31,8 +31,8 @@ class ImageList(Dataset):
         return self.items[index][0]
 
 
-def build(args):
-    root = Path(args.data)
+def build(config):
+    root = Path(config.data)
     with open(root / "annotations.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     classes = sorted({row["species"] for row in rows})

@@ -24,11 +24,11 @@ class Distillation(Trainer):
         parser.add_argument("--distill-alpha", type=float, default=0.5, help="weight of the distillation term")
         parser.add_argument("--distill-temperature", type=float, default=4.0, help="softmax temperature T")
 
-    def build_model(self, num_classes):
-        student = super().build_model(num_classes)
-        teacher = models.build_model(self.args.teacher_arch, num_classes)
-        saved = checkpoint.load_checkpoint(self.args.teacher)  # weights_only=True: nothing in it runs
-        checkpoint.load_weights(teacher, saved, self.args.teacher_arch, self.data.classes, self.args.teacher)
+    def build_model(self, classes):
+        student = super().build_model(classes)
+        teacher = models.build_model(self.config.teacher_arch, len(classes))
+        saved = checkpoint.load_checkpoint(self.config.teacher)  # weights_only=True: nothing in it runs
+        checkpoint.load_weights(teacher, saved, self.config.teacher_arch, classes, self.config.teacher)
         # Frozen, in eval mode, on this process's device; not part of the student, so not in its checkpoints.
         self.teacher = teacher.eval().requires_grad_(False).to(self.runtime.device)
         return student
@@ -37,7 +37,7 @@ class Distillation(Trainer):
         logits = model(images)
         with torch.no_grad():
             teacher_logits = self.teacher(images)
-        temperature, alpha = self.args.distill_temperature, self.args.distill_alpha
+        temperature, alpha = self.config.distill_temperature, self.config.distill_alpha
         ce = self.criterion(logits, labels)
         distill = F.kl_div(F.log_softmax(logits / temperature, dim=1), F.log_softmax(teacher_logits / temperature, dim=1),
                            reduction="batchmean", log_target=True) * temperature ** 2

@@ -23,9 +23,54 @@ sys.path.insert(0, str(REPO))
 
 from common import demo_data  # noqa: E402
 
+TIERS = ("unit", "e2e", "faults", "slow", "slurm", "gpu", "quick")
+
+
+def pytest_collection_modifyitems(items):
+    """tests/unit/ is the unit tier; every other test file names its tier (pytestmark) and must have one."""
+    for item in items:
+        if Path(item.fspath).parent.name == "unit":
+            item.add_marker(pytest.mark.unit)
+        elif not any(item.get_closest_marker(tier) for tier in TIERS):
+            raise pytest.UsageError(f"{item.nodeid} has no tier marker ({', '.join(TIERS)}): give its module a pytestmark")
+
 PYTHON = sys.executable
 # Small and fast on two cores: 32 px images, no loader workers, one thread per process.
 TINY = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0", "-p", "1"]
+
+
+def parse(*argv, mode="dp"):
+    """The frozen Config of `argv` as a script of `mode` resolves it, in-process (the platform variables of this
+    process apply: take the no_platform_env fixture)."""
+    from common import cli
+    return cli.parse_args(cli.build_parser("test"), [str(arg) for arg in argv], mode=mode)
+
+
+def cpu_runtime(rank=0, world_size=1, mode="dp"):
+    """This process as rank `rank` of `world_size` on the CPU (no process group: what a rank computes alone)."""
+    import torch
+    from common.distributed import Runtime
+    return Runtime(mode, torch.device("cpu"), rank, rank, world_size, world_size)
+
+
+def built_trainer(*argv, trainer=None, datasets=None, runtime=None):
+    """A Trainer built in-process from `argv` (trainer: a Trainer subclass), on `datasets` (else what the flags
+    name), as common/run.py builds one for a fresh run (seed: --seed, else 0), without the lock, the agreement or a
+    checkpoint."""
+    from common.trainer import Trainer
+    config = parse(*argv)
+    made = (trainer or Trainer)(config, runtime or cpu_runtime())
+    return made.build(datasets if datasets is not None else made.build_datasets(), config.seed or 0)
+
+
+def tensor_datasets(size=16, train=12, val=6, channels=3):
+    """(classes, train set, val set) in memory: uint8 CHW images of `size` px, item i of class i % 3, a grey level of
+    its own with a little noise (tests/custom_datasets.py)."""
+    from tests.custom_datasets import CLASSES, Items, pixels
+
+    def make(index):
+        return pixels(index, channels, size), index % 3
+    return CLASSES, Items(train, make), Items(val, make, offset=train)
 
 
 def make_image_folder(root, train_per_class=8, val_per_class=4, num_classes=3):

@@ -33,20 +33,29 @@ def splits(make):
     return CLASSES, Items(TRAIN, make), Items(VAL, make, offset=TRAIN)
 
 
-def pil_images(args):
+def uint8_tensors(config):
+    return splits(lambda i: (pixels(i), i % 3))
+
+
+def more_uint8_tensors(config):
+    """uint8_tensors with 3 more training images."""
+    return CLASSES, Items(TRAIN + 3, lambda i: (pixels(i), i % 3)), Items(VAL, lambda i: (pixels(i), i % 3), offset=TRAIN)
+
+
+def pil_images(config):
     return splits(lambda i: (Image.fromarray(pixels(i).permute(1, 2, 0).numpy()).convert("L"), i % 3))
 
 
-def float_tensors(args):
+def float_tensors(config):
     return splits(lambda i: (pixels(i).float() / 255, torch.tensor(i % 3)))
 
 
-def gray_tensors(args):
+def gray_tensors(config):
     return splits(lambda i: (pixels(i, channels=1), i % 3))
 
 
-def gray_with_stats(args):
-    classes, train, val = gray_tensors(args)
+def gray_with_stats(config):
+    classes, train, val = gray_tensors(config)
     train.mean, train.std = [0.47], [0.3]
     return classes, train, val
 
@@ -57,43 +66,43 @@ def gray_net(num_classes, dropout=0.0):
 
 
 # Mistakes: each is refused at start in one line.
-def triples(args):
+def triples(config):
     return splits(lambda i: (pixels(i), i % 3, "extra"))
 
 
-def numpy_images(args):
+def numpy_images(config):
     return splits(lambda i: (pixels(i).permute(1, 2, 0).numpy(), i % 3))
 
 
-def hwc_tensors(args):
+def hwc_tensors(config):
     return splits(lambda i: (pixels(i, size=20).permute(1, 2, 0).contiguous()[:, :6], i % 3))
 
 
-def labels_out_of_range(args):
+def labels_out_of_range(config):
     return splits(lambda i: (pixels(i), 3 + i % 3))
 
 
-def iterable(args):
+def iterable(config):
     class Stream(IterableDataset):
         def __iter__(self):
             return iter([(pixels(i), i % 3) for i in range(TRAIN)])
     return CLASSES, Stream(), Items(VAL, lambda i: (pixels(i), i % 3))
 
 
-def two_things(args):
+def two_things(config):
     return CLASSES, Items(TRAIN, lambda i: (pixels(i), i % 3))
 
 
-def uint16_images(args):
+def uint16_images(config):
     return splits(lambda i: (pixels(i).to(torch.int16), i % 3))
 
 
-def late_bad_item(args):
+def late_bad_item(config):
     """Item 5 of the train set is a 3-tuple: found by a loader worker, not at start."""
     return splits(lambda i: (pixels(i), i % 3) if i != 5 else (pixels(i), i % 3, None))
 
 
-def unreadable_items(args):
+def unreadable_items(config):
     """Training items 2 and 3 raise OSError, as a file a dataset cannot read: skipped and listed, like broken files."""
     def make(i):
         if i in (2, 3):
@@ -102,7 +111,7 @@ def unreadable_items(args):
     return splits(make)
 
 
-def from_a_fifo(args):
+def from_a_fifo(config):
     """A start-up blocked on I/O (a folder scan or a read on a hung network file system): opens the FIFO that
     env TEST_FIFO names, which blocks until a writer opens it (none does), after saying so."""
     import os
@@ -113,3 +122,8 @@ def from_a_fifo(args):
     with open(path, "rb") as fifo:
         fifo.read()
     raise AssertionError("a writer opened the FIFO")
+
+
+def two_classes(config):
+    """uint8_tensors of two classes."""
+    return CLASSES[:2], Items(TRAIN, lambda i: (pixels(i), i % 2)), Items(VAL, lambda i: (pixels(i), i % 2), offset=TRAIN)

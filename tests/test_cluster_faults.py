@@ -4,24 +4,20 @@ that need longer than torchrun's default grace, or come in an epoch's last steps
 training; an unreadable validation set; a changed data set; spawn's rendezvous file after a kill; a host named
 after loopback. Each ends in one line that names what differs, or completes."""
 import fcntl
-import ipaddress
 import os
 import re
 import shutil
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, no_traceback_of_ours,
                       run_prewarmed, torchrun_command)
-from common import agreement, checkpoint
-from common.bad_images import BadImageLog
-from common.distributed import _address_of, gloo_address_problem
+
+pytestmark = pytest.mark.faults
 
 TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8", "--seed", "7"]
 WAIT = 300
@@ -74,30 +70,6 @@ def test_a_killed_run_releases_its_output_dir_and_the_relaunch_resumes(data, tmp
     relaunch, = run_prewarmed("train_dp.py", [common])
     output = assert_ok(relaunch)
     assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
-
-
-def test_a_run_that_ends_before_writing_leaves_no_output_dir_behind(data, tmp_path):
-    out = tmp_path / "never"
-    failed, = run_prewarmed("train_dp.py", [[*TINY_NET, "--data", data, "--output-dir", out, "--resume", "missing.pth"]])
-    assert failed.returncode == 2 and error_lines(failed.stdout), failed.stdout
-    assert not out.exists()
-
-
-def test_a_checkpoint_s_temporary_file_never_takes_a_name_another_process_may_write(tmp_path):
-    """Temporary names once held only the PID, which a process in another container can share: its half-written
-    file would have been renamed over the checkpoint."""
-    state = {"state_dict": {"w": torch.ones(2)}, "epoch": 1}
-    others = [tmp_path / f".checkpoint.pth.tmp-{os.getpid()}", tmp_path / f".checkpoint_prev.pth.tmp-{os.getpid()}"]
-    for other in others:
-        other.write_bytes(b"another process's bytes")
-    checkpoint.save_checkpoint(state, tmp_path, is_best=True)
-    checkpoint.save_checkpoint(state, tmp_path, is_best=True)
-    assert all(other.read_bytes() == b"another process's bytes" for other in others)
-    saved = checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")
-    assert saved["epoch"] == 1 and len(saved["checkpoint_id"]) == 32
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
-        ["checkpoint.pth", "checkpoint_prev.pth", "model_best.pth", *(other.name for other in others)])
-    assert (tmp_path / "checkpoint.pth").stat().st_mode & 0o777 == 0o666 & ~checkpoint._UMASK
 
 
 # ----------------------------------------------------------------------------- the ranks of one job agree
@@ -171,31 +143,6 @@ def test_ranks_that_loaded_different_checkpoints_refuse_to_train(disagreeing_job
         assert "Epoch: [" not in output and no_traceback_of_ours(output)
     for rank, epoch in ((0, 1), (1, 0)):  # untouched
         assert torch.load(out / f"node{rank}" / "checkpoint.pth", weights_only=True)["epoch"] == epoch
-
-
-def test_the_ranks_text_and_the_first_difference():
-    assert agreement.ranks_text([3]) == "rank 3"
-    assert agreement.ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
-    same = {"batch_size": 8, "lr": 0.1, "output_dir": "x"}
-    assert agreement.argument_difference([same, dict(same)]) is None
-    line = agreement.argument_difference([same, same, {**same, "lr": 0.2}, {**same, "lr": None}])
-    assert "--lr is 0.1 on ranks 0-1, 0.2 on rank 2, unset on rank 3;" in line
-    fresh = agreement.resume_facts(None, None)
-    loaded = agreement.resume_facts(Path("a/checkpoint.pth"), {"epoch": 2, "seed": 1, "checkpoint_id": "x"})
-    assert agreement.resume_difference([loaded, dict(loaded)]) is None
-    assert agreement.resume_difference([fresh, fresh]) is None
-    assert ("a/checkpoint.pth (epoch 2, seed 1) on rank 0, no checkpoint (a fresh start) on rank 1"
-            in agreement.resume_difference([loaded, fresh]))
-    assert agreement.resume_difference([loaded, {**loaded, "id": "y"}]) is not None  # same place, other bytes
-
-
-def test_the_per_node_arguments_may_differ():
-    from types import SimpleNamespace
-    node = [SimpleNamespace(output_dir=f"/n{k}", workers=k, data=f"/d{k}", local_rank=k, lr=0.1) for k in (0, 1)]
-    assert agreement.argument_difference([agreement.comparable_args(args) for args in node]) is None
-    node[1].lr = 0.2
-    assert "--lr is 0.1 on rank 0, 0.2 on rank 1" in agreement.argument_difference(
-        [agreement.comparable_args(args) for args in node])
 
 
 def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_path):
@@ -315,6 +262,7 @@ def side_by_side(data, tmp_path_factory):
     return futures
 
 
+@pytest.mark.slow
 def test_a_stop_that_needs_40_s_completes_under_the_torchrun_of_run_scripts(side_by_side):
     """torchrun SIGKILLs its workers 30 s after passing a stop on, unless TORCH_ELASTIC_SHUTDOWN_TIMEOUT (its
     --shutdown-timeout) says otherwise: the launchers give it STOP_GRACE (120 s). Here the stop's checkpoint takes
@@ -418,13 +366,6 @@ def test_a_validation_set_it_cannot_read_ends_the_run_in_one_line(data, tmp_path
     assert len((out / "bad_images.txt").read_text().splitlines()) == 12
 
 
-def test_a_share_of_unreadable_validation_images_over_the_limit_is_refused():
-    log = BadImageLog(0, 1)
-    log.check_validation(12, 13)  # one broken file of 13: skipped
-    with pytest.raises(Exception, match=r"could not read 2 of its 13 images, more than 10%"):
-        log.check_validation(11, 13)
-
-
 def test_a_file_unreadable_in_one_epoch_is_read_again_in_the_next(data, tmp_path):
     """A transient outage once entered its files in the bad list for good (and every rank gathered the whole list at
     each save). Here one training image is unreadable until the run has met it once."""
@@ -447,30 +388,6 @@ def test_a_file_unreadable_in_one_epoch_is_read_again_in_the_next(data, tmp_path
     assert [row.split(",")[column] for row in rows[1:]] == ["1", "0"]
     assert not (out / "bad_images.txt").exists() or victim.name not in (out / "bad_images.txt").read_text()
 
-
-def test_a_data_set_that_changed_since_the_checkpoint_is_refused_mid_epoch_and_named_at_an_epoch_s_end(data, tmp_path):
-    root = tmp_path / "data"
-    shutil.copytree(data, root)
-    first = tmp_path / "first"
-    common = [*TINY_NET, "--data", root, "--epochs", "2"]
-    assert_ok(run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2",
-                                              "--output-dir", first]])[0])
-    for image in sorted((root / "train" / "ring").iterdir())[:8]:  # 48 -> 40 training images
-        image.unlink()
-    mid_epoch, epoch_end = run_prewarmed("train_dp.py", [
-        [*common, "--resume", first / "checkpoint_prev.pth", "--output-dir", tmp_path / "mid"],  # epoch 0, step 4
-        [*common, "--resume", first / "checkpoint.pth", "--output-dir", tmp_path / "end"]])
-    assert mid_epoch.returncode == 2, mid_epoch.stdout[-3000:]
-    assert error_lines(mid_epoch.stdout) == [
-        f"error: {first}/checkpoint_prev.pth stopped part-way through an epoch of 48 training images; the data now "
-        "holds 40: the resumed epoch would skip other images than it trained on: restore the data as it was, or "
-        "resume from a checkpoint at an epoch's end"], mid_epoch.stdout[-3000:]
-    output = assert_ok(epoch_end)
-    assert (f"warning: the data changed since {first}/checkpoint.pth (images: train 48 -> 40): the run goes on with "
-            "the data as it is now (its epochs, lr schedule and accuracy follow the new counts)") in output.splitlines()
-
-
-# ----------------------------------------------------------------------------- a copy of the data on each node
 
 def per_node_runs(data, out):
     """Two-node jobs whose node 1 reads its own copy of the image folder, at another path: a complete copy whose
@@ -534,35 +451,3 @@ def test_a_file_rendezvous_whose_node_1_starts_first_is_not_taken_for_a_killed_j
     results = future.result()
     assert [returncode for returncode, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     assert "note: removed" not in results[0][1]
-
-
-# ----------------------------------------------------------------------------- gloo on a host named after loopback
-
-def test_which_hosts_are_refused_for_gloo():
-    line = gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", multi_node=True, interface="eth0")
-    assert line == ("this host's name node7 resolves to 127.0.1.1, a loopback address: gloo (the CPU group that carries "
-                    "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the "
-                    "job would fail at start after a timeout: export GLOO_SOCKET_IFNAME=eth0 on every node (eth0: the "
-                    "interface that reaches 10.1.2.3 here)")
-    assert "`ip route get 10.1.2.3` names it" in gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", True)
-    assert gloo_address_problem("node7", "10.1.2.7", "10.1.2.3", True) is None  # resolves to a reachable address
-    assert gloo_address_problem("node7", "127.0.1.1", "127.0.0.1", True) is None  # every "node" on this host
-    assert gloo_address_problem("node7", "127.0.1.1", "localhost", True) is None
-    assert "`ip route get node7` names it" in gloo_address_problem("node7", "127.0.1.1", "node7", True, "lo")  # node 0
-    assert gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", False) is None  # one node
-
-
-def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_rendezvous(tmp_path):
-    """As srun starts a task of a two-node job (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR of node 0) on a host
-    whose name resolves to loopback: gloo would bind there and the job fail at start after a timeout. The master
-    address is one this test never reaches (the check comes first: a UDP socket's connect, which sends nothing, finds the
-    interface to name; without the check, rank 0 would try to meet there)."""
-    if not ipaddress.ip_address(_address_of(socket.gethostname()) or "0.0.0.0").is_loopback:
-        pytest.skip(f"this host's name {socket.gethostname()} resolves to a reachable address: nothing to refuse")
-    env = clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, LOCAL_WORLD_SIZE=1, MASTER_ADDR="192.0.2.123", MASTER_PORT=free_port())
-    returncode, output = Job([PYTHON, REPO / "train_ddp.py", *TINY_NET, "--output-dir", tmp_path / "out"], env=env,
-                             prewarmed=False).finish(timeout=60)
-    assert returncode == 2, output[-3000:]
-    lines = error_lines(output)
-    assert len(lines) == 1 and lines[0].startswith(f"error: this host's name {socket.gethostname()} resolves to ")
-    assert "export GLOO_SOCKET_IFNAME=" in lines[0] and no_traceback_of_ours(output)

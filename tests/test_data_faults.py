@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,15 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
-from common.args import build_parser, parse_args
-from common.bad_images import SkipUnreadable, UnreadableImage
-from common.data import Collate, build_data, load_image
-from common.preemption import StopNow
 from conftest import PYTHON, REPO, Job, free_port, make_image_folder, no_traceback_of_ours, process_stat
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
 PREEMPTED = 75
+pytestmark = pytest.mark.faults
 
 
 def launch(mode, *args):
@@ -106,40 +102,6 @@ def faulty(tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- skipped and reported
-
-def test_odd_but_valid_files_load_as_rgb(faulty):
-    _, _, odd = faulty
-    for path in odd:
-        image = load_image(path)
-        assert image.dtype == torch.uint8 and image.shape == (3, 40, 40), path
-
-
-def test_a_bad_file_is_replaced_and_the_batch_keeps_its_size_in_training_and_left_out_in_validation(faulty):
-    root, bad, _ = faulty
-    samples = [(bad[0], 0), (str(next((root / "train" / "ring").glob("0*.jpg"))), 1), (bad[1], 2)]
-    train = SkipUnreadable(samples, load_image, replace=True, strict=False)
-    images, target, found = Collate(normalise=False)([train[0], train[1], train[2]])
-    assert images.shape[0] == 3 and target.tolist() == [1, 1, 1]  # the readable file took both places
-    assert sorted({path for path, _ in found}) == sorted(bad[:2])
-    val = SkipUnreadable(samples, load_image, replace=False, strict=False)
-    images, target, found = Collate(normalise=True)([val[0], val[1], val[2]])
-    assert images.shape[0] == 1 and images.dtype == torch.float32 and target.tolist() == [1]
-    assert Collate(normalise=True)([val[0]])[:2] == (None, None)
-    with pytest.raises(UnreadableImage, match=re.escape(bad[0])):
-        SkipUnreadable(samples, load_image, replace=True, strict=True)[0]
-
-
-def test_the_training_loader_fills_every_batch_and_the_validation_loader_leaves_bad_files_out(faulty):
-    root, bad, _ = faulty
-    args = parse_args(build_parser("test"), ["--data", str(root), *RUN, "-j", "0"])
-    data = build_data(args, seed=0, rank=0, world_size=1, per_process_batch=8, gpu=False)
-    data.train_sampler.set_epoch(0)
-    train = list(data.train_loader)
-    assert sum(len(target) for _, target, _ in train) == len(data.train_loader.dataset)  # every slot filled
-    val = list(data.val_loader)
-    assert sum(len(target) for _, target, _ in val if target is not None) == len(data.val_loader.dataset) - 1
-    assert sorted({path for *_, found in train + val for path, _ in found}) == bad
-
 
 def runs_on_faulty_data(faulty, tiny_data, out):
     """The runs on broken data that go to their end by themselves, started together (name -> (returncode,
@@ -398,13 +360,6 @@ def test_the_same_sigterm_twice_still_stops_at_a_step_with_a_checkpoint(tiny_dat
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step_in_epoch"] >= 2
 
 
-def test_a_stop_signal_while_loading_is_no_bad_image():
-    def interrupted(path):
-        raise StopNow("stopped on SIGTERM after waiting 10 s for data")
-    with pytest.raises(StopNow):
-        SkipUnreadable([("a.jpg", 0), ("b.jpg", 0)], interrupted, replace=True, strict=False)[0]
-
-
 def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
     runs, out = faulty_runs
     returncode, output = ended_cleanly(runs, "odd-name-dp")
@@ -412,30 +367,3 @@ def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
     assert re.search(r"^warning: skipped \S+/broken-\\xff\.jpg: cannot decode it", output, re.MULTILINE), output
     path = out / "odd-name-data" / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")
     assert (out / "odd-name-dp" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(path)))
-
-
-class _BrokenHandOver:
-    """A loader whose second batch cannot be fetched from its worker, as when the worker is killed while
-    sending it (torch's fd hand-over then raises EOFError or ConnectionResetError in the main process)."""
-
-    def __init__(self, error):
-        self.error = error
-
-    def __len__(self):
-        return 2
-
-    def __iter__(self):
-        yield torch.zeros(1, 3, 4, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), ()
-        raise self.error
-
-
-@pytest.mark.parametrize("error", [EOFError(), ConnectionResetError(104, "Connection reset by peer")])
-def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line(error):
-    from common.args import known_failure
-    from common.data import DeviceLoader
-    batches = iter(DeviceLoader(_BrokenHandOver(error), torch.device("cpu")))
-    next(batches)
-    with pytest.raises(RuntimeError) as raised:
-        next(batches)
-    assert known_failure(raised.value) == (f"error: DataLoader worker exited unexpectedly while sending a batch "
-                                           f"({type(error).__name__}) (out of memory? fewer --workers use less)")

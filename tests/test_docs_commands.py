@@ -54,7 +54,10 @@ import pytest
 
 from conftest import REPO, clean_env
 
-import common.args as cli  # conftest puts the repository on sys.path
+import common.cli as cli  # conftest puts the repository on sys.path
+from common.errors import UsageError
+
+pytestmark = pytest.mark.e2e
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -268,9 +271,9 @@ def parse_training_args(script, args, assignments=()):
     parsers = []
     real_parse = cli.parse_args
 
-    def recording_parse(parser, argv=None):
+    def recording_parse(parser, argv=None, mode="dp"):
         parsers.append(parser)
-        return real_parse(parser, argv)
+        return real_parse(parser, argv, mode)
 
     stderr = io.StringIO()
     with environment(assignments), mock.patch.object(cli, "parse_args", recording_parse), \
@@ -280,7 +283,7 @@ def parse_training_args(script, args, assignments=()):
         except SystemExit as exit:
             if exit.code not in (0, None):  # --help exits 0
                 raise Invalid(f"{script} {' '.join(args)}: {stderr.getvalue().strip()}") from None
-        except cli.UsageError as error:
+        except UsageError as error:
             raise Invalid(f"{script} {' '.join(args)}: error: {error}") from None
     check_option_names(args, parser_options(parsers[0]), script)
 

@@ -13,6 +13,8 @@ import torch
 
 from conftest import PYTHON, REPO, Job, free_port
 
+pytestmark = pytest.mark.e2e
+
 SIZE = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1"]
 # tiny_data: 24 train images, 12 val; global batch 4: 6 steps an epoch, a checkpoint every 2 steps.
 RUN = [*SIZE, "-b", "4", "--epochs", "2", "--seed", "3", "--lr", "0.02", "--checkpoint-interval", "2"]

@@ -7,6 +7,8 @@ import torch
 
 from conftest import PYTHON, REPO, assert_ok, clean_env, run, run_together
 
+pytestmark = pytest.mark.e2e
+
 CHECK = REPO / "tools" / "gpu_check.py"
 TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
                        r"\| (?P<result>[^|]+?) \|$", re.MULTILINE)
@@ -51,6 +53,7 @@ def test_it_fails_when_training_does_not_learn(cpu_runs):
     assert "0 passed, 1 failed" in result.stdout
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check runs the full set)")
 def test_gpu_check_passes_on_this_gpu_machine():
     """Every launch mode and GPU flag on the JPEG data (`make gpu-check` adds synthetic ResNet-50)."""

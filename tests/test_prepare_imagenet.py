@@ -3,6 +3,7 @@ tars, a real meta.mat, the ground-truth file) and Kaggle's extracted layout, wit
 real set has (CMYK, grayscale, a PNG named .JPEG); a val/ sorted by valprep.sh; reruns after a crash
 left empty or cut-short markers and images."""
 import io
+import json
 import os
 import re
 import shutil
@@ -18,8 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import PYTHON, REPO, assert_ok, clean_env, run
-from common.data import load_image
+from conftest import PYTHON, REPO, assert_ok, clean_env, process_stat, run
+from common.datasets import load_image
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
 
@@ -27,12 +28,14 @@ SCRIPT = REPO / "tools" / "prepare_imagenet.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import prepare_imagenet  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 # wnid: (ILSVRC2012_ID, words) of four real leaf classes.
 CLASSES = {"n01440764": (1, "tench, Tinca tinca"), "n01443537": (2, "goldfish, Carassius auratus"),
            "n01484850": (3, "great white shark, white shark, man-eater, Carcharodon carcharias"),
            "n01491361": (4, "tiger shark, Galeocerdo cuvieri")}
 TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 2
-TEMPORARY = re.compile(r"^\..*\.tmp-\d+$")
+TEMPORARY = re.compile(r"^\..*\.tmp$")  # common/run_dir.py's temporary_beside
 WORKER_DIED = "error: a worker process died (out of memory?): run the same command again to carry on"
 
 
@@ -233,6 +236,12 @@ def temporaries(out):
     return [path for path in out.rglob("*") if TEMPORARY.match(path.name)]
 
 
+def workers(process):
+    """The worker processes of `process` (its children: the pool's workers)."""
+    return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
+            if (fields := process_stat(entry.name)) is not None and int(fields[1]) == process.pid and fields[0] != "Z"]
+
+
 def part_way_class(out):
     """A class with a marker, and one with finished images and a temporary but no marker yet."""
     markers = {path.name for path in (out / ".prepare").glob("train-*.done")}
@@ -287,9 +296,8 @@ def test_killed_worker_ends_the_run_and_a_rerun_completes(archives, images, tmp_
     out = tmp_path / "out"
     process = start(archives, out, "--skip-md5", "--workers", "2", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1)))
     try:
-        found = []
-        wait_for("a worker's temporary", lambda: found.extend(temporaries(out / "train")) or found)
-        os.kill(int(found[0].name.rsplit("-", 1)[1]), signal.SIGKILL)  # .<name>.tmp-<the writer's pid>
+        wait_for("a worker's temporary", lambda: temporaries(out / "train"))
+        os.kill(workers(process)[0], signal.SIGKILL)  # mid-job: a temporary stands, its rename waits
         output, _ = process.communicate(timeout=30)
         assert process.returncode == 1 and output.strip().splitlines() == [WORKER_DIED], output
         wait_for("the other worker to end", lambda: group_gone(process), timeout=5)
@@ -299,19 +307,22 @@ def test_killed_worker_ends_the_run_and_a_rerun_completes(archives, images, tmp_
     assert contents(out) == images and not temporaries(out)
 
 
-def test_meta_bin_cut_short_is_parsed_again(archives, prepared, images, tmp_path):
-    """meta.bin (the devkit parsed) cut short by a kill, and the temporary folder of a later write."""
+def test_the_devkit_s_labels_cut_short_are_parsed_again(archives, prepared, images, tmp_path):
+    """The devkit's val labels, parsed (val_wnids.json), cut short by a kill under an older version, and the
+    temporaries of later writes: the labels are read from the devkit again, as torchvision's parse_devkit_archive
+    reads them (meta.mat's leaf synsets by ID, the ground truth's lines in image order)."""
     out = tmp_path / "out"
     shutil.copytree(prepared[0], out)
-    meta = out / ".prepare" / "meta.bin"
-    meta.write_bytes(meta.read_bytes()[:meta.stat().st_size // 2])
+    parsed = out / ".prepare" / prepare_imagenet.VAL_WNIDS
+    truth = [name.split("/")[1] for name in sorted(images, key=lambda name: Path(name).name) if name.startswith("val/")]
+    assert json.loads(parsed.read_text()) == truth  # val wnids in name order
+    parsed.write_bytes(parsed.read_bytes()[:parsed.stat().st_size // 2])
     (out / ".prepare" / ".devkit.tmp-x1y2z3").mkdir()
-    (out / ".prepare" / ".devkit.tmp-x1y2z3" / "meta.bin").write_bytes(b"half")
+    (out / ".prepare" / ".val_wnids.json.a1b2c3.tmp").write_bytes(b"half")
     output = assert_ok(prepare(archives, out, "--skip-md5"))
     assert "carrying on: 4 of 4 classes and 1 val chunks were done before" in output, output
-    assert contents(out) == images and not list((out / ".prepare").glob(".devkit.tmp-*"))
-    truth = [name.split("/")[1] for name in sorted(images, key=lambda name: Path(name).name) if name.startswith("val/")]
-    assert prepare_imagenet.imagenet.load_meta_file(str(out / ".prepare"))[1] == truth  # val wnids in name order
+    assert contents(out) == images and not list((out / ".prepare").glob(".*tmp*"))
+    assert json.loads(parsed.read_text()) == truth
 
 
 def inodes(folder):
@@ -407,15 +418,17 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     assert contents(out) == images
     written = [path for path in out.rglob("*") if path.is_file()]  # images, markers and options.json
     assert len(written) == len(images) + len(jobs) + 1, written
-    renamed = {}
+    renamed, temporary = {}, {}
     for path in written:
-        renamed[path] = calls.index(("replace", str(prepare_imagenet.temporary(path)), str(path)))
-        assert ("fsync", str(prepare_imagenet.temporary(path))) in calls[:renamed[path]], path
+        (renamed[path], temporary[path]), = [(index, call[1]) for index, call in enumerate(calls)
+                                             if call[0] == "replace" and call[2] == str(path)]
+        assert TEMPORARY.match(Path(temporary[path]).name) and Path(temporary[path]).parent == path.parent, path
+        assert ("fsync", temporary[path]) in calls[:renamed[path]], path
         if path.parent.name == ".prepare":  # its folder synced after the rename
             assert ("fsync", str(path.parent)) in calls[renamed[path]:], path
     for job in jobs:
         marker = out / ".prepare" / job.marker
-        synced = calls.index(("fsync", str(prepare_imagenet.temporary(marker))))
+        synced = calls.index(("fsync", temporary[marker]))
         split = "val" if job.split == "val" else f"train/{job.args[0]}"
         for path in (path for path in written if path.relative_to(out).as_posix().startswith(split + "/")):
             assert renamed[path] < synced, path

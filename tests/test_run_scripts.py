@@ -8,6 +8,8 @@ import torch
 from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, run, run_together
 from tests.tiny_models import TinyNet
 
+pytestmark = pytest.mark.e2e
+
 SCRIPTS = REPO / "run_scripts"
 EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "5", "--lr", "0.05"]
 

@@ -17,6 +17,8 @@ import torch
 
 from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, make_image_folder, torchrun
 
+pytestmark = pytest.mark.slurm
+
 
 def _slurm_unavailable():
     """Why the tests cannot run here, or None."""

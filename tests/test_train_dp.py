@@ -13,6 +13,7 @@ import torchvision
 from common.logger import CSV_FIELDS
 from conftest import TINY, assert_ok, clean_env, run_prewarmed, run_script, run_together, script_command
 
+pytestmark = pytest.mark.e2e
 SCRIPT = "train_dp.py"
 ACC_LINE = re.compile(r"^ \* Acc@1 (?P<acc1>[\d.]+)  Acc@5 (?P<acc5>[\d.]+)  Loss (?P<loss>[\d.e+-]+|nan)  "
                       r"\((?P<count>\d+) images\)$", re.MULTILINE)
@@ -299,6 +300,7 @@ def test_a_bad_input_gives_the_same_line_from_a_process_started_as_a_user_starts
 
 # ----------------------------------------------------------------------------- nn.DataParallel itself
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU: without one train_dp.py runs the bare model (nn.DataParallel needs GPUs)")
 def test_dataparallel_splits_each_batch_over_every_visible_gpu(tiny_data, tmp_path):

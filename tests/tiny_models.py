@@ -5,7 +5,7 @@ import time
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.data import IMAGENET_MEAN, IMAGENET_STD
+from common.transforms import IMAGENET_MEAN, IMAGENET_STD
 from common.trainer import Trainer
 
 
@@ -114,10 +114,10 @@ class SlowStop(Trainer):
     """A trainer whose checkpoint on a stop takes SLOW_STOP_SECONDS (40) longer: a large model's save on a slow
     network file system, longer than torchrun's default 30 s of grace."""
 
-    def save(self, epoch, step_in_epoch=0, train_totals=None, is_best=False):
+    def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         if self.stop_signal.received:
             time.sleep(float(os.environ.get("SLOW_STOP_SECONDS", 40)))
-        return super().save(epoch, step_in_epoch, train_totals, is_best)
+        return super().save(epoch, step_in_epoch, metrics, is_best)
 
 
 class SlowLastStep(Trainer):
@@ -125,7 +125,9 @@ class SlowLastStep(Trainer):
     a stop signal can then be sent in an epoch's last step."""
 
     def train_step(self, model, images, labels):
-        if getattr(self, "steps_done", 0) % self.steps_per_epoch == self.steps_per_epoch - 1 and self.runtime.is_main:
+        # The steps this process has trained, the resumed ones counted: the run's step about to train.
+        self.steps_done = getattr(self, "steps_done", self.start_epoch * self.steps_per_epoch + self.start_step) + 1
+        if (self.steps_done - 1) % self.steps_per_epoch == self.steps_per_epoch - 1 and self.runtime.is_main:
             self.log.print("the epoch's last step begins")
             time.sleep(8)  # (long enough for a busy test machine to send a signal in it)
         return super().train_step(model, images, labels)

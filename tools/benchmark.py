@@ -41,7 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from common.augment import image_augmentation  # noqa: E402
 from common.bad_images import SkipUnreadable  # noqa: E402
-from common.data import IMAGENET_MEAN, IMAGENET_STD, Collate, SeededTransform, TrainPreset, load_image  # noqa: E402
+from common.datasets import ImageFiles, load_image  # noqa: E402
+from common.device_loader import Collate  # noqa: E402
+from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
 
 
 def make_jpegs(root, per_class, classes=2, seed=0):
@@ -133,11 +135,28 @@ def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
     return sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0]
 
 
+class AverageMeter:
+    """pytorch/examples' AverageMeter: a running sum and average of a host number."""
+
+    def __init__(self, name):
+        self.name, self.sum, self.count = name, 0.0, 0
+
+    def update(self, value, n=1):
+        self.sum += value * n
+        self.count += n
+
+
+def accuracy(output, target, topk=(1,)):
+    """pytorch/examples' accuracy(): top-k accuracy in percent, as tensors."""
+    _, pred = output.topk(max(topk), dim=1)
+    hits = pred.t().eq(target.view(1, -1))
+    return [hits[:k].any(dim=0).float().sum() * (100.0 / target.size(0)) for k in topk]
+
+
 def classic_loop_rate(jpeg_dir, batch, crop, workers, images, arch):
     """The articles' loop (pytorch/examples main.py train()): classic PIL pipeline, float batches,
     and host reads of loss and accuracy every step."""
     from torchvision import datasets, models, transforms
-    from common.meters import AverageMeter, accuracy
     torch.manual_seed(0)
     dataset = datasets.ImageFolder(Path(jpeg_dir) / "train", transforms.Compose([
         transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
@@ -245,8 +264,8 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
     for _ in range(rounds):
         for name, auto_augment, random_erase in AUGMENTATIONS:
             preset = TrainPreset(crop, augmentation=image_augmentation(auto_augment, 9, random_erase))
-            dataset = SeededTransform(SkipUnreadable(samples, load_image, True, False), preset, seed=0)
-            loader = DataLoader(dataset, batch_size=batch, num_workers=1, collate_fn=Collate(normalise=False))
+            dataset = SeededTransform(SkipUnreadable(ImageFiles(samples), True, False), preset, seed=0)
+            loader = DataLoader(dataset, batch_size=batch, num_workers=1, collate_fn=Collate())
             cpu_before, wall_before = cpu_of_children(), time.perf_counter()
             count = sum(len(target) for _, target, _ in loader)
             wall_rates[name].append(count / (time.perf_counter() - wall_before))

@@ -34,17 +34,18 @@ import shutil
 import signal
 import sys
 import tarfile
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
-from unittest import mock
 
 from torchvision.datasets import imagenet
 from torchvision.datasets.folder import IMG_EXTENSIONS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.run_dir import atomic_write, fsync as sync, link_or_copy  # noqa: E402  (written whole or not at all)
 
 TRAIN_TAR, VAL_TAR, DEVKIT = (imagenet.ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
 OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
@@ -105,32 +106,10 @@ class Progress:
             print(file=sys.stderr)
 
 
-def temporary(path):
-    # Hidden, and no image extension: ImageFolder ignores it, and a rerun deletes it.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def sync(path):
-    """fsync a file, or a folder (its entries: the renames into it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomically(path, data, sync_folder=True):
-    """A final path never holds half a file, even after a power loss: write a temporary, fsync it,
-    rename it over (atomic), fsync the folder. (Without the first fsync the rename may reach the disk
-    before the bytes do: an empty file under the final name.) Images pass sync_folder=False: run_job
-    syncs their folder once, before the marker."""
-    with open(temporary(path), "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary(path), path)
-    if sync_folder:
-        sync(path.parent)
+    """A final path never holds half a file, even after a power loss (common/run_dir.py). Images pass
+    sync_folder=False: run_job syncs their folder once, before the marker."""
+    atomic_write(path, lambda file: file.write(data), sync_folder)
 
 
 def resize_jpeg(data, size, quality=90):
@@ -201,14 +180,7 @@ def store(dest, source, resize, quality):
     if isinstance(source, bytes):
         write_atomically(dest, source, sync_folder=False)
         return decoded, len(source)
-    try:
-        os.link(source, temporary(dest))  # no second 140 GB: the source's own bytes, nothing new to sync
-    except OSError:  # another file system, or one without hard links
-        shutil.copyfile(source, temporary(dest))
-        sync(temporary(dest))
-    os.replace(temporary(dest), dest)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(temporary(dest))  # dest was this very link already (a redone job): the rename did nothing
+    link_or_copy(source, dest)  # a hard link: no second 140 GB, the source's own bytes, nothing new to sync
     return decoded, os.stat(dest).st_size
 
 
@@ -381,9 +353,25 @@ def verify_md5(path, state):
 
 def require_scipy():
     try:
-        import scipy.io  # noqa: F401  (torchvision reads meta.mat with it)
+        import scipy.io  # noqa: F401  (meta.mat is a MATLAB file)
     except ImportError:
         raise Failure("reading the devkit's meta.mat needs scipy: pip install -r requirements-imagenet.txt")
+
+
+DEVKIT_DATA = "ILSVRC2012_devkit_t12/data"
+VAL_WNIDS = "val_wnids.json"  # the devkit's val labels, parsed once, in the state folder
+
+
+def parse_devkit(archive):
+    """The wnid of each val image, in image order (line i of the ground truth is ILSVRC2012_val_<i>), read from the
+    devkit archive as torchvision's parse_devkit_archive reads it: meta.mat's synsets without children, by their
+    ILSVRC2012_ID. (Its MD5 is verify_md5's, unless --skip-md5 said not to check it.)"""
+    import scipy.io
+    with tarfile.open(archive) as tar:
+        meta = scipy.io.loadmat(io.BytesIO(tar.extractfile(f"{DEVKIT_DATA}/meta.mat").read()), squeeze_me=True)
+        truth = tar.extractfile(f"{DEVKIT_DATA}/ILSVRC2012_validation_ground_truth.txt").read().split()
+    wnid = {int(synset[0]): str(synset[1]) for synset in meta["synsets"] if synset[4] == 0}  # (ID, WNID, ..., children)
+    return [wnid[int(index)] for index in truth]
 
 
 def kaggle_labels(path):
@@ -409,21 +397,13 @@ def val_labels(labels, state):
     if labels.name == KAGGLE_LABELS:
         return kaggle_labels(labels)
     try:
-        wnids = imagenet.load_meta_file(str(state))[1]  # line i of the ground truth: ILSVRC2012_val_<i>
-    except Exception:  # none yet, or one cut short (older versions wrote in place): whatever torch.load raised
-        # torchvision's parse_meta_mat and parse_val_groundtruth_txt are nested in parse_devkit_archive,
-        # so that runs whole, writing meta.bin into a temporary folder: a kill never leaves half a file.
-        # Its MD5 check is skipped: verify_md5 has done it, unless --skip-md5 said not to.
+        wnids = json.loads((state / VAL_WNIDS).read_bytes())
+    except (OSError, ValueError):  # none yet, or one cut short (a kill under an older version): parsed again
         try:
-            with tempfile.TemporaryDirectory(prefix=".devkit.tmp-", dir=state) as folder, \
-                    mock.patch.object(imagenet, "_verify_archive", lambda *args: None):
-                imagenet.parse_devkit_archive(folder, str(labels.resolve()))
-                sync(os.path.join(folder, imagenet.META_FILE))
-                os.replace(os.path.join(folder, imagenet.META_FILE), state / imagenet.META_FILE)
-                sync(state)
-        except (OSError, tarfile.TarError, EOFError, KeyError, ValueError) as error:
+            wnids = parse_devkit(labels)
+        except (OSError, tarfile.TarError, EOFError, KeyError, ValueError, IndexError) as error:
             raise Failure(f"cannot read the devkit {labels}: {error!r}")
-        wnids = imagenet.load_meta_file(str(state))[1]
+        write_atomically(state / VAL_WNIDS, json.dumps(wnids).encode())
     return {f"ILSVRC2012_val_{index:08d}": wnid for index, wnid in enumerate(wnids, 1)}
 
 
@@ -492,7 +472,7 @@ def open_output(out_dir, resize, quality):
         write_atomically(stored, options.encode())
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
-                if entry.name.startswith(".") and ".tmp-" in entry.name:  # a file, or val_labels' folder
+                if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
                     shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
     except OSError as error:
         raise Failure(f"cannot write to {out_dir}: {error.strerror or error}")

@@ -1,17 +1,15 @@
-"""Specifications of the data side of today's recipes (issue 12): per-image auto-augment and random erasing
-seeded per image, the repeated-augmentation sampler, progressive resizing, MixUp / CutMix. In-process."""
-import math
+"""common/augment.py: the recipe's augmentations as torchvision builds them, drawn from seeds of their own: per image
+(auto-augment, random erasing: by seed, epoch and index) and per batch (MixUp / CutMix: by seed, epoch, step and
+rank), never pairing an image with its own copy under the repeated-augmentation sampler."""
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torchvision.transforms.v2 import functional as F
 
-from common import args as cli
 from common.augment import IMAGENET_MEAN_UINT8, BatchMix, batch_mix_key, build_batch_mix, image_augmentation
-from common.data import (RepeatedAugmentationSampler, ResumableSampler, SeededTransform, SyntheticImages,
-                         TrainPreset, build_data)
+from common.samplers import RepeatedAugmentationSampler
+from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset
 
 MEAN_PIXEL = torch.tensor(IMAGENET_MEAN_UINT8, dtype=torch.uint8).view(3, 1)
 
@@ -27,15 +25,6 @@ def augmented(auto_augment="ta_wide", random_erase=0.5, count=4, seed=0):
     preset = TrainPreset(16, min_scale=0.1, augmentation=image_augmentation(auto_augment, 9, random_erase))
     return SeededTransform(images(count), preset, seed)
 
-
-def parse(*argv):
-    return cli.parse_args(cli.build_parser("test"), list(argv))
-
-
-pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
-
-
-# ----------------------------------------------------------------------------- per-image augmentation
 
 def test_an_images_augmentation_depends_only_on_seed_epoch_and_index():
     first, other = augmented(), augmented()
@@ -124,183 +113,6 @@ def test_random_erase_one_erases_a_rectangle_of_the_mean_pixel():
         assert torch.equal(before[:, outside], after[:, outside]), index  # and nothing else changed
 
 
-def todays_train_preset(image, rng, crop_size, min_scale):
-    """TrainPreset before issue 12, pinned: the crop and flip of every existing run."""
-    height, width = image.shape[-2:]
-    area, log_ratio = height * width, (math.log(3 / 4), math.log(4 / 3))
-    for _ in range(10):
-        target_area = area * rng.uniform(min_scale, 1.0)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w, h = round(math.sqrt(target_area * aspect)), round(math.sqrt(target_area / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            box = rng.randint(0, height - h), rng.randint(0, width - w), h, w
-            break
-    else:
-        ratio = width / height
-        if ratio < math.exp(log_ratio[0]):
-            w, h = width, round(width / math.exp(log_ratio[0]))
-        elif ratio > math.exp(log_ratio[1]):
-            h, w = height, round(height * math.exp(log_ratio[1]))
-        else:
-            w, h = width, height
-        box = (height - h) // 2, (width - w) // 2, h, w
-    image = F.resized_crop(image, *box, [crop_size, crop_size], antialias=True)
-    return F.horizontal_flip(image) if rng.random() < 0.5 else image
-
-
-def test_without_augmentation_the_train_preset_is_todays_and_draws_as_much():
-    preset = TrainPreset(16, min_scale=0.1, augmentation=image_augmentation("none", 9, 0.0))
-    assert preset.augmentation is None
-    for key in range(40):
-        for image in (PATTERN, PATTERN[:, :2, :], PATTERN[:, :, :2]):  # the last two: always the centre crop
-            ours, pinned = random.Random(key), random.Random(key)
-            assert torch.equal(preset(image, ours), todays_train_preset(image, pinned, 16, 0.1)), key
-            assert ours.random() == pinned.random()  # the same number of draws
-
-
-# ----------------------------------------------------------------------------- repeated augmentation
-
-def global_batches(samplers, per_rank_batch):
-    """Batch k of all ranks together, for each k."""
-    shards = [list(sampler) for sampler in samplers]
-    steps = len(shards[0]) // per_rank_batch + (len(shards[0]) % per_rank_batch > 0)
-    return [sorted(index for shard in shards for index in shard[k * per_rank_batch:(k + 1) * per_rank_batch])
-            for k in range(steps)]
-
-
-def ra_samplers(length, world_size, repetitions=3, epoch=0, seed=5):
-    samplers = [RepeatedAugmentationSampler(list(range(length)), world_size, rank, repetitions, seed=seed)
-                for rank in range(world_size)]
-    for sampler in samplers:
-        sampler.set_epoch(epoch)
-    return samplers
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_ra_sampler_ranks_batches_together_are_the_single_process_batches(world_size):
-    length, batch = 13, 6  # 13 images: 2 and 3 ranks need padding
-    (single,) = ra_samplers(length, 1, epoch=2)
-    order = list(single)
-    assert order == single.global_order() and len(order) == length
-    together = global_batches(ra_samplers(length, world_size, epoch=2), batch // world_size)
-    expected = [sorted(order[start:start + batch]) for start in range(0, length, batch)]
-    assert together[:-1] == expected[:-1]
-    padding = order[:world_size * math.ceil(length / world_size) - length]  # DistributedSampler's: the first again
-    assert together[-1] == sorted(expected[-1] + padding)
-    assert [len(sampler) for sampler in ra_samplers(length, world_size)] == [math.ceil(length / world_size)] * world_size
-
-
-@pytest.mark.parametrize("repetitions", [2, 3, 4])
-def test_ra_sampler_repeats_each_image_k_times_in_a_row_keeping_the_epoch_length(repetitions):
-    length = 14
-    (sampler,) = ra_samplers(length, 1, repetitions, epoch=1)
-    order = list(sampler)
-    assert len(order) == length
-    groups = [order[start:start + repetitions] for start in range(0, length, repetitions)]
-    for group in groups:  # copy j of image i is i + j * length
-        assert group == [group[0] % length + copy * length for copy in range(len(group))]
-    # The images are the first of DistributedSampler's permutation of the epoch (seed + epoch).
-    plain = ResumableSampler(list(range(length)), num_replicas=1, rank=0, shuffle=True, seed=5)
-    plain.set_epoch(1)
-    assert [group[0] for group in groups] == list(plain)[:len(groups)]
-    assert list(sampler) != list(ra_samplers(length, 1, repetitions, epoch=2)[0])
-
-
-@pytest.mark.parametrize("world_size, repetitions", [(2, 2), (4, 4), (4, 2), (3, 3)])
-def test_ra_sampler_puts_the_copies_of_an_image_on_different_ranks(world_size, repetitions):
-    length = 12 * world_size  # no padding: a padded index is an extra copy by design
-    ranks_of = {}
-    for rank, sampler in enumerate(ra_samplers(length, world_size, repetitions)):
-        for index in sampler:
-            ranks_of.setdefault(index % length, []).append(rank)
-    assert all(len(set(ranks)) == len(ranks) for ranks in ranks_of.values())
-    assert sum(len(ranks) == repetitions for ranks in ranks_of.values()) == length // repetitions
-
-
-def test_ra_sampler_resumes_by_skipping_exactly_the_samples_done():
-    for rank, sampler in enumerate(ra_samplers(29, 2, epoch=3)):
-        whole = list(sampler)
-        for start in (0, 4, 14, 15):
-            sampler.set_epoch(3, start=start)
-            assert list(sampler) == whole[start:] and len(sampler) == len(whole) - start, (rank, start)
-
-
-class RecordingImages:
-    """A base dataset that records the indices it is asked for."""
-
-    def __init__(self, count):
-        self.samples, self.asked = images(count), []
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, index):
-        self.asked.append(index)
-        return self.samples[index]
-
-
-def test_repeats_are_augmented_differently_and_copy_0_as_without_the_sampler():
-    base = RecordingImages(4)
-    dataset = SeededTransform(base, augmented().transform, 0)
-    reference = augmented()  # as read through the plain sampler
-    for index in range(4):
-        copies = [dataset[index + copy * 4] for copy in range(4)]
-        assert torch.equal(copies[0][0], reference[index][0])
-        assert all(label == index for _, label, _ in copies)
-        assert all(not torch.equal(copies[a][0], copies[b][0]) for a in range(4) for b in range(a + 1, 4))
-    assert sorted(set(base.asked)) == [0, 1, 2, 3]  # the base (and bad-file skipping) sees real indices
-
-
-# ----------------------------------------------------------------------------- progressive resizing
-
-def test_res_schedule_gives_each_epochs_crop_size():
-    schedule = cli.ResSchedule.parse("160:224:2:6")  # FFCV-style: low resolution first, linear, multiples of 32
-    assert [schedule.size(epoch) for epoch in range(9)] == [160, 160, 160, 192, 192, 192, 224, 224, 224]
-    fine = cli.ResSchedule.parse("16:32:0:2:8")
-    assert [fine.size(epoch) for epoch in range(4)] == [16, 24, 32, 32]
-
-
-def test_the_dataset_crops_at_the_size_of_the_epoch_also_when_resumed(tiny_data):
-    args = parse("--data", str(tiny_data), "-j", "0", "--res-schedule", "16:32:0:2:8", "--train-crop-size", "20")
-    data = build_data(args, seed=5, rank=0, world_size=1, per_process_batch=4, gpu=False)
-    dataset, sizes, images_at = data.train_loader.dataset, [], {}
-    for epoch in range(4):
-        dataset.set_epoch(epoch)
-        images_at[epoch] = dataset[0][0]
-        sizes.append(tuple(images_at[epoch].shape[-2:]))
-    assert sizes == [(16, 16), (24, 24), (32, 32), (32, 32)]
-    # A resumed run builds its data anew and sets the epoch it resumes in, mid-epoch or not.
-    resumed = build_data(args, seed=5, rank=0, world_size=1, per_process_batch=4, gpu=False).train_loader.dataset
-    resumed.set_epoch(1)
-    assert torch.equal(resumed[0][0], images_at[1])
-    dummy = SyntheticImages(8, 20, res_schedule=cli.ResSchedule.parse("16:32:0:2:8"))
-    dummy.set_epoch(1)
-    assert dummy[0][0].shape == (3, 24, 24)
-
-
-def test_build_data_wires_the_recipe_flags(tiny_data):
-    args = parse("--data", str(tiny_data), "-j", "0", "--train-crop-size", "16", "--ra-sampler", "--ra-reps", "2",
-                 "--auto-augment", "ta_wide", "--random-erase", "0.5")
-    data = build_data(args, seed=5, rank=1, world_size=2, per_process_batch=4, gpu=False)
-    assert isinstance(data.train_sampler, RepeatedAugmentationSampler) and data.train_sampler.repetitions == 2
-    assert data.train_loader.dataset.transform.augmentation is not None
-    data.train_sampler.set_epoch(0)
-    images_batch, labels, _ = next(iter(data.train_loader))
-    base = data.train_loader.dataset.base
-    assert images_batch.shape == (4, 3, 16, 16) and labels.tolist() == [
-        base.samples[index % len(base)][1] for index in list(data.train_sampler)[:4]]
-
-
-def test_build_data_accepts_arguments_without_the_recipe_flags(tiny_data):
-    # A Namespace of an older checkpoint, or of a direct caller, lacks them: today's data.
-    args = SimpleNamespace(dummy=False, data=str(tiny_data), strict_data=False, train_crop_size=16, min_crop_scale=0.08,
-                           val_resize_size=16, val_crop_size=16, workers=0, compile=False)
-    data = build_data(args, seed=5, rank=0, world_size=1, per_process_batch=4, gpu=False)
-    assert type(data.train_sampler) is ResumableSampler and data.train_loader.dataset.transform.augmentation is None
-
-
-# ----------------------------------------------------------------------------- MixUp / CutMix
-
 def batch(count=6, num_classes=8):
     generator = torch.Generator().manual_seed(0)
     return torch.rand(count, 3, 8, 8, generator=generator), torch.arange(count) % num_classes
@@ -349,8 +161,9 @@ def test_batch_mix_depends_on_its_key_only_and_leaves_the_global_rng_alone():
 def test_batch_mix_needs_an_alpha():
     with pytest.raises(ValueError):
         BatchMix(8, 0.0, 0.0)
-    assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0), 8, 1) is None
-    assert isinstance(build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0), 8, 1), BatchMix)
+    assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0, ra_sampler=False), 8, 1) is None
+    assert isinstance(build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0, ra_sampler=False), 8, 1),
+                      BatchMix)
 
 
 def mixing_partners(mix, batch_size, key):
@@ -410,7 +223,6 @@ def test_the_partner_order_keeps_each_image_in_its_place_with_its_own_label():
 def test_random_erase_fills_with_the_uint8_pixel_nearest_to_torchvision_s_zero_after_normalising():
     """torchvision erases after normalising, with value 0 (the mean); our images stay uint8 until the batch is
     normalised, so the fill is the uint8 pixel nearest the mean: within half a level of torchvision's value."""
-    from common.data import IMAGENET_MEAN, IMAGENET_STD
     for fill, mean, std in zip(IMAGENET_MEAN_UINT8, IMAGENET_MEAN, IMAGENET_STD):
         assert fill == round(mean * 255)
         assert abs((fill / 255 - mean) / std) <= 0.5 / 255 / std  # torchvision's fill: exactly 0

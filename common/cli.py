@@ -1,0 +1,214 @@
+"""The command line the three scripts share: parsing alone, into a frozen Config (common/config.py).
+
+Flag names follow pytorch/examples' imagenet/main.py where they overlap. Defaults come, in order of
+precedence, from: the command line, the platform's environment variables (EPOCHS, LR, BATCH_SIZE,
+DATASETS_PATH + DATASETS, WORKSPACE, BACKEND; train_spawn.py also WORKER_PER_NODE, MASTER_ADDR, MASTER_PORT),
+and the presets (common/presets.py). This module imports no torch: --help and usage errors are instant.
+"""
+import argparse
+
+from .config import ResSchedule, env_default, resolve
+from .named import import_named
+from .presets import RECIPES
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line instead of argparse's usage block.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def floats(text):
+    """--mean / --std: comma-separated numbers (an argparse type)."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def workers_count(text):
+    """-j: 'auto' or a count of 0 or more (an argparse type)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a count of 0 or more, got {text!r}")
+    return value
+
+
+def res_schedule(text):
+    """--res-schedule START:END:FIRST:LAST[:STEP] (an argparse type): the text, checked (a plain string, so
+    that checkpoints holding the arguments load with weights_only=True). ResSchedule.parse reads it."""
+    ResSchedule.parse(text)
+    return text
+
+
+def build_parser(description):
+    """The shared flags; each script adds its launch flags to the returned parser."""
+    parser = Parser(description=description)
+    for group in (_data_flags, _model_flags, _training_flags, _run_flags, _device_flags):
+        group(parser.add_argument)
+    _recipe_flags(parser)
+    return parser
+
+
+def parse_args(parser, argv=None, mode="dp"):
+    """The frozen Config of `argv` for a script of `mode` (dp, ddp, spawn); UsageError for a value that breaks a
+    rule. A --trainer class adds its own flags (Trainer.add_arguments) before the command line is parsed."""
+    chosen_trainer = argparse.ArgumentParser(add_help=False)
+    chosen_trainer.add_argument("--trainer")
+    name = chosen_trainer.parse_known_args(argv)[0].trainer
+    add_arguments = getattr(import_named(name or "", "--trainer"), "add_arguments", None)  # imports torch, if any
+    if add_arguments is not None:
+        add_arguments(parser.add_argument_group(f"--trainer {name}"))
+    return resolve(parser.parse_args(argv), mode)
+
+
+def _data_flags(add):
+    """The data and how it is read."""
+    add("data_positional", nargs="?", metavar="DIR", help="same as --data")
+    add("--data", metavar="DIR", help="ImageFolder root with train/<class>/* and val/<class>/*, or a folder with "
+        "train.csv and val.csv (or .tsv) of path,label lines (default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)")
+    add("--dataset", dest="dataset_fn", default=None, metavar="PKG.MOD:FN",
+        help="your own data: FN(args) returns (classes, train_set, val_set) of (image, label) items (docs/adapting.md)")
+    add("--mean", type=floats, default=None, metavar="M,M,M",
+        help="per-channel mean of the images, 0-1 scale (default: the dataset's .mean, else ImageNet's)")
+    add("--std", type=floats, default=None, metavar="S,S,S",
+        help="per-channel std of the images, 0-1 scale (default: the dataset's .std, else ImageNet's)")
+    add("--trainer", default=None, metavar="PKG.MOD:CLASS",
+        help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)")
+    add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
+    add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
+
+
+def _model_flags(add):
+    """The model."""
+    add("-a", "--arch", default="resnet18",
+        help="any torchvision classification model, or package.module:callable for your own (%(default)s)")
+    add("--pretrained", action="store_true", help="start from torchvision's default weights for --arch; on "
+        "ImageNet-style data and --dummy, validation takes the weights' resize, crop and interpolation")
+    add("--weights", default=None, metavar="NAME",
+        help="--pretrained with this weight set of --arch, as torchvision names it (ResNet50_Weights.IMAGENET1K_V2 "
+             "or IMAGENET1K_V2)")
+    add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
+
+
+def _training_flags(add):
+    """The optimizer, its schedule and the loop."""
+    add("-j", "--workers", type=workers_count, default="auto", metavar="N|auto",
+        help="data loading workers per process; auto: this node's usable cores shared among its processes, "
+             "one core left to each process, at most 8 each (%(default)s)")
+    add("--epochs", type=int, default=None, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
+    add("-b", "--batch-size", type=int, default=None, metavar="N",
+        help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)")
+    add("--lr", "--learning-rate", type=float, default=None, dest="lr", metavar="LR",
+        help="learning rate for the global batch (env LR; 0.1; demo 0.04)")
+    add("--opt", choices=["sgd", "sgd-nesterov", "adamw", "rmsprop"], default="sgd",
+        help="optimizer, as torchvision's train.py builds it (%(default)s)")
+    add("--momentum", type=float, default=None, metavar="M", help="momentum of sgd and rmsprop (0.9)")
+    add("--wd", "--weight-decay", type=float, default=None, dest="weight_decay", metavar="W",
+        help="weight decay (1e-4; tv-v2 2e-5)")
+    add("--label-smoothing", type=float, default=None, metavar="E", help="label smoothing (0; tv-v2 0.1)")
+    add("--lr-schedule", choices=["step", "cosine", "constant"], default=None,
+        help="step: x gamma every --lr-step-size epochs (default; demo: cosine)")
+    add("--lr-step-unit", choices=["step", "epoch"], default=None,
+        help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
+             "train.py (default under --preset tv-v2)")
+    add("--lr-min", type=float, default=0.0, metavar="LR", help="where the cosine schedule ends (%(default)s)")
+    add("--clip-grad-norm", type=float, default=None, metavar="N",
+        help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping")
+    add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
+    add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
+    add("--warmup-epochs", type=float, default=None, metavar="N",
+        help="linear warmup from 1%% of --lr (0; demo 1)")
+    add("-p", "--print-freq", type=int, default=None, metavar="N", help="steps between progress lines (10; demo 20)")
+    add("--train-crop-size", type=int, default=None, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
+    add("--val-resize-size", type=int, default=None, metavar="PX", help="validation resize (256; demo 36)")
+    add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
+    add("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
+        help="image resizing in training and validation (bilinear; validation with --pretrained: the weights')")
+
+
+def _run_flags(add):
+    """Checkpoints, outputs, stops and repeatability."""
+    add("--resume", metavar="PATH|auto", default="",
+        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh")
+    add("--overwrite", action="store_true",
+        help="start afresh in an --output-dir that holds a run, deleting its checkpoints (else refused)")
+    add("--strict-data", action="store_true",
+        help="stop at the first image that cannot be decoded (default: skip it, list it in bad_images.txt)")
+    add("--checkpoint-interval", type=int, default=0, metavar="STEPS",
+        help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)")
+    add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
+    add("--seed", type=int, default=None,
+        help="seed everything: the same seed gives the same run on the CPU (on GPUs see --deterministic)")
+    add("--deterministic", action="store_true",
+        help="deterministic GPU kernels, no cuDNN autotuning: with --seed, bitwise repeatable GPU runs (slower)")
+    add("--output-dir", default=None, metavar="DIR",
+        help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
+
+
+def _device_flags(add):
+    """Devices, processes and speed."""
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
+    add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
+    add("--stop-grace", type=float, default=env_default("STOP_GRACE", float) or 30, metavar="SECONDS",
+        help="how long the launcher lets a stop signal's clean stop take before it kills (torchrun's "
+             "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
+             "third of it for a batch (default: %(default)s, torchrun's own)")
+    add("--dist-timeout", type=float, default=1800, metavar="SECONDS",
+        help="a collective waiting this long for a stalled rank fails the job (%(default)s)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU only)")
+    add("--save-on", choices=["global", "node"], default="global",
+        help="global: rank 0 writes; node: local rank 0 of every node writes (no shared file system)")
+    add("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision (%(default)s)")
+    add("--channels-last", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+        help="NHWC memory format for model and images (alone: on); auto: on for convolutional networks on the "
+             "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--find-unused-parameters", action="store_true",
+        help="DDP: for models whose forward leaves parameters unused (else DDP stops with an error naming them); slower")
+
+
+
+def _recipe_flags(parser):
+    r = parser.add_argument_group("recipe", "today's ImageNet training recipe, from torchvision's own parts "
+                                  "(flag names as in torchvision's references/classification/train.py)")
+    add = r.add_argument
+    add("--preset", choices=sorted(RECIPES), default=None,
+        help="tv-v2: torchvision's ResNet-50 V2 recipe (published 80.86%% acc@1, not measured here); "
+             "on the demo set only its augmentation and regularisation, with the demo's epochs, batch, lr "
+             "and sizes")
+    add("--mixup-alpha", type=float, default=None, metavar="A", help="MixUp, per batch on the device (0: off)")
+    add("--cutmix-alpha", type=float, default=None, metavar="A",
+        help="CutMix, per batch on the device (0: off); with --mixup-alpha, one of the two per batch")
+    add("--auto-augment", choices=["none", "ta_wide", "ra", "aa", "imagenet", "augmix"], default=None,
+        help="TrivialAugmentWide, RandAugment, AutoAugment's ImageNet policy (aa, or torchvision's name imagenet) "
+             "or AugMix, per image (none)")
+    add("--ra-magnitude", type=int, default=None, metavar="M", help="RandAugment magnitude (9)")
+    add("--augmix-severity", type=int, default=3, metavar="S", help="AugMix severity, 1 to 10 (%(default)s)")
+    add("--random-erase", type=float, default=None, metavar="P",
+        help="RandomErasing probability, per image, filling with the mean pixel (0)")
+    add("--model-ema", action="store_const", const=True, default=None,
+        help="keep an exponential moving average of the weights, evaluated and checkpointed beside them")
+    add("--model-ema-decay", type=float, default=None, metavar="D",
+        help="EMA decay, as torchvision's train.py adjusts it for batch, --model-ema-steps and epochs "
+             "(0.99998)")
+    add("--model-ema-steps", type=int, default=None, metavar="N", help="optimizer steps between EMA updates (32)")
+    add("--norm-weight-decay", type=float, default=None, metavar="W",
+        help="weight decay of normalisation layers' weights and biases (default: --wd)")
+    add("--bias-weight-decay", type=float, default=None, metavar="W",
+        help="weight decay of the other layers' biases (default: --wd)")
+    add("--ra-sampler", action="store_const", const=True, default=None,
+        help="repeated augmentation: each image --ra-reps times per epoch, differently augmented, "
+             "on different ranks")
+    add("--ra-reps", type=int, default=None, metavar="K", help="repetitions of --ra-sampler (3; tv-v2 4)")
+    add("--res-schedule", default=None, metavar="START:END:FIRST:LAST[:STEP]", type=res_schedule,
+        help="progressive resizing: the training crop grows from START px at epoch FIRST to END px at epoch "
+             "LAST, linearly, rounded to a multiple of STEP px (32); overrides --train-crop-size")
+    add("--lr-scaling", choices=["none", "linear"], default=None,
+        help="linear: --lr (or LR) is for a global batch of 256 and is scaled by -b/256; a preset's lr by -b over "
+             "the preset's batch (none)")

@@ -1,0 +1,262 @@
+"""The run's configuration: resolved once from the command line, the platform's environment and the presets
+(common/presets.py), checked, then frozen. Nothing writes to it afterwards; what a run learns later (the data's
+classes, the loader workers of this node, a resumed run's seed) lives with the part that learned it.
+"""
+import argparse
+import difflib
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from . import presets
+from .errors import UsageError
+
+# Arguments that may differ between nodes (every other one must be alike on every rank: common/agreement.py):
+# loader workers, where a node holds its copy of the data (the same files: checked on their own), where it
+# writes (only the writer ranks write), the process's own place in the job, and how a node names node 0.
+PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank", "master_addr", "dist_url")
+
+
+class Config(argparse.Namespace):
+    """The resolved flags, read as attributes (config.lr); frozen: config.replace(...) makes a changed copy."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def __setattr__(self, name, _value=None):
+        raise AttributeError(f"the run's configuration is frozen: {name} cannot change after it is resolved "
+                             "(config.replace(name=value) makes a changed copy)")
+
+    __delattr__ = __setattr__
+
+    def replace(self, **changes):
+        return Config(**{**vars(self), **changes})
+
+
+def flag(name):
+    """The command-line flag of argument `name` (its dest): weight_decay -> --weight-decay."""
+    return "--" + name.replace("_", "-")
+
+
+def env_default(name, kind=str):
+    """The value of environment variable `name` converted by `kind`, or None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={value!r} is not a valid {kind.__name__}")
+
+
+class ResSchedule(NamedTuple):
+    """--res-schedule: the training crop size of each epoch (FFCV's progressive resizing)."""
+    start: int
+    end: int
+    first_epoch: int
+    last_epoch: int
+    step: int = 32
+
+    def size(self, epoch):
+        if epoch <= self.first_epoch:
+            pixels = self.start
+        elif epoch >= self.last_epoch:
+            pixels = self.end
+        else:
+            t = (epoch - self.first_epoch) / (self.last_epoch - self.first_epoch)
+            pixels = self.start + t * (self.end - self.start)
+        return max(self.step, int(round(pixels / self.step)) * self.step)
+
+    def sizes(self):
+        """The smallest and the largest crop."""
+        return sorted({self.size(0), self.size(self.last_epoch)})
+
+    @staticmethod
+    def parse(text):
+        """The ResSchedule of a --res-schedule text (ArgumentTypeError if it is not one); None for none."""
+        if not text:
+            return None
+        try:
+            values = [int(part) for part in text.split(":")]
+        except ValueError:
+            values = []
+        if len(values) not in (4, 5) or any(value < 0 for value in values):
+            raise argparse.ArgumentTypeError(f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], "
+                                             f"whole numbers, got {text!r}")
+        schedule = ResSchedule(*values)
+        if min(schedule.start, schedule.end, schedule.step) <= 0 or schedule.first_epoch > schedule.last_epoch:
+            raise argparse.ArgumentTypeError(f"{text!r}: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH")
+        return schedule
+
+
+def resolve(namespace, mode):
+    """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn): the data
+    source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
+    values = dict(vars(namespace))
+    _data_source(values)
+    _layered_defaults(values)
+    _check(values)
+    _learning_rate(values)
+    _pretrained(values)
+    if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
+    return Config(**values)
+
+
+def _data_source(values):
+    """--data (or DIR, or DATASETS_PATH + DATASETS), --dataset, --dummy or the built-in demo set: `dataset` says
+    which ("imagenet" for any --data), `data` the folder (the demo set's where it is generated)."""
+    positional = values.pop("data_positional")
+    if positional and values["data"] and positional != values["data"]:
+        raise UsageError("give the data directory once: as DIR or as --data, not both")
+    values["data"] = values["data"] or positional
+    if values["dataset_fn"] and values["dummy"]:
+        raise UsageError("give --dataset or --dummy, not both")
+    if values["data"] is None and not values["dummy"]:
+        root, names = env_default("DATASETS_PATH"), env_default("DATASETS")
+        if root:
+            values["data"] = os.path.join(root, names.split(",")[0]) if names else root
+    values["dataset"] = ("dummy" if values["dummy"] else "custom" if values["dataset_fn"]
+                         else "imagenet" if values["data"] else "demo")
+    if values["dataset"] == "demo":
+        from .demo_data import DEFAULT_ROOT
+        values["data"] = str(DEFAULT_ROOT)
+
+
+def _layered_defaults(values):
+    """Each flag not given takes the value of the highest layer of presets.layers that has it; `data_preset` and
+    `from_data_preset` say which dataset preset gave what (the header names them), `lr_source` and
+    `lr_reference_batch` where the lr came from and for which batch (--lr-scaling linear)."""
+    preset_name = "demo" if values["dataset"] == "demo" else "imagenet"
+    from_env = {"epochs": env_default("EPOCHS", int), "batch_size": env_default("BATCH_SIZE", int),
+                "lr": env_default("LR", float), "dist_backend": env_default("BACKEND")}
+    layers = presets.layers(values["dataset"], preset_name, values["preset"], from_env, values["lr"])
+    # --lr-scaling linear scales an lr from the batch it was given for: the user's (--lr, LR) for 256 images,
+    # a preset's for that preset's batch.
+    values["lr_source"], values["lr_reference_batch"] = next(
+        (name, 256 if name in ("--lr", "LR") else layer["batch_size"]) for name, layer in reversed(layers) if "lr" in layer)
+    chosen, origin = {}, {}
+    for position, (_, layer) in enumerate(layers):
+        chosen.update(layer)
+        origin.update(dict.fromkeys(layer, position))
+    preset = presets.PRESETS[preset_name]
+    values["data_preset"] = preset_name
+    values["from_data_preset"] = [name for name in preset if origin.get(name) == 1 and values.get(name) is None]
+    values["val_sizes_given"] = [name for name in ("val_resize_size", "val_crop_size") if values[name] is not None]
+    warmup_given = values["warmup_epochs"] is not None
+    for name, value in chosen.items():
+        if values.get(name) is None:
+            values[name] = value
+    values["min_crop_scale"] = preset["min_crop_scale"]
+    if not warmup_given and values["warmup_epochs"] >= values["epochs"]:
+        values["warmup_epochs"] = 0.0  # the preset's warmup does not fit a run this short
+
+
+def _positive(values, names):
+    for name in names:
+        if values[name] is None or values[name] <= 0:
+            raise UsageError(f"{flag(name)} must be positive, got {values[name]}")
+
+
+def _at_least(values, names, low, requirement):
+    """UsageError "--NAME must be <requirement>" for the first of `names` below `low` (None: not given)."""
+    for name in names:
+        if values[name] is not None and values[name] < low:
+            raise UsageError(f"{flag(name)} must be {requirement}, got {values[name]}")
+
+
+def _within(values, name, low, high, what, high_open=False):
+    value = values[name]
+    if not (low <= value < high if high_open else low <= value <= high):
+        raise UsageError(f"{flag(name)} must be {what}, got {value}")
+
+
+def _check(values):
+    """The values' own rules, each broken one a UsageError naming the flag."""
+    _positive(values, ["epochs", "batch_size", "lr", "print_freq", "train_crop_size", "val_resize_size",
+                       "val_crop_size", "dummy_size", "lr_step_size", "dist_timeout"])
+    _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
+    _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
+    if values["warmup_epochs"] < 0 or (values["warmup_epochs"] > 0 and values["warmup_epochs"] >= values["epochs"]):
+        raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {values['warmup_epochs']}")
+    if values["lr_step_unit"] == "epoch" and values["warmup_epochs"] != int(values["warmup_epochs"]):
+        raise UsageError(f"--warmup-epochs {values['warmup_epochs']:g} with --lr-step-unit epoch: give whole epochs")
+    if values["dropout"] is not None:
+        _within(values, "dropout", 0.0, 1.0, "in [0, 1)", high_open=True)
+    _at_least(values, ["mixup_alpha", "cutmix_alpha"], 0, "0 (off) or positive")
+    _within(values, "random_erase", 0.0, 1.0, "a probability in [0, 1]")
+    _within(values, "model_ema_decay", 0.0, 1.0, "in [0, 1]")
+    _at_least(values, ["model_ema_steps", "ra_reps"], 1, "1 or more")
+    _within(values, "ra_magnitude", 0, 30, "in [0, 30]")
+    _within(values, "augmix_severity", 1, 10, "in [1, 10]")
+    _at_least(values, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum", "lr_min"], 0, "0 or more")
+    if values["clip_grad_norm"] is not None and values["clip_grad_norm"] <= 0:
+        raise UsageError(f"--clip-grad-norm must be positive, got {values['clip_grad_norm']}")
+    if values["lr_min"] and values["lr_schedule"] != "cosine":
+        raise UsageError(f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine "
+                         f"(not {values['lr_schedule']})")
+    if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
+        raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
+    check_arch(values["arch"])
+
+
+def _learning_rate(values):
+    """--lr-scaling linear: the lr for this global batch (`lr_given`: the lr before scaling)."""
+    values["lr_given"] = values["lr"]  # for lr_reference_batch images
+    if values["lr_scaling"] == "linear":
+        values["lr"] = values["lr"] * values["batch_size"] / values["lr_reference_batch"]
+    if values["lr_min"] and values["lr_min"] >= values["lr"]:
+        raise UsageError(f"--lr-min {values['lr_min']:g} must be below the lr, {values['lr']:g}")
+
+
+def _pretrained(values):
+    """--weights implies --pretrained; their name as torchvision spells it; on ImageNet-style data and --dummy,
+    validation takes the weights' own resize, crop and interpolation unless flags give them (`val_preprocessing`
+    says where they came from)."""
+    values["pretrained"] = values["pretrained"] or values["weights"] is not None
+    val_interpolation = values["interpolation"]
+    values["interpolation"] = values["interpolation"] or "bilinear"
+    values["val_preprocessing"] = None
+    if values["pretrained"]:
+        from .models import pretrained_weights
+        weights = pretrained_weights(values["arch"], values["weights"])
+        values["weights"] = f"{type(weights).__name__}.{weights.name}"
+        if values["dataset"] != "demo":
+            # As torchvision's train.py evaluates weights: with their own transforms() (what they were measured with).
+            preprocessing = weights.transforms()
+            if "val_resize_size" not in values["val_sizes_given"]:
+                values["val_resize_size"] = preprocessing.resize_size[0]
+            if "val_crop_size" not in values["val_sizes_given"]:
+                values["val_crop_size"] = preprocessing.crop_size[0]
+            val_interpolation = val_interpolation or preprocessing.interpolation.value
+            values["val_preprocessing"] = f"{values['weights']}.transforms()"
+    values["val_interpolation"] = val_interpolation or "bilinear"
+
+
+def check_arch(arch):
+    """A torchvision classification model's name (a typo gets "did you mean"), or package.module:callable."""
+    if ":" in arch:
+        from .models import custom_builder
+        custom_builder(arch)
+        return
+    import torchvision.models
+    names = torchvision.models.list_models(module=torchvision.models)
+    if arch not in names:
+        close = difflib.get_close_matches(arch, names, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else "see torchvision.models.list_models()"
+        raise UsageError(f"unknown --arch {arch!r}: {hint}")
+
+
+def default_output_dir(values, mode):
+    """A run name fixed by mode, arch and data, so --resume auto finds the last run again (your own
+    package.module:name as its name)."""
+    if values["dataset"] == "custom":
+        dataset = values["dataset_fn"].replace(":", ".")
+    elif values["dataset"] == "imagenet":
+        dataset = Path(values["data"]).resolve().name
+    else:
+        dataset = values["dataset"]
+    root = env_default("WORKSPACE") or "runs"
+    # No colon in the name: TensorBoard's --logdir reads NAME:PATH, and some file systems refuse it.
+    return os.path.join(root, f"{mode}-{values['arch'].replace(':', '.')}-{dataset}")

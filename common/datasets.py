@@ -1,0 +1,256 @@
+"""Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, a
+researcher's own dataset (--dataset package.module:function), --dummy's synthetic tensors, or the built-in demo
+set; and what an item must be: (image, label), the image a PIL image or a CHW tensor, the label a class index.
+"""
+import csv
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL decodes when it is gone
+    from torchvision.io import ImageReadMode, decode_image, read_file
+except ImportError:
+    decode_image = None
+from torchvision.transforms.v2 import functional as F
+
+from . import agreement, distributed
+from .config import ResSchedule
+from .demo_data import ensure_demo_dataset
+from .errors import BadItem, Preempted, UsageError
+from .folder_index import FolderIndex, scan_image_folder
+from .named import import_named
+
+
+def load_image(path):
+    """An RGB image as a uint8 CHW tensor. JPEG and PNG are decoded by torchvision.io
+    (libjpeg-turbo, about 2.7x faster than PIL here: docs/benchmarks.md); other formats, and
+    files it cannot decode, go through PIL (whose error names a broken file)."""
+    if decode_image is not None and path.lower().endswith((".jpg", ".jpeg", ".png")):
+        try:
+            image = decode_image(read_file(path), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass
+        else:  # a 16-bit PNG decodes to uint16
+            return image if image.dtype == torch.uint8 else F.to_dtype(image, torch.uint8, scale=True)
+    with open(path, "rb") as file:
+        return F.pil_to_tensor(Image.open(file).convert("RGB"))
+
+
+class SyntheticImages(Dataset):
+    """--dummy: one random uint8 image repeated, labels cycling through the classes (throughput only).
+    res_schedule (a ResSchedule): the image size follows set_epoch."""
+
+    def __init__(self, length, image_size, num_classes=1000, res_schedule=None):
+        self.length, self.num_classes, self.res_schedule = length, num_classes, res_schedule
+        self.image = self._image(image_size if res_schedule is None else res_schedule.size(0))
+
+    @staticmethod
+    def _image(size):
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=generator)
+
+    def set_epoch(self, epoch):
+        if self.res_schedule is not None and self.res_schedule.size(epoch) != self.image.shape[-1]:
+            self.image = self._image(self.res_schedule.size(epoch))
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return self.image, index % self.length % self.num_classes, ()
+
+
+class UnreadableFile(OSError):
+    """An image file that cannot be decoded (whatever its decoder raised): skipped, or --strict-data's end."""
+
+
+class ImageFiles(Dataset):
+    """(image, label) of each (path, label) of `samples` (a FolderIndex, a list), the file decoded by
+    load_image. A file that cannot be decoded raises UnreadableFile: SkipUnreadable skips it
+    (common/bad_images.py)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        try:
+            return load_image(path), label
+        except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
+            raise
+        except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
+            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+
+    def name(self, index):
+        return self.samples[index][0]
+
+
+def read_split_file(path, root):
+    """[(path, class name)] of a CSV or TSV split file: rows `path,label` (a first row `path,label` is a
+    header), paths relative to `root` (the file's folder) unless absolute."""
+    delimiter = "\t" if path.suffix == ".tsv" else ","
+    rows = []
+    try:
+        with open(path, newline="") as file:
+            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
+                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+                    continue
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    raise UsageError(f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}")
+                rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    if not rows:
+        raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
+    return rows
+
+
+def split_files(root):
+    """{split: path} of the CSV or TSV split files in `root` (train.csv and val.csv, or .tsv), or None."""
+    for suffix in (".csv", ".tsv"):
+        found = {split: Path(root) / f"{split}{suffix}" for split in ("train", "val")}
+        if any(path.is_file() for path in found.values()):
+            missing = [path.name for path in found.values() if not path.is_file()]
+            if missing:
+                raise UsageError(f"--data {root} has {'train' if 'val' in missing[0] else 'val'}{suffix} but no "
+                                 f"{missing[0]}: give both splits")
+            return found
+    return None
+
+
+def scan_split_files(root):
+    """The classes (sorted names of the train split's labels) and (path, label) samples of root/train.csv and
+    root/val.csv (or .tsv); UsageError for a val label that training never sees."""
+    rows = {split: read_split_file(path, root) for split, path in split_files(root).items()}
+    classes = sorted({label for _, label in rows["train"]})
+    index = {name: k for k, name in enumerate(classes)}
+    unknown = sorted({label for _, label in rows["val"]} - index.keys())
+    if unknown:
+        raise UsageError(f"val labels {', '.join(unknown[:5])} of {root} do not occur in its train split")
+    return classes, *([(path, index[label]) for path, label in rows[split]] for split in ("train", "val"))
+
+
+def build_datasets(config):
+    """(classes, train set, val set) of the data the flags name: --dummy's synthetic images; --dataset
+    package.module:function's (called as function(config)); --data's train.csv / val.csv (or .tsv); --data's
+    train/ and val/ image folders; the built-in demo set (generated first, once). A set's items are (image, label).
+    Rank 0 lists a folder (1.33 M files on ImageNet) or reads the split files, once for the job: a collective."""
+    if config.dummy:
+        val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
+        train_set = SyntheticImages(config.dummy_size, config.train_crop_size, res_schedule=ResSchedule.parse(config.res_schedule))
+        return [str(i) for i in range(train_set.num_classes)], train_set, SyntheticImages(val_length, config.val_crop_size)
+    function = import_named(config.dataset_fn or "", "--dataset")
+    if function is not None:
+        result = function(config)
+        if not (isinstance(result, (tuple, list)) and len(result) == 3):
+            raise UsageError(f"--dataset {config.dataset_fn} returned {type(result).__name__}: return "
+                             "(classes, train_set, val_set)")
+        return tuple(result)
+    root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
+    scan = scan_split_files if root.is_dir() and split_files(root) else scan_image_folder
+    classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
+    train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
+    return classes, ImageFiles(train_files), ImageFiles(val_files)
+
+
+def _first_difference(split, classes, own, rank_0s):
+    """Where this node's FolderIndex of `split` differs from rank 0's, in words; None where they list the same files."""
+    if own.blob == rank_0s.blob and np.array_equal(own.labels, rank_0s.labels):
+        return None
+    here, there = (np.bincount(index.labels, minlength=len(classes)) for index in (own, rank_0s))
+    for name, count_here, count_there in zip(classes, here, there):
+        if count_here != count_there:
+            return f"{split}/{name}: {count_here} images here, {count_there} on rank 0"
+    return f"{split}/: the same number of images per class, of other names"
+
+
+def this_node_s_copy(root, classes, train_files, val_files):
+    """The samples at this rank's --data. A node may hold its copy of an image folder at another path than rank
+    0's (a node-local disk): it lists its copy, which must hold the files of rank 0's, name for name, else every
+    rank stops with one line naming the first difference. A collective; with one --data path for all, nothing more."""
+    roots = distributed.all_gather_object(str(root))
+    if all(other == roots[0] for other in roots):
+        return train_files, val_files
+    error = None
+    if str(root) != roots[0]:
+        where = f"--data {root} (rank 0: {roots[0]})"
+        if not isinstance(train_files, FolderIndex):
+            error = (f"{where}: with train.csv / val.csv every node gives the same --data path (the files' paths are read "
+                     "from them); copies at other paths are for image folders")
+        else:
+            try:
+                own = scan_image_folder(root)
+                difference = (f"classes {', '.join(own.classes[:3])}, ... here" if own.classes != classes else
+                              _first_difference("train", classes, own.train, train_files)
+                              or _first_difference("val", classes, own.val, val_files))
+            except UsageError as failure:
+                own, difference = None, str(failure)
+            if difference:
+                error = f"{where} holds other files than rank 0's ({difference}): every node's copy must hold the same files"
+            else:
+                train_files, val_files = own.train, own.val
+    agreement.raise_any(error)
+    return train_files, val_files
+
+
+def describe_item(item):
+    return (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}")
+
+
+class ItemCheck:
+    """A dataset item as the loaders need it: an (image, label) pair, the image a CHW tensor (a PIL image
+    converted to RGB, then to uint8; a tensor uint8 or float, kept), with the channels and kind (uint8 or
+    float) of the first; the label an int below num_classes. Anything else: BadItem, one line."""
+
+    def __init__(self, num_classes, split, channels=None, floating=None):
+        self.num_classes, self.split, self.channels, self.floating = num_classes, split, channels, floating
+
+    def __call__(self, item, index):
+        where = f"item {index} of the {self.split} set"
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise BadItem(f"{where} is {describe_item(item)}; items must be (image, label)")
+        image, label = item
+        if isinstance(image, Image.Image):
+            image = F.pil_to_tensor(image.convert("RGB"))
+        elif isinstance(image, torch.Tensor):
+            if image.ndim != 3 or not 1 <= image.shape[0] <= 4:
+                raise BadItem(f"{where}: an image of shape {list(image.shape)}; expected channels x height x width "
+                              "(CHW, 1 to 4 channels): permute an HWC image with image.permute(2, 0, 1)")
+            if image.is_floating_point():
+                image = image.float()
+            elif image.dtype != torch.uint8:
+                raise BadItem(f"{where}: an image of dtype {image.dtype}; expected uint8 (0-255) or float (0-1)")
+        else:
+            raise BadItem(f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor"
+                          + (" (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)"
+                             if type(image).__name__ == "ndarray" else ""))
+        if self.channels is not None and (image.shape[0], image.is_floating_point()) != (self.channels, self.floating):
+            raise BadItem(f"{where}: a {'float' if image.is_floating_point() else 'uint8'} image of {image.shape[0]} "
+                          f"channel(s), after {'float' if self.floating else 'uint8'} images of {self.channels}: "
+                          "give every image the same channels and dtype")
+        if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
+            label = label.item()
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < self.num_classes:
+            raise BadItem(f"{where}: label {label!r}; expected a class index, an int in 0..{self.num_classes - 1}")
+        return image, label
+
+
+def first_item(dataset, split, num_classes):
+    """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked: one line (BadItem) naming
+    what is wrong with it. None for image files (--data's), which the loader workers read and check."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise UsageError(f"the {split} set is a {type(dataset).__name__}: give a map-style dataset (len() and [i]); "
+                         "the samplers index it, for shards, resume and exact validation")
+    if len(dataset) == 0:
+        raise UsageError(f"the {split} set is empty")
+    if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
+        return None
+    image, _ = ItemCheck(num_classes, split)(dataset[0], 0)
+    return (image.shape[0], *image.shape[-2:], image.dtype)

@@ -1,0 +1,96 @@
+"""Batches from the loader workers to the device: collated (files that could not be read left out, and
+reported), normalised, moved, prefetched on a side stream on GPUs. No value is read back from the device.
+"""
+import torch
+from torch.utils.data import default_collate
+
+from .preemption import waiting_for_data
+
+
+class Collate:
+    """collate_fn: (images, target, bad) from (image, label, bad) samples, leaving out skipped files
+    (images None when all were). `normalise` (a Normalise, or None) turns the batch into normalised floats inside
+    the loader worker: on the CPU, where the main process is the bottleneck and the workers have cores to spare."""
+
+    def __init__(self, normalise=None):
+        self.normalise = normalise
+
+    def __call__(self, samples):
+        bad = [entry for _, _, found in samples for entry in found]
+        samples = [(image, label) for image, label, _ in samples if image is not None]
+        if not samples:
+            return None, None, bad
+        images, target = default_collate(samples)
+        if self.normalise is not None:
+            images = self.normalise(images)
+        return images, target, bad
+
+
+class DeviceLoader:
+    """The batches of `loader` on `device`, as normalised float images.
+
+    On CUDA, images travel as they were decoded (uint8: a quarter of float32's bytes) and are converted,
+    normalised (`normalise`, a Normalise; None: the loader's Collate did it) and made channels-last on the
+    GPU, and the copy of the next batch runs on a side stream while the current one computes. On the CPU
+    the loader workers have normalised them. The files skipped as undecodable go to on_bad(list of (path, reason))."""
+
+    def __init__(self, loader, device, channels_last=False, on_bad=None, normalise=None):
+        self.loader, self.device, self.channels_last, self.on_bad = loader, device, channels_last, on_bad
+        self.normalise = normalise.to(device) if normalise is not None else None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _prepare(self, images, target):
+        images = images.to(self.device, non_blocking=True)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if self.normalise is not None:
+            images = self.normalise(images)
+        return images, target.to(self.device, non_blocking=True)
+
+    def _batches(self):
+        """The loader's non-empty (images, target), reporting skipped files on the way."""
+        batches = iter(self.loader)
+        while True:
+            with waiting_for_data():  # a stop signal may end a wait that never ends (a hung file system)
+                try:
+                    batch = next(batches, None)
+                except (EOFError, ConnectionResetError) as error:
+                    # A worker that died while handing over a batch (its tensors' shared memory can no longer
+                    # be fetched from it): the fault torch reports as "DataLoader worker ... exited unexpectedly".
+                    raise RuntimeError(f"DataLoader worker exited unexpectedly while sending a batch "
+                                       f"({type(error).__name__})") from None
+            if batch is None:
+                return
+            images, target, bad = batch
+            if bad and self.on_bad is not None:
+                self.on_bad(bad)
+            if images is not None:
+                yield images, target
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            return (self._prepare(images, target) for images, target in self._batches())
+        return self._prefetching()
+
+    def _prefetching(self):
+        stream, batches = torch.cuda.Stream(self.device), self._batches()
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # mean and std were made on that one
+
+        def load_next():
+            batch = next(batches, None)
+            if batch is None:
+                return None
+            with torch.cuda.stream(stream):
+                return self._prepare(*batch)
+
+        upcoming = load_next()
+        while upcoming is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            images, target = upcoming
+            # These tensors were made on the side stream; tell the allocator the main stream uses them.
+            images.record_stream(torch.cuda.current_stream(self.device))
+            target.record_stream(torch.cuda.current_stream(self.device))
+            upcoming = load_next()
+            yield images, target

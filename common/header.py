@@ -1,0 +1,85 @@
+"""The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
+which optimizer, and where it writes. Every part a run uses is named here, whoever built it (a registry that hides
+where a part comes from is not what we want: style.md)."""
+import os
+import platform
+
+import torch
+
+from . import schedule
+from .models import warn_slow_amp
+from .presets import RECIPES, describe_preset
+
+
+def describe_environment(device, num_devices):
+    """One line with versions and hardware, for the top of every run's output."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        hardware = f"{num_devices} x {name}, CUDA {torch.version.cuda}"
+    else:
+        hardware = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return f"torch {torch.__version__}, python {platform.python_version()}, {hardware}"
+
+
+def start_lines(trainer):
+    """What every run says first, -e too: environment, data, presets, model, validation, recipe, resume."""
+    config, runtime, data = trainer.config, trainer.runtime, trainer.data
+    lines = [f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
+             f"{describe_environment(runtime.device, runtime.num_devices)}"]
+    source = (f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data) or "synthetic (--dummy)"
+    lines.append(f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
+                 f"{len(data.val_loader.dataset)} val images, {data.train_loader.num_workers} loader worker(s) per "
+                 f"process), normalised with {data.normalisation}")
+    lines += describe_preset(config, data.first_image)
+    if config.trainer:
+        lines.append(f"trainer: {config.trainer}")
+    lines.append(f"model: {config.arch}" + (f" from {config.weights}" if config.weights else "")
+                 + f", {'channels_last' if trainer.channels_last else 'default'} memory format "
+                 f"(--channels-last {config.channels_last}), --amp {config.amp}")
+    if config.val_preprocessing:
+        lines.append(f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
+                     f"{config.val_interpolation} (from {config.val_preprocessing}; --val-resize-size, "
+                     "--val-crop-size, --interpolation override)")
+    if config.preset:
+        lines.append(f"recipe: {config.preset} ({RECIPES[config.preset]['name']})" + (
+            "; on the demo set its epochs, batch, lr and image sizes stay the demo's" if config.dataset == "demo" else ""))
+    if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
+        lines.append("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
+                     "and images/s leaves out their cost (measure it with --data)")
+    if trainer.resumed_from:
+        lines.append(f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
+                     + (f", step {trainer.start_step})" if trainer.start_step else ")"))
+    return lines
+
+
+def warnings(trainer):
+    """Warnings of what this run's flags cost or mean, where they apply."""
+    config, runtime, found = trainer.config, trainer.runtime, []
+    warn_slow_amp(config.amp, runtime.device, found.append)
+    if config.compile and config.sync_bn:
+        found.append("warning: --compile with --sync-bn: SyncBatchNorm's collectives break the compiled graph at every "
+                     "BatchNorm layer, which costs most of what compiling gains")
+    if config.compile and config.res_schedule and not config.evaluate:
+        found.append("warning: --compile with --res-schedule: each new training size compiles another graph "
+                     "(seconds to minutes each)")
+    if config.ra_sampler and runtime.world_size < config.ra_reps and not config.evaluate:
+        # Consecutive copies go to consecutive ranks; with fewer ranks than copies some share a batch.
+        found.append(f"warning: --ra-sampler with {runtime.world_size} process(es) and --ra-reps {config.ra_reps}: "
+                     "copies of an image share a process's batch (and its BatchNorm statistics), so a step sees fewer "
+                     "different images; torchvision uses it only with several processes")
+    return found
+
+
+def training_lines(trainer):
+    """What a training run says before its first step: optimizer, scheduler, EMA, outputs."""
+    config = trainer.config
+    lines = [schedule.describe_optimizer(trainer.optimizer, config)]
+    if not isinstance(trainer.scheduler, schedule.LrSchedule):
+        lines.append(f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
+                     "step, saved in the checkpoints")
+    if trainer.ema is not None:
+        lines.append(f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
+                     f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
+                     f"{config.model_ema_steps} steps, {config.epochs} epochs)")
+    lines.append(f"output: {config.output_dir}")
+    return lines

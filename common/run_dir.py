@@ -1,0 +1,167 @@
+"""Files that are whole or absent: atomic writes with fsync, and the output directory's lock.
+
+A file written here is never seen half-written, even after a crash or a power loss: its bytes go to a new
+temporary file beside it, are fsynced, and the temporary is renamed over the final name (atomic), then the
+folder is fsynced (its entries: the rename). Without the first fsync the rename may reach the disk before
+the bytes do: an empty file under the final name. The logger, the checkpoints and tools/prepare_imagenet.py
+all write this way.
+
+One run at a time writes an output directory: OutputLock (run.lock there) refuses a second.
+"""
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from .errors import UsageError
+
+LOCK = "run.lock"
+LOCK_WAIT_ON_RESTART = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
+# errno of a file system that does not lock (Lustre mounted without -o flock, some FUSE file systems)
+NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def fsync(path):
+    """fsync a file, or a folder (its entries: the renames into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_beside(path):
+    """(fd, path) of a new, empty, hidden file next to `path`, of a name no other process can hold (mkstemp: also
+    not one in another container whose PIDs are this one's), with the permissions of a file that open() creates.
+    Its name ends in .tmp: ImageFolder skips it, and nothing mistakes it for the file it becomes."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_UMASK)
+    return fd, Path(name)
+
+
+def write_synced(path, write):
+    """Run write(file) on a new temporary file beside `path` and fsync it: its bytes are on disk when this
+    returns its name (removed again if anything fails)."""
+    fd, tmp = temporary_beside(path)
+    try:
+        with open(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def replace_synced(tmp, path, sync_folder=True):
+    """Rename the synced temporary `tmp` over `path` (atomic), then fsync the folder (sync_folder=False: the
+    caller syncs it once for many files)."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if sync_folder:
+        fsync(Path(path).parent)
+
+
+def atomic_write(path, write, sync_folder=True):
+    """Write `path` with write(file): a reader (or a crash) sees the old file or the new one, never half of one."""
+    replace_synced(write_synced(path, write), path, sync_folder)
+
+
+def link_or_copy(source, path):
+    """`path` as a second name of `source`'s bytes (a hard link: no copy), else a synced copy; atomic either way
+    (the folder is not synced), and no full-size temporary is left when the copy fails (a full disk)."""
+    link = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.link(source, link)
+    except OSError:  # another file system, or one without hard links
+        with open(source, "rb") as file:
+            link = write_synced(path, lambda out: shutil.copyfileobj(file, out))
+    replace_synced(link, path, sync_folder=False)
+
+
+def _describe_holder(path):
+    try:
+        holder = json.loads(Path(path).read_text() or "{}")
+        return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "which has not written who it is yet"
+
+
+class OutputLock:
+    """The output directory's lock, held from a run's start to its process's end (the kernel drops it then,
+    however the process ends: a requeued or restarted job takes it again). A second run that would write
+    the same directory (a duplicate submission, a requeue while the lost node's step still runs, a fine-tune
+    whose default --output-dir is its parent's) is refused in one line naming the first. A POSIX lock
+    (lockf): it works over NFS, and a forked loader worker does not inherit it. `wait`: seconds to wait for
+    the holder (a restarted job's predecessor); `say` tells that it waits."""
+
+    def __init__(self, output_dir, wait=0.0, say=None):
+        self.directory = Path(output_dir)
+        self.created = not self.directory.exists()
+        self.path, self.warning = self.directory / LOCK, None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as error:
+            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                             "choose a directory you can write to") from None
+        if self._take(wait, say):
+            self._write_holder()
+
+    def _take(self, wait, say):
+        """True once the lock is this process's; False on a file system that does not lock (self.warning)."""
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError as error:
+                if error.errno in NO_LOCKING:
+                    self.warning = (f"warning: cannot lock {self.path} ({error.strerror}): this file system does not "
+                                    "lock files, so a second run started in this --output-dir would not be refused")
+                    return False
+                if error.errno not in (errno.EACCES, errno.EAGAIN):
+                    os.close(self.fd)
+                    raise UsageError(f"cannot lock {self.path} ({error.strerror or error})") from None
+            holder = _describe_holder(self.path)
+            if time.monotonic() >= deadline:
+                os.close(self.fd)
+                raise UsageError(f"{self.directory} is in use by another run ({holder}): one run at a time writes "
+                                 "an output directory; wait for that one to end, or give this one another "
+                                 "--output-dir") from None
+            if say is not None and not said:
+                say(f"waiting up to {wait:.0f} s for the run this job replaces to release {self.path} ({holder})")
+                said = True
+            time.sleep(1)
+
+    def _write_holder(self):
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n"
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, text.encode(), 0)
+        except OSError as error:  # a full disk, say
+            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                             "choose a directory you can write to") from None
+
+    def abandon(self):
+        """A run that ended before it wrote anything leaves no directory that it created."""
+        if self.created and [entry.name for entry in self.directory.iterdir()] == [LOCK]:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()

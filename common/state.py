@@ -1,0 +1,172 @@
+"""The checkpoint format: one place assembles a checkpoint from the state of each part of a run, and one place
+checks and restores it when a run resumes.
+
+A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=True) reads it):
+  format_version   FORMAT_VERSION: a checkpoint of these scripts in another format is refused (WRITTEN_BY)
+  checkpoint_id    new at every save: the ranks of a resumed job check that they all loaded the same one
+  epoch            epochs completed; step_in_epoch: steps done of the next one (0 at an epoch's end)
+  arch, num_classes, classes, seed, world_size, deterministic, args (the run's Config as a plain dict)
+  samples          {train, val, steps}: the data's image counts and an epoch's steps when it was saved
+  state_dict       the bare model's: loads into torchvision.models.<arch>(num_classes=K) as it is
+  optimizer, scheduler, scaler   their own state_dict(); scheduler_type: the scheduler's class
+  model_ema        with --model-ema, ModelEma.state_dict(): {"state_dict": the EMA's weights, which load into the
+                   same plain model, "n_averaged": its updates since it last restarted}
+  best_acc1, best_ema_acc1, epoch_lr (the lr at the start of the epoch in progress: log.csv's)
+  train_totals     the partial epoch's metric sums over all ranks (MetricSums.state_dict()), or None
+  rng_states       every rank's random streams, in rank order (RandomStreams.state_dict())
+  bad_images       the epoch's unreadable files, over all ranks (BadImageLog.state_dict())
+The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and the epoch.
+"""
+from . import distributed
+from .checkpoint import load_weights
+from .config import flag
+from .ema import ModelEma
+from .errors import UsageError
+from .models import unwrap
+
+FORMAT_VERSION = 1
+# The last commit of this repository that wrote each older format (None: before checkpoints had a version).
+WRITTEN_BY = {None: "fa90e47"}
+
+
+def is_ours(checkpoint):
+    """Whether a checkpoint was written by these scripts (any version), not weights from elsewhere."""
+    return "format_version" in checkpoint or "step_in_epoch" in checkpoint
+
+
+def check_format(checkpoint, path):
+    """A checkpoint of these scripts in another format than this version's cannot be resumed: UsageError naming
+    the commit to finish that run with. Weights from elsewhere (pytorch/examples', a bare state_dict) pass."""
+    version = checkpoint.get("format_version")
+    if not is_ours(checkpoint) or version == FORMAT_VERSION:
+        return
+    if version in WRITTEN_BY:
+        raise UsageError(f"{path} was written by an earlier version of these scripts (checkpoint format "
+                         f"{version or 'without a version'}; this one resumes format {FORMAT_VERSION}): finish that "
+                         f"run with the version that wrote it (git checkout {WRITTEN_BY[version]}), or start afresh "
+                         "with --overwrite (its weights still load: -e, or --resume for a fresh start elsewhere)")
+    raise UsageError(f"{path} was written by a newer version of these scripts (checkpoint format {version}; this one "
+                     f"resumes format {FORMAT_VERSION}): resume it with that version")
+
+
+def samples(trainer):
+    return {"train": len(trainer.data.train_loader.dataset), "val": len(trainer.data.val_loader.dataset),
+            "steps": trainer.steps_per_epoch}
+
+
+def assemble(trainer, epoch, step_in_epoch, metrics=None):
+    """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), with
+    the partial epoch's `metrics`. A collective (every rank calls it: it gathers the ranks' random streams, their
+    unreadable files and metric sums); the writer rank saves what it returns."""
+    ema = {"best_ema_acc1": trainer.best_ema_acc1, "model_ema": trainer.ema.state_dict()} if trainer.ema else {}
+    return {"format_version": FORMAT_VERSION, "epoch": epoch, "step_in_epoch": step_in_epoch,
+            "arch": trainer.config.arch, "num_classes": len(trainer.classes), "classes": list(trainer.classes),
+            "seed": trainer.seed, "world_size": trainer.runtime.world_size, "deterministic": trainer.deterministic,
+            "args": dict(vars(trainer.config)), "samples": samples(trainer),
+            "state_dict": unwrap(trainer.model).state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(), "scheduler_type": type(trainer.scheduler).__name__,
+            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer.best_acc1, "epoch_lr": trainer.epoch_lr,
+            "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
+            "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
+            "bad_images": trainer.bad_images.state_dict(), **ema}
+
+
+def restore(trainer, checkpoint, path):
+    """Load `checkpoint` (read from `path`) into the built `trainer`: the weights always (-e evaluates them, with
+    the EMA a checkpoint of ours holds); to train on, each part's state and the position, after the checks that
+    the checkpoint can go on as this run. Weights from elsewhere give their epoch, optimizer and best acc@1."""
+    config = trainer.config
+    load_weights(unwrap(trainer.model), checkpoint, config.arch, trainer.classes, path)
+    if config.evaluate:
+        if is_ours(checkpoint) and "model_ema" in checkpoint:
+            trainer.ema = ModelEma(trainer.model, 0.0)
+            load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
+        return
+    trainer.start_epoch = int(checkpoint.get("epoch", 0))
+    trainer.best_acc1 = float(checkpoint.get("best_acc1", 0.0))
+    if not is_ours(checkpoint):
+        if "optimizer" in checkpoint:
+            _load_optimizer(trainer, checkpoint, path)
+        _restore_scheduler(trainer, checkpoint, path)
+        return
+    _check_run(trainer, checkpoint, path)
+    _restore_position(trainer, checkpoint, path)
+    _load_optimizer(trainer, checkpoint, path)
+    _restore_scheduler(trainer, checkpoint, path)
+    trainer.scaler.load_state_dict(checkpoint["scaler"])
+    if trainer.ema is not None:
+        if "model_ema" in checkpoint:
+            trainer.ema.load_state_dict(checkpoint["model_ema"])
+        else:
+            trainer.ema = ModelEma(trainer.model, trainer.ema.decay, trainer.ema.every, trainer.ema.warmup_epochs)
+            trainer.log.print(f"model EMA: {path} holds none; it starts from the checkpoint's weights")
+    trainer.best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
+    states = checkpoint["rng_states"]
+    if len(states) == trainer.runtime.world_size:  # else: another world size, fresh streams
+        trainer.rng.load_state_dict(states[trainer.runtime.rank])
+    trainer.bad_images.load_state_dict(checkpoint["bad_images"])
+
+
+def _check_run(trainer, checkpoint, path):
+    """Refuse what would not go on as the checkpoint's run: another --trainer, another --opt."""
+    saved = checkpoint["args"]
+    if saved["trainer"] != trainer.config.trainer:
+        with_it = f"with --trainer {saved['trainer']}" if saved["trainer"] else "without --trainer"
+        raise UsageError(f"{path} was trained {with_it}: resume it so (a trainer's state and steps are its own)")
+    if saved["opt"] != trainer.config.opt:
+        raise UsageError(f"{path} was trained with --opt {saved['opt']}: resume it with --opt {saved['opt']} "
+                         "(its optimizer state is that optimizer's)")
+
+
+def _restore_position(trainer, checkpoint, path):
+    """Where the run goes on: the epoch and step, the partial epoch's metric sums and lr. A stop after an epoch's
+    last step (before its validation) resumes at its validation, whatever the batch. A data set that changed since
+    the checkpoint (files added or removed, a node's incomplete copy) shifts the data order, the lr schedule and,
+    mid-epoch, which images the resumed epoch skips: refused mid-epoch, a warning line at an epoch's end."""
+    saved, now = checkpoint["samples"], samples(trainer)
+    step = int(checkpoint["step_in_epoch"])
+    trained = step >= saved["steps"]
+    changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val") if saved[split] != now[split]]
+    if step and not trained and saved["train"] != now["train"]:
+        raise UsageError(f"{path} stopped part-way through an epoch of {saved['train']} training images; "
+                         f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
+                         "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end")
+    if changed:
+        trainer.log.print(f"warning: the data changed since {path} (images: {', '.join(changed)}): the run goes "
+                          "on with the data as it is now (its epochs, lr schedule and accuracy follow the new counts)")
+    saved_batch = checkpoint["args"]["batch_size"]
+    if step and not trained and saved_batch != trainer.config.batch_size:
+        raise UsageError(f"{path} stopped part-way through an epoch with global batch {saved_batch}: "
+                         f"resume it with -b {saved_batch}")
+    trainer.start_step = trainer.steps_per_epoch if trained else step
+    if step:
+        trainer.resumed_totals = checkpoint["train_totals"]
+        trainer.epoch_lr = checkpoint["epoch_lr"]  # log.csv's lr: the epoch's first, not the resumed step's
+
+
+def _load_optimizer(trainer, checkpoint, path):
+    try:
+        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
+        saved = checkpoint.get("args", {})
+        names = ("norm_weight_decay", "bias_weight_decay")
+        flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}" for name in names]
+        raise UsageError(f"{path} holds an optimizer with other parameter groups than this run's: resume it as it "
+                         f"was started, with {' and '.join(flags)} (and the same build_optimizer)") from None
+
+
+def _restore_scheduler(trainer, checkpoint, path):
+    """The scheduler's own state, which must stand at the run's step (stepped once per optimizer step). The
+    default schedule's state is its place alone: it recomputes its lr from the flags (a resumed run may change
+    --epochs or --lr; schedule.LrSchedule). Weights from elsewhere: the default schedule at their epoch's start."""
+    done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
+    scheduler, kind = trainer.scheduler, type(trainer.scheduler).__name__
+    if not is_ours(checkpoint):
+        checkpoint = {"scheduler": {"last_epoch": done, "steps_per_epoch": trainer.steps_per_epoch}, "scheduler_type": kind}
+    if checkpoint["scheduler_type"] != kind:
+        raise UsageError(f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
+                         "with the scheduler it was trained with")
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    if scheduler.last_epoch != done:
+        raise UsageError(f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
+                         "stepped once per optimizer step, by the trainer alone")

@@ -1,0 +1,153 @@
+"""Per-image transforms: the uint8 presets (crop and flip for training, resize and centre crop for validation),
+seeded per image, and the normalisation that makes a batch the model's input.
+
+Images stay uint8 from decoding to the device (DeviceLoader normalises them there; on the CPU the loader
+workers do). Augmentation is seeded per image from (seed, epoch, index) (SeededTransform), so an image gets the
+same crop (and auto-augment, erasing) whichever process or loader worker reads it: DP, DDP and spawn see the
+same batches for the same seed and global batch.
+"""
+import math
+import random
+
+import torch
+from torch.utils.data import Dataset
+from torchvision.transforms.v2 import functional as F
+
+from .augment import seeded
+from .errors import UsageError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class TrainPreset:
+    """RandomResizedCrop + horizontal flip on uint8, then `augmentation` (image_augmentation(): auto-augment,
+    random erasing), in the order of torchvision's presets. Every draw comes from `rng` (a random.Random):
+    crop and flip directly, the augmentation from a torch seed drawn after them (so crop and flip are
+    those of a run without augmentation), so the result depends on nothing but the seed it was given.
+    res_schedule (a ResSchedule): the crop size follows set_epoch."""
+
+    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None,
+                 interpolation="bilinear"):
+        self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
+        self.interpolation = F.InterpolationMode(interpolation)
+        self.augmentation, self.res_schedule = augmentation, res_schedule
+        if res_schedule is not None:
+            self.set_epoch(0)
+
+    def set_epoch(self, epoch):
+        if self.res_schedule is not None:  # progressive resizing: this epoch's crop size
+            self.crop_size = self.res_schedule.size(epoch)
+
+    def crop_box(self, height, width, rng):
+        """torchvision's RandomResizedCrop.get_params, drawing from `rng`."""
+        area = height * width
+        for _ in range(10):
+            target_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*self.log_ratio))
+            w, h = round(math.sqrt(target_area * aspect)), round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+        ratio = width / height  # fall back to a central crop of the allowed aspect range
+        if ratio < math.exp(self.log_ratio[0]):
+            w, h = width, round(width / math.exp(self.log_ratio[0]))
+        elif ratio > math.exp(self.log_ratio[1]):
+            h, w = height, round(height * math.exp(self.log_ratio[1]))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, image, rng):
+        top, left, height, width = self.crop_box(*image.shape[-2:], rng)
+        image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size],
+                               interpolation=self.interpolation, antialias=True)
+        if rng.random() < 0.5:
+            image = F.horizontal_flip(image)
+        if self.augmentation is not None:
+            with seeded(rng):  # torchvision draws from torch's RNG: here a fork of it, seeded from rng
+                image = self.augmentation(image)
+        return image
+
+
+class EvalPreset:
+    """Resize the short side, centre crop; uint8 in, uint8 out: torchvision's weights.transforms() (ImageClassification)
+    but the normalisation, which Collate or DeviceLoader applies to the batch."""
+
+    def __init__(self, resize_size, crop_size, interpolation="bilinear"):
+        self.resize_size, self.crop_size = resize_size, crop_size
+        self.interpolation = F.InterpolationMode(interpolation)
+
+    def __call__(self, image, _rng=None):
+        return F.center_crop(F.resize(image, [self.resize_size], interpolation=self.interpolation, antialias=True),
+                             [self.crop_size])
+
+
+class SeededTransform(Dataset):
+    """Applies `transform` to the image of `base[index]` (an (image, label, bad) sample; image None
+    for a skipped file) with a random.Random seeded by (seed, epoch, index): an image gets the same
+    augmentation whichever process or loader worker reads it, and the global RNGs (which dropout
+    uses) are left alone. An index beyond len(base) (RepeatedAugmentationSampler's repeats) reads
+    base[index % len(base)] and is seeded by itself: each repeat is augmented differently."""
+
+    def __init__(self, base, transform, seed):
+        self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
+
+    def set_epoch(self, epoch):
+        # Workers are re-forked every epoch (no persistent_workers), so they see this.
+        self.epoch = epoch
+        if hasattr(self.transform, "set_epoch"):
+            self.transform.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        image, label, bad = self.base[index % len(self.base)]
+        if image is not None:
+            image = self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}"))
+        return image, label, bad
+
+
+class Normalise:
+    """Images to normalised float32: (x - mean) / std per channel, for uint8 images on the 0-255 scale
+    (x / 255 first), for float images as they are (0 to 1). The same arithmetic on the CPU (the loader
+    workers' Collate) and on a GPU (DeviceLoader)."""
+
+    def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, device=None):
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.mean255, self.std255 = (torch.tensor(values, device=device).view(1, len(values), 1, 1) * 255
+                                     for values in (self.mean, self.std))
+        self.mean1, self.std1 = self.mean255 / 255, self.std255 / 255
+
+    def to(self, device):
+        return Normalise(self.mean, self.std, device)
+
+    def __call__(self, images):
+        if images.dtype == torch.uint8:
+            return images.float().sub_(self.mean255).div_(self.std255)
+        return (images.float() - self.mean1) / self.std1
+
+
+def choose_normalisation(config, train_set, channels):
+    """(mean, std, source) of normalisation: --mean/--std, else the train set's own `mean` and `std`
+    attributes, else ImageNet's for 3-channel images; UsageError for other channels or a length that is not
+    theirs."""
+    given = {name: getattr(config, name) for name in ("mean", "std")}
+    found = {name: given[name] or getattr(train_set, name, None) for name in given}
+    if all(found.values()):
+        source = "--mean/--std" if all(given.values()) else ("the dataset's mean/std" if not any(given.values())
+                                                             else "--mean/--std and the dataset's")
+    elif any(found.values()):
+        missing = next(name for name, value in found.items() if not value)
+        raise UsageError(f"--{missing} is missing: give --mean and --std together (or both as dataset attributes)")
+    elif channels in (None, 3):
+        return IMAGENET_MEAN, IMAGENET_STD, "ImageNet's"
+    else:
+        raise UsageError(f"the images have {channels} channel(s): give --mean and --std with {channels} value(s) each "
+                         "(or set train_set.mean and .std), as ImageNet's are for 3")
+    mean, std = (tuple(float(value) for value in found[name]) for name in ("mean", "std"))
+    if len(mean) != len(std) or (channels is not None and len(mean) != channels):
+        raise UsageError(f"mean {mean} and std {std} must have one value per image channel ({channels})")
+    if min(std) <= 0:
+        raise UsageError(f"std {std} must be positive")
+    return mean, std, source

@@ -1,0 +1,206 @@
+"""common/checkpoint.py: checkpoint files written atomically (the previous one kept), read with weights_only=True,
+weights from elsewhere (pytorch/examples', DataParallel's, a bare state_dict), and every bad file refused in one
+line without running anything in it."""
+import collections
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from common import checkpoint
+from common.errors import UsageError
+from common.models import build_model, unwrap
+
+
+def small_resnet(num_classes=3, seed=0):
+    torch.manual_seed(seed)
+    return torchvision.models.resnet18(num_classes=num_classes)
+
+
+def assert_same_weights(state_a, state_b):
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:
+        assert torch.equal(state_a[name], state_b[name]), name
+
+
+def test_save_checkpoint_round_trip_keeps_the_previous_one_and_no_temp_files(tmp_path):
+    model = small_resnet()
+    state = {"epoch": 3, "arch": "resnet18", "state_dict": model.state_dict(), "best_acc1": 12.5,
+             "args": {"lr": 0.1, "data": "/x", "gpus": None}}
+    checkpoint.save_checkpoint(state, tmp_path, is_best=True)
+    checkpoint.save_checkpoint({**state, "epoch": 4}, tmp_path, is_best=False)  # replaces the latest
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "checkpoint.pth", "checkpoint_prev.pth", "model_best.pth"]
+    latest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    previous = torch.load(tmp_path / "checkpoint_prev.pth", weights_only=True)
+    best = torch.load(tmp_path / "model_best.pth", weights_only=True)
+    assert latest["epoch"] == 4 and previous["epoch"] == 3 and best["epoch"] == 3
+    loaded = checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")
+    assert loaded["arch"] == "resnet18" and loaded["best_acc1"] == 12.5 and loaded["args"]["lr"] == 0.1
+    assert_same_weights(loaded["state_dict"], model.state_dict())
+
+
+def test_save_checkpoint_without_best_writes_only_the_latest(tmp_path):
+    checkpoint.save_checkpoint({"epoch": 1, "state_dict": {}}, tmp_path, is_best=False)
+    assert [path.name for path in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+def test_saved_state_dict_loads_into_plain_torchvision_model_strictly(tmp_path):
+    model = build_model("resnet18", 3)
+    checkpoint.save_checkpoint({"epoch": 1, "arch": "resnet18",
+                                "state_dict": unwrap(nn.DataParallel(model)).state_dict()},
+                               tmp_path, is_best=False)
+    saved = torch.load(tmp_path / "checkpoint.pth", map_location="cpu", weights_only=True)
+    fresh = torchvision.models.resnet18(num_classes=3)
+    fresh.load_state_dict(saved["state_dict"])  # strict
+    assert_same_weights(fresh.state_dict(), model.state_dict())
+
+
+CLASSES3 = ["circle", "ring", "square"]
+
+
+def test_load_weights_trained_on_other_class_names_raises_usage_error(tmp_path):
+    torch.save({"arch": "resnet18", "classes": ["cat", "dog", "fox"], "state_dict": small_resnet().state_dict()},
+               tmp_path / "pets.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "pets.pth")
+    with pytest.raises(UsageError, match=r"trained on other classes \(cat, dog, fox, ...\)"):
+        checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "pets.pth")
+
+
+def test_pytorch_examples_checkpoint_with_module_prefix_loads(tmp_path):
+    model = small_resnet(seed=1)
+    wrapped = nn.DataParallel(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    # What pytorch/examples imagenet/main.py writes: DataParallel's prefixed names, best_acc1 a tensor.
+    torch.save({"epoch": 5, "arch": "resnet18", "state_dict": wrapped.state_dict(),
+                "best_acc1": torch.tensor(42.5), "optimizer": optimizer.state_dict(),
+                "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict()},
+               tmp_path / "examples.pth.tar")
+    assert all(name.startswith("module.") for name in wrapped.state_dict())
+    loaded = checkpoint.load_checkpoint(tmp_path / "examples.pth.tar")
+    fresh = small_resnet(seed=2)
+    checkpoint.load_weights(fresh, loaded, "resnet18", CLASSES3, tmp_path / "examples.pth.tar")
+    assert_same_weights(fresh.state_dict(), model.state_dict())
+    assert float(loaded["best_acc1"]) == pytest.approx(42.5)
+
+
+def test_a_bare_state_dict_file_loads_as_a_checkpoint(tmp_path):
+    model = small_resnet()
+    torch.save(model.state_dict(), tmp_path / "weights.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "weights.pth")
+    assert_same_weights(loaded["state_dict"], model.state_dict())
+
+
+def test_compile_and_wrapper_prefixes_are_stripped(tmp_path):
+    model = small_resnet()
+    compiled = torch.compile(model)  # no compilation happens until the first call
+    assert all(name.startswith("_orig_mod.") for name in compiled.state_dict())
+    torch.save({"arch": "resnet18", "state_dict": nn.DataParallel(compiled).state_dict()}, tmp_path / "c.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "c.pth")
+    assert_same_weights(loaded["state_dict"], model.state_dict())
+    assert checkpoint.strip_prefixes({"module._orig_mod.fc.weight": 1, "_orig_mod.module.fc.bias": 2,
+                                      "layer1.0.conv1.weight": 3}) == {
+        "fc.weight": 1, "fc.bias": 2, "layer1.0.conv1.weight": 3}
+
+
+def test_load_weights_of_another_arch_raises_usage_error_naming_it(tmp_path):
+    torch.manual_seed(0)
+    other = torchvision.models.squeezenet1_1(num_classes=3)
+    torch.save({"arch": "squeezenet1_1", "state_dict": other.state_dict()}, tmp_path / "sq.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "sq.pth")
+    with pytest.raises(UsageError, match=r"squeezenet1_1 model, not resnet18: pass --arch squeezenet1_1"):
+        checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "sq.pth")
+
+
+def test_load_weights_of_another_arch_without_arch_key_raises_usage_error(tmp_path):
+    torch.save(torchvision.models.squeezenet1_1(num_classes=3).state_dict(), tmp_path / "sq.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "sq.pth")
+    with pytest.raises(UsageError, match="does not fit resnet18"):
+        checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "sq.pth")
+
+
+def test_load_weights_with_another_class_count_raises_usage_error(tmp_path):
+    torch.save({"arch": "resnet18", "state_dict": small_resnet(num_classes=5).state_dict()}, tmp_path / "r5.pth")
+    loaded = checkpoint.load_checkpoint(tmp_path / "r5.pth")
+    with pytest.raises(UsageError) as error:
+        checkpoint.load_weights(small_resnet(num_classes=3), loaded, "resnet18", CLASSES3, tmp_path / "r5.pth")
+    message = str(error.value)
+    assert "does not fit resnet18 with these classes" in message and "fc.weight" in message
+    assert "\n" not in message
+
+
+class CreatesMarkerWhenUnpickled:
+    """Unpickling this calls open(marker, 'w'): a stand-in for arbitrary code in a pickle."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_holding_arbitrary_objects_is_refused_without_running_them(tmp_path):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "evil.pth"
+    torch.save({"epoch": 1, "state_dict": small_resnet().state_dict(),
+                "payload": CreatesMarkerWhenUnpickled(marker)}, path)
+    with pytest.raises(UsageError, match="refusing to load"):
+        checkpoint.load_checkpoint(path)
+    assert not marker.exists()
+    # Control: the same file does run code when loaded without weights_only, so the check above means something.
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+class CustomStateDict(collections.OrderedDict):
+    pass
+
+
+def test_checkpoint_holding_an_ordered_dict_subclass_is_refused(tmp_path):
+    torch.save({"state_dict": CustomStateDict(small_resnet().state_dict())}, tmp_path / "sub.pth")
+    with pytest.raises(UsageError, match="refusing to load"):
+        checkpoint.load_checkpoint(tmp_path / "sub.pth")
+
+
+def test_truncated_checkpoint_raises_usage_error(tmp_path):
+    checkpoint.save_checkpoint({"epoch": 1, "state_dict": small_resnet().state_dict()}, tmp_path, is_best=False)
+    data = (tmp_path / "checkpoint.pth").read_bytes()
+    (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UsageError, match="truncated or not a PyTorch checkpoint"):
+        checkpoint.load_checkpoint(tmp_path / "truncated.pth")
+
+
+def test_a_text_file_given_as_checkpoint_raises_usage_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(tmp_path / 'notes.txt'))}: "
+                                         r"truncated or not a PyTorch checkpoint \(\w+\)$"):
+        checkpoint.load_checkpoint(tmp_path / "notes.txt")
+
+
+def test_a_file_of_random_bytes_raises_usage_error(tmp_path):
+    (tmp_path / "random.bin").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(UsageError):
+        checkpoint.load_checkpoint(tmp_path / "random.bin")
+
+
+def test_a_pytorch_file_without_weights_is_not_a_checkpoint(tmp_path):
+    torch.save({"epoch": 1}, tmp_path / "no-weights.pth")
+    with pytest.raises(UsageError, match="not a checkpoint"):
+        checkpoint.load_checkpoint(tmp_path / "no-weights.pth")
+
+
+def test_resolve_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_present(tmp_path):
+    assert checkpoint.resolve_resume("auto", tmp_path) is None
+    assert checkpoint.resolve_resume("auto", tmp_path / "not-created-yet") is None
+    assert checkpoint.resolve_resume("", tmp_path) is None
+    (tmp_path / "checkpoint.pth").write_bytes(b"x")
+    assert checkpoint.resolve_resume("auto", tmp_path) == tmp_path / "checkpoint.pth"
+
+
+def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        checkpoint.resolve_resume(str(tmp_path / "missing.pth"), tmp_path)
+    with pytest.raises(UsageError, match="no such file"):
+        checkpoint.resolve_resume(str(tmp_path), tmp_path)  # a directory is not a checkpoint

@@ -1,0 +1,170 @@
+"""common/config.py and common/presets.py: the configuration resolved once (command line over the platform's
+environment over --preset over the dataset's preset), checked (one line a broken rule), then frozen; the pretrained
+weights' own validation preprocessing; the default output directory."""
+import pytest
+from torchvision.models import get_model_weights
+
+from common.config import ResSchedule, default_output_dir
+from common.demo_data import DEFAULT_ROOT
+from common.errors import UsageError
+from common.presets import PRESETS
+from conftest import parse
+
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
+
+
+def test_environment_variables_set_the_defaults(no_platform_env, tmp_path):
+    no_platform_env.setenv("EPOCHS", "7")
+    no_platform_env.setenv("LR", "0.5")
+    no_platform_env.setenv("BATCH_SIZE", "16")
+    no_platform_env.setenv("DATASETS_PATH", str(tmp_path))
+    no_platform_env.setenv("DATASETS", "tiny,other")
+    no_platform_env.setenv("WORKSPACE", str(tmp_path / "ws"))
+    args = parse()
+    assert (args.epochs, args.lr, args.batch_size) == (7, 0.5, 16)
+    assert args.data == str(tmp_path / "tiny") and args.dataset == "imagenet"
+    assert args.output_dir == str(tmp_path / "ws" / "dp-resnet18-tiny")
+    assert parse(mode="ddp").output_dir == str(tmp_path / "ws" / "ddp-resnet18-tiny")
+
+
+def test_datasets_path_alone_is_the_data_dir(no_platform_env, tmp_path):
+    no_platform_env.setenv("DATASETS_PATH", str(tmp_path))
+    assert parse().data == str(tmp_path)
+
+
+def test_command_line_flags_win_over_environment_variables(no_platform_env, tmp_path):
+    for name, value in dict(EPOCHS="7", LR="0.5", BATCH_SIZE="16", DATASETS_PATH=str(tmp_path),
+                            DATASETS="tiny", WORKSPACE=str(tmp_path / "ws")).items():
+        no_platform_env.setenv(name, value)
+    args = parse("--epochs", "3", "--lr", "0.2", "-b", "4", "--data", str(tmp_path / "mine"),
+                 "--output-dir", str(tmp_path / "out"))
+    assert (args.epochs, args.lr, args.batch_size) == (3, 0.2, 4)
+    assert args.data == str(tmp_path / "mine")
+    assert args.output_dir == str(tmp_path / "out")
+
+
+def test_without_environment_the_output_dir_is_under_runs():
+    assert parse("--data", "/datasets/imagenet", mode="ddp").output_dir == "runs/ddp-resnet18-imagenet"
+    assert parse("--dataset", "examples.csv_dataset:build", "-a", "tests.tiny_models:TinyNet").output_dir == (
+        "runs/dp-tests.tiny_models.TinyNet-examples.csv_dataset.build")  # no colon: TensorBoard's --logdir reads NAME:PATH
+    assert default_output_dir(vars(parse("--dummy")), "spawn") == "runs/spawn-resnet18-dummy"
+
+
+def test_positional_data_dir_is_the_same_as_the_flag():
+    assert parse("/some/imagenet").data == "/some/imagenet"
+    with pytest.raises(UsageError, match="once"):
+        parse("/a", "--data", "/b")
+
+
+def test_an_invalid_environment_value_raises_usage_error(no_platform_env):
+    no_platform_env.setenv("EPOCHS", "ten")
+    with pytest.raises(UsageError, match="EPOCHS='ten'"):
+        parse("--data", "/x")
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--epochs", "-3"], ["-b", "0"], ["--batch-size", "-8"],
+                                  ["--lr", "0"], ["--lr", "-1"]])
+def test_non_positive_epochs_batch_or_lr_raise_usage_error(argv):
+    flag = {"-b": "--batch-size"}.get(argv[0], argv[0])
+    with pytest.raises(UsageError, match=f"{flag} must be positive"):
+        parse("--data", "/x", *argv)
+
+
+def test_non_positive_environment_value_raises_usage_error(no_platform_env):
+    no_platform_env.setenv("BATCH_SIZE", "0")
+    with pytest.raises(UsageError, match="--batch-size must be positive"):
+        parse("--data", "/x")
+
+
+def test_unknown_arch_suggests_close_names():
+    with pytest.raises(UsageError, match=r"unknown --arch 'resnet19': did you mean resnet18"):
+        parse("--data", "/x", "--arch", "resnet19")
+
+
+def test_demo_preset_applies_when_no_data_is_given():
+    args = parse()
+    assert args.data == str(DEFAULT_ROOT) and args.dataset == "demo"  # where it is generated on first use
+    demo = PRESETS["demo"]
+    assert (args.epochs, args.batch_size, args.lr, args.lr_schedule, args.train_crop_size, args.warmup_epochs) == (
+        demo["epochs"], demo["batch_size"], demo["lr"], demo["lr_schedule"], demo["train_crop_size"],
+        demo["warmup_epochs"])
+    imagenet = parse("--data", "/x")
+    assert (imagenet.dataset, imagenet.epochs, imagenet.batch_size, imagenet.lr, imagenet.lr_schedule) == (
+        "imagenet", 90, 256, 0.1, "step")
+    assert parse("--dummy").dataset == "dummy"
+
+
+def test_demo_preset_accepts_a_single_epoch():
+    assert parse("--epochs", "1").epochs == 1
+
+
+def test_warmup_given_by_the_user_must_be_shorter_than_the_run():
+    with pytest.raises(UsageError, match="--warmup-epochs"):
+        parse("--data", "/x", "--epochs", "2", "--warmup-epochs", "2")
+
+
+def test_the_configuration_is_frozen_once_resolved():
+    config = parse("--dummy", "--lr", "0.1")
+    with pytest.raises(AttributeError, match="frozen: lr cannot change after it is resolved"):
+        config.lr = 0.2
+    with pytest.raises(AttributeError, match="frozen"):
+        del config.lr
+    changed = config.replace(lr=0.2)
+    assert (changed.lr, config.lr) == (0.2, 0.1) and changed.replace(lr=0.1) == config
+
+
+def test_the_tv_v2_preset_steps_the_lr_per_epoch_and_a_fractional_warmup_is_refused():
+    assert parse("--dummy", "--preset", "tv-v2").lr_step_unit == "epoch"
+    assert parse("--dummy").lr_step_unit == "step"
+    assert parse("--dummy", "--preset", "tv-v2", "--lr-step-unit", "step").lr_step_unit == "step"
+    with pytest.raises(UsageError, match=r"^--warmup-epochs 0\.5 with --lr-step-unit epoch: give whole epochs$"):
+        parse("--dummy", "--lr-step-unit", "epoch", "--warmup-epochs", "0.5")
+
+
+def test_res_schedule_gives_each_epochs_crop_size():
+    schedule = ResSchedule.parse("160:224:2:6")  # FFCV-style: low resolution first, linear, multiples of 32
+    assert [schedule.size(epoch) for epoch in range(9)] == [160, 160, 160, 192, 192, 192, 224, 224, 224]
+    fine = ResSchedule.parse("16:32:0:2:8")
+    assert [fine.size(epoch) for epoch in range(4)] == [16, 24, 32, 32] and fine.sizes() == [16, 32]
+
+
+# What torchvision's metadata says today, for models whose preprocessing differs from resize 256, crop 224, bilinear.
+PUBLISHED = {"resnet50": (232, 224, "bilinear"), "efficientnet_b0": (256, 224, "bicubic"),
+             "swin_t": (232, 224, "bicubic"), "convnext_tiny": (236, 224, "bilinear"),
+             "efficientnet_v2_s": (384, 384, "bilinear")}
+
+
+@pytest.mark.parametrize("arch", PUBLISHED)
+def test_pretrained_validation_takes_the_weights_own_resize_crop_and_interpolation(arch, tmp_path):
+    preprocessing = get_model_weights(arch).DEFAULT.transforms()
+    expected = (preprocessing.resize_size[0], preprocessing.crop_size[0], preprocessing.interpolation.value)
+    assert expected == PUBLISHED[arch]
+    args = parse("--data", tmp_path, "-a", arch, "--pretrained", "-e")
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation) == expected
+    assert args.interpolation == "bilinear"  # training keeps --interpolation's default
+    assert args.val_preprocessing == f"{args.weights}.transforms()"
+    assert args.weights == f"{type(get_model_weights(arch).DEFAULT).__name__}.{get_model_weights(arch).DEFAULT.name}"
+
+
+def test_flags_override_the_weights_preprocessing_and_without_weights_nothing_changes(tmp_path):
+    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "-e", "--val-resize-size", "300",
+                  "--interpolation", "nearest")
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.interpolation) == (
+        300, 224, "nearest", "nearest")
+    args = parse("--data", tmp_path, "-a", "efficientnet_b0")
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.weights) == (256, 224, "bilinear", None)
+    args = parse("-a", "efficientnet_b0", "--pretrained")  # the demo set keeps its own sizes
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.val_preprocessing) == (
+        36, 32, "bilinear", None)
+
+
+def test_weights_names_a_weight_set_as_torchvision_does(tmp_path):
+    for name in ("IMAGENET1K_V1", "ResNet50_Weights.IMAGENET1K_V1"):
+        args = parse("--data", tmp_path, "-a", "resnet50", "--weights", name, "-e")
+        assert args.pretrained and args.weights == "ResNet50_Weights.IMAGENET1K_V1"
+        assert (args.val_resize_size, args.val_crop_size) == (256, 224)  # V1's own, not V2's 232
+    with pytest.raises(UsageError, match=r"^--weights IMAGENET1K_V9: resnet50 has ResNet50_Weights\.IMAGENET1K_V1, "
+                                         r"ResNet50_Weights\.IMAGENET1K_V2$"):
+        parse("--data", tmp_path, "-a", "resnet50", "--weights", "IMAGENET1K_V9")
+    with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
+        parse("--data", tmp_path, "-a", "tests.tiny_models:TinyNet", "--weights", "IMAGENET1K_V1")

@@ -1,0 +1,162 @@
+"""common/datasets.py: where images come from (folders, CSV/TSV splits, a researcher's dataset, --dummy, the demo
+set), decoded by torchvision or PIL, and what an item must be: each mistake refused in one line at start."""
+import re
+
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from common import datasets as datasets_module
+from common.config import ResSchedule
+from common.data import build_data
+from common.datasets import ImageFiles, SyntheticImages, UnreadableFile, build_datasets, load_image
+from common.errors import BadItem, UsageError
+from conftest import cpu_runtime, parse
+
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
+SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4"]
+
+
+def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with_pil(tmp_path, monkeypatch):
+    picture = Image.new("RGB", (30, 20), (200, 40, 10))
+    picture.paste((10, 220, 30), (5, 5, 20, 15))
+    # Which decoder ran: both, unchanged, count their calls (their pixels may agree to the bit).
+    calls = []
+    torchvision_decode, pil_open = datasets_module.decode_image, Image.open
+    assert torchvision_decode is not None, "torchvision.io.decode_image is gone: load_image uses PIL alone"
+    monkeypatch.setattr(datasets_module, "decode_image", lambda *a, **k: calls.append("torchvision") or torchvision_decode(*a, **k))
+    monkeypatch.setattr(Image, "open", lambda *a, **k: calls.append("PIL") or pil_open(*a, **k))
+    for name, decoder in (("a.jpg", "torchvision"), ("a.png", "torchvision"), ("a.bmp", "PIL")):
+        picture.save(tmp_path / name)
+        calls.clear()
+        image = load_image(str(tmp_path / name))
+        assert calls == [decoder], name
+        assert image.dtype == torch.uint8 and image.shape == (3, 20, 30), name
+        reference = torchvision.transforms.v2.functional.pil_to_tensor(pil_open(tmp_path / name).convert("RGB"))
+        assert (image.int() - reference.int()).abs().max() <= 2, name  # two JPEG decoders may round apart
+    Image.new("L", (8, 6), 90).save(tmp_path / "grey.png")
+    assert load_image(str(tmp_path / "grey.png")).shape == (3, 6, 8)  # always RGB
+
+
+def test_load_image_of_a_broken_file_names_it(tmp_path):
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(Exception, match=rf"cannot identify image file .*{re.escape(str(tmp_path / 'broken.jpg'))}"):
+        load_image(str(tmp_path / "broken.jpg"))
+
+
+def test_an_image_file_that_cannot_be_decoded_is_an_unreadable_file_named_by_its_path(tmp_path):
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    files = ImageFiles([(str(tmp_path / "broken.jpg"), 0)])
+    with pytest.raises(UnreadableFile, match="cannot identify image file"):
+        files[0]
+    assert files.name(0) == str(tmp_path / "broken.jpg")
+
+
+def test_synthetic_images_take_the_size_of_their_epoch():
+    dummy = SyntheticImages(8, 20, res_schedule=ResSchedule.parse("16:32:0:2:8"))
+    assert dummy[0][0].shape == (3, 16, 16) and dummy[3][1] == 3
+    dummy.set_epoch(1)
+    assert dummy[0][0].shape == (3, 24, 24)
+
+
+@pytest.fixture(scope="module")
+def csv_splits(tiny_data, tmp_path_factory):
+    """tiny_data listed in train.csv / val.csv (paths relative to the folder, a header row), and in .tsv."""
+    import csv
+    root = tmp_path_factory.mktemp("splits")
+    for suffix, delimiter in ((".csv", ","), (".tsv", "\t")):
+        folder = root / suffix[1:]
+        folder.mkdir()
+        (folder / "images").symlink_to(tiny_data)
+        for split in ("train", "val"):
+            with open(folder / f"{split}{suffix}", "w", newline="") as file:
+                writer = csv.writer(file, delimiter=delimiter)
+                writer.writerow(["path", "label"])
+                for path in sorted((tiny_data / split).glob("*/*.jpg")):
+                    writer.writerow([f"images/{split}/{path.parent.name}/{path.name}", path.parent.name])
+    return root
+
+
+def test_csv_and_tsv_splits_list_the_image_folder_s_files_in_its_order(csv_splits, tiny_data):
+    folder = build_datasets(parse("--data", tiny_data))
+    for kind in ("csv", "tsv"):
+        classes, train, val = build_datasets(parse("--data", csv_splits / kind))
+        assert classes == folder[0] == ["circle", "ring", "square"]
+        for ours, theirs in ((train, folder[1]), (val, folder[2])):
+            assert [(name.split("/images/")[1], label) for name, label in ours.samples] == [
+                (name.split(f"{tiny_data.name}/")[1], label) for name, label in theirs.samples]
+
+
+def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "train.csv").write_text("a.jpg,cat\n")
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "train.csv").write_text("a.jpg,cat\n")
+    (tmp_path / "unknown" / "val.csv").write_text("b.jpg,dog\n")
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "train.csv").write_text("path,label\na.jpg\n")
+    (tmp_path / "short" / "val.csv").write_text("b.jpg,cat\n")
+    for name, line in [("one", "has train.csv but no val.csv: give both splits"),
+                       ("unknown", r"val labels dog of \S+ do not occur in its train split"),
+                       ("short", r"train.csv line 2: expected path,label, got 'a.jpg'")]:
+        with pytest.raises(UsageError, match=line):
+            build_datasets(parse("--data", tmp_path / name))
+
+
+# A researcher's dataset (tests/custom_datasets.py) that breaks a rule: the one line that says so.
+REFUSED = {
+    "triples": "item 0 of the train set is a tuple of 3; items must be (image, label)",
+    "numpy_images": "the image is a ndarray; expected a PIL image or a CHW tensor (torch.from_numpy(array).permute(2, 0, 1)",
+    "hwc_tensors": "an image of shape [20, 6, 3]; expected channels x height x width",
+    "labels_out_of_range": "label 3; expected a class index, an int in 0..2",
+    "iterable": "the train set is a Stream: give a map-style dataset",
+    "two_things": "returned tuple: return (classes, train_set, val_set)",
+    "uint16_images": "an image of dtype torch.int16; expected uint8 (0-255) or float (0-1)",
+    "gray_tensors": "the images have 1 channel(s): give --mean and --std with 1 value(s) each",
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_dataset_item_the_loaders_cannot_take_is_refused_in_one_line(name):
+    """Checked at start on item 0, before any training."""
+    config = parse(*SMALL, "--dataset", f"tests.custom_datasets:{name}")
+    with pytest.raises(UsageError) as refused:
+        build_data(config, build_datasets(config), 0, cpu_runtime())
+    assert REFUSED[name] in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_an_item_found_bad_later_ends_the_run_in_one_line_naming_it():
+    """A loader reads item 5 (a worker, with -j 1 or more): BadItem, which is raised, never skipped."""
+    config = parse(*SMALL, "--dataset", "tests.custom_datasets:late_bad_item")
+    data = build_data(config, build_datasets(config), 0, cpu_runtime())
+    with pytest.raises(BadItem, match=r"^item 5 of the train set is a tuple of 3; items must be \(image, label\)$"):
+        data.train_loader.dataset[5]
+
+
+@pytest.mark.parametrize("name, normalisation", [
+    ("pil_images", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
+    ("float_tensors", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
+    ("gray_with_stats", "mean 0.47, std 0.3 (the dataset's mean/std)")])
+def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, normalisation):
+    config = parse(*SMALL, "--dataset", f"tests.custom_datasets:{name}")
+    data = build_data(config, build_datasets(config), 0, cpu_runtime())
+    assert data.normalisation == normalisation
+    images, labels, _ = next(iter(data.val_loader))
+    assert images.dtype == torch.float32 and images.shape[1] == (1 if "gray" in name else 3) and len(labels) == 4
+    given = parse(*SMALL, "--dataset", "tests.custom_datasets:gray_tensors", "--mean", "0.5", "--std", "0.25")
+    assert build_data(given, build_datasets(given), 0, cpu_runtime()).normalisation == "mean 0.5, std 0.25 (--mean/--std)"
+
+
+def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
+    """pil_images' items are grey PIL images (converted to RGB), float_tensors' the same pixels / 255 in 3
+    channels: normalised on one scale each, they are the same model inputs."""
+    inputs = []
+    for name in ("pil_images", "float_tensors"):
+        config = parse(*SMALL, "--val-resize-size", "20", "--val-crop-size", "20", "-b", "6",
+                       "--dataset", f"tests.custom_datasets:{name}")
+        inputs.append(next(iter(build_data(config, build_datasets(config), 0, cpu_runtime()).val_loader))[0])
+    from_uint8, from_float = inputs
+    assert from_uint8.dtype == from_float.dtype == torch.float32
+    # pil_images is the grey (L) version of the noise: compare the channel means, which the noise barely moves.
+    assert torch.allclose(from_uint8.mean(dim=(1, 2, 3)), from_float.mean(dim=(1, 2, 3)), atol=0.05)

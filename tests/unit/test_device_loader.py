@@ -1,0 +1,67 @@
+"""common/device_loader.py: batches collated without the files that could not be read, normalised with one
+arithmetic in the loader workers (CPU) and on the device (GPU), channels-last when asked, and a batch lost with its
+worker reported as the dead worker, in one line."""
+import pytest
+import torch
+
+from common.device_loader import Collate, DeviceLoader
+from common.launch import known_failure
+from common.transforms import Normalise
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_device_loader_and_the_loader_workers_normalise_alike_uint8_and_float_images(channels_last, dtype):
+    """On a GPU DeviceLoader normalises (the batch travels as decoded), on the CPU the workers' Collate does: one
+    arithmetic for both, uint8 images on the 0-255 scale, float ones on 0-1 (the same pixels give the same
+    inputs). Once float images were left unnormalised on a GPU, silently."""
+    pixels = torch.randint(0, 256, (2, 3, 5, 5), dtype=torch.uint8)
+    images = pixels if dtype == torch.uint8 else pixels.float() / 255
+    normalise = Normalise()
+    loader = DeviceLoader([(images, torch.tensor([1, 2]), [])], torch.device("cpu"), channels_last, normalise=normalise)
+    (batch, target), = list(loader)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    assert torch.allclose(batch, (pixels.float() / 255 - mean) / std, atol=1e-5)
+    assert batch.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert target.tolist() == [1, 2] and len(loader) == 1
+    collated, _, _ = Collate(normalise)([(image, label, ()) for image, label in zip(images, [1, 2])])
+    assert torch.allclose(collated, batch, atol=1e-6)
+
+
+def test_collate_leaves_out_what_could_not_be_read_and_the_device_loader_reports_it():
+    image = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    samples = [(image, 1, [("a.jpg", "truncated")]), (None, None, [("b.jpg", "empty")]), (image, 2, [])]
+    images, target, bad = Collate()(samples)
+    assert images.shape == (2, 3, 4, 4) and images.dtype == torch.uint8 and target.tolist() == [1, 2]
+    assert bad == [("a.jpg", "truncated"), ("b.jpg", "empty")]
+    assert Collate(Normalise())([(None, None, [("c.jpg", "x")])]) == (None, None, [("c.jpg", "x")])
+    reported = []
+    batches = [(images, target, bad), (None, None, [("c.jpg", "x")])]
+    assert len(list(DeviceLoader(batches, torch.device("cpu"), on_bad=reported.extend))) == 1  # the empty batch skipped
+    assert reported == [*bad, ("c.jpg", "x")]
+
+
+class _BrokenHandOver:
+    """A loader whose second batch cannot be fetched from its worker, as when the worker is killed while
+    sending it (torch's fd hand-over then raises EOFError or ConnectionResetError in the main process)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        yield torch.zeros(1, 3, 4, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long), ()
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [EOFError(), ConnectionResetError(104, "Connection reset by peer")])
+def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line(error):
+    batches = iter(DeviceLoader(_BrokenHandOver(error), torch.device("cpu")))
+    next(batches)
+    with pytest.raises(RuntimeError) as raised:
+        next(batches)
+    assert known_failure(raised.value) == (f"error: DataLoader worker exited unexpectedly while sending a batch "
+                                           f"({type(error).__name__}) (out of memory? fewer --workers use less)")

@@ -1,0 +1,67 @@
+"""common/folder_index.py: one pass lists and checks train/ and val/, in torchvision's ImageFolder's order."""
+import shutil
+
+import pytest
+import torchvision
+
+from common.errors import UsageError
+from common.folder_index import scan_image_folder
+
+
+@pytest.fixture
+def folder(tiny_data, tmp_path):
+    """A private, editable copy of the tiny ImageFolder."""
+    return shutil.copytree(tiny_data, tmp_path / "data")
+
+
+def test_scan_image_folder_returns_the_sorted_classes(tiny_data):
+    assert scan_image_folder(tiny_data).classes == ["circle", "ring", "square"]
+
+
+def test_scan_image_folder_lists_the_samples_of_torchvisions_image_folder_in_its_order(folder):
+    train = folder / "train"
+    (train / "ring" / "nested" / "deeper").mkdir(parents=True)
+    siblings = [f"square/sub-{name}" for name in "qcxhatme"]  # created out of order: listing order is no help
+    for sibling in siblings:
+        (train / sibling).mkdir()
+    for path in ("ring/nested/b.jpg", "ring/nested/deeper/a.JPEG", "ring/nested-x.png", "square/UPPER.JPG",
+                 "square/notes.txt", "circle/-first.jpg", *[f"{sibling}/1.jpg" for sibling in siblings]):
+        shutil.copy(next((train / "circle").glob("0*.jpg")), train / path)
+    (train / "square" / "a-dir.jpg").mkdir()  # a folder with an image's name is no image
+    (train / "square" / "a-dir.jpg" / "z.jpg").write_bytes((train / "square" / "UPPER.JPG").read_bytes())
+    (train / "circle" / "linked").symlink_to(train / "ring" / "nested", target_is_directory=True)
+    scan = scan_image_folder(folder)
+    for split, index in (("train", scan.train), ("val", scan.val)):
+        expected = torchvision.datasets.ImageFolder(folder / split)
+        assert scan.classes == expected.classes
+        assert [index[i] for i in range(len(index))] == expected.samples
+
+
+def test_scan_image_folder_of_a_missing_dir_says_so(tmp_path):
+    with pytest.raises(UsageError, match="no such directory"):
+        scan_image_folder(tmp_path / "missing")
+
+
+def test_scan_image_folder_without_val_says_so(folder):
+    shutil.rmtree(folder / "val")
+    with pytest.raises(UsageError, match=r"has no val/ folder"):
+        scan_image_folder(folder)
+
+
+def test_scan_image_folder_with_an_empty_class_folder_names_it(folder):
+    (folder / "train" / "zebra").mkdir()
+    with pytest.raises(UsageError, match=r"zebra in .*train hold no images"):
+        scan_image_folder(folder)
+
+
+def test_scan_image_folder_with_no_class_folders_says_so(folder):
+    shutil.rmtree(folder / "val")
+    (folder / "val").mkdir()
+    with pytest.raises(UsageError, match="has no class folders"):
+        scan_image_folder(folder)
+
+
+def test_scan_image_folder_with_different_classes_names_them(folder):
+    (folder / "val" / "ring").rename(folder / "val" / "donut")
+    with pytest.raises(UsageError, match=r"different classes \(only in train: ring; only in val: donut\)"):
+        scan_image_folder(folder)

@@ -1,0 +1,63 @@
+"""The library's shape, which every later change keeps: no module of common/ over 400 lines, no function over 60, one
+concern per module with a unit file of its own, no import circle, and the command line imported by the scripts
+alone."""
+import ast
+from pathlib import Path
+
+import pytest
+
+COMMON = Path(__file__).resolve().parents[2] / "common"
+MODULES = sorted(path for path in COMMON.glob("*.py") if path.name != "__init__.py")
+SCRIPTS = sorted(COMMON.parent.glob("train_*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
+def test_a_module_holds_at_most_400_lines_and_a_function_at_most_60(path):
+    lines = path.read_text().splitlines()
+    assert len(lines) <= 400, f"{path.name}: {len(lines)} lines; split its concerns"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
+    assert not long, f"{path.name}: {', '.join(long)}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
+def test_every_module_has_a_unit_file_of_its_own(path):
+    assert (Path(__file__).parent / f"test_{path.stem}.py").is_file(), f"tests/unit/test_{path.stem}.py"
+
+
+def imports(path):
+    """The modules of common/ that `path` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module} if node.module else {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common"):
+            found |= {node.module.split(".")[1]} if "." in node.module else {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("common.")}
+    return {name.split(".")[0] for name in found}
+
+
+def test_common_has_no_import_circle():
+    """A module never imports, directly or through others, one that imports it: each can be read, and copied, on
+    its own."""
+    graph = {path.stem: imports(path) for path in MODULES}
+    assert "demo_data" in graph["config"]  # the walk finds function-level imports too
+
+    def reaches(start, goal, seen=()):
+        return any(name == goal or (name not in seen and reaches(name, goal, (*seen, name)))
+                   for name in graph.get(start, ()))
+    circles = sorted(name for name in graph if reaches(name, name))
+    assert not circles, {name: sorted(graph[name]) for name in circles}
+
+
+def test_the_library_never_imports_the_command_line_or_a_script():
+    for path in MODULES:
+        assert "cli" not in imports(path), f"{path.name} imports the command line"
+        assert not {script.stem for script in SCRIPTS} & imports(path), path.name
+    assert all("cli" in imports(script) and "launch" in imports(script) for script in SCRIPTS)
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda path: path.name)
+def test_a_script_shows_its_launch_mode_in_under_200_lines(path):
+    assert len(path.read_text().splitlines()) < 200

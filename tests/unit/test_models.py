@@ -1,0 +1,127 @@
+"""common/models.py: torchvision's models by name (or your own), the sizes each takes (refused in one line before any
+process trains), auxiliary heads' losses, autocast in DataParallel's replica threads, the memory format measured
+faster, and the bare model inside its wrappers."""
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+from common.errors import UsageError
+from common.models import (AutocastForward, build_model, check_input_size, loss_with_aux, unwrap, use_channels_last,
+                           warn_slow_amp)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "squeezenet1_1"])
+def test_build_model_gives_one_output_per_class(arch):
+    model = build_model(arch, num_classes=3).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_build_model_sets_dropout_where_the_arch_has_one():
+    model = build_model("squeezenet1_1", num_classes=3, dropout=0.0)
+    assert [module.p for module in model.modules() if isinstance(module, nn.Dropout)] == [0.0]
+
+
+def test_dropout_on_an_arch_without_one_raises_usage_error():
+    with pytest.raises(UsageError, match="resnet18 has no dropout"):
+        build_model("resnet18", num_classes=3, dropout=0.5)
+
+
+def test_arch_may_name_your_own_model_as_module_and_callable():
+    model = build_model("tests.tiny_models:TinyNet", num_classes=4, dropout=0.25)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 4)
+    with pytest.raises(UsageError, match="cannot import Missing from tests.tiny_models"):
+        build_model("tests.tiny_models:Missing", num_classes=4)
+    with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
+        build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)
+
+
+@pytest.mark.parametrize("arch, size, line", [
+    ("inception_v3", 32, "--arch inception_v3 cannot take 32x32 px images (Calculated padded input size"),
+    ("vit_b_16", 256, "--arch vit_b_16 cannot take 256x256 px images (Wrong image height! Expected 224 but got 256!)"),
+    ("alexnet", 32, "--arch alexnet cannot take 32x32 px images")])
+def test_a_size_a_model_cannot_take_is_refused_in_one_line(arch, size, line):
+    with pytest.raises(UsageError) as refused:
+        check_input_size(build_model(arch, num_classes=3), arch, [size], size)
+    assert str(refused.value).startswith(line)
+    assert "(torchvision: at least" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_auxiliary_outputs_add_their_weighted_loss():
+    criterion, labels = nn.CrossEntropyLoss(), torch.tensor([0, 1])
+    main, aux1, aux2 = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    googlenet = torchvision.models.GoogLeNetOutputs(main, aux2, aux1)
+    inception = torchvision.models.InceptionOutputs(main, aux1)
+    loss, logits = loss_with_aux(criterion, googlenet, labels)
+    assert logits is main
+    assert loss == pytest.approx(criterion(main, labels) + 0.3 * (criterion(aux1, labels) + criterion(aux2, labels)))
+    loss, _ = loss_with_aux(criterion, inception, labels)
+    assert loss == pytest.approx(criterion(main, labels) + 0.4 * criterion(aux1, labels))
+    loss, logits = loss_with_aux(criterion, {"logits": main, "aux": aux1}, labels, aux_weight=0.5)
+    assert logits is main and loss == pytest.approx(criterion(main, labels) + 0.5 * criterion(aux1, labels))
+    with pytest.raises(UsageError, match="a dict without 'logits' or 'out'"):
+        loss_with_aux(criterion, {"main": main}, labels)
+
+
+def test_autocast_forward_computes_in_the_amp_dtype_in_any_thread():
+    """DataParallel runs each replica in a thread of its own, where the caller's autocast does not
+    reach, and enters autocast there with the device's default dtype (parallel_apply). The wrapper
+    must compute in the --amp dtype whatever the thread's own autocast says."""
+    model = nn.Linear(8, 4)
+    images = torch.randn(2, 8)
+    results = {}
+
+    def replica_thread():
+        results["bare"] = model(images).dtype
+        results["wrapped"] = AutocastForward(model, "cpu", "bf16")(images).dtype
+        # What parallel_apply does in each replica's thread: autocast enabled, with no dtype (the
+        # device's default: float16 on CUDA, bfloat16 on the CPU), then the replica's forward.
+        with torch.autocast("cpu", enabled=True):
+            results["wrapped fp16"] = AutocastForward(model, "cpu", "fp16")(images).dtype
+        with torch.autocast("cpu", enabled=True):
+            results["default"] = model(images).dtype
+
+    with torch.autocast("cpu", dtype=torch.float16):  # the caller's autocast: not seen by the thread
+        thread = threading.Thread(target=replica_thread)
+        thread.start()
+        thread.join(timeout=60)
+    assert results == {"bare": torch.float32, "wrapped": torch.bfloat16,
+                       "default": torch.bfloat16, "wrapped fp16": torch.float16}
+    # Checkpoints hold the bare model: no wrapper prefix in its parameter names.
+    assert unwrap(nn.DataParallel(AutocastForward(model, "cpu", "bf16"))) is model
+
+
+def test_unwrap_removes_dataparallel_and_compile():
+    model = nn.Linear(2, 2)
+    assert unwrap(model) is model
+    assert unwrap(nn.DataParallel(model)) is model
+    assert unwrap(torch.compile(model)) is model
+    assert unwrap(nn.DataParallel(torch.compile(model))) is model
+
+
+def test_channels_last_auto_is_on_where_it_was_measured_faster():
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    patches = nn.Sequential(nn.Conv2d(3, 8, 16, stride=16), nn.Flatten(), nn.Linear(8, 2))  # ViT-like: one conv
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert use_channels_last("auto", cpu, "none", cnn)
+    assert use_channels_last("auto", cuda, "bf16", cnn)
+    assert not use_channels_last("auto", cuda, "none", cnn)
+    assert not use_channels_last("auto", cpu, "none", patches)
+    assert use_channels_last("on", cuda, "none", patches) and not use_channels_last("off", cpu, "none", cnn)
+    # Measured not faster with it on the CPU (docs/benchmarks.md): auto leaves them alone, "on" still applies.
+    for arch in ("shufflenet_v2_x0_5", "convnext_tiny"):
+        model = torchvision.models.get_model(arch)
+        assert not use_channels_last("auto", cpu, "none", model) and use_channels_last("on", cpu, "none", model)
+    assert use_channels_last("auto", cpu, "none", torchvision.models.get_model("mobilenet_v3_small"))
+
+
+def test_amp_on_a_cpu_without_native_instructions_is_warned_of_once():
+    warned = []
+    warn_slow_amp("bf16", torch.device("cpu"), warned.append)
+    assert bool(warned) != torch.ops.mkldnn._is_mkldnn_bf16_supported(), warned
+    assert all(line.startswith("warning: --amp bf16 on this CPU") for line in warned) and len(warned) <= 1
+    warn_slow_amp("none", torch.device("cpu"), warned.append)
+    assert len(warned) <= 1

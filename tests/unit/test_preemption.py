@@ -1,0 +1,48 @@
+"""common/preemption.py: a stop signal is a flag the ranks agree on at a step; a second one a few seconds later, or a
+wait for data longer than its share of the grace, stops at once; the handlers are put back when the run ends."""
+import os
+import signal
+import time
+
+import pytest
+
+from common import preemption
+from common.preemption import StopNow, StopSignal, waiting_for_data
+
+
+def test_a_stop_that_never_comes_installs_nothing():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal(30, listen=False)
+    assert signal.getsignal(signal.SIGTERM) is before and stop.group is None
+    assert not stop.poll() and not stop.poll(now=True)
+    with stop.no_stop_now():
+        assert stop.saving
+
+
+def test_a_stop_signal_is_a_flag_read_at_a_step_and_the_handlers_are_put_back(monkeypatch):
+    monkeypatch.setattr(preemption, "SECOND_SIGNAL_AFTER", 0.2)
+    before = signal.getsignal(signal.SIGUSR1)
+    stop = StopSignal(30)
+    try:
+        assert not stop.poll()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.poll() and stop.received == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # the same request again (Slurm and torchrun both pass one on): no more
+        time.sleep(0.3)
+        with pytest.raises(StopNow, match="stopped at once on a second SIGTERM: no checkpoint of this step"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_wait_for_data_longer_than_its_share_of_the_grace_stops_at_once():
+    stop = StopSignal(stop_grace=0.3)  # a third of it: 0.1 s
+    try:
+        with pytest.raises(StopNow, match=r"stopped on SIGUSR1 after waiting 0\.1 s for data"):
+            with waiting_for_data():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(5)  # the alarm checks every second
+    finally:
+        stop.close()

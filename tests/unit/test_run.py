@@ -1,0 +1,85 @@
+"""common/run.py: starting a run in this process: a fresh start that would replace a run is refused in one line, -e
+needs weights, a resumed run keeps its seed (saying so when another is given) and its determinism, and a start that
+fails before writing leaves no directory it made."""
+import re
+
+import pytest
+import torch
+
+from common.errors import UsageError
+from common.run import start_run
+from common.trainer import Trainer
+from conftest import cpu_runtime, parse
+
+SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
+         "-b", "4", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a", "tests.tiny_models:TinyNet"]
+
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
+
+
+def started(*argv):
+    return start_run(Trainer(parse(*SMALL, *argv), cpu_runtime()))
+
+
+def trained(*argv):
+    trainer = started(*argv)
+    trainer.fit(trainer.model, trainer.model)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run of one epoch, seed 1 (its output dir)."""
+    out = tmp_path_factory.mktemp("finished")
+    trained("--epochs", "1", "--seed", "1", "--output-dir", out)
+    return out
+
+
+def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing(finished):
+    before = {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()}
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(finished))} holds a run at epoch 1 step 0: continue it with "
+                                         r"--resume auto, or start over with --overwrite \(its checkpoints are deleted\) "
+                                         r"or another --output-dir$"):
+        started("--epochs", "2", "--output-dir", finished)
+    with pytest.raises(UsageError, match=r"holds checkpoints of another run \(tests.tiny_models:TinyNet, 3 classes\): "
+                                         r"choose another --output-dir"):
+        started("--epochs", "2", "--output-dir", finished, "--dataset", "tests.custom_datasets:two_classes")
+    assert {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()} == before
+
+
+def test_evaluate_needs_weights_to_evaluate(tmp_path):
+    with pytest.raises(UsageError, match=r"^-e: no checkpoint in \S+ to evaluate \(--resume auto\): give --resume PATH, "
+                                         r"or --pretrained$"):
+        started("-e", "--resume", "auto", "--output-dir", tmp_path / "empty")
+    with pytest.raises(UsageError, match=r"^-e evaluates the weights of --resume PATH or --pretrained: give one of them$"):
+        parse(*SMALL, "-e")
+
+
+def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(finished, tmp_path, capsys):
+    """Seen once: --seed 2 resumed a --seed 1 run with no word, in another data order from then on."""
+    out = tmp_path / "copy"
+    out.mkdir()
+    (out / "checkpoint.pth").write_bytes((finished / "checkpoint.pth").read_bytes())
+    capsys.readouterr()
+    resumed = started("--epochs", "2", "--seed", "2", "--resume", "auto", "--output-dir", out)
+    assert resumed.seed == 1
+    assert re.search(r"^warning: --seed 2 ignored: \S+checkpoint\.pth was trained with seed 1, which this run keeps; "
+                     r"another seed is another run \(--overwrite or another --output-dir\)$", capsys.readouterr().out,
+                     re.MULTILINE)
+
+
+def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
+    try:
+        trained("--epochs", "1", "--deterministic", "--output-dir", tmp_path)
+        assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["deterministic"] is True
+        torch.use_deterministic_algorithms(False)
+        resumed = started("--epochs", "2", "--resume", "auto", "--output-dir", tmp_path)
+        assert resumed.deterministic and torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_start_that_fails_before_writing_leaves_no_directory_it_made(tmp_path):
+    with pytest.raises(UsageError, match="item 0 of the train set is a tuple of 3"):
+        started("--dataset", "tests.custom_datasets:triples", "--output-dir", tmp_path / "new")
+    assert not (tmp_path / "new").exists()

@@ -1,0 +1,219 @@
+"""common/trainer.py: a Trainer made and built in-process from its parts, with no side effects; its hooks get what
+they use as arguments; one step of the loop, in the order it runs (mixing, loss, clipping after unscaling, the
+optimizer and scheduler steps, the sums, the progress line), for the smallest model of every torchvision family."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+from common.errors import UsageError
+from common.trainer import Trainer, trainer_class
+from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
+
+SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
+         "--epochs", "1", "-b", "4", "--seed", "1", "--lr-schedule", "constant", "--warmup-epochs", "0"]
+TINY_NET = ["-a", "tests.tiny_models:TinyNet"]
+
+pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
+
+
+def open_files():
+    """The paths of this process's open files."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own descriptor, closed by now)
+            pass
+    return found
+
+
+def test_a_trainer_is_made_and_built_without_a_lock_a_collective_or_a_file_written(tmp_path):
+    """Building is not starting: no output directory, no lock, no process group; the parts all there."""
+    before = open_files()
+    config = parse(*SMALL, *TINY_NET, "--output-dir", tmp_path / "out")
+    trainer = Trainer(config, cpu_runtime())
+    assert not (tmp_path / "out").exists() and not hasattr(trainer, "model")
+    trainer.build(tensor_datasets(), seed=3)
+    assert not (tmp_path / "out").exists() and not (dist.is_available() and dist.is_initialized())
+    assert not {path for path in open_files() - before if str(tmp_path) in path}
+    assert trainer.classes == ["dark", "mid", "light"] and trainer.steps_per_epoch == 3 and trainer.seed == 3
+    for part in ("model", "criterion", "optimizer", "scheduler", "scaler", "train_batches", "val_batches", "rng"):
+        assert getattr(trainer, part) is not None, part
+    with pytest.raises(AttributeError, match="frozen"):
+        trainer.config.lr = 1.0
+
+
+class Recording(Trainer):
+    """Records what each hook was given."""
+
+    def build_model(self, classes):
+        self.given = {"classes": list(classes)}
+        return super().build_model(classes)
+
+    def build_optimizer(self, model):
+        self.given["model"] = model
+        return super().build_optimizer(model)
+
+    def build_scheduler(self, optimizer, steps_per_epoch):
+        self.given.update(optimizer=optimizer, steps_per_epoch=steps_per_epoch)
+        return super().build_scheduler(optimizer, steps_per_epoch)
+
+
+def test_each_hook_gets_what_it_uses_as_arguments():
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=Recording, datasets=tensor_datasets(train=10))
+    assert trainer.given["classes"] == ["dark", "mid", "light"]
+    assert trainer.given["model"] is trainer.model and trainer.given["optimizer"] is trainer.optimizer
+    assert trainer.given["steps_per_epoch"] == 3  # 10 images, batch 4
+
+
+def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
+    with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
+        trainer_class("tests.tiny_models:TinyNet")
+    assert trainer_class(None) is Trainer and trainer_class("examples.extra_metric:WithConfidence").__name__ == "WithConfidence"
+
+
+def test_a_train_step_that_returns_the_wrong_thing_is_refused_in_one_line():
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=trainer_class("tests.tiny_models:ReturnsLogitsOnly"),
+                            datasets=tensor_datasets())
+    with pytest.raises(UsageError, match=r"^train_step returned Tensor: return \(loss, logits\) or \(loss, logits, "
+                                         r"\{name: scalar value\}\)$"):
+        trainer.train_one_epoch(trainer.model, 0)
+
+
+class OneHot(nn.Module):
+    """Names each image's class with certainty: the images of tensor_datasets are a grey level per class."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.unused, self.num_classes = nn.Parameter(torch.zeros(1)), num_classes
+
+    def forward(self, images):
+        level = images.mean(dim=(1, 2, 3))  # normalised: dark < mid < light
+        label = torch.bucketize(level, torch.tensor([-1.0, 0.3], device=images.device))
+        return 10 * F.one_hot(label, self.num_classes).float() + 0 * self.unused
+
+
+class WithMix(Trainer):
+    def build_model(self, classes):
+        return OneHot(len(classes))
+
+
+def test_the_loss_is_taken_on_the_mixed_targets_and_the_accuracy_on_each_image_s_own_label():
+    """A model that always names the right class, and a mix that gives every image the next class's label: the loss
+    is that of the soft targets (label smoothing applied), acc@1 100% against each image's own label; the mix is
+    called at the epoch's steps, with the key of (seed, epoch, step, rank)."""
+    trainer = built_trainer(*SMALL, "--label-smoothing", "0.1", trainer=WithMix, datasets=tensor_datasets())
+    keys, classes = [], 3
+
+    def mix(images, target, key):
+        keys.append(key)
+        return images, F.one_hot((target + 1) % classes, classes).float()
+    trainer.batch_mix = mix
+    summary = trainer.train_one_epoch(trainer.model, epoch=0)
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    target = torch.arange(4) % classes
+    expected = criterion(10 * F.one_hot(target, classes).float(), F.one_hot((target + 1) % classes, classes).float())
+    assert summary["acc1"] == 100.0 and summary["count"] == 12
+    assert summary["loss"] == pytest.approx(expected.item(), rel=1e-5) and summary["loss"] > 5  # not the own labels'
+    from common.augment import batch_mix_key
+    assert trainer.seed == 1 and keys == [batch_mix_key(1, 0, step, 0) for step in range(3)]
+
+
+def test_clipping_clips_the_unscaled_gradients_under_fp16():
+    """Under --amp fp16 the gradients are those of the loss times the scale (2**16 at first): clipping them before
+    unscaling would clip to a norm 65536 times too small. The loop unscales first."""
+    def step_taken(scaled):
+        trainer = built_trainer(*SMALL, *TINY_NET, "--clip-grad-norm", "0.5", "--lr", "1", "--momentum", "0",
+                                "--wd", "0", datasets=tensor_datasets(train=4))
+        trainer.scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+        before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        trainer.train_one_epoch(trainer.model, epoch=0)
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - before
+    unscaled, scaled = step_taken(False), step_taken(True)
+    assert unscaled.norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to 0.5, lr 1
+    assert torch.allclose(scaled, unscaled, rtol=1e-4, atol=1e-6)
+
+
+# The smallest model of each classification family torchvision lists, and a crop it takes (the smallest
+# that is a multiple of 32 and at least its minimum; ViT and MaxViT take 224 alone, Inception v3's
+# auxiliary head needs 299 in training).
+FAMILIES = {"alexnet": ("alexnet", 64), "convnext": ("convnext_tiny", 32), "densenet": ("densenet121", 32),
+            "efficientnet": ("efficientnet_b0", 32), "googlenet": ("googlenet", 32), "inception": ("inception_v3", 299),
+            "maxvit": ("maxvit_t", 224), "mnasnet": ("mnasnet0_5", 32), "mobilenet": ("mobilenet_v3_small", 32),
+            "regnet": ("regnet_x_400mf", 32), "resnet": ("resnet18", 32), "resnext": ("resnext50_32x4d", 32),
+            "shufflenet": ("shufflenet_v2_x0_5", 32), "squeezenet": ("squeezenet1_1", 32), "swin": ("swin_t", 32),
+            "vgg": ("vgg11", 32), "vit": ("vit_b_16", 224), "wide_resnet": ("wide_resnet50_2", 32)}
+
+
+def test_the_families_cover_every_classification_model_torchvision_lists():
+    names = torchvision.models.list_models(module=torchvision.models)
+    assert [name for name in names if not name.startswith(tuple(FAMILIES))] == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_smallest_model_of_each_family_trains_one_step_at_a_size_it_takes(family):
+    """Built by the Trainer (the size check included), one step of its loop (auxiliary heads included: GoogLeNet's
+    and Inception's named tuples), on 2 images."""
+    arch, size = FAMILIES[family]
+    size_flags = ["--train-crop-size", size, "--val-resize-size", size, "--val-crop-size", size]
+    trainer = built_trainer(*SMALL, *size_flags, "-a", arch, "-b", "2", "--clip-grad-norm", "1",
+                            datasets=tensor_datasets(size=size, train=2, val=1))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    summary = trainer.train_one_epoch(trainer.model, epoch=0)
+    assert summary["count"] == 2 and torch.isfinite(torch.tensor(summary["loss"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def one_colour_images(count=24):
+    """(classes, train, val): image i filled with the grey 5 + 10 i, whatever the crop, flip and resize."""
+    from tests.custom_datasets import Items
+    make = lambda index: (torch.full((3, 12, 12), 5 + 10 * index, dtype=torch.uint8), index % 3)  # noqa: E731
+    return ["a", "b", "c"], Items(count, make), Items(3, make)
+
+
+class RecordsOrder(Trainer):
+    """Records, for each step, which images it trained on."""
+
+    def train_step(self, model, images, labels):
+        grey = images[:, 0].mean(dim=(1, 2)) * 0.229 * 255 + 0.485 * 255  # back from the normalised red channel
+        self.order = getattr(self, "order", []) + [[round((value - 5) / 10) for value in grey.tolist()]]
+        return super().train_step(model, images, labels)
+
+
+def test_each_epoch_trains_in_a_new_order_of_every_image_and_a_resumed_epoch_goes_on_in_it():
+    """sampler.set_epoch(epoch) in the loop: every epoch a new shuffle of all the images; an epoch resumed at step 2
+    trains the steps the uninterrupted one trained there."""
+    trainer = built_trainer(*SMALL, *TINY_NET, "-b", "8", trainer=RecordsOrder, datasets=one_colour_images())
+    for epoch in range(3):
+        trainer.train_one_epoch(trainer.model, epoch)
+    epochs = [sum(trainer.order[start:start + 3], []) for start in (0, 3, 6)]
+    assert all(sorted(epoch) == list(range(24)) for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    resumed = built_trainer(*SMALL, *TINY_NET, "-b", "8", trainer=RecordsOrder, datasets=one_colour_images())
+    resumed.train_one_epoch(resumed.model, 1, first_step=2)
+    assert resumed.order == trainer.order[5:6]
+
+
+def weights_after(*flags):
+    trainer = built_trainer(*SMALL, *TINY_NET, "--epochs", "2", *flags, datasets=tensor_datasets())
+    losses = [trainer.train_one_epoch(trainer.model, epoch)["loss"] for epoch in range(2)]
+    return [p.detach().float() for p in trainer.model.parameters()], losses, trainer
+
+
+def test_channels_last_and_bf16_change_the_kernels_and_the_rounding_not_the_training():
+    """NHWC (on by default for a CNN on the CPU) trains as NCHW to float rounding; --amp bf16 computes in bfloat16
+    (autocast was on: the losses differ) and trains the same model."""
+    nhwc, nhwc_losses, trainer = weights_after()
+    conv = next(trainer.model.parameters())  # the first conv's weight
+    assert trainer.channels_last and conv.ndim == 4 and conv.is_contiguous(memory_format=torch.channels_last)
+    nchw, nchw_losses, plain = weights_after("--channels-last", "off")
+    assert not plain.channels_last and not next(plain.model.parameters()).is_contiguous(memory_format=torch.channels_last)
+    assert max((a - b).abs().max().item() for a, b in zip(nhwc, nchw)) < 1e-4
+    assert nhwc_losses == pytest.approx(nchw_losses, abs=1e-5)
+    _, bf16_losses, _ = weights_after("--amp", "bf16")
+    assert bf16_losses != nhwc_losses and bf16_losses == pytest.approx(nhwc_losses, abs=0.02)
