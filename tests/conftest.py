@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common import demo_data  # noqa: E402
+from prewarmed import same_at_import  # noqa: E402
 
 TIERS = ("unit", "e2e", "faults", "slow", "slurm", "gpu", "quick")
 
@@ -174,10 +175,21 @@ def run_script(script, *args, timeout=300, env=None, as_user=False):
     return run(script_command(script, *args, as_user=as_user), timeout=timeout, env=env)
 
 
-def torchrun_command(script, nproc, *args, extra=()):
-    """`torchrun --nproc_per_node=N script args` on a free loopback port."""
+def worker_command(script, prewarmed=True):
+    """What torchrun starts for each worker, as the end of its command line: `script` (torchrun's own `python -u
+    script`), or, prewarmed, tests/prewarmed.py --worker, whose run of the script is forked from the prewarm
+    server (Prewarmed): the same script, arguments, environment and output, without Python's start and the imports
+    (about 5 s of CPU a worker). Not for a test that must stop a worker with SIGSTOP (the worker then is a shim that
+    passes signals on), nor where PREWARMED=0."""
+    if not prewarmed or os.environ.get("PREWARMED", "1") == "0":
+        return [REPO / script]
+    return ["--no-python", PYTHON, REPO / "tests" / "prewarmed.py", "--worker", Prewarmed.socket(), REPO / script]
+
+
+def torchrun_command(script, nproc, *args, extra=(), prewarmed=True):
+    """`torchrun --nproc_per_node=N script args` on a free loopback port (workers prewarmed: worker_command)."""
     return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, REPO / script, *args]
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, *worker_command(script, prewarmed), *args]
 
 
 def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
@@ -235,9 +247,6 @@ def processes_in_session(sid):
     return found
 
 
-# Variables that torch, its libraries or Python read when starting or importing: a prewarmed run must
-# have the server's values (OpenMP reads OMP_NUM_THREADS once, when torch loads it).
-IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS|TORCH|PYTORCH|PYTHON|LD_|CUDA_|NVIDIA|NCCL|GLOO|TF_)")
 
 
 class PrewarmedProcess:
@@ -300,12 +309,11 @@ class Prewarmed:
         script = Path(command[1])
         if script.suffix != ".py" or not script.is_absolute() or REPO not in script.parents:
             return False
-        reference = cls.server_env or clean_env()  # the server's, or the one it will start with
-        keys = {key for key in (*env, *reference) if IMPORT_TIME.match(key)}
-        return all(env.get(key) == reference.get(key) for key in keys)
+        return same_at_import(env, cls.server_env or clean_env())  # the server's, or the one it will start with
 
     @classmethod
-    def start(cls, command, env, cwd):
+    def socket(cls):
+        """The server's socket, the server started first if it is not running."""
         with cls.lock:
             if cls.server is None or cls.server.poll() is not None:
                 cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
@@ -315,9 +323,20 @@ class Prewarmed:
                                               start_new_session=True, text=True)
                 ready = json.loads(cls.server.stdout.readline() or "{}")
                 assert ready.get("ready") and ready["import_output"] == "", ready
+            return cls.socket_path
+
+    @classmethod
+    def runs_of(cls, marker):
+        """The processes the server forked for the job marked `marker` (torchrun's prewarmed workers' runs)."""
+        folder = Path(f"{cls.socket_path}.runs/{marker}") if cls.server is not None else None
+        return [int(path.name) for path in folder.iterdir()] if folder is not None and folder.is_dir() else []
+
+    @classmethod
+    def start(cls, command, env, cwd):
+        socket_path = cls.socket()
         read_end, write_end = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect(cls.socket_path)
+        connection.connect(socket_path)
         request = {"script": command[1], "argv": command[2:], "env": env, "cwd": str(cwd)}
         socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [write_end])
         os.close(write_end)
@@ -416,8 +435,11 @@ class Job:
 
     def leftovers(self):
         """The job's processes still alive: those marked as the job's and, for a prewarmed run (whose
-        environment as /proc shows it is the server's), those of its session."""
+        environment as /proc shows it is the server's), those of its session, and of the sessions of the runs
+        the server forked for its torchrun workers."""
         found = processes_marked(self.marker)
+        for pid in Prewarmed.runs_of(self.marker):
+            found = sorted(set(found) | set(processes_in_session(pid)))
         if isinstance(self.process, PrewarmedProcess):
             found = sorted(set(found) | set(processes_in_session(self.process.pid)))
         return found

@@ -3,6 +3,7 @@ torchvision, common/ and what else the script imports.
 
     python tests/prewarmed.py --serve SOCKET    # a run per request on a unix socket: conftest.Prewarmed
     python tests/prewarmed.py SPEC.json         # one script, several runs: conftest.run_prewarmed
+    torchrun ... --no-python PYTHON tests/prewarmed.py --worker SOCKET SCRIPT ARGS...   # conftest.torchrun_command
 
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
@@ -16,6 +17,7 @@ environment, working directory and exit code; an uncaught exception prints its t
 """
 import atexit
 import contextlib
+import re
 import importlib.util
 import io
 import json
@@ -31,14 +33,30 @@ import traceback
 from pathlib import Path
 
 
-def child(script, argv, env, output, cwd=None):
+# Variables that torch, its libraries or Python read when starting or importing: a prewarmed run must have the
+# server's values (OpenMP reads OMP_NUM_THREADS once, when torch loads it). torchrun's own (TORCHELASTIC_*, the NCCL
+# error handling) are read at run time.
+IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS|TORCH|PYTORCH|PYTHON|LD_|CUDA_|NVIDIA|NCCL|GLOO|TF_)")
+RUN_TIME = re.compile(r"^(TORCHELASTIC_|TORCH_NCCL_ASYNC_ERROR_HANDLING$)")
+
+
+def same_at_import(env, reference):
+    """Whether `env` holds `reference`'s values of every variable read at import time."""
+    keys = {key for key in (*env, *reference) if IMPORT_TIME.match(key) and not RUN_TIME.match(key)}
+    return all(env.get(key) == reference.get(key) for key in keys)
+
+
+def child(script, argv, env, output, cwd=None, errors=None):
     """Run `python script argv` in this (forked) process and exit with its code, as CPython would: output
-    (a path, or an open file descriptor) becomes stdout and stderr; a session of its own."""
+    (a path, or an open file descriptor) becomes stdout, and stderr unless `errors` (a descriptor) is given;
+    a session of its own."""
     os.setsid()
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if isinstance(output, str) else output
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(fd if errors is None else errors, 2)
     os.close(fd)
+    if errors is not None:
+        os.close(errors)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -92,33 +110,50 @@ def import_everything(script_dir):
     return printed.getvalue()
 
 
+def read_request(connection):
+    """(request, fds) of a JSON line and the descriptors attached to it (SCM_RIGHTS), or (None, fds)."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 2)
+    while message and not message.endswith(b"\n"):  # a stream: the request may come in parts
+        part = connection.recv(1 << 16)
+        if not part:
+            break
+        message += part
+    try:
+        return json.loads(message), fds
+    except ValueError:  # the test that asked went away
+        return None, fds
+
+
 def serve(socket_path):
-    """Fork a run for each request on the unix socket `socket_path` (conftest.Prewarmed): a JSON line
-    {script, argv, env, cwd}, the write end of the run's output pipe attached to it (SCM_RIGHTS). Replies
-    {"pid": ...}, then {"exit": code} once the run ended (negative: killed by that signal)."""
+    """Fork a run for each request on the unix socket `socket_path`: a JSON line {script, argv, env, cwd} with the
+    write end of the run's output pipe attached (SCM_RIGHTS; conftest.Prewarmed), or {..., "worker": true} with
+    stdout and stderr of a torchrun worker (`--worker`), which falls back to a new interpreter ({"exec": true})
+    when its environment differs from this one's in what is read at import. Replies {"pid": ...}, then {"exit":
+    code} once the run ended (negative: killed by that signal). A run whose client goes away first (SIGKILLed) is
+    killed, with its session. Each run of a job is listed as SOCKET.runs/JOB_MARKER/PID for conftest.Job to find."""
     repo = str(Path(__file__).resolve().parents[1])
     sys.path[0] = repo
+    environment = dict(os.environ)  # (importing torch sets TORCHINDUCTOR_CACHE_DIR)
     printed = import_everything(repo)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
     print(json.dumps({"ready": True, "import_output": printed}), flush=True)
-    runs = {}  # pid -> connection that waits for its exit code
+    runs, clients = {}, {}  # pid -> the connection that waits for its exit code; connection -> pid
     while True:
-        readable, _, _ = select.select([listener, sys.stdin], [], [], 0.02)
+        readable, _, _ = select.select([listener, sys.stdin, *clients], [], [], 0.02)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
             break  # the test session ended
+        for connection in [ready for ready in readable if ready in clients]:
+            with contextlib.suppress(OSError):
+                if not connection.recv(1 << 12):  # the client is gone (killed): so is its run
+                    os.killpg(clients.pop(connection), signal.SIGKILL)
         if listener in readable:
             connection, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1)
-            while message and not message.endswith(b"\n"):  # a stream: the request may come in parts
-                part = connection.recv(1 << 16)
-                if not part:
-                    break
-                message += part
-            try:
-                request = json.loads(message)
-            except ValueError:  # the test that asked went away
+            request, fds = read_request(connection)
+            if request is None or (request.get("worker") and not same_at_import(request["env"], environment)):
+                if request is not None:
+                    connection.sendall(json.dumps({"exec": True}).encode() + b"\n")
                 for fd in fds:
                     os.close(fd)
                 connection.close()
@@ -129,22 +164,58 @@ def serve(socket_path):
                 connection.close()
                 for other in runs.values():
                     other.close()
-                child(request["script"], request["argv"], request["env"], fds[0], request["cwd"])
-            os.close(fds[0])
+                child(request["script"], request["argv"], request["env"], fds[0], request["cwd"],
+                      fds[1] if len(fds) > 1 else None)
+            for fd in fds:
+                os.close(fd)
+            marker = request["env"].get("JOB_MARKER")
+            if marker:
+                os.makedirs(f"{socket_path}.runs/{marker}", exist_ok=True)
+                open(f"{socket_path}.runs/{marker}/{pid}", "w").close()
             connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            runs[pid] = connection
+            runs[pid], clients[connection] = connection, pid
         while runs:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             if pid in runs:
                 connection = runs.pop(pid)
+                clients.pop(connection, None)
                 with contextlib.suppress(OSError):
                     connection.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
                 connection.close()
     for pid in runs:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
+
+
+def worker(socket_path, script, argv):
+    """A torchrun worker whose run is forked from the server at `socket_path` (a process of its own, running
+    `script` as __main__ with this process's arguments, environment, working directory, stdout and stderr): it
+    passes on the signals it gets (torchrun signals its worker's process group, the run has a session of its
+    own), and ends as the run ended (its exit code, or killed by the same signal). Killed (SIGKILL), the server
+    kills the run. An environment of other import-time values: a new interpreter, as torchrun starts one."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(socket_path)
+    request = {"script": script, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "worker": True}
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [1, 2])
+    replies = connection.makefile("rb")
+    reply = json.loads(replies.readline())
+    if reply.get("exec"):
+        os.execv(sys.executable, [sys.executable, "-u", script, *argv])
+    pid = reply["pid"]
+
+    def pass_on(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, pass_on)
+    line = replies.readline()
+    code = json.loads(line)["exit"] if line else -signal.SIGKILL
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
 
 
 def main(spec_path):
@@ -188,5 +259,7 @@ def main(spec_path):
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
         serve(sys.argv[2])
+    elif sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         main(sys.argv[1])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, no_traceback_of_ours,
-                      run_prewarmed, torchrun_command)
+                      run_prewarmed, torchrun_command, worker_command)
 
 pytestmark = pytest.mark.faults
 
@@ -77,7 +77,7 @@ def test_a_killed_run_releases_its_output_dir_and_the_relaunch_resumes(data, tmp
 def two_nodes(port, node_args):
     """torchrun on two "nodes" of one process each (loopback), node k started with node_args[k]."""
     return [Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
-                 "--master-addr=127.0.0.1", f"--master-port={port}", REPO / "train_ddp.py", *args])
+                 "--master-addr=127.0.0.1", f"--master-port={port}", *worker_command("train_ddp.py"), *args])
             for rank, args in enumerate(node_args)]
 
 
@@ -309,7 +309,7 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_pa
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", tmp_path / "out"]
-    command = {"dp": [PYTHON, REPO / "train_dp.py", *args], "torchrun": torchrun_command("train_ddp.py", 2, *args),
+    command = {"dp": [PYTHON, REPO / "train_dp.py", *args], "torchrun": torchrun_command("train_ddp.py", 2, *args, prewarmed=False),
                "spawn": [PYTHON, REPO / "train_spawn.py", *args, "--nproc-per-node", "2", "--master-port", free_port()]}
     command = command[launcher]
     job = Job(command, env=clean_env(TEST_FIFO=fifo), prewarmed=False)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import PYTHON, REPO, Job, free_port, make_image_folder, no_traceback_of_ours, process_stat
+from conftest import PYTHON, REPO, Job, free_port, make_image_folder, no_traceback_of_ours, process_stat, worker_command
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
@@ -32,7 +32,7 @@ def launch(mode, *args):
         return [PYTHON, REPO / "train_dp.py", *args]
     if mode == "ddp":
         return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *args]
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *args]
     return [PYTHON, REPO / "train_spawn.py", "--nproc-per-node", "2", "--master-port", free_port(), *args]
 
 

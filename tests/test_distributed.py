@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, run_prewarmed,
-                      run_script, run_together, script_command, torchrun_command)
+                      run_script, run_together, script_command, torchrun_command, worker_command)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def launches(data, tmp_path_factory):
     common = [*TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "--epochs", "4"]
     commands = {
         "dp": script_command("train_dp.py", *common, "--output-dir", out / "dp", as_user=True),
-        "ddp": torchrun_command("train_ddp.py", 2, *common, "--output-dir", out / "ddp"),
+        "ddp": torchrun_command("train_ddp.py", 2, *common, "--output-dir", out / "ddp", prewarmed=False),
         "spawn": script_command("train_spawn.py", *common, "--dist-url", f"file://{out}/rendezvous",
                                 "--output-dir", out / "spawn", as_user=True),
         "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
@@ -205,7 +205,7 @@ def test_a_rank_that_raises_ends_the_whole_job_quickly(tiny_data, tmp_path, laun
               "-a", "tests.tiny_models:FailingNet", "-j", "2"]  # rank 1 raises at its third step; rank 0 waits
     if launcher == "torchrun":
         command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *common]
+                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *common]
     else:
         command = [PYTHON, REPO / "train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port()]
     job = Job(command)

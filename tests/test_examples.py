@@ -6,12 +6,11 @@ was never stopped), and validation counting each image once."""
 import csv
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, Job, free_port
+from conftest import PYTHON, REPO, Job, free_port, worker_command
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +41,7 @@ NAMED = {"distillation": ["train_ce_loss", "train_distill_loss"],
 
 def torchrun(*args):
     return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *args]
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *args]
 
 
 def finished(job):

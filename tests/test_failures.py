@@ -20,7 +20,7 @@ import torch
 import torchvision
 
 from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, alive, assert_ok, clean_env, free_port,
-                      make_image_folder, process_stat, processes_marked, run, run_prewarmed, run_script)
+                      make_image_folder, process_stat, processes_marked, run, run_prewarmed, run_script, worker_command)
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
@@ -118,7 +118,7 @@ def uninterrupted_runs(data, out):
     """The reference runs: single process, and two processes under torchrun."""
     jobs = {"dp": Job([PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"]),
             "ddp": Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0",
+                        f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *RUN, "-j", "0",
                         "--data", data, "--output-dir", out / "ddp"])}
     for job in jobs.values():
         returncode, output = job.finish()
@@ -149,7 +149,7 @@ def torchrun_interrupted_runs(data, out):
     (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 7, then on to the end."""
     def command(*extra):
         return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *RUN, "-j", "0", "--data", data,
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *RUN, "-j", "0", "--data", data,
                 "--output-dir", out, "--resume", "auto"]
 
     stages = SimpleNamespace()
@@ -189,7 +189,7 @@ def stalled_rank_run(data, out):
     from the stall to the first timeout message, from that message to the end of the job, and the job's
     (returncode, output)."""
     job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *TINY_NET, "--data", data,
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py", prewarmed=False), *TINY_NET, "--data", data,
                "--output-dir", out, "--dist-timeout", "5", "--epochs", "50"])
     job.wait_for(at(0, 3), timeout=WAIT)
     os.kill(training_processes(job)[1], signal.SIGSTOP)
@@ -351,7 +351,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     """Fails on purpose, three times, and shows that nothing of the failed jobs is left. A job whose line
     never comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
     job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py", *TINY_NET, "-j", "1",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *TINY_NET, "-j", "1",
                "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"])
     job.wait_for(at(0, 2))
     running = job.leftovers()
@@ -471,9 +471,8 @@ def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(finis
 
 def test_a_checkpoint_that_cannot_be_written_half_way_leaves_the_one_before_it_whole(finished_run):
     """A save that fails half-way (no file may grow past 64 KiB: a full disk) must leave the checkpoint before it
-    whole, which --resume auto then goes on from: written in place, the new one would have cut it short. The run
-    resumed from it ends bitwise where the one resumed from the epoch before (damaged-resumed) ends."""
-    run_dir, before = finished_run.copies["full-disk"], finished_run.before["full-disk"]
+    whole, which --resume auto then goes on from: written in place, the new one would have cut it short."""
+    before = finished_run.before["full-disk"]
     assert len(before["checkpoint.pth"]) > 128 * 1024  # a TinyNet checkpoint, with its optimizer: ~200 KiB
     returncode, output = finished_run.ended["full-disk"]
     assert returncode == 1, output[-3000:]
