@@ -162,7 +162,8 @@ def main(config):
         for process in processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    for signum in stops:
         signal.signal(signum, pass_on)
     usage_errors = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(worker, args=(config, init_method, nproc, usage_errors), nprocs=nproc,
@@ -171,8 +172,14 @@ def main(config):
     for signum in early:
         pass_on(signum, None)
     try:
-        while not context.join():
-            pass
+        try:
+            while not context.join():
+                pass
+        finally:
+            # Every worker has ended: a late signal must not change how this process ends (at exit, Python
+            # puts back the default action where it had a handler).
+            for signum in stops:
+                signal.signal(signum, signal.SIG_IGN)
     except mp.ProcessExitedException as error:
         if not usage_errors.empty():  # a worker's bad input, or a checkpoint it could not write: its one line
             code, line = usage_errors.get()

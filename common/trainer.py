@@ -178,10 +178,9 @@ class Trainer:
         log.start(config, resumed=self.resumed_from is not None, ema=self.ema is not None,
                   global_step=self.start_epoch * self.steps_per_epoch + self.start_step)
         self.stop_signal = StopSignal(config.stop_grace)
-        try:
-            return self._epochs(train_model, eval_model)
-        finally:
-            self.stop_signal.close()
+        summary = self._epochs(train_model, eval_model)
+        self.stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
+        return summary
 
     def _epochs(self, train_model, eval_model):
         """Each epoch: train, validate (and the EMA), checkpoint, log; then the run's summary."""

@@ -189,6 +189,9 @@ def serve(socket_path):
             os.killpg(pid, signal.SIGKILL)
 
 
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)  # by a worker shim to its run
+
+
 def worker(socket_path, script, argv):
     """A torchrun worker whose run is forked from the server at `socket_path` (a process of its own, running
     `script` as __main__ with this process's arguments, environment, working directory, stdout and stderr): it
@@ -208,10 +211,14 @@ def worker(socket_path, script, argv):
     def pass_on(signum, _frame):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT):
+    for signum in PASSED_ON:
         signal.signal(signum, pass_on)
     line = replies.readline()
     code = json.loads(line)["exit"] if line else -signal.SIGKILL
+    for signum in PASSED_ON:
+        # The run has ended: a late signal (torchrun stopping the other workers) must not end this process
+        # otherwise than the run ended. (At exit, Python puts back the default action of a Python handler.)
+        signal.signal(signum, signal.SIG_IGN)
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
