@@ -87,6 +87,40 @@ def tiny_data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("tiny"))
 
 
+# BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ; today's recipe
+# without mixing (which pairs the images a process holds: docs/recipes.md), whose every part keeps DP = DDP.
+EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "3", "--lr", "0.05"]
+RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--ra-sampler", "--ra-reps", "2", "--model-ema",
+          "--model-ema-steps", "2", "--model-ema-decay", "0.9", "--bias-weight-decay", "0", "--label-smoothing", "0.1"]
+
+
+@pytest.fixture(scope="session")
+def exact_data(tmp_path_factory):
+    """24 training images (3 steps of global batch 8) and 13 validation images, which neither 2 nor 3 processes
+    divide: padding (DistributedSampler's) would count some twice."""
+    root = make_image_folder(tmp_path_factory.mktemp("exact-data"), train_per_class=8, val_per_class=5)
+    for extra in sorted((root / "val").rglob("*.jpg"))[:2]:
+        extra.unlink()
+    return root
+
+
+def exact_run(data, output_dir, *extra):
+    """The flags of the compared runs: 12 steps of global batch 8, the recipe without mixing."""
+    return [*TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "--epochs", "4", "--output-dir", output_dir, *extra]
+
+
+@pytest.fixture(scope="session")
+def single_node_runs(exact_data, tmp_path_factory):
+    """The reference runs of tests/test_distributed.py and tests/test_run_scripts.py, started together as a user
+    starts them, through run_scripts/: single_node_dp.sh (train_dp.py), single_node_ddp.sh (torchrun, 2 processes)
+    and single_node_spawn.sh (train_spawn.py, 2 processes). (output dir, mode -> CompletedProcess)."""
+    out = tmp_path_factory.mktemp("single-node")
+    env = {"dp": {}, "ddp": dict(NPROC_PER_NODE=2), "spawn": dict(NPROC_PER_NODE=2, MASTER_PORT=free_port())}
+    commands = [(["bash", REPO / "run_scripts" / f"single_node_{mode}.sh", *exact_run(exact_data, out / mode)],
+                 clean_env(PYTHON=PYTHON, **env[mode])) for mode in env]
+    return out, dict(zip(env, run_together(commands)))
+
+
 _ports_given, _port_choice = set(), random.Random()  # a generator of its own: tests may seed the global one
 
 

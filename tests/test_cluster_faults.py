@@ -301,18 +301,16 @@ def test_a_stop_during_validation_ends_after_the_epoch_s_checkpoint_before_the_n
     assert (saved["epoch"], saved["step_in_epoch"]) == (1, 0)
 
 
-@pytest.mark.parametrize("launcher", ["dp", "torchrun", "spawn"])
-def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_path, launcher):
-    """Seen in the code: a SIGTERM in the start-up (rank 0's folder scan, the checkpoint load: minutes on ImageNet
-    over NFS) killed the process: 143, which a requeue logic reads as a crash. Here the start-up is blocked in an
-    open() of a FIFO that nothing writes (tests.custom_datasets:from_a_fifo)."""
-    fifo = tmp_path / "fifo"
+def stopped_in_start_up(launcher, out):
+    """`launcher`'s run whose start-up is blocked in an open() of a FIFO that nothing writes
+    (tests.custom_datasets:from_a_fifo), sent SIGTERM there: (returncode, output, processes left behind)."""
+    fifo = out / "fifo"
     os.mkfifo(fifo)
-    args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", tmp_path / "out"]
-    command = {"dp": [PYTHON, REPO / "train_dp.py", *args], "torchrun": torchrun_command("train_ddp.py", 2, *args, prewarmed=False),
+    args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", out / "out"]
+    command = {"dp": [PYTHON, REPO / "train_dp.py", *args],
+               "torchrun": torchrun_command("train_ddp.py", 2, *args, prewarmed=False),
                "spawn": [PYTHON, REPO / "train_spawn.py", *args, "--nproc-per-node", "2", "--master-port", free_port()]}
-    command = command[launcher]
-    job = Job(command, env=clean_env(TEST_FIFO=fifo), prewarmed=False)
+    job = Job(command[launcher], env=clean_env(TEST_FIFO=fifo), prewarmed=False)
     try:
         job.wait_for(re.compile(r"^opening "), timeout=WAIT)
         if launcher != "dp":
@@ -329,6 +327,23 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_pa
         returncode, output = job.finish(timeout=60)
     finally:
         job.kill()
+    return returncode, output, job.left_behind
+
+
+@pytest.fixture(scope="module")
+def stopped_in_start_up_runs(tmp_path_factory):
+    """stopped_in_start_up of each launch mode, side by side: launcher -> (its result, its folder)."""
+    folders = {launcher: tmp_path_factory.mktemp(f"start-up-{launcher}") for launcher in ("dp", "torchrun", "spawn")}
+    with ThreadPoolExecutor(len(folders)) as pool:
+        futures = {launcher: pool.submit(stopped_in_start_up, launcher, folder) for launcher, folder in folders.items()}
+    return {launcher: (future.result(), folders[launcher]) for launcher, future in futures.items()}
+
+
+@pytest.mark.parametrize("launcher", ["dp", "torchrun", "spawn"])
+def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(stopped_in_start_up_runs, launcher):
+    """Seen in the code: a SIGTERM in the start-up (rank 0's folder scan, the checkpoint load: minutes on ImageNet
+    over NFS) killed the process: 143, which a requeue logic reads as a crash."""
+    (returncode, output, left_behind), folder = stopped_in_start_up_runs[launcher]
     stop = ("stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it "
             "was started")
     if launcher == "dp":
@@ -342,8 +357,8 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(data, tmp_pa
         from test_failures import torchrun_exit_codes
         assert torchrun_exit_codes(output) == {"0": "75", "1": "75"}, output[-3000:]
         assert output.count(stop) == 2, output[-3000:]
-    assert no_traceback_of_ours(output) and not (tmp_path / "out").exists()
-    assert not job.left_behind
+    assert no_traceback_of_ours(output) and not (folder / "out").exists()
+    assert not left_behind
 
 
 # ----------------------------------------------------------------------------- no silent zero

@@ -9,16 +9,11 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, run_prewarmed,
+from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, assert_ok, clean_env, free_port, run_prewarmed,
                       run_script, run_together, script_command, torchrun_command, worker_command)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
-# BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ; today's recipe
-# without mixing (which pairs the images a process holds: docs/recipes.md), whose every part keeps DP = DDP.
-EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "3", "--lr", "0.05"]
-RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--ra-sampler", "--ra-reps", "2", "--model-ema",
-          "--model-ema-steps", "2", "--model-ema-decay", "0.9", "--bias-weight-decay", "0", "--label-smoothing", "0.1"]
 VAL_LINE = re.compile(r" \* Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)")
 EMA_LINE = re.compile(r" \* EMA Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)")
 
@@ -45,47 +40,36 @@ def parameters_moved(before, after):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """24 training images (3 steps of global batch 8) and 13 validation images, which neither 2 nor 3 processes
-    divide: padding (DistributedSampler's) would count some twice."""
-    root = make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=8, val_per_class=5)
-    for extra in sorted((root / "val").rglob("*.jpg"))[:2]:
-        extra.unlink()
-    return root
-
-
-@pytest.fixture(scope="module")
-def launches(data, tmp_path_factory):
-    """The module's runs that go to their end by themselves, started together (most of their time is
-    spent starting processes): the same run (12 steps of global batch 8, the recipe without mixing) in the three
-    launch modes (spawn with its default process count, 2 on the CPU, meeting through a file:// rendezvous); the
-    legacy launcher; and torchrun and train_ddp.py given what they must refuse. The compared runs start as a user
-    starts them (the others are prewarmed: conftest.Prewarmed). (output dir, name -> CompletedProcess)."""
-    out = tmp_path_factory.mktemp("launches")
-    common = [*TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "--epochs", "4"]
+def launches(exact_data, single_node_runs, tmp_path_factory):
+    """The module's runs that go to their end by themselves: the same run (12 steps of global batch 8, the recipe
+    without mixing) in the three launch modes, started through run_scripts/ as a user starts them
+    (conftest.single_node_runs, shared with tests/test_run_scripts.py); and, together, the legacy launcher, and
+    torchrun and train_ddp.py given what they must refuse (prewarmed: conftest.Prewarmed). (output dir of the
+    three, name -> CompletedProcess)."""
+    out, results = single_node_runs
+    others = tmp_path_factory.mktemp("launches")
     commands = {
-        "dp": script_command("train_dp.py", *common, "--output-dir", out / "dp", as_user=True),
-        "ddp": torchrun_command("train_ddp.py", 2, *common, "--output-dir", out / "ddp", prewarmed=False),
-        "spawn": script_command("train_spawn.py", *common, "--dist-url", f"file://{out}/rendezvous",
-                                "--output-dir", out / "spawn", as_user=True),
         "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
-                   REPO / "train_ddp.py", *TINY, "--data", data, "-b", "8", "--epochs", "1", "--output-dir", out / "legacy"],
-        "batch-9": torchrun_command("train_ddp.py", 2, *TINY, "--data", data, "-b", "9", "--output-dir", out / "batch-9"),
-        "nccl": script_command("train_ddp.py", *TINY, "--data", data, "--dist-backend", "nccl", "--output-dir",
-                               out / "nccl"),
+                   REPO / "train_ddp.py", *TINY, "--data", exact_data, "-b", "8", "--epochs", "1", "--output-dir",
+                   others / "legacy"],
+        "batch-9": torchrun_command("train_ddp.py", 2, *TINY, "--data", exact_data, "-b", "9", "--output-dir",
+                                    others / "batch-9"),
+        "nccl": script_command("train_ddp.py", *TINY, "--data", exact_data, "--dist-backend", "nccl", "--output-dir",
+                               others / "nccl"),
     }
-    return out, dict(zip(commands, run_together(list(commands.values()))))
+    results = {**results, **dict(zip(commands, run_together(list(commands.values()))))}
+    return out, results, others
 
 
 @pytest.fixture(scope="module")
 def trajectories(launches):
-    out, results = launches
+    out, results, _ = launches
     return out, {mode: assert_ok(results[mode]) for mode in ("dp", "ddp", "spawn")}
 
 
 def test_the_compared_runs_really_train(trajectories):
     """Equal weights prove nothing if training stood still: the loss falls, the weights move, the EMA is no copy of
-    them; and spawn ran with its default on the CPU, 2 processes."""
+    them."""
     out, outputs = trajectories
     losses = [float(row.split(",")[4]) for row in (out / "dp" / "log.csv").read_text().splitlines()[1:]]
     assert losses[-1] < losses[0] - 0.02, losses
@@ -94,7 +78,6 @@ def test_the_compared_runs_really_train(trajectories):
     for mode in ("dp", "ddp", "spawn"):
         assert parameters_moved(initial, weights(out / mode)) > 1e-2, mode
         assert max_difference(weights(out / mode), weights(out / mode, "model_ema")) > 1e-4, mode
-    assert "no GPU in use: 2 processes on the CPU (--nproc-per-node N to choose)" in outputs["spawn"]
     assert "spawn: world size 2" in outputs["spawn"]
 
 
@@ -148,7 +131,7 @@ def test_training_metrics_are_reduced_over_ranks_and_printed_once(trajectories):
 
 
 @pytest.fixture(scope="module")
-def second_launches(trajectories, data, tmp_path_factory):
+def second_launches(trajectories, exact_data, tmp_path_factory):
     """From the trajectories' checkpoints, together: -e on 3 processes of DDP's last one (13 images: 5, 4 and 4), and
     its 4th epoch on 1 process from DDP's previous one (epoch 3, written by 2 processes). (output dirs, results)"""
     out, _ = trajectories
@@ -156,7 +139,7 @@ def second_launches(trajectories, data, tmp_path_factory):
     saved = torch.load(out / "ddp" / "checkpoint_prev.pth", weights_only=True)
     assert (saved["epoch"], saved["world_size"]) == (3, 2)
     torch.save(saved, resumed / "checkpoint.pth")
-    common = [*TINY, *EXACT_MODEL, *RECIPE, "--data", data]
+    common = [*TINY, *EXACT_MODEL, *RECIPE, "--data", exact_data]
     results = run_together([torchrun_command("train_ddp.py", 3, *common, "-b", "9", "-e", "--resume",
                                              out / "ddp" / "checkpoint.pth"),
                             torchrun_command("train_ddp.py", 1, *common, "-b", "8", "--output-dir", resumed,
@@ -192,10 +175,10 @@ def test_resume_under_torchrun_with_another_world_size_continues_the_trajectory(
 
 
 def test_the_legacy_launcher_passes_local_rank_and_trains(launches):
-    out, results = launches
+    _, results, others = launches
     output = assert_ok(results["legacy"])
     assert "ddp: world size 2" in output
-    assert (out / "legacy" / "checkpoint.pth").exists()
+    assert (others / "legacy" / "checkpoint.pth").exists()
 
 
 @pytest.mark.faults
@@ -261,7 +244,7 @@ def test_spawn_refuses_in_one_line_what_cannot_run(spawn_refusals, name):
 
 def test_torchrun_workers_reject_a_batch_the_world_size_does_not_divide(launches):
     """torchrun reports a failed worker in its own words and exit code; our line is in there."""
-    out, results = launches
+    _, results, out = launches
     result = results["batch-9"]
     assert result.returncode != 0
     assert "error: --batch-size 9 is the global batch and must divide evenly over 2 processes" in result.stdout
@@ -270,7 +253,7 @@ def test_torchrun_workers_reject_a_batch_the_world_size_does_not_divide(launches
 
 
 def test_ddp_rejects_nccl_without_gpus(launches):
-    out, results = launches
+    _, results, out = launches
     assert_one_line_error(results["nccl"], "the nccl backend needs CUDA GPUs")
     assert not (out / "nccl").exists()
 

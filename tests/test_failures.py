@@ -173,9 +173,10 @@ def torchrun_interrupted_runs(data, out):
 
 
 def spawn_interrupted_runs(data, out):
-    """train_spawn.py: SIGUSR1 to the spawn parent at epoch 1 step 7, then `--resume auto` to the end."""
+    """train_spawn.py with its default process count (2 without a GPU): SIGUSR1 to the spawn parent at epoch 1 step
+    7, then `--resume auto` to the end."""
     command = [PYTHON, REPO / "train_spawn.py", *RUN, "-j", "0", "--data", data, "--output-dir", out,
-               "--resume", "auto", "--nproc-per-node", "2", "--master-port", free_port()]
+               "--resume", "auto", "--master-port", free_port()]  # 2 processes: its default without a GPU
     stages = SimpleNamespace()
     stages.sigusr1 = interrupt(command, at(1, 7), lambda job: job.process.send_signal(signal.SIGUSR1))
     stages.after_sigusr1 = position(out)
@@ -201,7 +202,8 @@ def stalled_rank_run(data, out):
 
 
 SIDE_BY_SIDE = {"uninterrupted": uninterrupted_runs, "dp": dp_interrupted_runs,
-                "torchrun": torchrun_interrupted_runs, "spawn": spawn_interrupted_runs, "stalled": stalled_rank_run}
+                "torchrun": torchrun_interrupted_runs, "spawn": spawn_interrupted_runs, "stalled": stalled_rank_run,
+                "finished": lambda data, out: finished_runs(data, out)}
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +312,8 @@ def test_the_interrupted_torchrun_run_ends_bitwise_equal_to_the_uninterrupted_on
 def test_sigusr1_to_the_spawn_parent_reaches_the_workers(side_by_side, uninterrupted):
     stages = outcome(side_by_side, "spawn")
     returncode, output = stages.sigusr1
+    assert "no GPU in use: 2 processes on the CPU (--nproc-per-node N to choose)" in output
+    assert "spawn: world size 2" in output
     epoch, step = stages.after_sigusr1
     assert returncode == PREEMPTED, output[-3000:]
     assert epoch == 1 and 7 <= step < 15, output[-3000:]
@@ -403,15 +407,13 @@ def mtimes(folder):
     return {path.name: path.stat().st_mtime_ns for path in folder.iterdir() if path.name != "run.lock"}
 
 
-@pytest.fixture(scope="module")
-def finished_run(data, tmp_path_factory):
+def finished_runs(data, root):
     """TinyNet trained 2 epochs (a checkpoint per epoch: checkpoint.pth and checkpoint_prev.pth), then, side
     by side: the relaunches that must be refused, each a process of its own (forked from one that imported
     torch already: conftest.run_prewarmed): the same command without --resume; the same with the latest
     checkpoint damaged; another --arch; other data; an --output-dir that cannot be created. And, on copies
     of the run's directory: --resume auto with the latest checkpoint damaged; --resume auto where no file
     may grow past 64 KiB (as on a full disk); and --overwrite."""
-    root = tmp_path_factory.mktemp("finished")
     run_dir = root / "run"
     common = [*TINY_NET, "--epochs", "2", "--checkpoint-interval", "0"]
     assert_ok(run_script("train_dp.py", *common, "--data", data, "--output-dir", run_dir))
@@ -458,6 +460,11 @@ def finished_run(data, tmp_path_factory):
     # The disk has room again: the run goes on from the checkpoint its failed save left whole.
     ended["full-disk-resumed"] = train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3").finish()
     return SimpleNamespace(run_dir=run_dir, copies=copies, before=before, refused=refused, ended=ended, after=after)
+
+
+@pytest.fixture(scope="module")
+def finished_run(side_by_side):
+    return outcome(side_by_side, "finished")
 
 
 def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(finished_run):

@@ -5,13 +5,12 @@ import re
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, run, run_together
+from conftest import EXACT_MODEL, PYTHON, REPO, assert_ok, clean_env, exact_run, free_port, run, run_together
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
 
 SCRIPTS = REPO / "run_scripts"
-EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "5", "--lr", "0.05"]
 
 
 def launch(script, *args, timeout=300, **env):
@@ -21,10 +20,6 @@ def launch(script, *args, timeout=300, **env):
 def launch_command(script, *args, **env):
     """(command, environment) of `bash run_scripts/SCRIPT args`, for run_together."""
     return ["bash", SCRIPTS / script, *args], clean_env(PYTHON=PYTHON, **env)
-
-
-def train_args(data, output_dir, *extra):
-    return [*TINY, "--data", data, "-b", "8", "--epochs", "2", "--output-dir", output_dir, *extra]
 
 
 def weights(output_dir):
@@ -37,7 +32,7 @@ def max_difference(a, b):
 
 
 def initial_weights():
-    torch.manual_seed(5)  # EXACT_MODEL's seed: the scripts' initial weights
+    torch.manual_seed(int(EXACT_MODEL[EXACT_MODEL.index("--seed") + 1]))  # the scripts' initial weights
     return TinyNet(num_classes=3).state_dict()
 
 
@@ -48,49 +43,39 @@ def parameters_moved(before, after):
 
 
 @pytest.fixture(scope="module")
-def launches(tiny_data, tmp_path_factory):
-    """The module's launches that train, started together (most of their time is spent starting
-    processes): the three single-node scripts (2 processes where they start several); two "nodes" of
-    one process each of multi_node_ddp.sh (the default --save-on) and of multi_node_spawn.sh (--save-on
-    node), each node with an output directory of its own (as on nodes that share no file system); and
-    platform_ddp.sh on one node of two processes and on two nodes of one. name -> (output dir, result)."""
+def launches(tiny_data, exact_data, tmp_path_factory):
+    """The module's launches that train, started together (most of their time is spent starting processes): two
+    "nodes" of one process each of multi_node_ddp.sh (the default --save-on) and of multi_node_spawn.sh (--save-on
+    node), each node with an output directory of its own (as on nodes that share no file system), with the flags of
+    conftest.single_node_runs (whose single_node_ddp.sh run, 2 processes on one node, they are compared with); and
+    platform_ddp.sh on two nodes of one process, from the platform's variables alone. name -> (output dir, result)."""
     out = tmp_path_factory.mktemp("launches")
-    ports = {name: free_port() for name in ("spawn", "two-ddp", "two-spawn", "platform", "platform-two")}
+    ports = {name: free_port() for name in ("two-ddp", "two-spawn", "platform")}
 
     def node(script, name, rank, *extra):
-        return launch_command(script, *train_args(tiny_data, out / name / f"node{rank}", *EXACT_MODEL, *extra),
-                              NNODES=2, NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=ports[name])
-    platform_two = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform-two"], WORLD_SIZE=2, WORKER_PER_NODE=1,
-                        DATASETS_PATH=tiny_data, WORKSPACE=out / "platform-two", EPOCHS=1, BATCH_SIZE=8)
+        return launch_command(script, *exact_run(exact_data, out / name / f"node{rank}", *extra), NNODES=2,
+                              NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=ports[name])
+    # What a managed platform sets (seed 004), and no command-line arguments at all; node 1 knows only its RANK (the
+    # global rank of its first process).
+    platform = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform"], WORLD_SIZE=2, WORKER_PER_NODE=1,
+                    BACKEND="gloo", DATASETS_PATH=tiny_data.parent, DATASETS=f"{tiny_data.name},unused",
+                    WORKSPACE=out / "platform", EPOCHS=1, LR=0.01, BATCH_SIZE=8, OMP_NUM_THREADS=1)
     commands = {
-        # The reference of the two-node runs: EXACT_MODEL, 2 epochs. The others train one epoch of resnet18.
-        "single_node_ddp.sh": launch_command("single_node_ddp.sh", *train_args(tiny_data, out / "ddp", *EXACT_MODEL),
-                                             NPROC_PER_NODE=2),
-        "single_node_dp.sh": launch_command("single_node_dp.sh", *train_args(tiny_data, out / "dp", "--epochs", "1")),
-        "single_node_spawn.sh": launch_command("single_node_spawn.sh", *train_args(tiny_data, out / "spawn", "--epochs", "1"),
-                                               NPROC_PER_NODE=2, MASTER_PORT=ports["spawn"]),
         "two-ddp-0": node("multi_node_ddp.sh", "two-ddp", 0),
         "two-ddp-1": node("multi_node_ddp.sh", "two-ddp", 1),
         "two-spawn-0": node("multi_node_spawn.sh", "two-spawn", 0, "--save-on", "node"),
         "two-spawn-1": node("multi_node_spawn.sh", "two-spawn", 1, "--save-on", "node"),
-        # What a managed platform sets (seed 004), and no command-line arguments at all.
-        "platform": launch_command("platform_ddp.sh", MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform"],
-                                   WORLD_SIZE=2, WORKER_PER_NODE=2, NODE_RANK=0, RANK=0, BACKEND="gloo",
-                                   DATASETS_PATH=tiny_data.parent, DATASETS=f"{tiny_data.name},unused",
-                                   WORKSPACE=out / "platform", EPOCHS=1, LR=0.01, BATCH_SIZE=8, OMP_NUM_THREADS=1),
-        # Node 1 knows only its RANK (the global rank of its first process).
-        "platform-two-0": launch_command("platform_ddp.sh", *TINY, RANK=0, **platform_two),
-        "platform-two-1": launch_command("platform_ddp.sh", *TINY, RANK=1, **platform_two),
+        "platform-0": launch_command("platform_ddp.sh", RANK=0, **platform),
+        "platform-1": launch_command("platform_ddp.sh", RANK=1, **platform),
     }
     return out, dict(zip(commands, run_together(list(commands.values()))))
 
 
 @pytest.fixture(scope="module")
-def single_nodes(launches):
-    """script -> (output, output dir)."""
-    out, results = launches
-    return {script: (assert_ok(results[script]), out / script.replace("single_node_", "").replace(".sh", ""))
-            for script in ("single_node_ddp.sh", "single_node_dp.sh", "single_node_spawn.sh")}
+def single_nodes(single_node_runs):
+    """script -> (output, output dir) of conftest.single_node_runs."""
+    out, results = single_node_runs
+    return {f"single_node_{mode}.sh": (assert_ok(results[mode]), out / mode) for mode in ("dp", "ddp", "spawn")}
 
 
 @pytest.fixture(scope="module")
@@ -165,23 +150,18 @@ def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
     assert "no GPU visible: set NPROC_PER_NODE" in result.stdout
 
 
-def test_platform_script_trains_from_the_platform_variables_alone(tiny_data, launches):
-    """What a managed platform sets (seed 004), and no command-line arguments at all."""
-    out, results = launches
-    output = assert_ok(results["platform"])
-    assert "ddp: world size 2" in output
-    run_dir = out / "platform" / f"ddp-resnet18-{tiny_data.name}"
+def test_platform_script_trains_from_the_platform_variables_alone_and_node_1_takes_its_rank_from_rank(tiny_data,
+                                                                                                           launches):
+    """What a managed platform sets (seed 004), and no command-line arguments at all, on two nodes of one process each:
+    node 1 knows only its RANK (global rank of its first process)."""
+    outputs, out = two_nodes(launches, "platform")
+    assert "--node-rank=1" in outputs[1]
+    assert "ddp: world size 2" in outputs[0]
+    run_dir = out / f"ddp-resnet18-{tiny_data.name}"
     args = (run_dir / "args.json").read_text()
     assert '"epochs": 1' in args and '"lr": 0.01' in args and '"batch_size": 8' in args
     assert '"dist_backend": "gloo"' in args
     assert len((run_dir / "log.csv").read_text().splitlines()) == 2  # header + one epoch
-
-
-def test_platform_script_on_two_nodes_takes_the_node_rank_from_rank(launches):
-    """Two nodes of one process each; node 1 knows only its RANK (global rank of its first process)."""
-    outputs, _ = two_nodes(launches, "platform-two")
-    assert "--node-rank=1" in outputs[1]
-    assert "ddp: world size 2" in outputs[0]
 
 
 def test_platform_script_names_the_missing_variable(tmp_path):
