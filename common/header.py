@@ -35,7 +35,8 @@ def start_lines(trainer):
         lines.append(f"trainer: {config.trainer}")
     lines.append(f"model: {config.arch}" + (f" from {config.weights}" if config.weights else "")
                  + f", {'channels_last' if trainer.channels_last else 'default'} memory format "
-                 f"(--channels-last {config.channels_last}), --amp {config.amp}")
+                 f"(--channels-last {config.channels_last}), --amp {config.amp}"
+                 + (f"; changed for this data: {'; '.join(trainer.model_changes)}" if trainer.model_changes else ""))
     if config.val_preprocessing:
         lines.append(f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
                      f"{config.val_interpolation} (from {config.val_preprocessing}; --val-resize-size, "

@@ -3,6 +3,7 @@ a model's outputs (auxiliary heads' losses), its precision (autocast, and the wr
 memory format; the bare model inside its wrappers.
 """
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -12,19 +13,66 @@ from .errors import UsageError
 from .named import import_named
 
 
-def _replace_head(model, num_classes):
-    """Swap the last classifier layer of a pretrained model for one with `num_classes` outputs."""
-    for name, module in reversed(list(model.named_modules())):
+def _classifiers(model, outputs):
+    """(name, layer) of each classifier of `model` with `outputs` outputs: the head and any auxiliary head (Inception
+    v3's AuxLogits.fc, GoogLeNet's aux1/aux2.fc2), as Linear layers or 1x1 convolutions (SqueezeNet's)."""
+    return [(name, module) for name, module in model.named_modules()
+            if (isinstance(module, nn.Linear) and module.out_features == outputs)
+            or (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.out_channels == outputs)]
+
+
+def replace_heads(model, categories, num_classes):
+    """Swap every classifier of a pretrained model for `categories` classes (its head and its auxiliary heads) for
+    a new one of `num_classes` outputs, with new weights. Returns what it did, for the run's header."""
+    found = _classifiers(model, categories)
+    if not found:
+        raise UsageError(f"cannot find the {categories}-class classifier layer to replace for --pretrained")
+    for name, module in found:
+        where = dict(device=module.weight.device, dtype=module.weight.dtype)
         if isinstance(module, nn.Linear):
-            new = nn.Linear(module.in_features, num_classes)
-        elif isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1):  # squeezenet
-            new = nn.Conv2d(module.in_channels, num_classes, kernel_size=1)
+            new = nn.Linear(module.in_features, num_classes, **where)
         else:
-            continue
+            new = nn.Conv2d(module.in_channels, num_classes, kernel_size=1, **where)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        return model
-    raise UsageError("cannot find the classifier layer to resize for --pretrained")
+    return [f"{name}: {categories} -> {num_classes} classes, new weights" for name, _ in found]
+
+
+def adapt_first_conv(model, arch, channels, pretrained):
+    """Make a torchvision model (built for RGB) take `channels`-channel images: its first convolution's filters
+    summed over RGB for 1 channel, else repeated over the channels and scaled by 3/channels (timm's
+    adapt_input_conv), from the pretrained weights or the fresh ones (whose scale this keeps). Models that
+    re-normalise RGB inputs themselves (GoogLeNet's and Inception v3's transform_input) stop doing so. Returns what
+    it did, for the run's header; a model of yours is left as it is."""
+    if channels == 3 or custom_builder(arch) is not None:
+        return []
+    name, conv = next(((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)),
+                      (None, None))
+    if conv is not None and conv.in_channels == channels:
+        return []  # a model built for these channels
+    if conv is None or conv.in_channels != 3 or conv.groups != 1:
+        takes = f"{conv.in_channels}-channel" if conv is not None else "RGB"
+        raise UsageError(f"--arch {arch} takes {takes} images and the data's are {channels}-channel, and its first "
+                         "layer is no RGB convolution to adapt: convert the images in your dataset, or build the model "
+                         "for their channels (build_model)")
+    weight = conv.weight.detach()
+    if channels == 1:
+        weight = weight.sum(dim=1, keepdim=True) if pretrained else weight[:, :1]
+        how = "RGB filters summed" if pretrained else "new weights"
+    else:
+        weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels]
+        weight, how = (weight * (3 / channels), "RGB filters repeated, scaled by 3/channels") if pretrained else (weight, "new weights")
+    new = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                    bias=conv.bias is not None, padding_mode=conv.padding_mode, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if conv.bias is not None:
+            new.bias.copy_(conv.bias)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if getattr(model, "transform_input", False):
+        model.transform_input = False  # it re-normalises 3 channels from ImageNet's statistics to its own
+    return [f"{name}: 3 -> {channels} channels, {how}"]
 
 
 def custom_builder(arch):
@@ -67,8 +115,8 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
         if "dropout" in str(error):
             raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")
         raise
-    if len(weights.meta["categories"]) != num_classes:
-        model = _replace_head(model, num_classes)
+    categories = len(weights.meta["categories"])
+    model.adaptations = replace_heads(model, categories, num_classes) if categories != num_classes else []
     return model
 
 

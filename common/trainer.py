@@ -131,9 +131,13 @@ class Trainer:
         self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         model = self.build_model(self.classes)
+        channels = self.data.first_image[0] if self.data.first_image else 3
+        # What was changed of a torchvision model for this data (the header says it): the pretrained heads
+        # replaced for these classes (build_model), the first convolution adapted to the images' channels.
+        self.model_changes = [*getattr(model, "adaptations", []),
+                              *models.adapt_first_conv(model, config.arch, channels, config.pretrained)]
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
-        models.check_input_size(model, config.arch, sizes, config.val_crop_size,
-                                self.data.first_image[0] if self.data.first_image else 3)
+        models.check_input_size(model, config.arch, sizes, config.val_crop_size, channels)
         self.aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

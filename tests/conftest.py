@@ -54,6 +54,17 @@ def cpu_runtime(rank=0, world_size=1, mode="dp"):
     return Runtime(mode, torch.device("cpu"), rank, rank, world_size, world_size)
 
 
+# The smallest model of each classification family torchvision lists, and a crop it takes (the smallest
+# that is a multiple of 32 and at least its minimum; ViT and MaxViT take 224 alone, Inception v3's
+# auxiliary head needs 299 in training).
+FAMILIES = {"alexnet": ("alexnet", 64), "convnext": ("convnext_tiny", 32), "densenet": ("densenet121", 32),
+            "efficientnet": ("efficientnet_b0", 32), "googlenet": ("googlenet", 32), "inception": ("inception_v3", 299),
+            "maxvit": ("maxvit_t", 224), "mnasnet": ("mnasnet0_5", 32), "mobilenet": ("mobilenet_v3_small", 32),
+            "regnet": ("regnet_x_400mf", 32), "resnet": ("resnet18", 32), "resnext": ("resnext50_32x4d", 32),
+            "shufflenet": ("shufflenet_v2_x0_5", 32), "squeezenet": ("squeezenet1_1", 32), "swin": ("swin_t", 32),
+            "vgg": ("vgg11", 32), "vit": ("vit_b_16", 224), "wide_resnet": ("wide_resnet50_2", 32)}
+
+
 def built_trainer(*argv, trainer=None, datasets=None, runtime=None):
     """A Trainer built in-process from `argv` (trainer: a Trainer subclass), on `datasets` (else what the flags
     name), as common/run.py builds one for a fresh run (seed: --seed, else 0), without the lock, the agreement or a

@@ -64,3 +64,22 @@ def test_a_pretrained_evaluation_says_where_its_weights_and_preprocessing_came_f
     assert ("validation: resize 256, crop 224, bilinear (from ResNet18_Weights.IMAGENET1K_V1.transforms(); "
             "--val-resize-size, --val-crop-size, --interpolation override)") in lines
     assert trainer.evaluate(trainer.model)["count"] == 12
+
+
+def test_a_pretrained_model_on_1_channel_images_of_3_classes_says_what_was_changed_and_trains(tmp_path, monkeypatch):
+    """-a resnet18 --pretrained (a stand-in weights file, as above) on 1-channel images of 3 classes: the header
+    says that the 1000-class head was replaced and the first convolution adapted; a training step runs."""
+    import torch
+    import torchvision
+    weights = torchvision.models.ResNet18_Weights.DEFAULT
+    cache = tmp_path / "torch-home" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), cache / weights.url.rsplit("/", 1)[1])
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    trainer = built_trainer("-a", "resnet18", "--pretrained", "-b", "4", "--mean", "0.5", "--std", "0.25",
+                            "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
+                            datasets=tensor_datasets(size=32, train=4, val=2, channels=1))
+    [line] = [line for line in start_lines(trainer) if line.startswith("model: ")]
+    assert line.endswith("; changed for this data: fc: 1000 -> 3 classes, new weights; conv1: 3 -> 1 channels, "
+                         "RGB filters summed"), line
+    assert trainer.train_one_epoch(trainer.model, epoch=0)["count"] == 4

@@ -1,6 +1,7 @@
 """common/models.py: torchvision's models by name (or your own), the sizes each takes (refused in one line before any
 process trains), auxiliary heads' losses, autocast in DataParallel's replica threads, the memory format measured
 faster, and the bare model inside its wrappers."""
+import copy
 import threading
 
 import pytest
@@ -9,8 +10,9 @@ import torch.nn as nn
 import torchvision
 
 from common.errors import UsageError
-from common.models import (AutocastForward, build_model, check_input_size, loss_with_aux, unwrap, use_channels_last,
-                           warn_slow_amp)
+from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, loss_with_aux,
+                           replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
+from conftest import FAMILIES
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "squeezenet1_1"])
@@ -125,3 +127,51 @@ def test_amp_on_a_cpu_without_native_instructions_is_warned_of_once():
     assert all(line.startswith("warning: --amp bf16 on this CPU") for line in warned) and len(warned) <= 1
     warn_slow_amp("none", torch.device("cpu"), warned.append)
     assert len(warned) <= 1
+
+
+def meta_model(arch):
+    """torchvision's `arch` for 1000 classes on the meta device (no memory, no arithmetic)."""
+    options = {"init_weights": True} if arch in ("googlenet", "inception_v3") else {}
+    try:
+        with torch.device("meta"):
+            return torchvision.models.get_model(arch, **options)
+    except NotImplementedError:  # RegNet computes its widths with tensors
+        return torchvision.models.get_model(arch, **options).to("meta")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_head_of_a_pretrained_model_is_replaced_and_its_first_convolution_takes_the_datas_channels(family):
+    """For the smallest model of each torchvision family, built for ImageNet's 1000 classes: replace_heads swaps
+    the head and every auxiliary head (Inception v3's AuxLogits, GoogLeNet's aux1 and aux2) for 10 classes, and
+    adapt_first_conv makes it take 1-channel images: in training, every output it returns has 10 classes."""
+    arch, size = FAMILIES[family]
+    model = meta_model(arch)
+    replaced = replace_heads(model, 1000, 10)
+    assert len(replaced) == {"googlenet": 3, "inception": 2}.get(family, 1), replaced
+    assert all(line.endswith(": 1000 -> 10 classes, new weights") for line in replaced)
+    [changed] = adapt_first_conv(model, arch, 1, pretrained=True)
+    assert changed.endswith(": 3 -> 1 channels, RGB filters summed")
+    main, aux, _ = split_output(model.train()(torch.empty(2, 1, size, size, device="meta")))
+    assert [tuple(logits.shape) for logits in [main, *aux]] == [(2, 10)] * len(replaced)
+
+
+def test_an_adapted_first_convolution_sees_a_grey_image_as_the_rgb_one_saw_it_grey():
+    """Pretrained: for 1 channel the RGB filters are summed, so a grey image gives what the RGB model gave for it as
+    three equal channels; for 4 they are repeated and scaled by 3/4 (timm's adapt_input_conv); fresh weights keep
+    their scale. The header's line for each; a model of yours built for the channels is left as it is."""
+    torch.manual_seed(0)
+    rgb, grey = torchvision.models.resnet18().eval(), torch.rand(2, 1, 32, 32)
+    one = copy.deepcopy(rgb)
+    assert adapt_first_conv(one, "resnet18", 1, pretrained=True) == ["conv1: 3 -> 1 channels, RGB filters summed"]
+    with torch.no_grad():
+        assert torch.allclose(one.eval()(grey), rgb(grey.repeat(1, 3, 1, 1)), atol=1e-5)
+    four = copy.deepcopy(rgb)
+    assert adapt_first_conv(four, "resnet18", 4, True) == ["conv1: 3 -> 4 channels, RGB filters repeated, scaled by 3/channels"]
+    assert torch.equal(four.conv1.weight, torch.cat([rgb.conv1.weight, rgb.conv1.weight[:, :1]], dim=1) * 0.75)
+    fresh = copy.deepcopy(rgb)
+    assert adapt_first_conv(fresh, "resnet18", 1, False) == ["conv1: 3 -> 1 channels, new weights"]
+    assert torch.equal(fresh.conv1.weight, rgb.conv1.weight[:, :1])
+    assert adapt_first_conv(fresh, "resnet18", 1, False) == [] and adapt_first_conv(rgb, "resnet18", 3, True) == []
+    with pytest.raises(UsageError, match=r"^--arch mlp takes RGB images and the data's are 1-channel, and its first "
+                                         r"layer is no RGB convolution to adapt: convert the images in your dataset"):
+        adapt_first_conv(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 3)), "mlp", 1, False)

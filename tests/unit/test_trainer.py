@@ -12,7 +12,7 @@ import torchvision
 
 from common.errors import UsageError
 from common.trainer import Trainer, trainer_class
-from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
+from conftest import FAMILIES, built_trainer, cpu_runtime, parse, tensor_datasets
 
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
          "--epochs", "1", "-b", "4", "--seed", "1", "--lr-schedule", "constant", "--warmup-epochs", "0"]
@@ -137,17 +137,6 @@ def test_clipping_clips_the_unscaled_gradients_under_fp16():
     unscaled, scaled = step_taken(False), step_taken(True)
     assert unscaled.norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to 0.5, lr 1
     assert torch.allclose(scaled, unscaled, rtol=1e-4, atol=1e-6)
-
-
-# The smallest model of each classification family torchvision lists, and a crop it takes (the smallest
-# that is a multiple of 32 and at least its minimum; ViT and MaxViT take 224 alone, Inception v3's
-# auxiliary head needs 299 in training).
-FAMILIES = {"alexnet": ("alexnet", 64), "convnext": ("convnext_tiny", 32), "densenet": ("densenet121", 32),
-            "efficientnet": ("efficientnet_b0", 32), "googlenet": ("googlenet", 32), "inception": ("inception_v3", 299),
-            "maxvit": ("maxvit_t", 224), "mnasnet": ("mnasnet0_5", 32), "mobilenet": ("mobilenet_v3_small", 32),
-            "regnet": ("regnet_x_400mf", 32), "resnet": ("resnet18", 32), "resnext": ("resnext50_32x4d", 32),
-            "shufflenet": ("shufflenet_v2_x0_5", 32), "squeezenet": ("squeezenet1_1", 32), "swin": ("swin_t", 32),
-            "vgg": ("vgg11", 32), "vit": ("vit_b_16", 224), "wide_resnet": ("wide_resnet50_2", 32)}
 
 
 def test_the_families_cover_every_classification_model_torchvision_lists():
