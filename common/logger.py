@@ -24,13 +24,16 @@ STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/l
              "images_per_second": "step/images_per_second"}
 
 
-def epoch_row(epoch, start, lr, train, val, ema_val, bad_images):
-    """log.csv's row of an epoch that began at `start` (time.time()) with the lr `lr`: the run's columns, the
-    EMA's (`ema_val`, or None without one), then each named value (train_NAME, val_NAME, ema_val_NAME)."""
+def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
+    """log.csv's row of an epoch that began at `start` (time.time()) with each parameter group's lr `lrs`: the run's
+    columns (lr: the first group's; lr_group1, ...: the others', where they differ from it), the EMA's (`ema_val`,
+    or None without one), then each named value (train_NAME, val_NAME, ema_val_NAME)."""
     row = {"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
-           "seconds": round(time.time() - start, 3), "lr": lr, "train_loss": train["loss"], "train_acc1": train["acc1"],
+           "seconds": round(time.time() - start, 3), "lr": lrs[0], "train_loss": train["loss"], "train_acc1": train["acc1"],
            "val_loss": val["loss"], "val_acc1": val["acc1"], "val_acc5": val["acc5"],
            "images_per_second": round(train["images_per_second"], 1), "bad_images": len(bad_images)}
+    if len(set(lrs)) > 1:
+        row.update({f"lr_group{index}": lr for index, lr in enumerate(lrs) if index})
     if ema_val is not None:
         row.update({"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
                     **MetricSums.extra(ema_val, "ema_val_")})

@@ -69,10 +69,10 @@ DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
 
 
 def describe_optimizer(optimizer, config):
-    """One header line: the optimizer's class and its own settings, the lr (and how --lr-scaling got it), the
-    weight decay of each group, and --clip-grad-norm."""
-    lrs = sorted({group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}, reverse=True)
-    lr = f"lr {' to '.join(f'{value:g}' for value in lrs[::len(lrs) - 1 or 1])}"
+    """One header line: the optimizer's class and its own settings, the lr (each group's, where they differ; how
+    --lr-scaling got it), the weight decay of each group, and --clip-grad-norm."""
+    lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    lr = f"lr {lrs[0]:g}" if len(set(lrs)) == 1 else f"lr by parameter group {', '.join(f'{value:g}' for value in lrs)}"
     if config.lr_scaling == "linear":
         lr += f" ({config.lr_source} {config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}, --lr-scaling linear)"
     settings = []

@@ -11,7 +11,7 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
   optimizer, scheduler, scaler   their own state_dict(); scheduler_type: the scheduler's class
   model_ema        with --model-ema, ModelEma.state_dict(): {"state_dict": the EMA's weights, which load into the
                    same plain model, "n_averaged": its updates since it last restarted}
-  best_acc1, best_ema_acc1, epoch_lr (the lr at the start of the epoch in progress: log.csv's)
+  best_acc1, best_ema_acc1, epoch_lr (each parameter group's lr at the start of the epoch in progress: log.csv's)
   train_totals     the partial epoch's metric sums over all ranks (MetricSums.state_dict()), or None
   rng_states       every rank's random streams, in rank order (RandomStreams.state_dict())
   bad_images       the epoch's unreadable files, over all ranks (BadImageLog.state_dict())

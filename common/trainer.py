@@ -224,8 +224,8 @@ class Trainer:
             metrics.load_state_dict(self.resumed_totals)
         else:
             self.bad_images.next_epoch()
-        if not first_step or self.epoch_lr is None:  # log.csv's lr: the epoch's first
-            self.epoch_lr = self.optimizer.param_groups[0]["lr"]
+        if not first_step or self.epoch_lr is None:  # log.csv's lr: each group's at the epoch's first step
+            self.epoch_lr = [group["lr"] for group in self.optimizer.param_groups]
         counted_before = metrics.base.get("count", 0)
         progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
         model.train()

@@ -43,10 +43,12 @@ def test_log_csv_gains_the_ema_columns_on_a_resumed_run_and_keeps_them(tmp_path)
 def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_values():
     train = {"loss": 1.0, "acc1": 50.0, "images_per_second": 12.34, "margin": 0.5}
     val = {"loss": 0.9, "acc1": 60.0, "acc5": 100.0, "count": 6, "margin": 0.6}
-    row = epoch_row(3, 0.0, 0.1, train, val, {**val, "acc1": 70.0}, [["a.jpg", "x"]])
+    row = epoch_row(3, 0.0, [0.1, 0.1], train, val, {**val, "acc1": 70.0}, [["a.jpg", "x"]])
     assert list(row) == [*CSV_FIELDS, *EMA_FIELDS, "ema_val_margin", "train_margin", "val_margin"]
     assert (row["epoch"], row["lr"], row["images_per_second"], row["bad_images"], row["ema_val_acc1"]) == (3, 0.1, 12.3, 1, 70.0)
-    assert "ema_val_loss" not in epoch_row(3, 0.0, 0.1, train, val, None, [])
+    assert "ema_val_loss" not in epoch_row(3, 0.0, [0.1], train, val, None, [])
+    by_group = epoch_row(3, 0.0, [0.1, 0.01, 0.1], train, val, None, [])  # lr_groupN: each group's, where they differ
+    assert (by_group["lr"], by_group["lr_group1"], by_group["lr_group2"]) == (0.1, 0.01, 0.1)
 
 
 def test_a_rank_that_does_not_write_writes_nothing(tmp_path):

@@ -132,6 +132,8 @@ def test_each_parameter_group_keeps_its_own_lr_through_the_schedule_and_a_resume
     resumed.load_state_dict(scheduler.state_dict())
     assert [group["lr"] for group in resumed_optimizer.param_groups] == pytest.approx(lrs)
     assert stepped(resumed, resumed_optimizer, 4) == pytest.approx(stepped(scheduler, optimizer, 4))
+    assert describe_optimizer(optimizer_of(model), config("cosine")).startswith(
+        "optimizer: SGD, lr by parameter group 0.01, 0.1, momentum 0.9")  # the header: each group's
 
 
 def test_the_schedule_s_state_loads_with_weights_only(tmp_path):
