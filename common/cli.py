@@ -128,6 +128,9 @@ def _training_flags(add):
     add("--train-crop-size", type=int, default=None, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
     add("--val-resize-size", type=int, default=None, metavar="PX", help="validation resize (256; demo 36)")
     add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
+    add("--min-crop-scale", type=float, default=None, metavar="S",
+        help="RandomResizedCrop's smallest share of the image's area (0.08; demo 0.7)")
+    add("--hflip-prob", type=float, default=0.5, metavar="P", help="horizontal flip probability (%(default)s)")
     add("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
         help="image resizing in training and validation (bilinear; validation with --pretrained: the weights')")
 

@@ -148,7 +148,8 @@ def _layered_defaults(values):
     for name, value in chosen.items():
         if values.get(name) is None:
             values[name] = value
-    values["min_crop_scale"] = preset["min_crop_scale"]
+    if values["min_crop_scale"] is None:
+        values["min_crop_scale"] = preset["min_crop_scale"]
     if not warmup_given and values["warmup_epochs"] >= values["epochs"]:
         values["warmup_epochs"] = 0.0  # the preset's warmup does not fit a run this short
 
@@ -186,6 +187,10 @@ def _check(values):
         _within(values, "dropout", 0.0, 1.0, "in [0, 1)", high_open=True)
     _at_least(values, ["mixup_alpha", "cutmix_alpha"], 0, "0 (off) or positive")
     _within(values, "random_erase", 0.0, 1.0, "a probability in [0, 1]")
+    _within(values, "hflip_prob", 0.0, 1.0, "a probability in [0, 1]")
+    _within(values, "min_crop_scale", 0.0, 1.0, "in (0, 1]")
+    if values["min_crop_scale"] == 0:
+        raise UsageError("--min-crop-scale must be in (0, 1], got 0")
     _within(values, "model_ema_decay", 0.0, 1.0, "in [0, 1]")
     _at_least(values, ["model_ema_steps", "ra_reps"], 1, "1 or more")
     _within(values, "ra_magnitude", 0, 30, "in [0, 30]")

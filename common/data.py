@@ -17,6 +17,7 @@ from .datasets import ImageFiles, ItemCheck, SyntheticImages, first_item
 from .device_loader import Collate
 from .errors import UsageError
 from .preemption import ignore_stop_signals
+from .presets import PRESETS
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation
 
@@ -58,17 +59,37 @@ def default_transforms(config, floating, mean):
     augmentation = image_augmentation(config.auto_augment, config.ra_magnitude, config.random_erase,
                                       config.interpolation, config.augmix_severity, fill=fill)
     train = TrainPreset(config.train_crop_size, config.min_crop_scale, augmentation=augmentation,
-                        res_schedule=ResSchedule.parse(config.res_schedule), interpolation=config.interpolation)
+                        res_schedule=ResSchedule.parse(config.res_schedule), interpolation=config.interpolation,
+                        hflip_prob=config.hflip_prob)
     return train, EvalPreset(config.val_resize_size, config.val_crop_size, config.val_interpolation)
 
 
-def _wrapped(config, datasets, first, mean, seed):
+def check_replaced(config, train):
+    """A training transform that is not a TrainPreset (build_transforms replaced it) applies none of the flags
+    that the default one applies: refused in one line where one is given, not dropped."""
+    if isinstance(train, TrainPreset):
+        return
+    default_scale = PRESETS[config.data_preset]["min_crop_scale"]
+    unapplied = [text for text, given in [
+        (f"--auto-augment {config.auto_augment}", config.auto_augment != "none"),
+        (f"--random-erase {config.random_erase:g}", config.random_erase > 0),
+        (f"--res-schedule {config.res_schedule}", bool(config.res_schedule)),
+        (f"--hflip-prob {config.hflip_prob:g}", config.hflip_prob != 0.5),
+        (f"--min-crop-scale {config.min_crop_scale:g}", config.min_crop_scale != default_scale)] if given]
+    if unapplied:
+        raise UsageError(f"build_transforms replaced the training transform, which does not apply {', '.join(unapplied)}"
+                         f"{' (some from --preset ' + config.preset + ')' if config.preset else ''}: extend the default "
+                         "one instead (train.then(...)), or leave those flags out")
+
+
+def _wrapped(config, datasets, first, mean, seed, build_transforms):
     """The train and val sets as the loaders read them: unreadable items skipped (in training the next one takes
     a bad one's place, so every batch keeps its size; in validation it is left out, so none is counted twice;
     --strict-data: an error), a dataset's items checked, each image transformed with its own seed."""
     classes, train_set, val_set = datasets
     floating = bool(first and first[3].is_floating_point)
-    train_transform, val_transform = default_transforms(config, floating, mean)
+    train_transform, val_transform = build_transforms(*default_transforms(config, floating, mean))
+    check_replaced(config, train_transform)
 
     def skipping(dataset, split, replace):
         check = None if isinstance(dataset, ImageFiles) else ItemCheck(len(classes), split, first and first[0], floating)
@@ -77,9 +98,10 @@ def _wrapped(config, datasets, first, mean, seed):
             SeededTransform(skipping(val_set, "val", False), val_transform, seed))
 
 
-def build_data(config, datasets, seed, runtime):
+def build_data(config, datasets, seed, runtime, build_transforms=lambda train, val: (train, val)):
     """The loaders of one process over `datasets` ((classes, train set, val set) of (image, label) items): the
-    items checked (the first ones here, in this process), wrapped, sampled. On a GPU the batches stay as decoded
+    items checked (the first ones here, in this process), wrapped (each image through the transforms that
+    `build_transforms` makes of the defaults: Trainer.build_transforms), sampled. On a GPU the batches stay as decoded
     (pinned) for DeviceLoader to copy and normalise there; on the CPU the loader workers normalise them."""
     classes, train_set, val_set = datasets
     classes, synthetic = list(classes), isinstance(train_set, SyntheticImages)
@@ -88,7 +110,7 @@ def build_data(config, datasets, seed, runtime):
         first_item(val_set, "val", len(classes))
     mean, std, source = choose_normalisation(config, train_set, first[0] if first else None)
     if not synthetic:
-        train_set, val_set = _wrapped(config, (classes, train_set, val_set), first, mean, seed)
+        train_set, val_set = _wrapped(config, (classes, train_set, val_set), first, mean, seed, build_transforms)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th
     # index, so batch k of all ranks together is batch k of a single process.
     rank, world_size = runtime.rank, runtime.world_size

@@ -85,6 +85,15 @@ class Trainer:
         attributes for images that are not ImageNet-like (else --mean / --std)."""
         return build_datasets(self.config)
 
+    def build_transforms(self, train, val):
+        """(train, val): the per-image transforms, given the defaults of the flags to extend or replace. `train`
+        (transforms.TrainPreset) crops, flips, then applies --auto-augment and --random-erase; `train.then(t, ...)`
+        adds torchvision transforms after the flip, seeded per image by (seed, epoch, index) as the rest (bitwise
+        resume, DP = DDP). `val` (EvalPreset) resizes and centre-crops. Each is called as transform(image, rng) on
+        a uint8 CHW tensor (float in 0-1 for such datasets), rng a random.Random to draw from; the batch is
+        normalised afterwards. A replaced `train` is refused with the flags only the default applies."""
+        return train, val
+
     def build_model(self, classes):
         """The bare model for the class names `classes` (on the CPU; the base class moves it to the device and
         wraps it). Its forward may return logits, or (logits, auxiliary logits, ...) / {"logits": ..., ...}
@@ -127,7 +136,7 @@ class Trainer:
         config, runtime, device = self.config, self.runtime, self.runtime.device
         self.seed = seed
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
-        self.data = data.build_data(config, datasets, seed, runtime)
+        self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         model = self.build_model(self.classes)

@@ -6,6 +6,7 @@ workers do). Augmentation is seeded per image from (seed, epoch, index) (SeededT
 same crop (and auto-augment, erasing) whichever process or loader worker reads it: DP, DDP and spawn see the
 same batches for the same seed and global batch.
 """
+import copy
 import math
 import random
 
@@ -21,19 +22,27 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class TrainPreset:
-    """RandomResizedCrop + horizontal flip on uint8, then `augmentation` (image_augmentation(): auto-augment,
-    random erasing), in the order of torchvision's presets. Every draw comes from `rng` (a random.Random):
-    crop and flip directly, the augmentation from a torch seed drawn after them (so crop and flip are
-    those of a run without augmentation), so the result depends on nothing but the seed it was given.
-    res_schedule (a ResSchedule): the crop size follows set_epoch."""
+    """RandomResizedCrop + horizontal flip on uint8, then the transforms added by then() (yours), then
+    `augmentation` (image_augmentation(): auto-augment, random erasing), in the order of torchvision's presets.
+    Every draw comes from `rng` (a random.Random): crop and flip directly, yours and the augmentation from torch
+    seeds drawn after them (so crop and flip are those of a run without them), so the result depends on nothing
+    but the seed it was given. res_schedule (a ResSchedule): the crop size follows set_epoch."""
 
     def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None,
-                 interpolation="bilinear"):
+                 interpolation="bilinear", hflip_prob=0.5):
         self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
-        self.interpolation = F.InterpolationMode(interpolation)
-        self.augmentation, self.res_schedule = augmentation, res_schedule
+        self.interpolation, self.hflip_prob = F.InterpolationMode(interpolation), hflip_prob
+        self.augmentation, self.res_schedule, self.added = augmentation, res_schedule, []
         if res_schedule is not None:
             self.set_epoch(0)
+
+    def then(self, *transforms):
+        """A copy that applies `transforms` (torchvision's v2 transforms, or any callable on the image tensor) after
+        the crop and flip, before --auto-augment and --random-erase; their random draws (torch's RNG) are seeded
+        per image like the crop's."""
+        extended = copy.copy(self)
+        extended.added = [*self.added, *transforms]
+        return extended
 
     def set_epoch(self, epoch):
         if self.res_schedule is not None:  # progressive resizing: this epoch's crop size
@@ -61,8 +70,12 @@ class TrainPreset:
         top, left, height, width = self.crop_box(*image.shape[-2:], rng)
         image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size],
                                interpolation=self.interpolation, antialias=True)
-        if rng.random() < 0.5:
+        if rng.random() < self.hflip_prob:
             image = F.horizontal_flip(image)
+        if self.added:
+            with seeded(rng):
+                for transform in self.added:
+                    image = transform(image)
         if self.augmentation is not None:
             with seeded(rng):  # torchvision draws from torch's RNG: here a fork of it, seeded from rng
                 image = self.augmentation(image)

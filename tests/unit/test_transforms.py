@@ -6,11 +6,14 @@ import random
 import pytest
 import torch
 from torchvision.models import get_model_weights
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from common.augment import image_augmentation
+from common.errors import UsageError
+from common.trainer import Trainer
 from common.transforms import EvalPreset, Normalise, SeededTransform, TrainPreset
-from conftest import parse
+from conftest import built_trainer, parse, tensor_datasets
 
 # Every pixel different, so that any two different crops or flips give different images.
 PATTERN = (torch.arange(3 * 40 * 40) * 7919 % 251).to(torch.uint8).view(3, 40, 40)
@@ -154,3 +157,53 @@ def test_normalise_takes_uint8_on_the_0_255_scale_and_float_on_0_1_to_the_same_i
     assert torch.allclose(normalise(pixels), expected, atol=1e-5)
     assert torch.allclose(normalise(pixels.float() / 255), expected, atol=1e-5)
     assert normalise.to(torch.device("cpu"))(pixels).dtype == torch.float32
+
+
+def test_the_flip_probability_and_the_smallest_crop_are_flags():
+    """--hflip-prob and --min-crop-scale reach the preset: a crop of the whole image (scale and ratio 1) flipped
+    never at 0 and always at 1."""
+    image = torch.arange(3 * 8 * 8, dtype=torch.uint8).reshape(3, 8, 8)
+    for prob, expected in ((0.0, image), (1.0, F.horizontal_flip(image))):
+        preset = TrainPreset(8, min_scale=1.0, ratio=(1.0, 1.0), hflip_prob=prob)
+        assert all(torch.equal(preset(image, random.Random(seed)), expected) for seed in range(8))
+    config = parse("--hflip-prob", "0.25", "--min-crop-scale", "0.5")
+    assert (config.hflip_prob, config.min_crop_scale) == (0.25, 0.5)
+    assert parse().min_crop_scale == 0.7 and parse("--data", "x").min_crop_scale == 0.08  # the presets'
+
+
+class Rotated(Trainer):
+    """Adds a random rotation after the crop and flip."""
+
+    def build_transforms(self, train, val):
+        return train.then(v2.RandomRotation(30)), val
+
+
+def test_build_transforms_extends_the_default_pipeline_seeded_per_image_as_the_rest():
+    """An added torchvision transform draws from a seed of (seed, epoch, index): the same image is rotated the same
+    way in another process (another build) and differently at another index or epoch; crop and flip stay those of
+    the run without it, and the flags the default applies still apply."""
+    flags = ("-b", "4", "--train-crop-size", "16", "--auto-augment", "ta_wide")
+    plain, first, again = (built_trainer(*flags, trainer=trainer, datasets=tensor_datasets(size=16))
+                           for trainer in (Trainer, Rotated, Rotated))
+    train = [made.data.train_loader.dataset for made in (plain, first, again)]
+    assert train[1].transform.augmentation is not None and len(train[1].transform.added) == 1
+    assert all(torch.equal(train[1][index][0], train[2][index][0]) for index in range(4))
+    assert not all(torch.equal(train[0][index][0], train[1][index][0]) for index in range(4))
+    before = train[1][0][0]
+    train[1].set_epoch(1)
+    assert not torch.equal(before, train[1][0][0])
+
+
+def test_a_replaced_training_transform_refuses_the_flags_it_no_longer_applies():
+    class Replaced(Trainer):
+        def build_transforms(self, train, val):
+            return (lambda image, rng: F.resize(image, [16, 16])), val
+    trainer = built_trainer("-b", "4", trainer=Replaced, datasets=tensor_datasets(size=16))  # no such flag: fine
+    assert trainer.data.train_loader.dataset[0][0].shape == (3, 16, 16)
+    with pytest.raises(UsageError) as refused:
+        built_trainer("-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced,
+                      datasets=tensor_datasets(size=16))
+    assert str(refused.value) == (
+        "build_transforms replaced the training transform, which does not apply --auto-augment ta_wide, "
+        "--random-erase 0.1, --hflip-prob 0 (some from --preset tv-v2): extend the default one instead (train.then(...)), "
+        "or leave those flags out")
