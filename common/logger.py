@@ -124,6 +124,16 @@ class RunLogger:
                 self.tensorboard.add_scalar(STEP_TAGS.get(key, f"step/train_{key}"), value, global_step)
             self.tensorboard.flush()
 
+    def write_tables(self, epoch, summaries):
+        """metrics/SPLIT_epochE.json: the tensor results of the metrics (Trainer.build_metrics) of each split's
+        summary (MetricSums.summary()) of `epoch`, as nested lists by name; nothing where a split has none."""
+        for split, summary in summaries.items():
+            tables = MetricSums.tables(summary)
+            if self.writes and tables:
+                (self.output_dir / "metrics").mkdir(exist_ok=True)
+                text = json.dumps({name: table.tolist() for name, table in tables.items()})
+                write_text(self.output_dir / "metrics" / f"{split}_epoch{epoch}.json", text)
+
     def write_bad_images(self, found):
         """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""
         if self.writes and not found:

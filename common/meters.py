@@ -27,14 +27,20 @@ class MetricSums:
     device, without a host sync per step. A named value is a batch mean (a scalar); its sum is weighted by
     the batch's images, so its epoch value is the mean over every image of every rank.
 
+    `metrics` ({name: SummedMetric}, Trainer.build_metrics) keep states of their own here, summed the same way and
+    turned into results by the metric once summed.
+
     Values are read (and summed over all ranks) only when `summary()` is called. `base` holds totals over
     all ranks carried over from before a mid-epoch resume, by name (load_state_dict)."""
 
-    def __init__(self, device):
+    def __init__(self, device, metrics=None):
         self.device, self.names = device, list(BUILT_IN)
         self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.count = 0  # known on the host: no need to read it from the device
         self.base = {}
+        self.metrics = dict(metrics or {})
+        self.states = {name: torch.zeros(metric.shape, dtype=torch.float64, device=device)
+                       for name, metric in self.metrics.items()}
 
     def state_dict(self):
         """The totals over all ranks, by name (a collective), base included."""
@@ -64,6 +70,8 @@ class MetricSums:
             self.sums = torch.cat([self.sums, self.sums.new_zeros(len(new))])
         zero = self.sums.new_zeros(())
         self.sums += torch.stack([batch.get(name, zero) for name in self.names])
+        for name, metric in self.metrics.items():
+            metric.update(self.states[name], output.detach(), target)
         self.count += n
 
     def totals(self, reduce=True):
@@ -75,9 +83,13 @@ class MetricSums:
         index = {name: i for i, name in enumerate(self.names)}
         sums = torch.stack([self.sums[index[name]] if name in index else self.sums.new_zeros(()) for name in names]
                            + [self.sums.new_tensor(float(self.count))])
-        if reduce:
-            distributed.all_reduce_sum(sums)
+        states = [self.states[name].flatten() for name in self.metrics]
+        if reduce:  # one collective for the sums and the metrics' states
+            flat = distributed.all_reduce_sum(torch.cat([sums, *states]))
+            sums, states = flat[:len(sums)], list(flat[len(sums):].split([state.numel() for state in states]))
         totals = dict(zip([*names, "count"], sums.tolist()))
+        totals.update({name: state.view(self.states[name].shape).cpu()
+                       for name, state in zip(self.metrics, states)})
         if reduce:
             for name, value in self.base.items():
                 totals[name] = totals.get(name, 0.0) + value
@@ -87,18 +99,28 @@ class MetricSums:
         """{'loss', 'acc1', 'acc5', 'count', and each named value}: means over all ranks' images when `reduce`,
         else over this rank's."""
         totals = self.totals(reduce)
+        results = {}
+        for name, metric in self.metrics.items():
+            results.update(metric.compute(totals.pop(name)))
         count = totals.pop("count")
         denominator = max(count, 1.0)
         summary = {"loss": totals.pop("loss") / denominator, "acc1": 100.0 * totals.pop("hits1") / denominator,
                    "acc5": 100.0 * totals.pop("hits5") / denominator, "count": int(count)}
         summary.update({name: value / denominator for name, value in totals.items()})
+        summary.update(results)
         return summary
 
     @staticmethod
     def extra(summary, prefix=""):
-        """The named values of a summary(): all but the run's own, each name after `prefix` (log.csv's train_)."""
+        """The named numbers of a summary(): all but the run's own and the metrics' tensors, each name after `prefix`
+        (log.csv's train_)."""
         return {prefix + name: value for name, value in summary.items()
-                if name not in ("loss", "acc1", "acc5", "count", "images_per_second")}
+                if name not in ("loss", "acc1", "acc5", "count", "images_per_second") and isinstance(value, (int, float))}
+
+    @staticmethod
+    def tables(summary):
+        """The metrics' tensor results of a summary() (a confusion matrix, per-class accuracies), by name."""
+        return {name: value for name, value in summary.items() if isinstance(value, torch.Tensor)}
 
 
 class ProgressMeter:

@@ -116,6 +116,19 @@ class Trainer:
         is saved in every checkpoint and loaded on resume. The default: --lr-schedule (schedule.LrSchedule)."""
         return schedule.build_scheduler(optimizer, self.config, steps_per_epoch)
 
+    def build_metrics(self, split):
+        """{name: metric} kept beside the loss and accuracy in `split` ("train" or "val"): metrics whose state is
+        summed over batches and ranks exactly (common/metrics.py: SummedMetric, ConfusionMatrix), their numbers
+        shown and logged as SPLIT_NAME, their tensors written to metrics/SPLIT_epochE.json, a partial training
+        epoch's state checkpointed and resumed. The default: none."""
+        return {}
+
+    def after_validation(self, epoch, results, label=""):
+        """Called on every rank after each validation (label "EMA": of the EMA's weights) with its results summed over
+        all ranks: loss, acc1, acc5, count, each named value and each metric's results (tensors too). `epoch`: the
+        epoch trained, as log.csv counts it (-e: the checkpoint's last, -1 for weights not trained here). The
+        default does nothing."""
+
     def train_step(self, model, images, labels):
         """One batch's forward, under autocast: returns (loss, logits) or (loss, logits, {name: value}), each
         value a scalar (the batch's mean) that is summed over ranks exactly, shown, logged in log.csv as
@@ -158,6 +171,7 @@ class Trainer:
             self.ema = ModelEma(self.model, decay, config.model_ema_steps, config.warmup_epochs)
         seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
         self.criterion = self.build_criterion().to(device)
+        self.metrics = {split: self.build_metrics(split) for split in ("train", "val")}
         self.optimizer = self.build_optimizer(self.model)
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
@@ -205,16 +219,17 @@ class Trainer:
             train = self.train_one_epoch(train_model, epoch, self.start_step if epoch == self.start_epoch else 0)
             # BatchNorm statistics drift apart across ranks: validate and save rank 0's.
             distributed.broadcast_buffers(self.model)
-            val = self.evaluate(eval_model)
+            val = self.evaluate(eval_model, epoch=epoch)
             if self.ema is not None:  # its BatchNorm statistics average each rank's own: rank 0's too
                 distributed.broadcast_buffers(self.ema.module)
-                ema_val = self.evaluate(self.ema.module, label="EMA")
+                ema_val = self.evaluate(self.ema.module, label="EMA", epoch=epoch)
                 self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
             is_best = val["acc1"] > self.best_acc1
             self.best_acc1 = max(val["acc1"], self.best_acc1)
             bad_images = self.save(epoch + 1, is_best=is_best)
             self.log.log_epoch(epoch_row(epoch, epoch_start, self.epoch_lr, train, val,
                                          ema_val if self.ema is not None else None, bad_images))
+            self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
             if epoch + 1 < config.epochs and self.stop_signal.poll(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
         return self._finish(time.time() - wall_start, train, val, ema_val)
@@ -228,7 +243,7 @@ class Trainer:
         # the augmentation's seeds follow the epoch too.
         self.data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
         self.data.train_loader.dataset.set_epoch(epoch)
-        metrics = MetricSums(device)
+        metrics = MetricSums(device, self.metrics["train"])
         if first_step:
             metrics.load_state_dict(self.resumed_totals)
         else:
@@ -283,14 +298,14 @@ class Trainer:
                            "lr": lr, "images_per_second": speed[0]})
         progress.display(step, summary, lr=lr, speed=speed)
 
-    def evaluate(self, model, label=""):
+    def evaluate(self, model, label="", epoch=None):
         """The metrics of evaluate_step over this rank's shard of the val set, summed over all ranks: each image
         counted once. Ranks may hold different numbers of batches, so the progress lines show rank 0's shard alone
         and the only collectives are the final sum's. `label` names the model in the result line (" * EMA Acc@1").
         A validation that could not read its images ends the run in one line, the files in bad_images.txt."""
         config, device = self.config, self.runtime.device
         model.eval()
-        metrics = MetricSums(device)
+        metrics = MetricSums(device, self.metrics["val"])
         progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip(), self.log.print)
         with torch.inference_mode():
             for step, (images, target) in enumerate(self.val_batches):
@@ -308,6 +323,7 @@ class Trainer:
         except UsageError:
             self.log.write_bad_images(self.bad_images.sync())
             raise
+        self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
