@@ -3,7 +3,10 @@
 A module of their own, importing nothing of this repository (nor torch): every part of common/ raises them,
 and none needs the command line for it.
 """
+import ctypes
+import os
 import signal
+import sys
 
 
 class UsageError(Exception):
@@ -54,3 +57,22 @@ def stop_at_once_until_training():
     (not 143, a death by SIGTERM); preemption.StopSignal takes over when training starts."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _stop_during_start_up)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_launcher():
+    """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends,
+    however it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM: at once before training,
+    else at the next step with its checkpoint and exit code 75, rather than train on as an orphan that holds the
+    output directory. Linux (prctl PR_SET_PDEATHSIG, which the kernel sends when the parent ends); elsewhere
+    nothing. A launcher that ended while this was set up: the process sends it itself."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # (a launcher that is PID 1, in a container, is no sign of one that ended)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -4,12 +4,13 @@ Bad input (UsageError) is one line on stderr and exit code 2 (a checkpoint that 
 on request (Preempted) exits 75; Ctrl-C 130; a failure that is not this process's own fault (a lost peer, a
 killed loader worker) one line and 1. Anything else is a bug, and its traceback is the report.
 """
+import os
 import signal
 import sys
 import traceback
 
 from .console import say
-from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, stop_at_once_until_training
+from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, end_with_launcher, stop_at_once_until_training
 
 
 def known_failure(error):
@@ -56,6 +57,8 @@ def run_main(main, parse_args):
     try:
         try:
             stop_at_once_until_training()
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun (or of the legacy launcher)
+                end_with_launcher()
             main(parse_args())
         finally:
             _clean_up()
@@ -78,6 +81,7 @@ def run_worker(rank, body, usage_errors):
     try:
         try:
             stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too
+            end_with_launcher()
             body()
         finally:
             _clean_up()

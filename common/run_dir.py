@@ -95,11 +95,13 @@ def link_or_copy(source, path):
 
 
 def _describe_holder(path):
+    """(who holds the lock at `path`, in words; whether it is stopping)."""
     try:
         holder = json.loads(Path(path).read_text() or "{}")
-        return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}"
+        stopping = f", stopping on {holder['stopping']}" if holder.get("stopping") else ""
+        return f"host {holder['host']}, PID {holder['pid']}, started {holder['started']}{stopping}", bool(stopping)
     except (OSError, ValueError, KeyError, TypeError):
-        return "which has not written who it is yet"
+        return "which has not written who it is yet", False
 
 
 class OutputLock:
@@ -108,7 +110,8 @@ class OutputLock:
     the same directory (a duplicate submission, a requeue while the lost node's step still runs, a fine-tune
     whose default --output-dir is its parent's) is refused in one line naming the first. A POSIX lock
     (lockf): it works over NFS, and a forked loader worker does not inherit it. `wait`: seconds to wait for
-    the holder (a restarted job's predecessor); `say` tells that it waits."""
+    the holder (a restarted job's predecessor); a holder that is stopping (mark_stopping: its launcher ended,
+    a stop signal came) is waited for up to LOCK_WAIT_ON_RESTART s anyway. `say` tells that it waits."""
 
     def __init__(self, output_dir, wait=0.0, say=None):
         self.directory = Path(output_dir)
@@ -138,7 +141,9 @@ class OutputLock:
                 if error.errno not in (errno.EACCES, errno.EAGAIN):
                     os.close(self.fd)
                     raise UsageError(f"cannot lock {self.path} ({error.strerror or error})") from None
-            holder = _describe_holder(self.path)
+            holder, stopping = _describe_holder(self.path)
+            if stopping and wait < LOCK_WAIT_ON_RESTART:  # it writes its last checkpoint and ends: wait for it
+                wait, deadline = LOCK_WAIT_ON_RESTART, time.monotonic() + LOCK_WAIT_ON_RESTART
             if time.monotonic() >= deadline:
                 os.close(self.fd)
                 raise UsageError(f"{self.directory} is in use by another run ({holder}): one run at a time writes "
@@ -149,15 +154,24 @@ class OutputLock:
                 said = True
             time.sleep(1)
 
-    def _write_holder(self):
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": started}) + "\n"
+    def _write_holder(self, stopping=None):
+        self.started = getattr(self, "started", None) or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
+        text = json.dumps({**holder, **({"stopping": stopping} if stopping else {})}) + "\n"
         try:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, text.encode(), 0)
         except OSError as error:  # a full disk, say
             raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
                              "choose a directory you can write to") from None
+
+    def mark_stopping(self, reason):
+        """Say in the lock that this run is stopping (on `reason`): a run started in this directory meanwhile waits
+        for it to end. Once; a lock that cannot be written stays as it was."""
+        if not getattr(self, "stopping", False) and not self.warning:
+            self.stopping = True
+            with contextlib.suppress(UsageError):
+                self._write_holder(stopping=reason)
 
     def abandon(self):
         """A run that ended before it wrote anything leaves no directory that it created."""

@@ -53,7 +53,7 @@ def step_result(result, method):
 
 
 class Trainer:
-    """A training run. The parts a researcher changes are the hooks below (add_arguments to evaluate_step):
+    """A training run. The parts a researcher changes are the hooks below (add_arguments to after_validation):
     override them in a subclass, and select it with --trainer package.module:Class (docs/adapting.md). Each hook
     gets what it uses as arguments, besides self.config (the frozen flags) and self.runtime (device, rank, world
     size). What keeps a run exact and resumable stays here: seeding, sampling, exact validation, bad files,
@@ -116,11 +116,11 @@ class Trainer:
         is saved in every checkpoint and loaded on resume. The default: --lr-schedule (schedule.LrSchedule)."""
         return schedule.build_scheduler(optimizer, self.config, steps_per_epoch)
 
-    def build_metrics(self, split):
-        """{name: metric} kept beside the loss and accuracy in `split` ("train" or "val"): metrics whose state is
-        summed over batches and ranks exactly (common/metrics.py: SummedMetric, ConfusionMatrix), their numbers
-        shown and logged as SPLIT_NAME, their tensors written to metrics/SPLIT_epochE.json, a partial training
-        epoch's state checkpointed and resumed. The default: none."""
+    def build_metrics(self, split, classes):
+        """{name: metric} kept beside the loss and accuracy in `split` ("train" or "val") for the class names
+        `classes`: metrics whose state is summed over batches and ranks exactly (common/metrics.py: SummedMetric,
+        ConfusionMatrix), their numbers shown and logged as SPLIT_NAME, their tensors written to
+        metrics/SPLIT_epochE.json, a partial training epoch's state checkpointed and resumed. The default: none."""
         return {}
 
     def after_validation(self, epoch, results, label=""):
@@ -171,7 +171,7 @@ class Trainer:
             self.ema = ModelEma(self.model, decay, config.model_ema_steps, config.warmup_epochs)
         seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
         self.criterion = self.build_criterion().to(device)
-        self.metrics = {split: self.build_metrics(split) for split in ("train", "val")}
+        self.metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
         self.optimizer = self.build_optimizer(self.model)
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
@@ -230,7 +230,7 @@ class Trainer:
             self.log.log_epoch(epoch_row(epoch, epoch_start, self.epoch_lr, train, val,
                                          ema_val if self.ema is not None else None, bad_images))
             self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
-            if epoch + 1 < config.epochs and self.stop_signal.poll(now=True):
+            if epoch + 1 < config.epochs and self._stop_agreed(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
         return self._finish(time.time() - wall_start, train, val, ema_val)
 
@@ -274,13 +274,13 @@ class Trainer:
                 self._progress_line(progress, metrics, epoch, step)
             if self.ema is not None:
                 self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
-            stop = self.stop_signal.poll()  # agreed over the ranks, the answer of the step before (no wait)
+            stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
             every = config.checkpoint_interval
             if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):
                 self.save(epoch, done, metrics)
             if stop:
                 self._stopped(epoch, done)
-        if self.stop_signal.poll(now=True):
+        if self._stop_agreed(now=True):
             # Asked to stop in the epoch's last steps: its checkpoint before validation (which may take long,
             # twice with --model-ema); a resumed run validates it.
             self.save(epoch, self.steps_per_epoch, metrics)
@@ -336,6 +336,14 @@ class Trainer:
                 save_checkpoint(checkpoint, self.config.output_dir, is_best)
                 self.log.write_bad_images(checkpoint["bad_images"])
         return checkpoint["bad_images"]
+
+    def _stop_agreed(self, now=False):
+        """Whether the ranks agreed to stop (StopSignal.poll); once they have, the output directory's lock says that
+        its run is stopping, so that the job that replaces it waits for it rather than being refused."""
+        stop = self.stop_signal.poll(now=now)
+        if stop and getattr(self, "output_lock", None) is not None:
+            self.output_lock.mark_stopping(self.stop_signal.received or "a signal to another rank")
+        return stop
 
     def _stopped(self, epoch, step):
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""

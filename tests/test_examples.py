@@ -1,9 +1,11 @@
-"""examples/: the five changes a researcher makes (own model with an auxiliary head, own dataset, distillation,
-another optimizer and schedule with clipping, an extra metric), each one file of theirs, run with the real
+"""examples/: the changes a researcher makes (own model with an auxiliary head, own dataset, distillation, another
+optimizer and schedule with clipping, an extra metric, layer-wise learning rates, own augmentation, a metric with a
+state: a confusion matrix), each one file of theirs, run with the real
 launchers: torchrun with 2 processes against one process (the same losses and named values, 1e-5), a SIGKILL
 of the whole job mid-epoch then --resume auto (bitwise the weights, exactly the logged values of the run that
 was never stopped), and validation counting each image once."""
 import csv
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,13 +32,24 @@ def example_arguments(name, data, teacher):
                              "--teacher", teacher, "--teacher-arch", "tests.tiny_models:TinyNet"],
             "adamw_onecycle": [*TINY_NET, "--data", data, "--trainer", "examples.adamw_onecycle:AdamWOneCycle",
                                "--clip-grad-norm", "0.05", "--wd", "0.05"],
-            "extra_metric": [*TINY_NET, "--data", data, "--trainer", "examples.extra_metric:WithConfidence"]}[name]
+            "extra_metric": [*TINY_NET, "--data", data, "--trainer", "examples.extra_metric:WithConfidence"],
+            "layerwise_lr": [*TINY_NET, "--data", data, "--trainer", "examples.layerwise_lr:LayerwiseLr"],
+            "own_augmentation": [*TINY_NET, "--data", data, "--trainer", "examples.own_augmentation:Rotation",
+                                 "--rotation", "30"],
+            "confusion_matrix": [*TINY_NET, "--data", data, "--trainer", "examples.confusion_matrix:PerClass"]}[name]
 
 
-EXAMPLES = ["aux_model", "csv_dataset", "distillation", "adamw_onecycle", "extra_metric"]
+EXAMPLES = ["aux_model", "csv_dataset", "distillation", "adamw_onecycle", "extra_metric", "layerwise_lr",
+            "own_augmentation", "confusion_matrix"]
 # The named values each example logs (log.csv columns beyond the run's own).
 NAMED = {"distillation": ["train_ce_loss", "train_distill_loss"],
-         "extra_metric": ["train_top5_error", "train_confidence", "val_top5_error", "val_confidence"]}
+         "extra_metric": ["train_top5_error", "train_confidence", "val_top5_error", "val_confidence"],
+         "layerwise_lr": ["lr_group1"], "confusion_matrix": ["train_balanced_acc", "val_balanced_acc"]}
+
+
+def tables(folder):
+    """{file: its content} of the metrics/ folder of a run (examples.confusion_matrix's per-epoch JSON files)."""
+    return {path.name: path.read_text() for path in sorted((folder / "metrics").glob("*.json"))}
 
 
 def torchrun(*args):
@@ -116,6 +129,7 @@ def test_an_example_under_ddp_follows_the_single_process_run(example_runs, name)
     for a, b in zip(single, ddp):
         for column in columns:
             assert float(a[column]) == pytest.approx(float(b[column]), rel=1e-5, abs=1e-5), (column, a, b)
+    assert tables(folder / "single") == tables(folder / "ddp")  # counts summed over the ranks exactly
     # Equality proves nothing if training stood still: the last 2 steps moved the weights.
     last, before = (torch.load(folder / "ddp" / file, weights_only=True)["state_dict"]
                     for file in ("checkpoint.pth", "checkpoint_prev.pth"))
@@ -134,6 +148,7 @@ def test_an_example_killed_mid_epoch_resumes_to_the_same_end_bitwise(example_run
     uninterrupted, resumed = log_rows(folder / "ddp"), log_rows(folder / "killed")
     for column in compared_columns(uninterrupted):  # the named values' sums too: resumed by name
         assert [row[column] for row in uninterrupted] == [row[column] for row in resumed], column
+    assert tables(folder / "ddp") == tables(folder / "killed")  # a metric's state too
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -142,3 +157,19 @@ def test_an_example_validates_every_image_once(example_runs, name):
     for run, output in outputs.items():
         counts = re.findall(r"^ \* Acc@1 .*\((\d+) images\)$", output, re.MULTILINE)
         assert counts and set(counts) == {str(VAL_IMAGES)}, (run, output[-2000:])
+
+
+def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
+    """layerwise_lr: the header lists both groups' lrs and log.csv the backbone's at a tenth of the head's;
+    confusion_matrix: the per-class line after each validation and a matrix per epoch that counts every val image
+    once; own_augmentation: a rotation changes the training (its loss differs from the same run's without it)."""
+    outputs, folder = example_runs["layerwise_lr"]
+    assert "optimizer: SGD, lr by parameter group 0.02, 0.002, momentum 0.9" in outputs["ddp"]
+    assert all(float(row["lr_group1"]) == pytest.approx(float(row["lr"]) / 10) for row in log_rows(folder / "ddp"))
+    outputs, folder = example_runs["confusion_matrix"]
+    assert re.search(r"^ \* per-class acc@1 [\d.]+, [\d.]+, [\d.]+; lowest: \w+$", outputs["ddp"], re.MULTILINE)
+    matrices = [json.loads(text)["confusion"] for name, text in tables(folder / "ddp").items() if name.startswith("val")]
+    assert len(matrices) == 2 and all(sum(map(sum, matrix)) == VAL_IMAGES for matrix in matrices)
+    rotated = log_rows(example_runs["own_augmentation"][1] / "ddp")
+    plain = log_rows(example_runs["extra_metric"][1] / "ddp")  # the same flags but --trainer's, no rotation
+    assert rotated[0]["train_loss"] != plain[0]["train_loss"]

@@ -146,11 +146,12 @@ def dp_interrupted_runs(data, out):
 def torchrun_interrupted_runs(data, out):
     """One train_ddp.py run under torchrun, `--resume auto` every time: a worker SIGKILLed at epoch 0
     step 7 (torchrun restarts both, --max-restarts=1), SIGTERM to torchrun at epoch 1 step 7, then
-    (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 7, then on to the end."""
-    def command(*extra):
+    (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 7, then (relaunched, real workers)
+    SIGKILL to torchrun alone at epoch 2 step 11 and at once a relaunch, which goes on to the end."""
+    def command(*extra, prewarmed=True):
         return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *RUN, "-j", "0", "--data", data,
-                "--output-dir", out, "--resume", "auto"]
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py", prewarmed=prewarmed),
+                *RUN, "-j", "0", "--data", data, "--output-dir", out, "--resume", "auto"]
 
     stages = SimpleNamespace()
     job = Job(command("--max-restarts=1"))
@@ -167,9 +168,26 @@ def torchrun_interrupted_runs(data, out):
     stages.worker_sigterm = interrupt(command(), at(2, 7),
                                       lambda job: os.kill(training_processes(job)[1], signal.SIGTERM))
     stages.after_worker_sigterm = position(out)
-    stages.end = Job(command()).finish()
+    # Workers whose torchrun is SIGKILLed (no signal passed on): their own processes (a prewarmed worker's run is
+    # the prewarm server's child, not torchrun's), which the kernel signals when their parent ends.
+    orphaned = Job(command(prewarmed=False))
+    orphaned.wait_for(at(2, 11), timeout=WAIT)
+    stages.orphans = list(training_processes(orphaned).values())
+    orphaned.process.kill()  # torchrun alone: its workers run in sessions of their own
+    killed_at = time.monotonic()
+    relaunch = Job(command())  # at once, as a user or a requeue would: it finds the directory free or waits
+    stages.orphans_alive_after = orphans_alive(stages.orphans, deadline=killed_at + 30) - killed_at
+    stages.orphaned_output = orphaned.finish()[1]
+    stages.after_orphaned, stages.end = position(out), relaunch.finish()
     stages.weights = weights(out)
     return stages
+
+
+def orphans_alive(pids, deadline):
+    """When the last of `pids` ended (or `deadline`, time.monotonic())."""
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return time.monotonic()
 
 
 def spawn_interrupted_runs(data, out):
@@ -300,6 +318,22 @@ def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_re
     assert epoch == 2 and 7 <= step < 15, output[-3000:]
     assert f"stopped on a signal to another rank: checkpoint of epoch 2 step {step}" in output
     assert_resumed_where_it_stopped(stages.end[1], (epoch, step))
+
+
+def test_workers_whose_torchrun_is_sigkilled_stop_at_a_step_with_their_checkpoint_and_the_relaunch_goes_on(
+        torchrun_interrupted):
+    """torchrun SIGKILLed at epoch 2 step 11 cannot pass a signal on: its workers get SIGTERM from the kernel as their
+    parent ends (common/errors.py end_with_launcher), agree on a step, save its checkpoint and end within seconds
+    instead of training on as orphans; a relaunch started at once resumes from that step (bitwise equal at the end:
+    the test below)."""
+    stages = torchrun_interrupted
+    assert len(stages.orphans) == 2 and stages.orphans_alive_after < 20, stages.orphaned_output[-3000:]
+    epoch, step = stages.after_orphaned
+    assert (epoch, 11 <= step) == (2, True), stages.orphaned_output[-3000:]
+    assert f"stopped on SIGTERM: checkpoint of epoch 2 step {step}" in stages.orphaned_output
+    returncode, output = stages.end
+    assert returncode == 0, output[-3000:]
+    assert_resumed_where_it_stopped(output, (epoch, step))
 
 
 def test_the_interrupted_torchrun_run_ends_bitwise_equal_to_the_uninterrupted_one(torchrun_interrupted, uninterrupted):

@@ -44,8 +44,8 @@ def test_metric_sums_keep_a_metric_s_state_through_a_mid_epoch_checkpoint():
 
 
 class WithConfusion(Trainer):
-    def build_metrics(self, split):
-        return {"confusion": ConfusionMatrix(len(self.classes))}
+    def build_metrics(self, split, classes):
+        return {"confusion": ConfusionMatrix(len(classes))}
 
     def after_validation(self, epoch, results, label=""):
         self.seen = getattr(self, "seen", []) + [(epoch, label, results["confusion"].sum().item())]

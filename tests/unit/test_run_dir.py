@@ -105,3 +105,33 @@ def test_a_run_that_ends_before_it_wrote_leaves_no_directory_it_made(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(UsageError, match="cannot write to --output-dir"):
         OutputLock(tmp_path / "a-file" / "run")
+
+
+STOPPING_HOLDER = """import sys, time
+sys.path.insert(0, {repo!r})
+from common.run_dir import OutputLock
+lock = OutputLock({out!r})
+lock.mark_stopping("SIGTERM")
+print("stopping", flush=True)
+time.sleep(2)
+"""
+
+
+def test_a_run_started_while_the_holder_is_stopping_waits_for_it_instead_of_being_refused(tmp_path):
+    """A holder that marked its lock as stopping (its launcher ended, a stop signal came) and ends 2 s later: a new
+    run (no restart: wait 0) waits for it, says so once, and then holds the lock."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([PYTHON, "-c", STOPPING_HOLDER.format(repo=str(REPO), out=str(out))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "stopping\n"
+        said, asked = [], time.monotonic()
+        lock = OutputLock(out, say=said.append)
+        waited = time.monotonic() - asked
+        assert holder.wait(timeout=10) == 0 and waited >= 1.5  # taken once the holder ended, not before
+        assert lock.warning is None and len(said) == 1
+        assert said[0].startswith(f"waiting up to 180 s for the run this job replaces to release {out}/run.lock "
+                                  f"(host ") and said[0].endswith(", stopping on SIGTERM)")
+    finally:
+        holder.kill()
+        holder.wait()
