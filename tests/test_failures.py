@@ -317,7 +317,7 @@ def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_re
     assert torchrun_exit_codes(output) == {"0": str(PREEMPTED), "1": str(PREEMPTED)}, output[-3000:]
     assert epoch == 2 and 7 <= step < 15, output[-3000:]
     assert f"stopped on a signal to another rank: checkpoint of epoch 2 step {step}" in output
-    assert_resumed_where_it_stopped(stages.end[1], (epoch, step))
+    assert_resumed_where_it_stopped(stages.orphaned_output, (epoch, step))  # the next launch
 
 
 def test_workers_whose_torchrun_is_sigkilled_stop_at_a_step_with_their_checkpoint_and_the_relaunch_goes_on(
