@@ -101,7 +101,7 @@ class MetricSums:
         totals = self.totals(reduce)
         results = {}
         for name, metric in self.metrics.items():
-            results.update(metric.compute(totals.pop(name)))
+            results.update(_results(name, metric.compute(totals.pop(name)), taken=[*BUILT_IN, *totals, *results]))
         count = totals.pop("count")
         denominator = max(count, 1.0)
         summary = {"loss": totals.pop("loss") / denominator, "acc1": 100.0 * totals.pop("hits1") / denominator,
@@ -121,6 +121,24 @@ class MetricSums:
     def tables(summary):
         """The metrics' tensor results of a summary() (a confusion matrix, per-class accuracies), by name."""
         return {name: value for name, value in summary.items() if isinstance(value, torch.Tensor)}
+
+
+def _results(name, results, taken):
+    """The results of metric `name`'s compute(): {result: number or tensor}, a 0-dim tensor as a number; a result
+    named as a value the run has already, or of another type, is a UsageError."""
+    if not isinstance(results, dict):
+        raise UsageError(f"metric {name!r} returned {type(results).__name__}: compute() returns {{name: number or tensor}}")
+    checked = {}
+    for key, value in results.items():
+        if key in (*taken, "acc1", "acc5", "count", "images_per_second"):
+            raise UsageError(f"metric {name!r} returned {key!r}: that name is taken; name its results otherwise")
+        if isinstance(value, torch.Tensor) and value.ndim == 0:
+            value = value.item()
+        if not isinstance(value, (int, float, torch.Tensor)):
+            raise UsageError(f"metric {name!r} returned {type(value).__name__} for {key!r}: compute() returns "
+                             "{name: number or tensor}")
+        checked[key] = value
+    return checked
 
 
 class ProgressMeter:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from common.errors import UsageError
 from common.meters import MetricSums
 from common.metrics import ConfusionMatrix
 from common.trainer import Trainer
@@ -75,3 +76,24 @@ def test_a_run_with_a_metric_stopped_mid_epoch_logs_and_writes_what_the_uninterr
         tables = [json.loads((tmp_path / run / "metrics" / f"{name}.json").read_text()) for run in ("whole", "crashed")]
         assert tables[0] == tables[1] and set(tables[0]) == {"per_class_acc", "confusion"}, name
     assert sum(map(sum, tables[0]["confusion"])) == 6
+
+
+def test_a_metric_s_results_must_have_names_of_their_own_and_be_numbers_or_tensors():
+    class Named(ConfusionMatrix):
+        def __init__(self, results):
+            super().__init__(3)
+            self.results = results
+
+        def compute(self, state):
+            return self.results
+    logits, target = torch.eye(3), torch.arange(3)
+    for results, line in [({"loss": 1.0}, "metric 'cm' returned 'loss': that name is taken; name its results otherwise"),
+                          ({"x": "text"}, "metric 'cm' returned str for 'x': compute() returns {name: number or tensor}")]:
+        sums = MetricSums(torch.device("cpu"), {"cm": Named(results)})
+        sums.update(torch.tensor(1.0), logits, target)
+        with pytest.raises(UsageError) as refused:
+            sums.summary()
+        assert str(refused.value) == line
+    sums = MetricSums(torch.device("cpu"), {"cm": Named({"total": torch.tensor(3.0)})})
+    sums.update(torch.tensor(1.0), logits, target)
+    assert sums.summary()["total"] == 3.0 and MetricSums.extra(sums.summary()) == {"total": 3.0}  # a number, logged
