@@ -290,6 +290,9 @@ def rows_for(setup, quick):
                 rows.append(Row(f"{mode} {data}" + ("" if name == "fp32" else f" {name}"), mode, data, flags))
             if mode == "ddp" and not setup.cpu:
                 rows.append(Row(f"{mode} {data} sync-bn", mode, data, ("--sync-bn",)))
+                # A metric whose state is summed on the GPU (index_add_ in float64) and over the ranks by NCCL.
+                rows.append(Row(f"{mode} {data} confusion-matrix", mode, data,
+                                ("--trainer", "examples.confusion_matrix:PerClass")))
     return rows
 
 
