@@ -60,19 +60,30 @@ def stop_at_once_until_training():
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_launcher = None  # the launcher's process id, once end_with_launcher ran
 
 
 def end_with_launcher():
     """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends,
     however it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM: at once before training,
     else at the next step with its checkpoint and exit code 75, rather than train on as an orphan that holds the
-    output directory. Linux (prctl PR_SET_PDEATHSIG, which the kernel sends when the parent ends); elsewhere
-    nothing. A launcher that ended while this was set up: the process sends it itself."""
+    output directory (launcher_ended() tells that SIGTERM apart: it never escalates to a stop without a
+    checkpoint). Linux (prctl PR_SET_PDEATHSIG, which the kernel sends when the parent ends); elsewhere nothing. A
+    launcher that ended before this ran (a spawn child's start-up imports torch first): the process sends it itself."""
+    global _launcher
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    import multiprocessing
+    spawned_by = multiprocessing.parent_process()  # a spawn child: its parent, known from before its start-up
+    _launcher = spawned_by.pid if spawned_by is not None else os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        _launcher = None
         return
-    if os.getppid() != parent:  # (a launcher that is PID 1, in a container, is no sign of one that ended)
+    if launcher_ended():  # (a launcher that is PID 1, in a container, is no sign of one that ended)
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launcher_ended():
+    """Whether this process's launcher (end_with_launcher) has ended: its SIGTERM came from the kernel."""
+    return _launcher is not None and os.getppid() != _launcher

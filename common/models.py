@@ -41,9 +41,10 @@ def replace_heads(model, categories, num_classes):
 def adapt_first_conv(model, arch, channels, pretrained):
     """Make a torchvision model (built for RGB) take `channels`-channel images: its first convolution's filters
     summed over RGB for 1 channel, else repeated over the channels and scaled by 3/channels (timm's
-    adapt_input_conv), from the pretrained weights or the fresh ones (whose scale this keeps). Models that
-    re-normalise RGB inputs themselves (GoogLeNet's and Inception v3's transform_input) stop doing so. Returns what
-    it did, for the run's header; a model of yours is left as it is."""
+    adapt_input_conv) with --pretrained; without, the fresh filters cut to the channels (repeated beyond 3: their
+    scale is the model's own init's). Models that re-normalise RGB inputs themselves (GoogLeNet's and Inception v3's
+    transform_input) stop doing so. Returns what it did, for the run's header; a model of yours (--arch
+    package.module:build), or one already built for these channels, is left as it is."""
     if channels == 3 or custom_builder(arch) is not None:
         return []
     name, conv = next(((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)),
@@ -58,10 +59,11 @@ def adapt_first_conv(model, arch, channels, pretrained):
     weight = conv.weight.detach()
     if channels == 1:
         weight = weight.sum(dim=1, keepdim=True) if pretrained else weight[:, :1]
-        how = "RGB filters summed" if pretrained else "new weights"
+        how = "RGB filters summed" if pretrained else "the fresh filters' first channel"
     else:
         weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels]
-        weight, how = (weight * (3 / channels), "RGB filters repeated, scaled by 3/channels") if pretrained else (weight, "new weights")
+        weight, how = ((weight * (3 / channels), "RGB filters repeated, scaled by 3/channels") if pretrained
+                       else (weight, "the fresh filters repeated"))
     new = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
                     bias=conv.bias is not None, padding_mode=conv.padding_mode, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

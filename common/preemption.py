@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
-from .errors import STOP_SIGNALS, Preempted
+from .errors import STOP_SIGNALS, Preempted, launcher_ended
 
 SECOND_SIGNAL_AFTER = 5  # seconds
 
@@ -90,6 +90,7 @@ class StopSignal:
         self.group = dist.new_group(backend="gloo") if listen and distributed.is_initialized() else None
         self.pending = None
         self.saving = False
+        self.on_first = None  # called with the signal's name when the first one comes (the output lock's mark)
 
     def close(self):
         """The handlers as they were before (a run in a process that goes on: a test, a notebook)."""
@@ -110,12 +111,18 @@ class StopSignal:
 
     def _handle(self, signum, _frame):
         name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and launcher_ended():
+            name += " (its launcher ended)"  # the kernel's (end_with_launcher), never a second request to stop now
+            if self.received is not None:
+                return
         if self.received is not None:
             if time.monotonic() - self.received_at >= SECOND_SIGNAL_AFTER and not self.saving:
                 raise StopNow(f"stopped at once on a second {name}: no checkpoint of this step; "
                               "--resume auto continues from the last checkpoint")
             return
         self.received, self.received_at = name, time.monotonic()
+        if self.on_first is not None:
+            self.on_first(name)
         signal.alarm(1)  # from now on, check every second that the process is not stuck waiting for data
 
     def _check_data_wait(self, _signum, _frame):

@@ -158,9 +158,10 @@ class OutputLock:
         self.started = getattr(self, "started", None) or time.strftime("%Y-%m-%dT%H:%M:%S%z")
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
         text = json.dumps({**holder, **({"stopping": stopping} if stopping else {})}) + "\n"
-        try:
-            os.ftruncate(self.fd, 0)
+        try:  # never empty for a reader, and on the server for another node's (NFS: close-to-open caching)
             os.pwrite(self.fd, text.encode(), 0)
+            os.ftruncate(self.fd, len(text.encode()))
+            os.fsync(self.fd)
         except OSError as error:  # a full disk, say
             raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
                              "choose a directory you can write to") from None

@@ -7,7 +7,8 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
   epoch            epochs completed; step_in_epoch: steps done of the next one (0 at an epoch's end)
   arch, num_classes, classes, seed, world_size, deterministic, args (the run's Config as a plain dict)
   samples          {train, val, steps}: the data's image counts and an epoch's steps when it was saved
-  state_dict       the bare model's: loads into torchvision.models.<arch>(num_classes=K) as it is
+  state_dict       the bare model's: loads into torchvision.models.<arch>(num_classes=K) as it is (images of other
+                   channels than 3: after models.adapt_first_conv)
   optimizer, scheduler, scaler   their own state_dict(); scheduler_type: the scheduler's class
   model_ema        with --model-ema, ModelEma.state_dict(): {"state_dict": the EMA's weights, which load into the
                    same plain model, "n_averaged": its updates since it last restarted}

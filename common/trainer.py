@@ -126,8 +126,7 @@ class Trainer:
     def after_validation(self, epoch, results, label=""):
         """Called on every rank after each validation (label "EMA": of the EMA's weights) with its results summed over
         all ranks: loss, acc1, acc5, count, each named value and each metric's results (tensors too). `epoch`: the
-        epoch trained, as log.csv counts it (-e: the checkpoint's last, -1 for weights not trained here). The
-        default does nothing."""
+        epoch trained, as log.csv counts it (-e: -1). The default does nothing."""
 
     def train_step(self, model, images, labels):
         """One batch's forward, under autocast: returns (loss, logits) or (loss, logits, {name: value}), each
@@ -205,6 +204,8 @@ class Trainer:
         log.start(config, resumed=self.resumed_from is not None, ema=self.ema is not None,
                   global_step=self.start_epoch * self.steps_per_epoch + self.start_step)
         self.stop_signal = StopSignal(config.stop_grace)
+        if getattr(self, "output_lock", None) is not None:  # a run started meanwhile waits for this one to stop
+            self.stop_signal.on_first = self.output_lock.mark_stopping
         summary = self._epochs(train_model, eval_model)
         self.stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
         return summary

@@ -16,7 +16,8 @@ class PerClass(Trainer):
         return {"confusion": ConfusionMatrix(len(classes))}
 
     def after_validation(self, epoch, results, label=""):
-        worst = results["per_class_acc"].argmin().item()
+        present = results["confusion"].sum(dim=1) > 0  # classes with validation images
+        worst = results["per_class_acc"].masked_fill(~present, float("inf")).argmin().item()
         self.log.print(f" * {label + ' ' if label else ''}per-class acc@1 "
                        f"{', '.join(f'{acc:.1f}' for acc in results['per_class_acc'].tolist())}; "
                        f"lowest: {self.classes[worst]}")

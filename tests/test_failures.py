@@ -330,7 +330,7 @@ def test_workers_whose_torchrun_is_sigkilled_stop_at_a_step_with_their_checkpoin
     assert len(stages.orphans) == 2 and stages.orphans_alive_after < 20, stages.orphaned_output[-3000:]
     epoch, step = stages.after_orphaned
     assert (epoch, 11 <= step) == (2, True), stages.orphaned_output[-3000:]
-    assert f"stopped on SIGTERM: checkpoint of epoch 2 step {step}" in stages.orphaned_output
+    assert f"stopped on SIGTERM (its launcher ended): checkpoint of epoch 2 step {step}" in stages.orphaned_output
     returncode, output = stages.end
     assert returncode == 0, output[-3000:]
     assert_resumed_where_it_stopped(output, (epoch, step))

@@ -169,7 +169,7 @@ def test_an_adapted_first_convolution_sees_a_grey_image_as_the_rgb_one_saw_it_gr
     assert adapt_first_conv(four, "resnet18", 4, True) == ["conv1: 3 -> 4 channels, RGB filters repeated, scaled by 3/channels"]
     assert torch.equal(four.conv1.weight, torch.cat([rgb.conv1.weight, rgb.conv1.weight[:, :1]], dim=1) * 0.75)
     fresh = copy.deepcopy(rgb)
-    assert adapt_first_conv(fresh, "resnet18", 1, False) == ["conv1: 3 -> 1 channels, new weights"]
+    assert adapt_first_conv(fresh, "resnet18", 1, False) == ["conv1: 3 -> 1 channels, the fresh filters' first channel"]
     assert torch.equal(fresh.conv1.weight, rgb.conv1.weight[:, :1])
     assert adapt_first_conv(fresh, "resnet18", 1, False) == [] and adapt_first_conv(rgb, "resnet18", 3, True) == []
     with pytest.raises(UsageError, match=r"^--arch mlp takes RGB images and the data's are 1-channel, and its first "
