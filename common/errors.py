@@ -84,6 +84,16 @@ def end_with_launcher():
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def launcher_ended():
-    """Whether this process's launcher (end_with_launcher) has ended: its SIGTERM came from the kernel."""
-    return _launcher is not None and os.getppid() != _launcher
+def launcher_ended(wait=0.0):
+    """Whether this process's launcher (end_with_launcher) has ended, waiting up to `wait` s for it to: the kernel
+    sends the SIGTERM as soon as the launcher's thread that started this process ends, which under SIGKILL comes a
+    moment before the whole launcher is gone and this process re-parented."""
+    import time
+    deadline = time.monotonic() + wait
+    while _launcher is not None:
+        if os.getppid() != _launcher:
+            return True
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    return False

@@ -32,6 +32,7 @@ from . import distributed
 from .errors import STOP_SIGNALS, Preempted, launcher_ended
 
 SECOND_SIGNAL_AFTER = 5  # seconds
+LAUNCHER_EXIT_WAIT = 0.5  # seconds a SIGTERM waits to tell whether it is the kernel's for an ended launcher
 
 _waiting_since = None  # when the main thread began waiting for a batch; None while it is not waiting
 
@@ -111,7 +112,7 @@ class StopSignal:
 
     def _handle(self, signum, _frame):
         name = signal.Signals(signum).name
-        if signum == signal.SIGTERM and launcher_ended():
+        if signum == signal.SIGTERM and launcher_ended(wait=LAUNCHER_EXIT_WAIT):
             name += " (its launcher ended)"  # the kernel's (end_with_launcher), never a second request to stop now
             if self.received is not None:
                 return
