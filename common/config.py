@@ -167,9 +167,9 @@ def _at_least(values, names, low, requirement):
             raise UsageError(f"{flag(name)} must be {requirement}, got {values[name]}")
 
 
-def _within(values, name, low, high, what, high_open=False):
+def _within(values, name, low, high, what, high_open=False, low_open=False):
     value = values[name]
-    if not (low <= value < high if high_open else low <= value <= high):
+    if not ((low < value if low_open else low <= value) and (value < high if high_open else value <= high)):
         raise UsageError(f"{flag(name)} must be {what}, got {value}")
 
 
@@ -188,9 +188,7 @@ def _check(values):
     _at_least(values, ["mixup_alpha", "cutmix_alpha"], 0, "0 (off) or positive")
     _within(values, "random_erase", 0.0, 1.0, "a probability in [0, 1]")
     _within(values, "hflip_prob", 0.0, 1.0, "a probability in [0, 1]")
-    _within(values, "min_crop_scale", 0.0, 1.0, "in (0, 1]")
-    if values["min_crop_scale"] == 0:
-        raise UsageError("--min-crop-scale must be in (0, 1], got 0")
+    _within(values, "min_crop_scale", 0.0, 1.0, "in (0, 1]", low_open=True)
     _within(values, "model_ema_decay", 0.0, 1.0, "in [0, 1]")
     _at_least(values, ["model_ema_steps", "ra_reps"], 1, "1 or more")
     _within(values, "ra_magnitude", 0, 30, "in [0, 30]")

@@ -4,9 +4,11 @@ A module of their own, importing nothing of this repository (nor torch): every p
 and none needs the command line for it.
 """
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
+import time
 
 
 class UsageError(Exception):
@@ -73,7 +75,6 @@ def end_with_launcher():
     global _launcher
     if not sys.platform.startswith("linux"):
         return
-    import multiprocessing
     spawned_by = multiprocessing.parent_process()  # a spawn child: its parent, known from before its start-up
     _launcher = spawned_by.pid if spawned_by is not None else os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -88,7 +89,6 @@ def launcher_ended(wait=0.0):
     """Whether this process's launcher (end_with_launcher) has ended, waiting up to `wait` s for it to: the kernel
     sends the SIGTERM as soon as the launcher's thread that started this process ends, which under SIGKILL comes a
     moment before the whole launcher is gone and this process re-parented."""
-    import time
     deadline = time.monotonic() + wait
     while _launcher is not None:
         if os.getppid() != _launcher:

@@ -20,6 +20,7 @@ def correct_counts(output, target, topk=(1,)):
 
 
 BUILT_IN = ("loss", "hits1", "hits5")  # the sums every run keeps, in this order
+RUN_OWN = ("loss", "acc1", "acc5", "count", "images_per_second")  # a summary's values that are the run's own
 
 
 class MetricSums:
@@ -115,7 +116,7 @@ class MetricSums:
         """The named numbers of a summary(): all but the run's own and the metrics' tensors, each name after `prefix`
         (log.csv's train_)."""
         return {prefix + name: value for name, value in summary.items()
-                if name not in ("loss", "acc1", "acc5", "count", "images_per_second") and isinstance(value, (int, float))}
+                if name not in RUN_OWN and isinstance(value, (int, float))}
 
     @staticmethod
     def tables(summary):
@@ -130,7 +131,7 @@ def _results(name, results, taken):
         raise UsageError(f"metric {name!r} returned {type(results).__name__}: compute() returns {{name: number or tensor}}")
     checked = {}
     for key, value in results.items():
-        if key in (*taken, "acc1", "acc5", "count", "images_per_second"):
+        if key in (*taken, *RUN_OWN):
             raise UsageError(f"metric {name!r} returned {key!r}: that name is taken; name its results otherwise")
         if isinstance(value, torch.Tensor) and value.ndim == 0:
             value = value.item()

@@ -33,8 +33,7 @@ def replace_heads(model, categories, num_classes):
             new = nn.Linear(module.in_features, num_classes, **where)
         else:
             new = nn.Conv2d(module.in_channels, num_classes, kernel_size=1, **where)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        model.set_submodule(name, new)
     return [f"{name}: {categories} -> {num_classes} classes, new weights" for name, _ in found]
 
 
@@ -70,8 +69,7 @@ def adapt_first_conv(model, arch, channels, pretrained):
         new.weight.copy_(weight)
         if conv.bias is not None:
             new.bias.copy_(conv.bias)
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    model.set_submodule(name, new)
     if getattr(model, "transform_input", False):
         model.transform_input = False  # it re-normalises 3 channels from ImageNet's statistics to its own
     return [f"{name}: 3 -> {channels} channels, {how}"]

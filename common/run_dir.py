@@ -117,6 +117,7 @@ class OutputLock:
         self.directory = Path(output_dir)
         self.created = not self.directory.exists()
         self.path, self.warning = self.directory / LOCK, None
+        self.started, self.stopping = None, False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -124,6 +125,7 @@ class OutputLock:
             raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
                              "choose a directory you can write to") from None
         if self._take(wait, say):
+            self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
 
     def _take(self, wait, say):
@@ -155,7 +157,6 @@ class OutputLock:
             time.sleep(1)
 
     def _write_holder(self, stopping=None):
-        self.started = getattr(self, "started", None) or time.strftime("%Y-%m-%dT%H:%M:%S%z")
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": self.started}
         text = json.dumps({**holder, **({"stopping": stopping} if stopping else {})}) + "\n"
         try:  # never empty for a reader, and on the server for another node's (NFS: close-to-open caching)
@@ -169,7 +170,7 @@ class OutputLock:
     def mark_stopping(self, reason):
         """Say in the lock that this run is stopping (on `reason`): a run started in this directory meanwhile waits
         for it to end. Once; a lock that cannot be written stays as it was."""
-        if not getattr(self, "stopping", False) and not self.warning:
+        if not self.stopping and not self.warning:
             self.stopping = True
             with contextlib.suppress(UsageError):
                 self._write_holder(stopping=reason)

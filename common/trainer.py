@@ -72,6 +72,7 @@ class Trainer:
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
         self.deterministic = config.deterministic
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
+        self.output_lock = None  # the writer rank's, once common/run.py started the run
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -204,7 +205,7 @@ class Trainer:
         log.start(config, resumed=self.resumed_from is not None, ema=self.ema is not None,
                   global_step=self.start_epoch * self.steps_per_epoch + self.start_step)
         self.stop_signal = StopSignal(config.stop_grace)
-        if getattr(self, "output_lock", None) is not None:  # a run started meanwhile waits for this one to stop
+        if self.output_lock is not None:  # a run started meanwhile waits for this one to stop
             self.stop_signal.on_first = self.output_lock.mark_stopping
         summary = self._epochs(train_model, eval_model)
         self.stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
@@ -342,13 +343,16 @@ class Trainer:
         """Whether the ranks agreed to stop (StopSignal.poll); once they have, the output directory's lock says that
         its run is stopping, so that the job that replaces it waits for it rather than being refused."""
         stop = self.stop_signal.poll(now=now)
-        if stop and getattr(self, "output_lock", None) is not None:
-            self.output_lock.mark_stopping(self.stop_signal.received or "a signal to another rank")
+        if stop and self.output_lock is not None:
+            self.output_lock.mark_stopping(self._stop_reason())
         return stop
+
+    def _stop_reason(self):
+        return self.stop_signal.received or "a signal to another rank"
 
     def _stopped(self, epoch, step):
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
-        self.log.print(f"stopped on {self.stop_signal.received or 'a signal to another rank'}: checkpoint of "
+        self.log.print(f"stopped on {self._stop_reason()}: checkpoint of "
                        f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto")
         distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
         raise Preempted()

@@ -70,6 +70,17 @@ def test_non_positive_epochs_batch_or_lr_raise_usage_error(argv):
         parse("--data", "/x", *argv)
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--min-crop-scale", "0"], "--min-crop-scale must be in (0, 1], got 0.0"),
+    (["--min-crop-scale", "1.5"], "--min-crop-scale must be in (0, 1], got 1.5"),
+    (["--hflip-prob", "-0.1"], "--hflip-prob must be a probability in [0, 1], got -0.1")])
+def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
+    with pytest.raises(UsageError) as refused:
+        parse("--data", "/x", *argv)
+    assert str(refused.value) == line
+    assert parse("--data", "/x", "--min-crop-scale", "1", "--hflip-prob", "0").min_crop_scale == 1.0  # the bounds
+
+
 def test_non_positive_environment_value_raises_usage_error(no_platform_env):
     no_platform_env.setenv("BATCH_SIZE", "0")
     with pytest.raises(UsageError, match="--batch-size must be positive"):
