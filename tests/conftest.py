@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,14 +29,113 @@ TIERS = ("unit", "e2e", "faults", "slow", "slurm", "gpu", "quick")
 
 
 def pytest_collection_modifyitems(items):
-    """tests/unit/ is the unit tier; every other test file names its tier (pytestmark) and must have one."""
+    """tests/unit/ is the unit tier; every other test file names its tier (pytestmark) and must have one. The files
+    whose tests share runs started ahead (`ahead`) go last: those runs start in the background at the session's start
+    and use the core that the tests before them (the unit tier, in-process, on one core) leave idle."""
     for item in items:
         if Path(item.fspath).parent.name == "unit":
             item.add_marker(pytest.mark.unit)
         elif not any(item.get_closest_marker(tier) for tier in TIERS):
             raise pytest.UsageError(f"{item.nodeid} has no tier marker ({', '.join(TIERS)}): give its module a pytestmark")
+    later = {item.module.__name__ for item in items if runs_ahead(item)}
+    items.sort(key=lambda item: (Path(item.fspath).parent.name != "unit", item.module.__name__ in later))
 
 PYTHON = sys.executable
+# The environment the session started with: what a job inherits (clean_env), whatever an in-process test running
+# at the same time sets in os.environ (monkeypatch).
+SESSION_ENV = dict(os.environ)
+
+
+# ----------------------------------------------------------------------------- runs started ahead of their tests
+
+class Once:
+    """A value computed once in the session, by the first thread that asks for it; the others wait for it."""
+
+    def __init__(self, function):
+        self.function, self.lock, self.done, self.value, self.error = function, threading.Lock(), False, None, None
+
+    def get(self, tmp_path_factory):
+        with self.lock:
+            if not self.done:
+                try:
+                    self.value = self.function(tmp_path_factory)
+                except Exception as error:  # each test that uses it fails with it, as a fixture's error
+                    self.error = error
+                self.done = True
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+_once, _once_lock = {}, threading.Lock()
+
+
+def once(function, tmp_path_factory):
+    """function(tmp_path_factory), computed once in the session (data folders, runs that tests share), whichever
+    thread asks first: a fixture, or the background thread that starts runs ahead."""
+    with _once_lock:
+        entry = _once.setdefault(function, Once(function))
+    return entry.get(tmp_path_factory)
+
+
+_AHEAD = {}  # (module, or None for a session fixture; fixture name) -> function(tmp_path_factory)
+
+
+def ahead(function, name, scope="module"):
+    """The fixture `name` whose value is function(tmp_path_factory): real-process runs that several tests share. The
+    session starts it in the background before its first test comes (in the order of the tests that use it), on the
+    core that in-process tests leave idle; the fixture then waits for it (or computes it, if nothing started it).
+    A module assigns it to a name of its own: `side_by_side = ahead(side_by_side_runs, "side_by_side")`."""
+    _AHEAD[(None if scope == "session" else function.__module__, name)] = function
+
+    def fixture(tmp_path_factory):
+        return once(function, tmp_path_factory)
+    fixture.__doc__ = function.__doc__
+    return pytest.fixture(fixture, scope=scope, name=name)
+
+
+def ahead_of(item):
+    """The functions of the fixtures started ahead that `item` uses."""
+    found = (_AHEAD.get((item.module.__name__, name)) or _AHEAD.get((None, name)) for name in item.fixturenames)
+    return [function for function in found if function is not None]
+
+
+def runs_ahead(item):
+    return bool(ahead_of(item))
+
+
+_background = threading.local()  # .on: a thread that runs what was started ahead, or one such a thread started
+
+
+def in_background():
+    return getattr(_background, "on", False)
+
+
+def _mark_background(on):
+    _background.on = on
+
+
+class SideBySide(ThreadPoolExecutor):
+    """A ThreadPoolExecutor for runs side by side; its threads belong to the background if the thread that made it
+    does (their jobs are then the session's to end, not those of the test that runs meanwhile)."""
+
+    def __init__(self, workers):
+        super().__init__(workers, initializer=_mark_background, initargs=(in_background(),))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runs_started_ahead(request, tmp_path_factory):
+    """Start, one after another in a background thread, the fixtures started ahead that the session's tests use, in
+    the order of their first test."""
+    order = []
+    for item in request.session.items:
+        order += [function for function in ahead_of(item) if function not in order]
+    pool = ThreadPoolExecutor(1, initializer=_mark_background, initargs=(True,))
+    for function in order:
+        pool.submit(once, function, tmp_path_factory)
+    yield
+    pool.shutdown(wait=False, cancel_futures=True)
+
 # Small and fast on two cores: 32 px images, no loader workers, one thread per process.
 TINY = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0", "-p", "1"]
 
@@ -92,10 +192,14 @@ def make_image_folder(root, train_per_class=8, val_per_class=4, num_classes=3):
     return Path(root)
 
 
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory):
+def tiny_folder(tmp_path_factory):
     """3 classes, 24 train and 12 val images."""
     return make_image_folder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    return once(tiny_folder, tmp_path_factory)
 
 
 # BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ; today's recipe
@@ -105,8 +209,7 @@ RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--ra-sampler", 
           "--model-ema-steps", "2", "--model-ema-decay", "0.9", "--bias-weight-decay", "0", "--label-smoothing", "0.1"]
 
 
-@pytest.fixture(scope="session")
-def exact_data(tmp_path_factory):
+def exact_folder(tmp_path_factory):
     """24 training images (3 steps of global batch 8) and 13 validation images, which neither 2 nor 3 processes
     divide: padding (DistributedSampler's) would count some twice."""
     root = make_image_folder(tmp_path_factory.mktemp("exact-data"), train_per_class=8, val_per_class=5)
@@ -115,24 +218,32 @@ def exact_data(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def exact_data(tmp_path_factory):
+    return once(exact_folder, tmp_path_factory)
+
+
 def exact_run(data, output_dir, *extra):
     """The flags of the compared runs: 12 steps of global batch 8, the recipe without mixing."""
     return [*TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "--epochs", "4", "--output-dir", output_dir, *extra]
 
 
-@pytest.fixture(scope="session")
-def single_node_runs(exact_data, tmp_path_factory):
+def single_node_launches(tmp_path_factory):
     """The reference runs of tests/test_distributed.py and tests/test_run_scripts.py, started together as a user
     starts them, through run_scripts/: single_node_dp.sh (train_dp.py), single_node_ddp.sh (torchrun, 2 processes)
     and single_node_spawn.sh (train_spawn.py, 2 processes). (output dir, mode -> CompletedProcess)."""
-    out = tmp_path_factory.mktemp("single-node")
+    exact_data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("single-node")
     env = {"dp": {}, "ddp": dict(NPROC_PER_NODE=2), "spawn": dict(NPROC_PER_NODE=2, MASTER_PORT=free_port())}
     commands = [(["bash", REPO / "run_scripts" / f"single_node_{mode}.sh", *exact_run(exact_data, out / mode)],
                  clean_env(PYTHON=PYTHON, **env[mode])) for mode in env]
     return out, dict(zip(env, run_together(commands)))
 
 
-_ports_given, _port_choice = set(), random.Random()  # a generator of its own: tests may seed the global one
+single_node_runs = ahead(single_node_launches, "single_node_runs", scope="session")
+
+
+# A generator of its own (tests may seed the global one); the lock: runs are started from several threads.
+_ports_given, _port_choice, _port_lock = set(), random.Random(), threading.Lock()
 
 
 def free_port():
@@ -144,15 +255,16 @@ def free_port():
     except (OSError, ValueError, IndexError):
         low = 32768
     while True:
-        port = _port_choice.randint(max(1024, low - 12000), low - 1)
-        if port in _ports_given:
-            continue
+        with _port_lock:
+            port = _port_choice.randint(max(1024, low - 12000), low - 1)
+            if port in _ports_given:
+                continue
+            _ports_given.add(port)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        _ports_given.add(port)
         return port
 
 
@@ -171,7 +283,7 @@ def no_platform_env(monkeypatch):
 def clean_env(gpu=False, **extra):
     """The environment of a user's shell: no launcher or platform variables leaking in
     (and no GPU unless `gpu`: the CPU paths are tested on every machine)."""
-    env = {key: value for key, value in os.environ.items()
+    env = {key: value for key, value in SESSION_ENV.items()
            if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *PLATFORM_VARIABLES)
            and not key.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -402,6 +514,8 @@ class Prewarmed:
 
 
 _jobs = []  # every Job not yet known to be over: killed at the end of the test that started it
+_background_jobs = []  # those of runs started ahead (in_background): killed at the session's end if still running
+_session_over = threading.Event()  # no job starts after it: a run started ahead may still be going on
 
 
 @pytest.fixture(autouse=True)
@@ -414,10 +528,12 @@ def _no_job_outlives_its_test():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_job_outlives_the_session():
+def _no_job_outlives_the_session(_runs_started_ahead):
     yield
-    while _jobs:
-        _jobs.pop().kill()
+    _session_over.set()
+    for jobs in (_jobs, _background_jobs):
+        while jobs:
+            jobs.pop().kill()
     Prewarmed.stop()
 
 
@@ -441,6 +557,8 @@ class Job:
     ends is killed then."""
 
     def __init__(self, command, env=None, cwd=REPO, prewarmed=True, **popen):
+        if _session_over.is_set():
+            raise RuntimeError("the test session is over: no job starts now")
         self.marker = uuid.uuid4().hex
         env = dict(env or clean_env(), JOB_MARKER=self.marker)
         prewarmed = prewarmed and not popen and not isinstance(command, AsUser)
@@ -454,7 +572,8 @@ class Job:
         self.left_behind = None  # processes of the job alive after it ended (set by finish)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
-        _jobs.append(self)
+        self.jobs = _background_jobs if in_background() else _jobs
+        self.jobs.append(self)
 
     def _read(self):
         for raw in self.process.stdout:
@@ -506,8 +625,8 @@ class Job:
                     pass
             time.sleep(0.02)
         self.process.wait()
-        if self in _jobs:
-            _jobs.remove(self)
+        if self in self.jobs:
+            self.jobs.remove(self)
 
     def finish(self, timeout=300, grace=5):
         """(returncode, output) once the job ended by itself within `timeout` s (else it is killed and

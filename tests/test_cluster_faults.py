@@ -9,13 +9,12 @@ import re
 import shutil
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TINY, Job, assert_ok, clean_env, free_port, make_image_folder, no_traceback_of_ours,
-                      run_prewarmed, torchrun_command, worker_command)
+from conftest import (PYTHON, REPO, TINY, Job, SideBySide, ahead, assert_ok, clean_env, free_port, make_image_folder,
+                      no_traceback_of_ours, once, run_prewarmed, torchrun_command, worker_command)
 
 pytestmark = pytest.mark.faults
 
@@ -23,9 +22,13 @@ TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8", "--seed", "7"]
 WAIT = 300
 
 
+def data_folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=16, val_per_class=4)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=16, val_per_class=4)
+    return once(data_folder, tmp_path_factory)
 
 
 def error_lines(output):
@@ -105,7 +108,7 @@ def disagreeing_runs(data, out):
         "resume": two_nodes(free_port(), [[*common, "--save-on", "node", "--resume", "auto", "--output-dir",
                                            out / f"node{rank}"] for rank in (0, 1)]),
     }
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with SideBySide(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
     return out, results
 
@@ -202,7 +205,8 @@ def last_step_runs(data, out):
 
 def killed_rendezvous_runs(data, out):
     """train_spawn.py through a file:// rendezvous, SIGKILLed at epoch 0 step 3, then relaunched with --resume auto:
-    (whether the rendezvous file was left, not empty; (returncode, output) of the relaunch)."""
+    (whether the rendezvous file was left, not empty; the step of the checkpoint it left (2, or 4 when the kill came
+    after step 4's save: the job runs ahead of the reading of its lines); (returncode, output) of the relaunch)."""
     rendezvous = out / "rendezvous"
     command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
                "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2", "--epochs"]
@@ -212,7 +216,8 @@ def killed_rendezvous_runs(data, out):
     finally:
         job.kill()
     left_behind = rendezvous.exists() and rendezvous.stat().st_size > 0
-    return left_behind, Job([*command, "1"]).finish(timeout=WAIT)
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    return left_behind, (saved["epoch"], saved["step_in_epoch"]), Job([*command, "1"]).finish(timeout=WAIT)
 
 
 def node_1_first_runs(data, out):
@@ -247,19 +252,21 @@ def during_validation_run(data, out):
         job.kill()
 
 
-@pytest.fixture(scope="module")
-def side_by_side(data, tmp_path_factory):
+def side_by_side_runs(tmp_path_factory):
     """The module's runs that wait for lines, send signals or sleep, side by side (most of their time is a wait):
     name -> (future of its result, output dir)."""
-    out = tmp_path_factory.mktemp("side-by-side")
+    data, out = once(data_folder, tmp_path_factory), tmp_path_factory.mktemp("side-by-side")
     runs = {"slow-stop": slow_stop_run, "last-step": last_step_runs, "killed-rendezvous": killed_rendezvous_runs,
             "node-1-first": node_1_first_runs, "disagree": disagreeing_runs, "per-node": per_node_runs,
             "during-validation": during_validation_run}
     for name in runs:
         (out / name).mkdir()
-    with ThreadPoolExecutor(len(runs)) as pool:
+    with SideBySide(len(runs)) as pool:
         futures = {name: (pool.submit(run, data, out / name), out / name) for name, run in runs.items()}
     return futures
+
+
+side_by_side = ahead(side_by_side_runs, "side_by_side")
 
 
 @pytest.mark.slow
@@ -330,13 +337,15 @@ def stopped_in_start_up(launcher, out):
     return returncode, output, job.left_behind
 
 
-@pytest.fixture(scope="module")
-def stopped_in_start_up_runs(tmp_path_factory):
+def stopped_in_start_up_launches(tmp_path_factory):
     """stopped_in_start_up of each launch mode, side by side: launcher -> (its result, its folder)."""
     folders = {launcher: tmp_path_factory.mktemp(f"start-up-{launcher}") for launcher in ("dp", "torchrun", "spawn")}
-    with ThreadPoolExecutor(len(folders)) as pool:
+    with SideBySide(len(folders)) as pool:
         futures = {launcher: pool.submit(stopped_in_start_up, launcher, folder) for launcher, folder in folders.items()}
     return {launcher: (future.result(), folders[launcher]) for launcher, future in futures.items()}
+
+
+stopped_in_start_up_runs = ahead(stopped_in_start_up_launches, "stopped_in_start_up_runs")
 
 
 @pytest.mark.parametrize("launcher", ["dp", "torchrun", "spawn"])
@@ -416,7 +425,7 @@ def per_node_runs(data, out):
     jobs = {name: two_nodes(free_port(), [[*common, "--data", data, "--output-dir", out / name / "node0"],
                                           [*common, "--data", copy, "--output-dir", out / name / "node1"]])
             for name, copy in copies.items()}
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with SideBySide(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
     return {name: (results[name], copies[name]) for name in jobs}
 
@@ -452,12 +461,13 @@ def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_
 def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_auto(side_by_side):
     """Once the rendezvous file a SIGKILLed job left behind refused the relaunch (exit 2, "delete it first")."""
     future, out = side_by_side["killed-rendezvous"]
-    left_behind, (returncode, output) = future.result()
+    left_behind, (epoch, step), (returncode, output) = future.result()
     assert left_behind  # the killed job's rendezvous file, not empty
     assert returncode == 0, output[-3000:]
     assert (f"note: removed {out / 'rendezvous'}, the rendezvous file of a job that ended without removing it (killed)"
             in output.splitlines())
-    assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch 0, step 2\)", output, re.MULTILINE), output[-3000:]
+    assert (epoch, step) in ((0, 2), (0, 4))
+    assert re.search(rf"^resumed from \S+checkpoint\.pth \(epoch 0, step {step}\)", output, re.MULTILINE), output[-3000:]
 
 
 def test_a_file_rendezvous_whose_node_1_starts_first_is_not_taken_for_a_killed_job_s(side_by_side):

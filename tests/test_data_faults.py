@@ -11,14 +11,14 @@ import re
 import signal
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from conftest import PYTHON, REPO, Job, free_port, make_image_folder, no_traceback_of_ours, process_stat, worker_command
+from conftest import (PYTHON, REPO, Job, SideBySide, ahead, free_port, make_image_folder, no_traceback_of_ours, once,
+                      process_stat, tiny_folder, worker_command)
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
@@ -83,6 +83,10 @@ def jpeg_bytes(mode="RGB", fmt="JPEG", size=(40, 40), color=(200, 30, 30)):
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
+    return once(faulty_folder, tmp_path_factory)
+
+
+def faulty_folder(tmp_path_factory):
     """The tiny shapes set, plus in train/ a truncated JPEG and an empty .jpg, in val/ random bytes
     named .jpg, and valid files in odd forms: CMYK and grayscale JPEG, PNG content under a .jpg
     name, RGBA PNG, 16-bit grayscale PNG."""
@@ -194,6 +198,10 @@ def loader_workers(job):
 
 @pytest.fixture(scope="module")
 def long_epoch_data(tmp_path_factory):
+    return once(long_epoch_data_folder, tmp_path_factory)
+
+
+def long_epoch_data_folder(tmp_path_factory):
     """180 training images: an epoch of 45 steps of batch 4, time enough to kill a loader worker in it."""
     return make_image_folder(tmp_path_factory.mktemp("long-epoch"), train_per_class=60, val_per_class=2)
 
@@ -227,7 +235,7 @@ def runs_with_a_killed_loader_worker(long_epoch_data, out):
 
     # Each job watched from a thread of its own: the one epoch of a job that started first must not end
     # while another is waited for.
-    with ThreadPoolExecutor(len(jobs)) as pool, killed_on_error(jobs):
+    with SideBySide(len(jobs)) as pool, killed_on_error(jobs):
         found = dict(zip(jobs, pool.map(kill_a_loader_worker, jobs)))
     ended = finish_all(jobs)
     return {mode: (found[mode], ended[mode]) for mode in jobs}
@@ -248,6 +256,10 @@ def test_a_loader_worker_killed_ends_the_run(killed_loader_workers, mode):
 
 @pytest.fixture(scope="module")
 def hung_data(tmp_path_factory):
+    return once(hung_data_folder, tmp_path_factory)
+
+
+def hung_data_folder(tmp_path_factory):
     """Training files that block whoever opens them (FIFOs named .jpg: a hung network file system)."""
     root = make_image_folder(tmp_path_factory.mktemp("hung"), train_per_class=1, val_per_class=1)
     for index, folder in enumerate(sorted((root / "train").iterdir())):
@@ -258,18 +270,22 @@ def hung_data(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def side_by_side(faulty, tiny_data, long_epoch_data, hung_data, tmp_path_factory):
+def side_by_side_runs(tmp_path_factory):
     """The module's runs, side by side, a thread each (most of their time is spent starting processes,
     and waiting): the runs on faulty data, the runs whose loader worker is killed, and the runs stopped
     while blocked on data. name -> what they gave, or the exception raised."""
+    faulty, tiny_data, long_epoch_data, hung_data = (once(folder, tmp_path_factory) for folder in (
+        faulty_folder, tiny_folder, long_epoch_data_folder, hung_data_folder))
     groups = {"faulty": lambda out: runs_on_faulty_data(faulty, tiny_data, out),
               "killed": lambda out: runs_with_a_killed_loader_worker(long_epoch_data, out),
               "blocked": lambda out: runs_stopped_while_blocked(hung_data, out)}
     folders = {name: tmp_path_factory.mktemp(name) for name in groups}
-    with ThreadPoolExecutor(len(groups)) as pool:
+    with SideBySide(len(groups)) as pool:
         futures = {name: pool.submit(group, folders[name]) for name, group in groups.items()}
     return {name: (futures[name].exception() or futures[name].result(), folders[name]) for name in groups}
+
+
+side_by_side = ahead(side_by_side_runs, "side_by_side")
 
 
 def outcome(side_by_side, name):

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, assert_ok, clean_env, free_port, run_prewarmed,
-                      run_script, run_together, script_command, torchrun_command, worker_command)
+from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, free_port,
+                      once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
+                      torchrun_command, worker_command)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -39,14 +40,13 @@ def parameters_moved(before, after):
     return max((after[name].double() - before[name].double()).abs().max().item() for name in names)
 
 
-@pytest.fixture(scope="module")
-def launches(exact_data, single_node_runs, tmp_path_factory):
+def runs_to_their_end(tmp_path_factory):
     """The module's runs that go to their end by themselves: the same run (12 steps of global batch 8, the recipe
     without mixing) in the three launch modes, started through run_scripts/ as a user starts them
     (conftest.single_node_runs, shared with tests/test_run_scripts.py); and, together, the legacy launcher, and
     torchrun and train_ddp.py given what they must refuse (prewarmed: conftest.Prewarmed). (output dir of the
     three, name -> CompletedProcess)."""
-    out, results = single_node_runs
+    exact_data, (out, results) = once(exact_folder, tmp_path_factory), once(single_node_launches, tmp_path_factory)
     others = tmp_path_factory.mktemp("launches")
     commands = {
         "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
@@ -59,6 +59,9 @@ def launches(exact_data, single_node_runs, tmp_path_factory):
     }
     results = {**results, **dict(zip(commands, run_together(list(commands.values()))))}
     return out, results, others
+
+
+launches = ahead(runs_to_their_end, "launches")
 
 
 @pytest.fixture(scope="module")

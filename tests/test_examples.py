@@ -7,12 +7,11 @@ was never stopped), and validation counting each image once."""
 import csv
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, Job, free_port, worker_command
+from conftest import PYTHON, REPO, Job, SideBySide, ahead, free_port, once, tiny_folder, worker_command
 
 pytestmark = pytest.mark.e2e
 
@@ -77,10 +76,9 @@ def runs_of(name, data, teacher, out):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def csv_data(tiny_data, tmp_path_factory):
+def csv_folder(tmp_path_factory):
     """tiny_data listed in one annotations.csv (file, split, species): examples/csv_dataset.py's layout."""
-    root = tmp_path_factory.mktemp("annotated")
+    tiny_data, root = once(tiny_folder, tmp_path_factory), tmp_path_factory.mktemp("annotated")
     with open(root / "annotations.csv", "w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(["file", "split", "species"])
@@ -89,25 +87,27 @@ def csv_data(tiny_data, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def teacher(tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("teacher")
+def teacher_checkpoint(tmp_path_factory):
+    tiny_data, out = once(tiny_folder, tmp_path_factory), tmp_path_factory.mktemp("teacher")
     finished(Job([PYTHON, REPO / "train_dp.py", *SIZE, *TINY_NET, "--data", tiny_data, "--epochs", "2", "-b", "4",
                   "--seed", "1", "--output-dir", out]))
     return out / "checkpoint.pth"
 
 
-@pytest.fixture(scope="module")
-def example_runs(tiny_data, csv_data, teacher, tmp_path_factory):
+def runs_of_examples(tmp_path_factory):
     """name -> {run: output}; the output dirs under name's folder. Two examples at a time."""
+    tiny_data, csv_data, teacher = (once(make, tmp_path_factory) for make in (tiny_folder, csv_folder, teacher_checkpoint))
     folders = {name: tmp_path_factory.mktemp(name) for name in EXAMPLES}
 
     def run(name):
         data = csv_data if name == "csv_dataset" else tiny_data
         return runs_of(name, data, teacher, folders[name])
-    with ThreadPoolExecutor(2) as pool:
+    with SideBySide(2) as pool:
         futures = {name: pool.submit(run, name) for name in EXAMPLES}
     return {name: (future.result(), folders[name]) for name, future in futures.items()}
+
+
+example_runs = ahead(runs_of_examples, "example_runs")
 
 
 def log_rows(folder):

@@ -11,7 +11,6 @@ import subprocess
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,8 +18,9 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, alive, assert_ok, clean_env, free_port,
-                      make_image_folder, process_stat, processes_marked, run, run_prewarmed, run_script, worker_command)
+from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, SideBySide, ahead, alive, assert_ok, clean_env,
+                      free_port, make_image_folder, once, process_stat, processes_marked, run, run_prewarmed, run_script,
+                      worker_command)
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
@@ -37,9 +37,13 @@ def at(epoch, step):
     return re.compile(rf"^Epoch: \[{epoch}\] \[ *{step}/15\]")
 
 
+def data_folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=40, val_per_class=4)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return make_image_folder(tmp_path_factory.mktemp("data"), train_per_class=40, val_per_class=4)
+    return once(data_folder, tmp_path_factory)
 
 
 def weights(output_dir):
@@ -86,15 +90,18 @@ def assert_resumed_where_it_stopped(output, saved):
     assert trained and min(trained) == (epoch, step + 1), trained
 
 
-@pytest.fixture(scope="module")
-def side_by_side(data, tmp_path_factory):
+def side_by_side_runs(tmp_path_factory):
     """The runs of this module that wait for lines and send signals, side by side, a thread each (they
     spend most of their time starting processes and waiting; the stalled rank's job waits 35 s for
     nothing): name -> what the run gave, or the exception it raised."""
+    data = once(data_folder, tmp_path_factory)
     folders = {name: tmp_path_factory.mktemp(name) for name in SIDE_BY_SIDE}
-    with ThreadPoolExecutor(len(SIDE_BY_SIDE)) as pool:
+    with SideBySide(len(SIDE_BY_SIDE)) as pool:
         futures = {name: pool.submit(runs, data, folders[name]) for name, runs in SIDE_BY_SIDE.items()}
     return {name: future.exception() or future.result() for name, future in futures.items()}
+
+
+side_by_side = ahead(side_by_side_runs, "side_by_side")
 
 
 def outcome(side_by_side, name):

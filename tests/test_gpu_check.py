@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, assert_ok, clean_env, run, run_together
+from conftest import PYTHON, REPO, ahead, assert_ok, clean_env, run, run_together
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +25,15 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
                              "(make test covers the CPU)\n")
 
 
-@pytest.fixture(scope="module")
-def cpu_runs():
+def cpu_harness_runs(tmp_path_factory):
     """The harness on the CPU, twice side by side (each starts one job at a time): the checks that must
     pass; and a row whose lr is too small to learn anything."""
     return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"],
                          [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"]],
                         timeout=600)
+
+
+cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
 
 
 def test_its_checks_pass_on_the_cpu(cpu_runs):

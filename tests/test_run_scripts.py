@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from conftest import EXACT_MODEL, PYTHON, REPO, assert_ok, clean_env, exact_run, free_port, run, run_together
+from conftest import (EXACT_MODEL, PYTHON, REPO, ahead, assert_ok, clean_env, exact_folder, exact_run, free_port, once,
+                      run, run_together, tiny_folder)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -42,13 +43,13 @@ def parameters_moved(before, after):
     return max((after[name].double() - before[name].double()).abs().max().item() for name in names)
 
 
-@pytest.fixture(scope="module")
-def launches(tiny_data, exact_data, tmp_path_factory):
+def runs_of_several_nodes(tmp_path_factory):
     """The module's launches that train, started together (most of their time is spent starting processes): two
     "nodes" of one process each of multi_node_ddp.sh (the default --save-on) and of multi_node_spawn.sh (--save-on
     node), each node with an output directory of its own (as on nodes that share no file system), with the flags of
     conftest.single_node_runs (whose single_node_ddp.sh run, 2 processes on one node, they are compared with); and
     platform_ddp.sh on two nodes of one process, from the platform's variables alone. name -> (output dir, result)."""
+    tiny_data, exact_data = once(tiny_folder, tmp_path_factory), once(exact_folder, tmp_path_factory)
     out = tmp_path_factory.mktemp("launches")
     ports = {name: free_port() for name in ("two-ddp", "two-spawn", "platform")}
 
@@ -69,6 +70,9 @@ def launches(tiny_data, exact_data, tmp_path_factory):
         "platform-1": launch_command("platform_ddp.sh", RANK=1, **platform),
     }
     return out, dict(zip(commands, run_together(list(commands.values()))))
+
+
+launches = ahead(runs_of_several_nodes, "launches")
 
 
 @pytest.fixture(scope="module")
