@@ -3,6 +3,7 @@ researcher's own dataset (--dataset package.module:function), --dummy's syntheti
 set; and what an item must be: (image, label), the image a PIL image or a CHW tensor, the label a class index.
 """
 import csv
+import io
 import math
 import os
 from pathlib import Path
@@ -23,21 +24,41 @@ from .demo_data import ensure_demo_dataset
 from .errors import BadItem, Preempted, UsageError
 from .folder_index import FolderIndex, scan_image_folder
 from .named import import_named
+from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 
 def load_image(path):
     """An RGB image as a uint8 CHW tensor. JPEG and PNG are decoded by torchvision.io
     (libjpeg-turbo, about 2.7x faster than PIL here: docs/benchmarks.md); other formats, and
     files it cannot decode, go through PIL (whose error names a broken file)."""
-    if decode_image is not None and path.lower().endswith((".jpg", ".jpeg", ".png")):
-        try:
-            image = decode_image(read_file(path), mode=ImageReadMode.RGB)
-        except RuntimeError:
-            pass
-        else:  # a 16-bit PNG decodes to uint16
-            return image if image.dtype == torch.uint8 else F.to_dtype(image, torch.uint8, scale=True)
+    if decode_image is not None and path.lower().endswith(DECODED_BY_TORCHVISION):
+        image = _torchvision_decoded(read_file(path))
+        if image is not None:
+            return image
     with open(path, "rb") as file:
         return F.pil_to_tensor(Image.open(file).convert("RGB"))
+
+
+def decode_bytes(data, extension):
+    """The image of the encoded bytes `data` of a file named *.`extension`, decoded as load_image decodes a file
+    (the same bytes give the same tensor)."""
+    if decode_image is not None and f".{extension.lower()}" in DECODED_BY_TORCHVISION:
+        image = _torchvision_decoded(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if image is not None:
+            return image
+    return F.pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+DECODED_BY_TORCHVISION = (".jpg", ".jpeg", ".png")
+
+
+def _torchvision_decoded(encoded):
+    """torchvision.io's RGB uint8 image of the encoded bytes (a uint8 tensor), or None where it cannot decode them."""
+    try:
+        image = decode_image(encoded, mode=ImageReadMode.RGB)
+    except RuntimeError:
+        return None
+    return image if image.dtype == torch.uint8 else F.to_dtype(image, torch.uint8, scale=True)  # a 16-bit PNG: uint16
 
 
 class SyntheticImages(Dataset):
@@ -90,6 +111,25 @@ class ImageFiles(Dataset):
 
     def name(self, index):
         return self.samples[index][0]
+
+
+class ShardedImages(ImageFiles):
+    """(image, label) of each sample of a ShardIndex (common/shards.py): its bytes read at their offset in its shard,
+    decoded as load_image decodes a file. A sample that cannot be read or decoded raises UnreadableFile, named
+    SHARD:KEY."""
+
+    def __init__(self, samples):
+        super().__init__(samples)
+        self.reader = ShardReader()
+
+    def __getitem__(self, index):
+        shard, offset, size, extension = self.samples.location(index)
+        try:
+            return decode_bytes(self.reader.read(shard, offset, size), extension), int(self.samples.labels[index])
+        except (MemoryError, Preempted):
+            raise
+        except Exception as error:
+            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
 
 
 def read_split_file(path, root):
@@ -154,10 +194,12 @@ def build_datasets(config):
                              "(classes, train_set, val_set)")
         return tuple(result)
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
-    scan = scan_split_files if root.is_dir() and split_files(root) else scan_image_folder
+    scan = (scan_shards if has_shards(root) else scan_split_files if root.is_dir() and split_files(root)
+            else scan_image_folder)
     classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
     train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
-    return classes, ImageFiles(train_files), ImageFiles(val_files)
+    files = ShardedImages if isinstance(train_files, ShardIndex) else ImageFiles
+    return classes, files(train_files), files(val_files)
 
 
 def _first_difference(split, classes, own, rank_0s):
@@ -181,21 +223,22 @@ def this_node_s_copy(root, classes, train_files, val_files):
     error = None
     if str(root) != roots[0]:
         where = f"--data {root} (rank 0: {roots[0]})"
-        if not isinstance(train_files, FolderIndex):
+        scan = {FolderIndex: scan_image_folder, ShardIndex: scan_shards}.get(type(train_files))
+        if scan is None:
             error = (f"{where}: with train.csv / val.csv every node gives the same --data path (the files' paths are read "
-                     "from them); copies at other paths are for image folders")
+                     "from them); copies at other paths are for image folders and shards")
         else:
             try:
-                own = scan_image_folder(root)
-                difference = (f"classes {', '.join(own.classes[:3])}, ... here" if own.classes != classes else
-                              _first_difference("train", classes, own.train, train_files)
-                              or _first_difference("val", classes, own.val, val_files))
+                own_classes, own_train, own_val = scan(root)
+                difference = (f"classes {', '.join(own_classes[:3])}, ... here" if own_classes != classes else
+                              _first_difference("train", classes, own_train, train_files)
+                              or _first_difference("val", classes, own_val, val_files))
             except UsageError as failure:
-                own, difference = None, str(failure)
+                difference = str(failure)
             if difference:
                 error = f"{where} holds other files than rank 0's ({difference}): every node's copy must hold the same files"
             else:
-                train_files, val_files = own.train, own.val
+                train_files, val_files = own_train, own_val
     agreement.raise_any(error)
     return train_files, val_files
 

@@ -1,0 +1,226 @@
+"""Images in webdataset-format tar shards, read at their offsets: a map-style dataset with every guarantee a folder has.
+
+A cluster's shared file system (NFS, Lustre, GPFS, a bucket mounted by FUSE) serves a million small files slowly:
+each open is a metadata round trip. The field stores images for clusters in tar shards of the webdataset format
+(`KEY.jpg` beside `KEY.cls` in `train-000123.tar`), which timm, DALI, the webdataset library and the Hugging Face Hub
+read. Streamed, they lose exact epochs, exact validation, the order's independence of the world size and bitwise
+resume. Here each shard has an index beside it (`train-000123.idx`, written by tools/make_shards.py after the shard:
+each sample's key, extension, label, byte offset and size), so the shards are a map-style dataset: the samplers index
+them as they index a folder's files, and a loader worker opens each shard once and reads each image at its offset.
+The same images in shards and in the folder they came from give bitwise the same run.
+
+--data DIR holding shards:
+    DIR/classes.txt              the class names, one a line: label k is line k (the folder's sorted class folders)
+    DIR/train/NAME.tar, .idx     the training shards (their order: sorted by name) and their indexes
+    DIR/val/NAME.tar, .idx       the validation shards
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .console import say
+from .errors import UsageError
+
+INDEX_VERSION = 1
+CLASSES = "classes.txt"
+
+
+def index_path(shard):
+    return Path(shard).with_suffix(".idx")
+
+
+def shard_stamp(shard):
+    """What an index records of its shard, to tell that it still describes it: size and modification time."""
+    info = os.stat(shard)
+    return {"bytes": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def index_of(samples, stamp):
+    """The index file's content: {"version", "shard": stamp, "samples": [[key, extension, label, offset, size]]}."""
+    return json.dumps({"version": INDEX_VERSION, "shard": stamp, "samples": samples}, separators=(",", ":"))
+
+
+def read_index(shard):
+    """[[key, extension, label, offset, size]] of `shard`'s index; UsageError naming what is wrong with it (missing,
+    unreadable, of another version, or no longer matching its shard)."""
+    path = index_path(shard)
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{shard} has no index ({path.name})") from None
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from None
+    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+        raise UsageError(f"{path} is no shard index of version {INDEX_VERSION}")
+    if index["shard"] != shard_stamp(shard):
+        raise UsageError(f"{path} no longer matches {Path(shard).name} (its size or modification time changed)")
+    return index["samples"]
+
+
+def shard_samples(shard):
+    """The samples of `shard`: its index, or, where it has none that matches it (shards written elsewhere, copied
+    without their times, changed), the shard read once through (index_tar) and its index written beside it for the
+    next job (atomically: two jobs that index it at once write the same; a read-only folder keeps none)."""
+    try:
+        return read_index(shard)
+    except UsageError:
+        pass
+    stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
+    if cut is not None:
+        say(f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before "
+            f"{cut} are read; {cut} and what followed it are lost")
+    try:
+        from .run_dir import atomic_write
+        atomic_write(index_path(shard), lambda file: file.write(index_of(samples, stamp).encode()))
+    except OSError:
+        pass
+    return samples
+
+
+def has_shards(root):
+    """Whether `root` holds shards: root/train/*.tar."""
+    return (Path(root) / "train").is_dir() and any((Path(root) / "train").glob("*.tar"))
+
+
+class ShardIndex:
+    """The samples of a split's shards as a sequence of (SHARD:KEY, label), held compactly: the shard of each sample,
+    its offset and size, its label, and its KEY.EXTENSION in one NUL-separated blob (as FolderIndex holds file
+    names). `location(i)` gives (shard path, offset, size, extension)."""
+
+    def __init__(self, shards, indexes):
+        self.shards = [str(shard) for shard in shards]
+        rows = [(number, *sample) for number, samples in enumerate(indexes) for sample in samples]
+        self.shard_of = np.array([row[0] for row in rows], dtype=np.int32)
+        self.labels = np.array([row[3] for row in rows], dtype=np.int32)
+        self.offsets = np.array([row[4] for row in rows], dtype=np.int64)
+        self.sizes = np.array([row[5] for row in rows], dtype=np.int64)
+        self.blob = os.fsencode("\0".join(f"{row[1]}.{row[2]}" for row in rows)) + b"\0"
+        self.ends = np.flatnonzero(np.frombuffer(self.blob, dtype=np.uint8) == 0)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def member(self, index):
+        """KEY.EXTENSION of sample `index`."""
+        start = self.ends[index - 1] + 1 if index else 0
+        return os.fsdecode(self.blob[start:self.ends[index]])
+
+    def name(self, index):
+        """SHARD:KEY, as warnings and bad_images.txt name a sample."""
+        key = self.member(index).rsplit(".", 1)[0]
+        return f"{self.shards[self.shard_of[index]]}:{key}"
+
+    def __getitem__(self, index):
+        return self.name(index), int(self.labels[index])
+
+    def location(self, index):
+        return (self.shards[self.shard_of[index]], int(self.offsets[index]), int(self.sizes[index]),
+                self.member(index).rsplit(".", 1)[1])
+
+
+def read_classes(root):
+    """The class names of root/classes.txt, or None where there is none."""
+    path = Path(root) / CLASSES
+    try:
+        classes = [line for line in path.read_text().splitlines() if line]
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    if not classes:
+        raise UsageError(f"{path} lists no class")
+    return classes
+
+
+def split_index(root, split):
+    """The ShardIndex of root/split/*.tar."""
+    shards = sorted((Path(root) / split).glob("*.tar"))
+    if not shards:
+        raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
+    index = ShardIndex(shards, [shard_samples(shard) for shard in shards])
+    if not len(index):
+        raise UsageError(f"the {split} shards of --data {root} hold no sample")
+    return index
+
+
+def scan_shards(root):
+    """(classes, train ShardIndex, val ShardIndex) of the shards under `root`, from their indexes (a shard without
+    one is indexed first: shard_samples). The class names are root/classes.txt's; without it, the labels' numbers."""
+    classes, train, val = read_classes(root), split_index(root, "train"), split_index(root, "val")
+    if classes is None:
+        classes = [str(label) for label in range(int(max(train.labels.max(), val.labels.max())) + 1)]
+    for index in (train, val):
+        wrong = np.flatnonzero((index.labels < 0) | (index.labels >= len(classes)))
+        if len(wrong):
+            raise UsageError(f"{index.name(wrong[0])} has label {index.labels[wrong[0]]}, but {Path(root) / CLASSES} "
+                             f"lists {len(classes)} classes")
+    return classes, train, val
+
+
+class ShardReader:
+    """Reads samples' bytes at their offsets, each shard opened once per process (a loader worker is a process of
+    its own: it opens the shards it reads, once; a descriptor opened before the fork is not shared)."""
+
+    def __init__(self):
+        self.pid, self.files = None, {}
+
+    def read(self, path, offset, size):
+        if self.pid != os.getpid():
+            self.pid, self.files = os.getpid(), {}
+        fd = self.files.get(path)
+        if fd is None:
+            fd = self.files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        data = os.pread(fd, size, offset)
+        if len(data) < size:
+            raise OSError(f"the shard ends {size - len(data)} bytes before this sample does (cut short)")
+        return data
+
+    def __getstate__(self):  # (a dataset pickled for spawned loader workers takes no descriptor along)
+        return {"pid": None, "files": {}}
+
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+
+
+def split_member(name):
+    """(key, extension) of a tar member's name, as webdataset splits it: the key ends at the first dot of the base
+    name (`dir/n0144_10026.jpg` -> `dir/n0144_10026`, `jpg`; `a/b.seg.png` -> `a/b`, `seg.png`)."""
+    folder, _, base = name.rpartition("/")
+    stem, _, extension = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), extension
+
+
+def index_tar(shard):
+    """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
+    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls: a class index in text). A shard cut short (a crash
+    while it was written) gives the samples before the cut, and in `cut` the key of the one it cut (None for a whole
+    shard). UsageError for a sample without a label."""
+    import tarfile
+    samples, labels, cut, size = {}, {}, None, os.stat(shard).st_size
+    with tarfile.open(shard, "r:") as tar:
+        try:
+            for member in tar:
+                key, extension = split_member(member.name)
+                if not member.isfile():
+                    continue
+                if member.offset_data + member.size > size:
+                    cut = key
+                    break
+                if extension.lower() in IMAGE_EXTENSIONS:
+                    samples[key] = [key, extension, None, member.offset_data, member.size]
+                elif extension == "cls":
+                    text = tar.extractfile(member).read().decode("utf-8", "replace").strip()
+                    if not text.isdigit():
+                        raise UsageError(f"{shard}:{key}.cls holds {text[:20]!r}: expected a class index")
+                    labels[key] = int(text)
+        except (tarfile.ReadError, EOFError):
+            cut = "(a header)"
+    if cut is not None and samples and next(reversed(samples)) not in labels:
+        cut = samples.popitem()[0]  # its label was cut off
+    for key, sample in samples.items():
+        if key not in labels:
+            raise UsageError(f"{shard}:{key} has no label (no {key}.cls): every sample needs one")
+        sample[2] = labels[key]
+    return list(samples.values()), cut

@@ -1,0 +1,139 @@
+"""Shards (tools/make_shards.py, --data DIR of shards): written in the folder's order and carried on after a crash
+without rewriting a finished shard; trained on with every guarantee a folder has: bitwise the run of the folder they
+came from, a sample that cannot be decoded skipped and named SHARD:KEY, exact validation under torchrun, bitwise
+resume after a SIGKILL mid-epoch."""
+import re
+import signal
+import sys
+from subprocess import CompletedProcess
+
+import pytest
+import torch
+
+from conftest import (EXACT_MODEL, REPO, TINY, Job, ahead, assert_ok, make_image_folder, no_traceback_of_ours,
+                      once, run_prewarmed, script_command, torchrun_command)
+
+sys.path.insert(0, str(REPO / "tools"))
+import make_shards  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+RUN = [*TINY, *EXACT_MODEL, "-b", "8", "--epochs", "2"]
+
+
+def broken_folder(tmp_path_factory):
+    """24 train and 15 val images, plus in each split a JPEG cut short by a crash (readable: 24 and 15)."""
+    root = make_image_folder(tmp_path_factory.mktemp("broken-folder"), train_per_class=8, val_per_class=5)
+    for split in ("train", "val"):
+        whole = next((root / split / "ring").iterdir()).read_bytes()
+        (root / split / "ring" / "zz.cut.jpg").write_bytes(whole[: len(whole) // 3])
+    return root
+
+
+def sharded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    make_shards.make_shards(make_shards.parse_args([str(once(broken_folder, tmp_path_factory)), str(out),
+                                                    "--shard-size", "4"]))  # (main() is for the main thread)
+    return out
+
+
+def training_runs(tmp_path_factory):
+    """Together: train_dp.py on the folder and on its shards; torchrun with 2 processes on the shards; train_dp.py on
+    the shards SIGKILLed in epoch 1, then resumed. name -> (result, output dir)."""
+    folder, shards = once(broken_folder, tmp_path_factory), once(sharded, tmp_path_factory)
+    out = tmp_path_factory.mktemp("shard-runs")
+    killed = [*RUN, "--data", shards, "--output-dir", out / "resumed", "--resume", "auto", "--checkpoint-interval", "1"]
+    jobs = {"killed": Job(script_command("train_dp.py", *killed)),
+            "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),
+            "shards": Job(script_command("train_dp.py", *RUN, "--data", shards, "--output-dir", out / "shards")),
+            "torchrun": Job(torchrun_command("train_ddp.py", 2, *RUN, "--data", shards, "--output-dir", out / "torchrun"))}
+    try:
+        jobs["killed"].wait_for(re.compile(r"^Epoch: \[1\] \[2/"), timeout=300)  # saved: step 1 or 2
+        jobs["killed"].process.send_signal(signal.SIGKILL)
+        jobs["killed"].finish(timeout=60)
+        results = {name: CompletedProcess(job.process.args, *job.finish(timeout=300)) for name, job in jobs.items()
+                   if name != "killed"}
+    finally:
+        for job in jobs.values():
+            job.kill()
+    saved = torch.load(out / "resumed" / "checkpoint.pth", weights_only=True)
+    results["resumed"] = run_prewarmed("train_dp.py", [killed])[0]
+    return {name: (result, out / name) for name, result in results.items()}, (saved["epoch"], saved["step_in_epoch"])
+
+
+shard_runs = ahead(training_runs, "shard_runs")
+
+
+def weights(folder):
+    return torch.load(folder / "checkpoint.pth", weights_only=True)["state_dict"]
+
+
+def losses(folder):
+    return [row.split(",")[4] for row in (folder / "log.csv").read_text().splitlines()[1:]]
+
+
+def test_the_same_images_in_shards_and_in_their_folder_give_bitwise_the_same_run(shard_runs):
+    runs, _ = shard_runs
+    (folder, folder_dir), (shards, shards_dir) = runs["folder"], runs["shards"]
+    assert_ok(folder), assert_ok(shards)
+    reference, trained = weights(folder_dir), weights(shards_dir)
+    assert reference.keys() == trained.keys()
+    assert all(torch.equal(reference[name], trained[name]) for name in reference)
+    assert losses(folder_dir) == losses(shards_dir) and len(losses(folder_dir)) == 2
+    assert progress(shards.stdout) == progress(folder.stdout) and progress(folder.stdout)
+
+
+def progress(output):
+    """(epoch, step, loss, acc@1) of each progress line."""
+    return re.findall(r"^Epoch: \[(\d+)\] \[ *(\d+)/\d+\]  loss (\S+)  acc@1 +(\S+)", output, re.MULTILINE)
+
+
+def test_a_sample_that_cannot_be_decoded_is_skipped_and_named_shard_key_and_validation_is_exact(shard_runs):
+    runs, _ = shard_runs
+    result, out = runs["torchrun"]
+    output = assert_ok(result)
+    assert re.findall(r" \* Acc@1 .*\((\d+) images\)", output) == ["15", "15"], output[-3000:]
+    named = set(re.findall(r"^warning: (?:rank \d: )?skipped (\S+): cannot decode it", output, re.MULTILINE))
+    splits = [re.fullmatch(r"\S+/(train|val)/\1-\d{6}\.tar:ring/zz_cut", name) for name in named]
+    assert all(splits) and sorted(split[1] for split in splits) == ["train", "val"], output[-3000:]
+    listed = (out / "bad_images.txt").read_text()
+    assert ".tar:ring/zz_cut" in listed and no_traceback_of_ours(output)
+
+
+def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise(shard_runs):
+    runs, (epoch, step) = shard_runs
+    result, out = runs["resumed"]
+    output = assert_ok(result)
+    assert epoch == 1 and step in (1, 2)
+    assert re.search(rf"resumed from \S+checkpoint\.pth \(epoch 1, step {step}\)", output), output[-3000:]
+    reference = weights(runs["shards"][1])
+    assert all(torch.equal(reference[name], tensor) for name, tensor in weights(out).items())
+
+
+def test_a_rerun_carries_on_after_a_crash_and_never_rewrites_a_finished_shard(tmp_path, tiny_data):
+    out = tmp_path / "shards"
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    shards = sorted(out.glob("*/*.tar"))
+    written = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in shards}
+    crashed = out / "val" / "val-000001.tar"
+    crashed.with_suffix(".idx").unlink()  # killed after the shard's rename, before its index
+    stale = out / "train" / ".train-000004.tar.abc123.tmp"
+    stale.write_bytes(b"half a shard")  # killed while writing a shard
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    assert not stale.exists() and crashed.with_suffix(".idx").exists()
+    for path in shards:
+        assert path.read_bytes() == written[path][1]
+        assert (path.stat().st_mtime_ns == written[path][0]) == (path != crashed), path
+
+
+def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(tmp_path, tiny_data):
+    out = tmp_path / "shards"
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    other, missing = run_prewarmed("tools/make_shards.py", [[tiny_data, out, "--shard-size", "6"],
+                                                             [tmp_path / "nothing", tmp_path / "out"]])
+    assert other.returncode == 2 and other.stdout.splitlines() == [
+        f"error: {out} holds shards written with other options (shard_size 5 -> 6): give another OUT, or rerun the "
+        "command that wrote them"], other.stdout
+    assert missing.returncode == 2 and missing.stdout.splitlines() == [
+        f"error: SRC {tmp_path / 'nothing'} is not a folder"], missing.stdout
+    assert not (tmp_path / "out").exists()

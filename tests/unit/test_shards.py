@@ -1,0 +1,152 @@
+"""common/shards.py and datasets.ShardedImages: shards written by tools/make_shards.py list the folder's samples in its
+order, read back bitwise the images a folder gives; indexes that do not fit their shard, samples without a label and
+shards cut short are named in one line."""
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.datasets import ImageFiles, ShardedImages, UnreadableFile, build_datasets
+from common.errors import UsageError
+from common.folder_index import scan_image_folder
+from common.shards import ShardReader, index_path, index_tar, read_index, scan_shards, split_member
+from conftest import REPO, parse
+
+sys.path.insert(0, str(REPO / "tools"))
+import make_shards  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_data, tmp_path_factory):
+    """tiny_data (24 train, 12 val images) in shards of 5 images."""
+    out = tmp_path_factory.mktemp("shards")
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    return out
+
+
+def test_keys_end_at_the_first_dot_of_the_base_name_as_webdataset_splits_them():
+    assert split_member("circle/00001.jpg") == ("circle/00001", "jpg")
+    assert split_member("a.b/c.seg.png") == ("a.b/c", "seg.png")
+    assert split_member("plain.cls") == ("plain", "cls")
+
+
+def test_shards_list_the_folder_s_samples_in_its_order_and_read_back_the_same_images(tiny_data, shards):
+    classes, train, val = scan_shards(shards)
+    folder = scan_image_folder(tiny_data)
+    assert classes == folder.classes
+    assert [path.name for path in sorted((shards / "train").glob("*.tar"))] == [f"train-{n:06d}.tar" for n in range(5)]
+    for split, sharded, files in (("train", train, folder.train), ("val", val, folder.val)):
+        assert len(sharded) == len(files)
+        assert [sharded.name(i).split(":", 1)[1] for i in range(len(files))] == [
+            str(Path(files[i][0]).relative_to(tiny_data / split).with_suffix("")) for i in range(len(files))]
+        from_shards, from_files = ShardedImages(sharded), ImageFiles(files)
+        for i in range(len(files)):
+            (image, label), (expected, expected_label) = from_shards[i], from_files[i]
+            assert label == expected_label and torch.equal(image, expected), (split, i)
+
+
+def test_the_scripts_read_a_folder_of_shards_as_shards(shards, no_platform_env):
+    classes, train_set, val_set = build_datasets(parse("--data", shards))
+    assert isinstance(train_set, ShardedImages) and (len(train_set), len(val_set)) == (24, 12)
+    assert classes == ["circle", "ring", "square"]
+
+
+def test_a_reader_opens_each_shard_once_and_names_a_sample_its_shard_cuts_short(shards, tmp_path):
+    _, train, _ = scan_shards(shards)
+    dataset = ShardedImages(train)
+    for i in range(len(dataset)):
+        dataset[i]
+    assert sorted(dataset.reader.files) == sorted(str(path) for path in (shards / "train").glob("*.tar"))
+    cut = tmp_path / "cut.tar"
+    data = Path(train.shards[0]).read_bytes()
+    cut.write_bytes(data[: train.offsets[2] + 10])  # a crash in the middle of sample 2
+    with pytest.raises(OSError, match="cut short"):
+        ShardReader().read(str(cut), int(train.offsets[2]), int(train.sizes[2]))
+
+
+def test_an_index_that_no_longer_matches_its_shard_is_refused_in_one_line(shards, tmp_path):
+    shard = tmp_path / "train-000000.tar"
+    shard.write_bytes((shards / "train" / "train-000000.tar").read_bytes())
+    index_path(shard).write_bytes(index_path(shards / "train" / "train-000000.tar").read_bytes())
+    with pytest.raises(UsageError, match=r"train-000000\.idx no longer matches train-000000\.tar"):
+        read_index(shard)
+    index_path(shard).unlink()
+    with pytest.raises(UsageError, match=r"train-000000\.tar has no index \(train-000000\.idx\)"):
+        read_index(shard)
+
+
+def webdataset_tar(path, samples):
+    """A tar as the webdataset library writes one: KEY.EXT members, (name, bytes) in order."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in samples:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_tar_is_indexed_by_key_with_each_image_s_offset_and_its_label(tmp_path):
+    shard = tmp_path / "s.tar"
+    webdataset_tar(shard, [("x/a.jpg", b"AAAA"), ("x/a.cls", b"2"), ("b.png", b"BB"), ("b.cls", b" 0\n"),
+                           ("b.json", b"{}")])
+    index, cut = index_tar(shard)
+    assert cut is None
+    assert [(key, extension, label, size) for key, extension, label, _, size in index] == [
+        ("x/a", "jpg", 2, 4), ("b", "png", 0, 2)]
+    raw = shard.read_bytes()
+    assert [raw[offset:offset + size] for *_, offset, size in index] == [b"AAAA", b"BB"]
+
+
+def test_a_sample_without_a_label_is_refused_naming_it(tmp_path):
+    shard = tmp_path / "s.tar"
+    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("nolabel.jpg", b"B")])
+    with pytest.raises(UsageError, match=rf"{shard}:nolabel has no label \(no nolabel\.cls\)"):
+        index_tar(shard)
+
+
+def test_a_sample_that_cannot_be_decoded_is_an_unreadable_file_named_shard_key(shards, tmp_path):
+    shard = tmp_path / "train-000000.tar"
+    webdataset_tar(shard, [("broken.jpg", b"not a jpeg"), ("broken.cls", b"0")])
+    index_path(shard).write_text(json.dumps({"version": 1, "shard": {"bytes": shard.stat().st_size,
+                                                                      "mtime_ns": shard.stat().st_mtime_ns},
+                                             "samples": index_tar(shard)[0]}))
+    from common.shards import ShardIndex
+    dataset = ShardedImages(ShardIndex([shard], [read_index(shard)]))
+    with pytest.raises(UnreadableFile):
+        dataset[0]
+    assert dataset.name(0) == f"{shard}:broken"
+
+
+def test_shards_written_elsewhere_are_indexed_once_beside_them_and_a_stale_index_is_rebuilt(tmp_path, capsys):
+    root = tmp_path / "foreign"
+    for split, count in (("train", 3), ("val", 2)):
+        (root / split).mkdir(parents=True)
+        webdataset_tar(root / split / f"{split}-0.tar", [item for n in range(count) for item in (
+            (f"s{n}.jpg", b"x" * (n + 1)), (f"s{n}.cls", str(n % 2).encode()))])
+    classes, train, val = scan_shards(root)  # no classes.txt: the labels' numbers
+    assert classes == ["0", "1"] and (len(train), len(val)) == (3, 2)
+    index = root / "train" / "train-0.idx"
+    assert index.exists() and read_index(root / "train" / "train-0.tar")[2][4] == 3
+    written = index.stat().st_mtime_ns
+    scan_shards(root)
+    assert index.stat().st_mtime_ns == written  # read, not rebuilt
+    webdataset_tar(root / "train" / "train-0.tar", [("t.png", b"yy"), ("t.cls", b"1")])  # the shard changed
+    _, train, _ = scan_shards(root)
+    assert len(train) == 1 and train.name(0).endswith("train-0.tar:t") and capsys.readouterr().out == ""
+
+
+def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it_cut(tmp_path, capsys):
+    shard = tmp_path / "s.tar"
+    webdataset_tar(shard, [item for n in range(3) for item in ((f"k{n}.jpg", b"z" * 3000), (f"k{n}.cls", b"0"))])
+    raw = shard.read_bytes()
+    whole, _ = index_tar(shard)
+    shard.write_bytes(raw[: whole[2][3] + 100])  # in the middle of k2's image
+    samples, cut = index_tar(shard)
+    assert [sample[0] for sample in samples] == ["k0", "k1"] and cut == "k2"
+    from common.shards import shard_samples
+    assert [sample[0] for sample in shard_samples(shard)] == ["k0", "k1"]
+    assert capsys.readouterr().out.strip() == (f"warning: {shard} is cut short (a crash while it was written?): its 2 "
+                                               "samples before k2 are read; k2 and what followed it are lost")
