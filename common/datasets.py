@@ -32,7 +32,10 @@ def load_image(path):
     (libjpeg-turbo, about 2.7x faster than PIL here: docs/benchmarks.md); other formats, and
     files it cannot decode, go through PIL (whose error names a broken file)."""
     if decode_image is not None and path.lower().endswith(DECODED_BY_TORCHVISION):
-        image = _torchvision_decoded(read_file(path))
+        try:
+            image = _torchvision_decoded(read_file(path))
+        except RuntimeError:  # read_file's: an empty file, a FIFO (PIL then blocks on it as any reader would)
+            image = None
         if image is not None:
             return image
     with open(path, "rb") as file:

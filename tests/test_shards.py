@@ -2,19 +2,23 @@
 without rewriting a finished shard; trained on with every guarantee a folder has: bitwise the run of the folder they
 came from, a sample that cannot be decoded skipped and named SHARD:KEY, exact validation under torchrun, bitwise
 resume after a SIGKILL mid-epoch."""
+import json
 import re
+import shutil
 import signal
 import sys
+from pathlib import Path
 from subprocess import CompletedProcess
 
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, REPO, TINY, Job, ahead, assert_ok, make_image_folder, no_traceback_of_ours,
-                      once, run_prewarmed, script_command, torchrun_command)
+from conftest import (EXACT_MODEL, PYTHON, REPO, TINY, Job, ahead, assert_ok, free_port, make_image_folder,
+                      no_traceback_of_ours, once, run_prewarmed, script_command, torchrun_command, worker_command)
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards  # noqa: E402
+from common.shards import scan_shards  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -37,16 +41,39 @@ def sharded(tmp_path_factory):
     return out
 
 
+def node_copy(shards, out):
+    """A copy of the shards at another path, as on a node's local disk: copied without their times (their indexes no
+    longer match them: node 1 indexes its copy again) and the first training sample of each shard broken on node 1
+    alone (so only reading them tells the copies apart; same size, so the indexes still list the same samples)."""
+    copy = shutil.copytree(shards, out / "node-1-copy", copy_function=shutil.copy)
+    _, train, _ = scan_shards(shards)
+    for first in sorted({int(train.shard_of.tolist().index(number)) for number in range(len(train.shards))}):
+        shard, offset, size, _ = train.location(first)
+        with open(copy / "train" / Path(shard).name, "r+b") as file:
+            file.seek(offset)
+            file.write(b"\0" * size)
+    return copy
+
+
 def training_runs(tmp_path_factory):
-    """Together: train_dp.py on the folder and on its shards; torchrun with 2 processes on the shards; train_dp.py on
-    the shards SIGKILLed in epoch 1, then resumed. name -> (result, output dir)."""
+    """Together: train_dp.py on the folder and on its shards; torchrun with 2 and with 3 processes on the shards; two
+    "nodes" whose node 1 reads its own copy of the shards at another path; train_dp.py on the shards SIGKILLed in
+    epoch 1, then resumed. name -> (result, output dir)."""
     folder, shards = once(broken_folder, tmp_path_factory), once(sharded, tmp_path_factory)
     out = tmp_path_factory.mktemp("shard-runs")
+    copy, port = node_copy(shards, out), free_port()
     killed = [*RUN, "--data", shards, "--output-dir", out / "resumed", "--resume", "auto", "--checkpoint-interval", "1"]
     jobs = {"killed": Job(script_command("train_dp.py", *killed)),
             "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),
             "shards": Job(script_command("train_dp.py", *RUN, "--data", shards, "--output-dir", out / "shards")),
-            "torchrun": Job(torchrun_command("train_ddp.py", 2, *RUN, "--data", shards, "--output-dir", out / "torchrun"))}
+            "torchrun": Job(torchrun_command("train_ddp.py", 2, *RUN, "--data", shards, "--output-dir", out / "torchrun")),
+            "three": Job(torchrun_command("train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", shards,
+                                          "--output-dir", out / "three")),
+            **{f"node{rank}": Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
+                                   "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                                   *worker_command("train_ddp.py"), *RUN, "--epochs", "1", "--save-on", "node",
+                                   "--data", data, "--output-dir", out / f"node{rank}"])
+               for rank, data in enumerate((shards, copy))}}
     try:
         jobs["killed"].wait_for(re.compile(r"^Epoch: \[1\] \[2/"), timeout=300)  # saved: step 1 or 2
         jobs["killed"].process.send_signal(signal.SIGKILL)
@@ -98,6 +125,26 @@ def test_a_sample_that_cannot_be_decoded_is_skipped_and_named_shard_key_and_vali
     assert all(splits) and sorted(split[1] for split in splits) == ["train", "val"], output[-3000:]
     listed = (out / "bad_images.txt").read_text()
     assert ".tar:ring/zz_cut" in listed and no_traceback_of_ours(output)
+
+
+def test_validation_on_shards_counts_each_image_once_on_three_processes_too(shard_runs):
+    runs, _ = shard_runs
+    output = assert_ok(runs["three"][0])
+    assert "world size 3" in output and re.findall(r" \* Acc@1 .*\((\d+) images\)", output) == ["15"], output[-3000:]
+
+
+def test_each_node_reads_its_own_copy_of_the_shards_at_its_own_path(shard_runs):
+    """Node 1's copy at another path, copied without the shards' times: it indexes its copy again, and reads it (the
+    sample broken there alone is skipped there alone, named by the copy's path)."""
+    runs, _ = shard_runs
+    outputs = [assert_ok(runs[f"node{rank}"][0]) for rank in (0, 1)]
+    skipped = re.findall(r"^warning: (?:rank \d: )?skipped (\S+): cannot decode it", "".join(outputs), re.MULTILINE)
+    copy = runs["node1"][1].parent / "node-1-copy"
+    own = [name for name in skipped if name.startswith(f"{copy}/train/")]
+    assert own and all(re.fullmatch(rf"{copy}/train/train-\d{{6}}\.tar:\w+/\d+", name) for name in own), skipped
+    assert all(f"{copy}/" not in name for name in re.findall(r"skipped (\S+)", outputs[0])), outputs[0][-3000:]
+    assert all(json.loads(path.read_text())["shard"]["mtime_ns"] == path.with_suffix(".tar").stat().st_mtime_ns
+               for path in copy.glob("*/*.idx"))
 
 
 def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise(shard_runs):
