@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from benchmark import cpu_of_children, make_jpegs  # noqa: E402
 from common.datasets import ImageFiles, ShardedImages  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
-from common.shards import index_of, index_path, scan_shards  # noqa: E402
+from common.shards import scan_shards, shard_stamp, write_index  # noqa: E402
 from common.transforms import TrainPreset  # noqa: E402
 import make_shards  # noqa: E402
 
@@ -83,8 +83,7 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
                     for i in range(min(per_shard, count - number * per_shard))]
             with open(shard, "wb") as file:
                 file.truncate(rows[-1][3] + rows[-1][4] + 1024)  # sparse: the size an index records, nothing read
-            stamp = {"bytes": shard.stat().st_size, "mtime_ns": shard.stat().st_mtime_ns}
-            index_path(shard).write_text(index_of(rows, stamp))
+            write_index(shard, rows, shard_stamp(shard))
     start = time.perf_counter()
     classes, train, val = scan_shards(root)
     seconds = time.perf_counter() - start

@@ -10,7 +10,7 @@ val-000000.tar, ...: in each shard, sample by sample in the folder's own sorted 
 folder in), KEY.EXT (the image's bytes: unchanged, or with --resize an RGB JPEG whose shorter side is at most N px,
 as tools/prepare_imagenet.py --resize makes them) beside KEY.cls (its label). KEY is the image's path in its split
 without the extension (dots in its name become "_"). Beside each shard, written after it, its index (.idx: each
-sample's key, extension, label, byte offset and size), which the scripts read instead of the shards to list the
+sample's key, extension, label, byte offset and size, in numpy's .npz format), which the scripts read instead of the shards to list the
 samples, and a loader worker reads each image at its offset. The same images in shards and in the folder they came
 from give bitwise the same run.
 
@@ -32,7 +32,7 @@ from common.datasets import scan_split_files, split_files  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
-from common.shards import CLASSES, index_of, index_path, index_tar, shard_stamp  # noqa: E402
+from common.shards import CLASSES, index_tar, read_index, shard_stamp, write_index  # noqa: E402
 from prepare_imagenet import Parser, resize_jpeg, whole  # noqa: E402
 
 MANIFEST = "shards.json"  # how OUT was written: a rerun with other options is refused
@@ -81,17 +81,16 @@ def write_shard(shard, samples, split_root, args):
                     info.size, info.mode = len(data), 0o644  # mtime 0, no owner: the same shard from the same images
                     tar.addfile(info, io.BytesIO(data))
     atomic_write(shard, write)
-    index, _ = index_tar(shard)
-    atomic_write(index_path(shard), lambda file: file.write(index_of(index, shard_stamp(shard)).encode()))
+    write_index(shard, index_tar(shard)[0], shard_stamp(shard))
     return undecodable
 
 
 def done(shard):
     """Whether `shard` and its index were written completely and still match."""
     try:
-        index = json.loads(index_path(shard).read_text())
-        return index["shard"] == shard_stamp(shard)
-    except (OSError, ValueError, KeyError, TypeError):
+        read_index(shard)
+        return True
+    except (UsageError, FileNotFoundError):
         return False
 
 

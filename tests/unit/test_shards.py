@@ -2,7 +2,6 @@
 order, read back bitwise the images a folder gives; indexes that do not fit their shard, samples without a label and
 shards cut short are named in one line."""
 import io
-import json
 import sys
 import tarfile
 from pathlib import Path
@@ -13,7 +12,8 @@ import torch
 from common.datasets import ImageFiles, ShardedImages, UnreadableFile, build_datasets
 from common.errors import UsageError
 from common.folder_index import scan_image_folder
-from common.shards import ShardReader, index_path, index_tar, read_index, scan_shards, split_member
+from common.shards import (ShardReader, index_path, index_tar, read_index, scan_shards, shard_stamp, split_member,
+                           write_index)
 from conftest import REPO, parse
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -110,9 +110,7 @@ def test_a_sample_without_a_label_is_refused_naming_it(tmp_path):
 def test_a_sample_that_cannot_be_decoded_is_an_unreadable_file_named_shard_key(shards, tmp_path):
     shard = tmp_path / "train-000000.tar"
     webdataset_tar(shard, [("broken.jpg", b"not a jpeg"), ("broken.cls", b"0")])
-    index_path(shard).write_text(json.dumps({"version": 1, "shard": {"bytes": shard.stat().st_size,
-                                                                      "mtime_ns": shard.stat().st_mtime_ns},
-                                             "samples": index_tar(shard)[0]}))
+    write_index(shard, index_tar(shard)[0], shard_stamp(shard))
     from common.shards import ShardIndex
     dataset = ShardedImages(ShardIndex([shard], [read_index(shard)]))
     with pytest.raises(UnreadableFile):
@@ -129,7 +127,7 @@ def test_shards_written_elsewhere_are_indexed_once_beside_them_and_a_stale_index
     classes, train, val = scan_shards(root)  # no classes.txt: the labels' numbers
     assert classes == ["0", "1"] and (len(train), len(val)) == (3, 2)
     index = root / "train" / "train-0.idx"
-    assert index.exists() and read_index(root / "train" / "train-0.tar")[2][4] == 3
+    assert index.exists() and list(read_index(root / "train" / "train-0.tar")["sizes"]) == [1, 2, 3]
     written = index.stat().st_mtime_ns
     scan_shards(root)
     assert index.stat().st_mtime_ns == written  # read, not rebuilt
@@ -147,6 +145,6 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it
     samples, cut = index_tar(shard)
     assert [sample[0] for sample in samples] == ["k0", "k1"] and cut == "k2"
     from common.shards import shard_samples
-    assert [sample[0] for sample in shard_samples(shard)] == ["k0", "k1"]
+    assert shard_samples(shard)["names"].tobytes() == b"k0.jpg\0k1.jpg\0"
     assert capsys.readouterr().out.strip() == (f"warning: {shard} is cut short (a crash while it was written?): its 2 "
                                                "samples before k2 are read; k2 and what followed it are lost")
