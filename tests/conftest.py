@@ -478,6 +478,7 @@ class Prewarmed:
                 cls.server = subprocess.Popen([PYTHON, REPO / "tests" / "prewarmed.py", "--serve", cls.socket_path],
                                               env=cls.server_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                               start_new_session=True, text=True)
+                lower_priority(cls.server.pid)  # and every run it forks (torchrun's prewarmed workers' too)
                 ready = json.loads(cls.server.stdout.readline() or "{}")
                 assert ready.get("ready") and ready["import_output"] == "", ready
             return cls.socket_path
@@ -513,6 +514,17 @@ class Prewarmed:
             shutil.rmtree(os.path.dirname(cls.socket_path), ignore_errors=True)
 
 
+def lower_priority(pid):
+    """Run process `pid` (and what it starts from now on) at a lower CPU priority than the tests: a test that waits
+    for a job's line to signal it then reads the line and signals at once, though the cores are busy with jobs (a
+    job that runs on too far meanwhile may end before its signal comes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, JOB_NICENESS)
+    except OSError:  # ended already
+        pass
+
+
+JOB_NICENESS = 5
 _jobs = []  # every Job not yet known to be over: killed at the end of the test that started it
 _background_jobs = []  # those of runs started ahead (in_background): killed at the session's end if still running
 _session_over = threading.Event()  # no job starts after it: a run started ahead may still be going on
@@ -568,6 +580,7 @@ class Job:
         else:
             self.process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True,
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        lower_priority(self.process.pid)
         self.lines, self.output = queue.Queue(), []
         self.left_behind = None  # processes of the job alive after it ended (set by finish)
         self.reader = threading.Thread(target=self._read, daemon=True)

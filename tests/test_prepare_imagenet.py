@@ -516,3 +516,27 @@ def test_train_one_epoch_on_the_prepared_folder(prepared, tmp_path):
                    "--val-crop-size", "32", "--output-dir", out], timeout=120))
     rows = (out / "log.csv").read_text().strip().splitlines()
     assert len(rows) == 2, rows  # the header and one epoch
+
+
+def test_shards_straight_from_the_archives_are_those_make_shards_writes_from_the_folder(archives, prepared, images,
+                                                                                       tmp_path):
+    """--shards writes, from the official archives and from Kaggle's extracted copy, byte for byte the shards that
+    tools/make_shards.py writes from the folder this script makes; an OUT_DIR holding the other kind is refused."""
+    import make_shards
+    from common.shards import scan_shards
+    outs = {name: tmp_path / name for name in ("archives", "kaggle", "folder")}
+    output = assert_ok(prepare(archives, outs["archives"], "--skip-md5", "--shards", "--shard-size", "3"))
+    assert "wrote " in output and "4 classes, 20 train and 8 val images in shards of 3" in output, output
+    assert_ok(prepare(make_kaggle(tmp_path / "kaggle-copy", images), outs["kaggle"], "--shards", "--shard-size", "3"))
+    assert make_shards.main([str(prepared[0]), str(outs["folder"]), "--shard-size", "3", "--workers", "1"]) == 0
+
+    def written(out):
+        return {path.relative_to(out).as_posix(): path.read_bytes() for path in sorted(out.rglob("*"))
+                if path.suffix in (".tar", ".txt")}
+    assert written(outs["archives"]) == written(outs["folder"]) == written(outs["kaggle"])
+    assert len(written(outs["folder"])) == 1 + 7 + 3  # classes.txt, 20 train and 8 val images by 3
+    classes, train, val = scan_shards(outs["archives"])
+    assert classes == sorted(CLASSES) and (len(train), len(val)) == (20, 8)
+    refused = prepare(archives, prepared[0], "--skip-md5", "--shards")
+    assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
+        f"error: {prepared[0]} holds class folders: give the shards an OUT_DIR of their own"], refused.stdout

@@ -36,7 +36,7 @@ def broken_folder(tmp_path_factory):
 def sharded(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
     make_shards.make_shards(make_shards.parse_args([str(once(broken_folder, tmp_path_factory)), str(out),
-                                                    "--shard-size", "4"]))  # (main() is for the main thread)
+                                                    "--shard-size", "4", "--workers", "1"]))  # (main(): main thread)
     return out
 
 
@@ -157,14 +157,14 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise(shard_runs):
 
 def test_a_rerun_carries_on_after_a_crash_and_never_rewrites_a_finished_shard(tmp_path, tiny_data):
     out = tmp_path / "shards"
-    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    assert_ok(run_prewarmed("tools/make_shards.py", [[tiny_data, out, "--shard-size", "5", "--workers", "2"]])[0])
     shards = sorted(out.glob("*/*.tar"))
     written = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in shards}
     crashed = out / "val" / "val-000001.tar"
     crashed.with_suffix(".idx").unlink()  # killed after the shard's rename, before its index
     stale = out / "train" / ".train-000004.tar.abc123.tmp"
     stale.write_bytes(b"half a shard")  # killed while writing a shard
-    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 0
     assert not stale.exists() and crashed.with_suffix(".idx").exists()
     for path in shards:
         assert path.read_bytes() == written[path][1]
@@ -173,7 +173,7 @@ def test_a_rerun_carries_on_after_a_crash_and_never_rewrites_a_finished_shard(tm
 
 def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(tmp_path, tiny_data):
     out = tmp_path / "shards"
-    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 0
     other, missing = run_prewarmed("tools/make_shards.py", [[tiny_data, out, "--shard-size", "6"],
                                                              [tmp_path / "nothing", tmp_path / "out"]])
     assert other.returncode == 2 and other.stdout.splitlines() == [
@@ -182,3 +182,15 @@ def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(t
     assert missing.returncode == 2 and missing.stdout.splitlines() == [
         f"error: SRC {tmp_path / 'nothing'} is not a folder"], missing.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, capsys):
+    """A key ends at the first dot of a name, so dots become "_": 00000.b.jpg and 00000_b.jpg would share one."""
+    source = shutil.copytree(tiny_data, tmp_path / "data")
+    first = sorted((source / "train" / "ring").iterdir())[0]
+    for name in ("00000.b.jpg", "00000_b.jpg"):
+        shutil.copy(first, first.with_name(name))
+    assert make_shards.main([str(source), str(tmp_path / "out"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: two train images of {source.resolve()} have the same key (their paths without the extension, dots "
+        "made _): rename one"]

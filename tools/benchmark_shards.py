@@ -100,7 +100,7 @@ def main():
     try:
         folder = Path(args.jpeg_dir) if args.jpeg_dir else make_jpegs(workdir / "jpegs", per_class=400)
         shards = workdir / "shards"
-        make_shards.make_shards(make_shards.parse_args([str(folder), str(shards), "--shard-size", "100"]))
+        make_shards.make_shards(make_shards.parse_args([str(folder), str(shards), "--shard-size", "100", "--workers", "1"]))
         files = {name: opened_files(data, workdir) for name, data in (("folder", folder), ("shards", shards))}
         scan, sharded = scan_image_folder(folder), scan_shards(shards)
         rates = {"folder": worker_rate(ImageFiles(scan.train), args.images),

@@ -21,9 +21,11 @@ finished shard is never rewritten.
 import argparse
 import io
 import json
+import os
 import signal
 import sys
 import tarfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +35,7 @@ from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
 from common.shards import CLASSES, index_tar, read_index, shard_stamp, write_index  # noqa: E402
-from prepare_imagenet import Parser, resize_jpeg, whole  # noqa: E402
+from prepare_imagenet import Parser, ignore_interrupts, resize_jpeg, whole  # noqa: E402
 
 MANIFEST = "shards.json"  # how OUT was written: a rerun with other options is refused
 
@@ -42,44 +44,54 @@ class Stopped(Exception):
     """SIGTERM."""
 
 
-def sample_key(path, split_root):
-    """The webdataset key of the image at `path`: its path under `split_root` (else its name) without the
-    extension, dots made "_" (a key ends at the first dot of a member's base name)."""
-    path = Path(path)
-    try:
-        relative = path.relative_to(split_root)
-    except ValueError:
-        relative = Path(path.name)
+def sample_key(relative):
+    """(key, extension) of an image at `relative` (its path in its split): the path without the extension, dots
+    made "_" (a webdataset key ends at the first dot of a member's base name)."""
+    relative = Path(relative)
     stem = relative.name.rsplit(".", 1)[0] if "." in relative.name else relative.name
-    return "/".join([*relative.parent.parts, stem.replace(".", "_")]), path.suffix[1:].lower() or "jpg"
+    return "/".join([*relative.parent.parts, stem.replace(".", "_")]), relative.suffix[1:].lower() or "jpg"
 
 
-def members(path, label, split_root, resize, quality):
-    """The tar members of one sample: (name, bytes) of its image and of its label; whether --resize decoded it."""
-    key, extension = sample_key(path, split_root)
-    data, decoded = Path(path).read_bytes(), True
-    if resize:
+def folder_samples(files, split_root):
+    """The samples (key, extension, label, path, offset, size) of [(path, label)] files: each read whole (offset
+    None), keyed by its path under `split_root` (else its name)."""
+    samples = []
+    for path, label in files:
         try:
-            data, extension = resize_jpeg(data, resize, quality), "jpg"
-        except (OSError, SyntaxError, ValueError):
-            decoded = False  # copied unchanged: the training loader names it as unreadable
-    return [(f"{key}.{extension}", data), (f"{key}.cls", str(label).encode())], decoded
+            relative = Path(path).relative_to(split_root)
+        except ValueError:
+            relative = Path(Path(path).name)
+        samples.append((*sample_key(relative), label, str(path), None, None))
+    return samples
 
 
-def write_shard(shard, samples, split_root, args):
-    """Write `shard` (atomically) from [(path, label)], then its index; the names --resize could not decode."""
+def read_sample(path, offset, size):
+    """A sample's bytes: the file at `path`, or `size` bytes at `offset` in it (an image inside an archive)."""
+    with open(path, "rb") as file:
+        if offset is None:
+            return file.read()
+        file.seek(offset)
+        return file.read(size)
+
+
+def write_shard(shard, samples, resize, quality):
+    """Write `shard` (atomically) from its samples (key, extension, label, path, offset, size), then its index; the
+    keys --resize could not decode (stored unchanged: the training loader names them as unreadable)."""
     undecodable = []
 
     def write(file):
         with tarfile.open(fileobj=file, mode="w", format=tarfile.GNU_FORMAT) as tar:
-            for path, label in samples:
-                entries, decoded = members(path, label, split_root, args.resize, args.quality)
-                if not decoded:
-                    undecodable.append(str(path))
-                for name, data in entries:
+            for key, extension, label, *where in samples:
+                data = read_sample(*where)
+                if resize:
+                    try:
+                        data, extension = resize_jpeg(data, resize, quality), "jpg"
+                    except (OSError, SyntaxError, ValueError):
+                        undecodable.append(key)
+                for name, content in ((f"{key}.{extension}", data), (f"{key}.cls", str(label).encode())):
                     info = tarfile.TarInfo(name)
-                    info.size, info.mode = len(data), 0o644  # mtime 0, no owner: the same shard from the same images
-                    tar.addfile(info, io.BytesIO(data))
+                    info.size, info.mode = len(content), 0o644  # mtime 0, no owner: the same images, the same shard
+                    tar.addfile(info, io.BytesIO(content))
     atomic_write(shard, write)
     write_index(shard, index_tar(shard)[0], shard_stamp(shard))
     return undecodable
@@ -115,27 +127,57 @@ def make_shards(args):
     if not src.is_dir():
         raise UsageError(f"SRC {src} is not a folder")
     classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
-    manifest = {"source": str(src.resolve()), "shard_size": args.shard_size, "resize": args.resize,
-                "quality": args.quality if args.resize else None, "train": len(train), "val": len(val)}
+    samples = {"train": folder_samples(train, src / "train"), "val": folder_samples(val, src / "val")}
+    write_all(out, classes, samples, {"source": str(src.resolve())}, args)
+
+
+def write_all(out, classes, samples, source, args):
+    """OUT's class list and shards of samples {split: [(key, extension, label, path, offset, size)]}, in their order,
+    args.shard_size each, the shards not done yet written by args.workers processes."""
+    for split, items in samples.items():
+        if len({key for key, *_ in items}) < len(items):
+            raise UsageError(f"two {split} images of {source['source']} have the same key (their paths without the "
+                             "extension, dots made _): rename one")
+    manifest = {**source, "shard_size": args.shard_size, "resize": args.resize,
+                "quality": args.quality if args.resize else None, **{split: len(samples[split]) for split in samples}}
     if open_output(out, manifest):
         print(f"carrying on in {out}", flush=True)
     atomic_write(out / CLASSES, lambda file: file.write("".join(f"{name}\n" for name in classes).encode()))
-    for split, samples in (("train", train), ("val", val)):
-        folder = out / split
-        folder.mkdir(exist_ok=True)
-        for stale in folder.glob(".*.tmp"):  # a killed run's unfinished shard
+    jobs = []
+    for split, items in samples.items():
+        (out / split).mkdir(exist_ok=True)
+        for stale in (out / split).glob(".*.tmp"):  # a killed run's unfinished shard
             stale.unlink()
-        count = (len(samples) + args.shard_size - 1) // args.shard_size
-        for number in range(count):
-            shard = folder / f"{split}-{number:06d}.tar"
-            if done(shard):
-                continue
-            part = [samples[i] for i in range(number * args.shard_size, min(len(samples), (number + 1) * args.shard_size))]
-            for name in write_shard(shard, part, src / split, args):
-                print(f"warning: cannot decode {name}: stored unchanged", file=sys.stderr, flush=True)
-            print(f"{split}: {shard.name} ({number + 1} of {count}, {len(part)} images)", flush=True)
-    print(f"wrote {out}: {len(classes)} classes, {len(train):,} train and {len(val):,} val images in shards of "
-          f"{args.shard_size}", flush=True)
+        for number in range((len(items) + args.shard_size - 1) // args.shard_size):
+            shard = out / split / f"{split}-{number:06d}.tar"
+            if not done(shard):
+                jobs.append((shard, items[number * args.shard_size:(number + 1) * args.shard_size]))
+    for count, ((shard, part), undecodable) in enumerate(zip(jobs, written(jobs, args)), start=1):
+        for key in undecodable:
+            print(f"warning: cannot decode {shard.name}:{key}: stored unchanged", file=sys.stderr, flush=True)
+        print(f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)",
+              flush=True)
+    print(f"wrote {out}: {len(classes)} classes, " + " and ".join(f"{len(items):,} {split}" for split, items in
+                                                                  samples.items())
+          + f" images in shards of {args.shard_size}", flush=True)
+
+
+def written(jobs, args):
+    """What write_shard returns for each (shard, samples) of `jobs`, in their order: written here with --workers 1,
+    else by a pool of processes (stopped at once on an error, Ctrl-C or SIGTERM; a rerun carries on)."""
+    workers = min(args.workers or len(os.sched_getaffinity(0)), len(jobs))
+    if workers <= 1:
+        yield from (write_shard(shard, part, args.resize, args.quality) for shard, part in jobs)
+        return
+    pool = ProcessPoolExecutor(workers, initializer=ignore_interrupts)
+    try:
+        yield from pool.map(write_shard, *zip(*jobs), [args.resize] * len(jobs), [args.quality] * len(jobs))
+    except BaseException:
+        for process in list((pool._processes or {}).values()):  # as prepare_imagenet.run_pool stops its workers
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def parse_args(argv=None):
@@ -148,6 +190,7 @@ def parse_args(argv=None):
     parser.add_argument("--resize", type=whole(1), metavar="N", help="shorter side at most N px, as RGB JPEG")
     parser.add_argument("--quality", type=whole(1, 100), default=90, metavar="1-100",
                         help="JPEG quality with --resize (%(default)s)")
+    parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
     return parser.parse_args(argv)
 
 

@@ -4,6 +4,7 @@ OUT_DIR/train/<wnid>/*.JPEG and OUT_DIR/val/<wnid>/*.JPEG (torchvision's ImageFo
     python tools/prepare_imagenet.py ~/downloads/imagenet /data/imagenet
     python tools/prepare_imagenet.py ~/downloads/imagenet /data/imagenet-256 --resize 256
     python tools/prepare_imagenet.py ~/kaggle/imagenet-object-localization-challenge /data/imagenet
+    python tools/prepare_imagenet.py ~/downloads/imagenet /data/imagenet-shards --shards
     python train_dp.py --data /data/imagenet
 
 ARCHIVE_DIR holds the official archives (ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and
@@ -17,6 +18,10 @@ copied. Reading the devkit needs scipy: pip install -r requirements-imagenet.txt
 (90 by default; keep it at 90 or more). A loader worker reads those faster: 1.7x at --resize 256 for
 224 px crops, 2.7x at --resize 160 for 160 px crops, on 500x375 photos (docs/benchmarks.md). Without
 it, the bytes are copied unchanged.
+
+--shards writes OUT_DIR as tools/make_shards.py writes it from the folders this script makes (webdataset tar
+shards, each with its index; --shard-size images each), straight from the archives or folders, with no extracted
+copy: the same shards, byte for byte, in the same order.
 
 Stopped (Ctrl-C, a kill, a crash, a power loss)? Run the same command again: it carries on where it
 stopped. Every file is fsynced before it is renamed into place, and a class is marked done only once its
@@ -508,14 +513,70 @@ def run_pool(jobs, redo, out_dir, args):
     progress.close()
 
 
+def class_members(archive, class_tar_member):
+    """(file name, offset, size) of the images of one class's tar inside the train archive, their offsets in the
+    archive itself: read by the shard writers in place."""
+    end = class_tar_member.offset_data + class_tar_member.size
+    with open(archive, "rb") as file:
+        file.seek(class_tar_member.offset_data)
+        with tarfile.open(fileobj=file, mode="r:") as inner:  # offsets count from the archive's start
+            return [(os.path.basename(m.name), m.offset_data, m.size) for m in inner if m.isfile() and m.offset < end]
+
+
+def shard_samples(train, val, labels):
+    """(classes, {split: [(key, extension, label, path, offset, size)]}) of the archives or folders, in the order of
+    the folders this script writes (classes by wnid, each class's images by name): tools/make_shards.py's samples,
+    an image inside an archive read at its offset there (offset None: a file read whole)."""
+    from make_shards import sample_key
+    jobs = make_jobs(train, val, labels)  # train: a job per class; val: chunks of images
+    found = {"train": [], "val": []}  # (wnid, name, path, offset, size)
+    if train.is_file():
+        for m in members(train):
+            found["train"] += [(Path(m.name).stem, name, str(train), offset, size)
+                               for name, offset, size in class_members(train, m)]
+    for job in jobs:
+        if job.read is class_folder:
+            found["train"] += [(wnid, name, path, None, None) for wnid, name, path in class_folder(job.source, *job.args)]
+        elif job.read is tar_members:
+            found["val"] += [(wnid, name, job.source, offset, size) for wnid, name, offset, size in job.args[0]]
+        elif job.read is val_files:
+            found["val"] += [(wnid, name, path, None, None) for wnid, name, path in job.args[0]]
+    wnids = sorted({wnid for wnid, *_ in found["train"]})
+    label = {wnid: k for k, wnid in enumerate(wnids)}
+    return wnids, {split: [(*sample_key(Path(wnid) / name), label[wnid], path, offset, size)
+                           for wnid, name, path, offset, size in sorted(items)] for split, items in found.items()}
+
+
+def prepare_shards(args, train, val, labels):
+    """--shards: OUT_DIR as tools/make_shards.py writes it from the folders this script would write, straight from
+    the archives (no extracted copy): the same shards, byte for byte."""
+    import make_shards
+    from common.errors import UsageError
+    classes, samples = shard_samples(train, val, labels)
+    source = {"source": str(Path(args.archive_dir).resolve())}
+    try:
+        make_shards.write_all(Path(args.out_dir), classes, samples, source, args)
+    except UsageError as error:
+        raise Failure(str(error)) from None
+
+
 def prepare(args):
     start, out_dir = time.monotonic(), Path(args.out_dir)
     train, val, labels = find_inputs(Path(args.archive_dir))
-    state = open_output(out_dir, args.resize, args.quality)
+    holds = ("shards" if (out_dir / "shards.json").exists() else "class folders" if any(
+        path.is_dir() for path in (out_dir / "train").glob("*")) else None)
+    if holds and holds != ("shards" if args.shards else "class folders"):
+        raise Failure(f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR "
+                      "of their own")
+    state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality)
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
+    if args.shards:
+        state.mkdir(parents=True, exist_ok=True)
     for path in [] if args.skip_md5 else [path for path in (train, val, labels) if path and path.name in OFFICIAL_MD5]:
         verify_md5(path, state)
+    if args.shards:
+        return prepare_shards(args, train, val, val_labels(labels, state) if labels else {})
     jobs = make_jobs(train, val, val_labels(labels, state) if labels else {})
     finished, redo = [], set()
     for job in jobs:
@@ -574,6 +635,10 @@ def parse_args():
     parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
     parser.add_argument("--skip-md5", action="store_true",
                         help="do not check the official MD5s (re-packed or partial archives)")
+    parser.add_argument("--shards", action="store_true",
+                        help="write webdataset tar shards (tools/make_shards.py's) instead of class folders")
+    parser.add_argument("--shard-size", type=whole(1), default=2500, metavar="N",
+                        help="images per shard with --shards (%(default)s)")
     return parser.parse_args()
 
 

@@ -24,7 +24,7 @@ import make_shards  # noqa: E402
 def shards(tiny_data, tmp_path_factory):
     """tiny_data (24 train, 12 val images) in shards of 5 images."""
     out = tmp_path_factory.mktemp("shards")
-    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5"]) == 0
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 0
     return out
 
 
