@@ -15,6 +15,7 @@ The same images in shards and in the folder they came from give bitwise the same
     DIR/val/NAME.tar, .idx       the validation shards
 """
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,10 @@ def columns(samples):
     names = b"".join(os.fsencode(f"{key}.{extension}") + b"\0" for key, extension, *_ in samples)
     return {"names": np.frombuffer(names, dtype=np.uint8),
             **{name: np.array([sample[k] for sample in samples], dtype=dtype)
-               for k, name, dtype in ((2, "labels", np.int32), (3, "offsets", np.int64), (4, "sizes", np.int64))}}
+               for k, (name, dtype) in enumerate(COLUMNS.items(), start=2)}}
+
+
+COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
 
 
 def write_index(shard, samples, stamp):
@@ -61,9 +65,9 @@ def read_index(shard):
             arrays = {name: index[name] for name in index.files}
     except FileNotFoundError:
         raise UsageError(f"{shard} has no index ({path.name})") from None
-    except (OSError, ValueError, EOFError) as error:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # cut short, not ours
         raise UsageError(f"cannot read {path}: {error}") from None
-    if arrays.get("version") != INDEX_VERSION:
+    if arrays.get("version") != INDEX_VERSION or not {"shard", "names", *COLUMNS} <= arrays.keys():
         raise UsageError(f"{path} is no shard index of version {INDEX_VERSION}")
     if not np.array_equal(arrays["shard"], shard_stamp(shard)):
         raise UsageError(f"{path} no longer matches {Path(shard).name} (its size or modification time changed)")
@@ -80,8 +84,9 @@ def shard_samples(shard):
         pass
     stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
     if cut is not None:
-        say(f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before "
-            f"{cut} are read; {cut} and what followed it are lost")
+        lost = f"{cut} and what followed it are lost" if cut else "what followed them is lost"
+        say(f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before the "
+            f"cut are read; {lost}")
     try:
         write_index(shard, samples, stamp)
     except OSError:
@@ -90,8 +95,14 @@ def shard_samples(shard):
 
 
 def has_shards(root):
-    """Whether `root` holds shards: root/train/*.tar."""
-    return (Path(root) / "train").is_dir() and any((Path(root) / "train").glob("*.tar"))
+    """Whether `root` holds shards: root/train/*.tar and no class folder beside them (an image folder with tars left
+    in train/, as an interrupted extraction of ImageNet leaves them, stays an image folder)."""
+    train = Path(root) / "train"
+    try:
+        entries = list(os.scandir(train))
+    except OSError:
+        return False
+    return any(entry.name.endswith(".tar") for entry in entries) and not any(entry.is_dir() for entry in entries)
 
 
 class ShardIndex:
@@ -167,28 +178,45 @@ def scan_shards(root):
 
 
 class ShardReader:
-    """Reads samples' bytes at their offsets, each shard opened once per process (a loader worker is a process of
-    its own: it opens the shards it reads, once; a descriptor opened before the fork is not shared)."""
+    """Reads samples' bytes at their offsets, each shard opened once per process and kept open (a loader worker is a
+    process of its own: it opens the shards it reads; descriptors inherited through a fork are closed), the
+    OPEN_SHARDS most recently read at most (an epoch reads the shards in random order: beyond that, a shard is
+    opened again when a sample of it comes)."""
 
     def __init__(self):
         self.pid, self.files = None, {}
 
     def read(self, path, offset, size):
         if self.pid != os.getpid():
-            self.pid, self.files = os.getpid(), {}
-        fd = self.files.get(path)
+            self.close()
+            self.pid = os.getpid()
+        fd = self.files.pop(path, None)
         if fd is None:
-            fd = self.files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            if len(self.files) >= OPEN_SHARDS:
+                os.close(self.files.pop(next(iter(self.files))))  # the least recently read
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.files[path] = fd  # (last: the most recently read)
         data = os.pread(fd, size, offset)
         if len(data) < size:
             raise OSError(f"the shard ends {size - len(data)} bytes before this sample does (cut short)")
         return data
 
+    def close(self):
+        for fd in self.files.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.files = {}
+
     def __getstate__(self):  # (a dataset pickled for spawned loader workers takes no descriptor along)
         return {"pid": None, "files": {}}
 
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at most, under the usual limits
+
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
 
 
 def split_member(name):
@@ -202,19 +230,20 @@ def split_member(name):
 def index_tar(shard):
     """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
     key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls: a class index in text). A shard cut short (a crash
-    while it was written) gives the samples before the cut, and in `cut` the key of the one it cut (None for a whole
-    shard). UsageError for a sample without a label."""
+    while it was written: no end-of-archive blocks, or a member cut) gives the samples before the cut, and in `cut`
+    the key of the sample it cut, or "" where it cut none (None: a whole shard). UsageError for a sample without a
+    label in a whole shard, or a label that is not a class index."""
     import tarfile
     samples, labels, cut, size = {}, {}, None, os.stat(shard).st_size
-    with tarfile.open(shard, "r:") as tar:
-        try:
+    try:
+        with tarfile.open(shard, "r:") as tar:
             for member in tar:
                 key, extension = split_member(member.name)
-                if not member.isfile():
-                    continue
                 if member.offset_data + member.size > size:
                     cut = key
                     break
+                if not member.isfile():
+                    continue
                 if extension.lower() in IMAGE_EXTENSIONS:
                     samples[key] = [key, extension, None, member.offset_data, member.size]
                 elif extension == "cls":
@@ -222,8 +251,11 @@ def index_tar(shard):
                     if not text.isdigit():
                         raise UsageError(f"{shard}:{key}.cls holds {text[:20]!r}: expected a class index")
                     labels[key] = int(text)
-        except (tarfile.ReadError, EOFError):
-            cut = "(a header)"
+            end = tar.offset  # where the end-of-archive blocks begin
+    except (tarfile.ReadError, EOFError):
+        cut, end = "", None
+    if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
+        cut = ""
     if cut is not None and samples and next(reversed(samples)) not in labels:
         cut = samples.popitem()[0]  # its label was cut off
     for key, sample in samples.items():
@@ -231,3 +263,12 @@ def index_tar(shard):
             raise UsageError(f"{shard}:{key} has no label (no {key}.cls): every sample needs one")
         sample[2] = labels[key]
     return list(samples.values()), cut
+
+
+def _ends_an_archive(shard, end, size):
+    """Whether `shard` holds the two zero blocks that end a tar at `end` (a crash leaves a shard without them)."""
+    if size < end + 1024:
+        return False
+    with open(shard, "rb") as file:
+        file.seek(end)
+        return file.read(1024) == bytes(1024)

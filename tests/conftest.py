@@ -133,7 +133,7 @@ def _runs_started_ahead(request, tmp_path_factory):
     pool = ThreadPoolExecutor(1, initializer=_mark_background, initargs=(True,))
     for function in order:
         pool.submit(once, function, tmp_path_factory)
-    yield
+    yield pool
     pool.shutdown(wait=False, cancel_futures=True)
 
 # Small and fast on two cores: 32 px images, no loader workers, one thread per process.
@@ -413,9 +413,13 @@ class PrewarmedProcess:
 
     def __init__(self, args, connection, pid, stdout):
         self.args, self.pid, self.stdout, self.returncode = args, pid, stdout, None
-        self._connection, self._buffer = connection, b""
+        self._connection, self._buffer, self._lock = connection, b"", threading.Lock()
 
     def _receive(self, timeout):
+        with self._lock:  # a test's thread and the session's end may wait for one run
+            return self.returncode is not None or self._receive_exit(timeout)
+
+    def _receive_exit(self, timeout):
         self._connection.settimeout(timeout)
         while b"\n" not in self._buffer:
             try:
@@ -470,7 +474,9 @@ class Prewarmed:
 
     @classmethod
     def socket(cls):
-        """The server's socket, the server started first if it is not running."""
+        """The server's socket, the server started first if it is not running (not once the session is over)."""
+        if _session_over.is_set():
+            raise RuntimeError("the test session is over: no prewarm server starts now")
         with cls.lock:
             if cls.server is None or cls.server.poll() is not None:
                 cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
@@ -541,11 +547,16 @@ def _no_job_outlives_its_test():
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_job_outlives_the_session(_runs_started_ahead):
+    """At the session's end (also after -x or Ctrl-C): no run started ahead starts now, no job starts any more, and
+    every job still running is killed, whichever thread waits for it."""
     yield
     _session_over.set()
-    for jobs in (_jobs, _background_jobs):
-        while jobs:
-            jobs.pop().kill()
+    _runs_started_ahead.shutdown(wait=False, cancel_futures=True)
+    for job in [*_jobs, *_background_jobs]:
+        try:
+            job.kill()
+        except Exception as error:  # (the next kill still comes)
+            print(f"conftest: could not kill {job.process.args}: {error!r}", file=sys.stderr)
     Prewarmed.stop()
 
 
@@ -587,6 +598,9 @@ class Job:
         self.reader.start()
         self.jobs = _background_jobs if in_background() else _jobs
         self.jobs.append(self)
+        if _session_over.is_set():  # the session ended while this one started: its end may not have seen it
+            self.kill()
+            raise RuntimeError("the test session is over: no job starts now")
 
     def _read(self):
         for raw in self.process.stdout:

@@ -34,9 +34,8 @@ def broken_folder(tmp_path_factory):
 
 
 def sharded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    make_shards.make_shards(make_shards.parse_args([str(once(broken_folder, tmp_path_factory)), str(out),
-                                                    "--shard-size", "4", "--workers", "1"]))  # (main(): main thread)
+    out = tmp_path_factory.mktemp("shards")  # (a process of its own: in-process, it would print into a test's capsys)
+    assert_ok(run_prewarmed("tools/make_shards.py", [[once(broken_folder, tmp_path_factory), out, "--shard-size", "4"]])[0])
     return out
 
 

@@ -34,7 +34,7 @@ from common.datasets import scan_split_files, split_files  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
-from common.shards import CLASSES, index_tar, read_index, shard_stamp, write_index  # noqa: E402
+from common.shards import CLASSES, IMAGE_EXTENSIONS, index_tar, read_index, shard_stamp, write_index  # noqa: E402
 from prepare_imagenet import Parser, ignore_interrupts, resize_jpeg, whole  # noqa: E402
 
 MANIFEST = "shards.json"  # how OUT was written: a rerun with other options is refused
@@ -49,19 +49,26 @@ def sample_key(relative):
     made "_" (a webdataset key ends at the first dot of a member's base name)."""
     relative = Path(relative)
     stem = relative.name.rsplit(".", 1)[0] if "." in relative.name else relative.name
-    return "/".join([*relative.parent.parts, stem.replace(".", "_")]), relative.suffix[1:].lower() or "jpg"
+    return "/".join([*relative.parent.parts, stem.replace(".", "_")]), relative.suffix[1:].lower()
 
 
 def folder_samples(files, split_root):
     """The samples (key, extension, label, path, offset, size) of [(path, label)] files: each read whole (offset
-    None), keyed by its path under `split_root` (else its name)."""
+    None), keyed by its path under `split_root`, else under SRC (split files list paths under it), else its name.
+    An image whose name has no image extension is refused: the reader decodes by it, as the scripts decode a file."""
     samples = []
     for path, label in files:
-        try:
-            relative = Path(path).relative_to(split_root)
-        except ValueError:
-            relative = Path(Path(path).name)
-        samples.append((*sample_key(relative), label, str(path), None, None))
+        for root in (split_root, split_root.parent):
+            try:
+                relative = Path(path).relative_to(root)
+                break
+            except ValueError:
+                relative = Path(Path(path).name)
+        key, extension = sample_key(relative)
+        if extension not in IMAGE_EXTENSIONS:
+            raise UsageError(f"{path}: a name without an image extension ({', '.join(IMAGE_EXTENSIONS)}); shards store "
+                             "each image under its own: rename it")
+        samples.append((key, extension, label, str(path), None, None))
     return samples
 
 
@@ -93,7 +100,11 @@ def write_shard(shard, samples, resize, quality):
                     info.size, info.mode = len(content), 0o644  # mtime 0, no owner: the same images, the same shard
                     tar.addfile(info, io.BytesIO(content))
     atomic_write(shard, write)
-    write_index(shard, index_tar(shard)[0], shard_stamp(shard))
+    index, cut = index_tar(shard)
+    if cut is not None or [key for key, *_ in index] != [key for key, *_ in samples]:
+        raise UsageError(f"{shard} does not read back as written ({len(index)} of its {len(samples)} samples): is the "
+                         "disk full or failing?")
+    write_index(shard, index, shard_stamp(shard))
     return undecodable
 
 

@@ -21,7 +21,8 @@ it, the bytes are copied unchanged.
 
 --shards writes OUT_DIR as tools/make_shards.py writes it from the folders this script makes (webdataset tar
 shards, each with its index; --shard-size images each), straight from the archives or folders, with no extracted
-copy: the same shards, byte for byte, in the same order.
+copy: the same shards, byte for byte (with --resize N: those of make_shards.py --resize N on the folders this
+script makes without it).
 
 Stopped (Ctrl-C, a kill, a crash, a power loss)? Run the same command again: it carries on where it
 stopped. Every file is fsynced before it is renamed into place, and a class is marked done only once its
@@ -543,8 +544,12 @@ def shard_samples(train, val, labels):
             found["val"] += [(wnid, name, path, None, None) for wnid, name, path in job.args[0]]
     wnids = sorted({wnid for wnid, *_ in found["train"]})
     label = {wnid: k for k, wnid in enumerate(wnids)}
+    unknown = sum(wnid not in label for wnid, *_ in found["val"])
+    if unknown:
+        say(f"warning: {unknown} val images are of classes that train/ does not have: left out")
     return wnids, {split: [(*sample_key(Path(wnid) / name), label[wnid], path, offset, size)
-                           for wnid, name, path, offset, size in sorted(items)] for split, items in found.items()}
+                           for wnid, name, path, offset, size in sorted(items) if wnid in label]
+                   for split, items in found.items()}
 
 
 def prepare_shards(args, train, val, labels):

@@ -2,6 +2,7 @@
 order, read back bitwise the images a folder gives; indexes that do not fit their shard, samples without a label and
 shards cut short are named in one line."""
 import io
+import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -55,12 +56,8 @@ def test_the_scripts_read_a_folder_of_shards_as_shards(shards, no_platform_env):
     assert classes == ["circle", "ring", "square"]
 
 
-def test_a_reader_opens_each_shard_once_and_names_a_sample_its_shard_cuts_short(shards, tmp_path):
+def test_a_reader_names_a_sample_its_shard_cuts_short(shards, tmp_path):
     _, train, _ = scan_shards(shards)
-    dataset = ShardedImages(train)
-    for i in range(len(dataset)):
-        dataset[i]
-    assert sorted(dataset.reader.files) == sorted(str(path) for path in (shards / "train").glob("*.tar"))
     cut = tmp_path / "cut.tar"
     data = Path(train.shards[0]).read_bytes()
     cut.write_bytes(data[: train.offsets[2] + 10])  # a crash in the middle of sample 2
@@ -147,4 +144,45 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it
     from common.shards import shard_samples
     assert shard_samples(shard)["names"].tobytes() == b"k0.jpg\0k1.jpg\0"
     assert capsys.readouterr().out.strip() == (f"warning: {shard} is cut short (a crash while it was written?): its 2 "
-                                               "samples before k2 are read; k2 and what followed it are lost")
+                                               "samples before the cut are read; k2 and what followed it are lost")
+    for cut_at, samples_left in ((whole[2][3] - 512, 2), (whole[2][3] - 300, 2), (whole[2][3] + 3072, 2), (200, 0), (0, 0)):
+        shard.write_bytes(raw[:cut_at])  # at a member's boundary, in a header, between an image and its label, ...
+        samples, cut = index_tar(shard)
+        assert len(samples) == samples_left and cut is not None, cut_at
+    shard.write_bytes(raw[: whole[2][3] + 3072 + 1024])  # every member whole, the end-of-archive blocks lost
+    assert index_tar(shard)[1] == ""
+
+
+def test_a_folder_with_tars_beside_its_class_folders_stays_an_image_folder(tiny_data, tmp_path):
+    from common.shards import has_shards
+    folder = shutil.copytree(tiny_data, tmp_path / "data")
+    (folder / "train" / "ILSVRC2012_img_train.tar").write_bytes(b"left by an interrupted extraction")
+    assert not has_shards(folder)
+
+
+def test_an_index_cut_short_or_of_another_kind_is_built_again(shards, tmp_path):
+    copy = shutil.copytree(shards, tmp_path / "copy")
+    index = copy / "train" / "train-000000.idx"
+    for content in (index.read_bytes()[:100], b"PK\x03\x04 not a zip", b""):
+        index.write_bytes(content)
+        _, train, _ = scan_shards(copy)
+        assert len(train) == 24 and read_index(copy / "train" / "train-000000.tar")
+
+
+def test_a_reader_keeps_the_most_recently_read_shards_open_and_no_more(shards, monkeypatch):
+    import os
+    import common.shards
+    _, train, _ = scan_shards(shards)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *args: opened.append(path) or real_open(path, *args))
+    monkeypatch.setattr(common.shards, "OPEN_SHARDS", 2)
+    reader = ShardReader()
+    for index in [0, 1, 0, 1, 5, 0]:  # shards 0, 0, 0, 0, 1, 0 (5 images a shard)
+        reader.read(*train.location(index)[:3])
+    assert [Path(path).name for path in opened] == ["train-000000.tar", "train-000001.tar"]
+    for index in [10, 15, 0]:  # shards 2 and 3 push 0 and 1 out: 0 is opened again
+        reader.read(*train.location(index)[:3])
+    assert [Path(path).name for path in opened[2:]] == ["train-000002.tar", "train-000003.tar", "train-000000.tar"]
+    assert len(reader.files) == 2
+    reader.close()
