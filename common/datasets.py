@@ -6,6 +6,7 @@ import csv
 import io
 import math
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -197,8 +198,9 @@ def build_datasets(config):
                              "(classes, train_set, val_set)")
         return tuple(result)
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
-    scan = (scan_shards if has_shards(root) else scan_split_files if root.is_dir() and split_files(root)
-            else scan_image_folder)
+    output = Path(config.output_dir) if config.output_dir else None  # (where a read-only folder's shard indexes go)
+    scan = (partial(scan_shards, cache=output) if has_shards(root) else scan_split_files
+            if root.is_dir() and split_files(root) else scan_image_folder)
     classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
     train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
     files = ShardedImages if isinstance(train_files, ShardIndex) else ImageFiles

@@ -49,17 +49,26 @@ def columns(samples):
 COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
 
 
-def write_index(shard, samples, stamp):
-    """Write `shard`'s index (atomically): numpy's .npz of its columns, the version and the shard's stamp."""
+def write_index(shard, samples, stamp, path=None):
+    """Write `shard`'s index (atomically) beside it, or at `path`: numpy's .npz of its columns, the version and the
+    shard's stamp."""
     from .run_dir import atomic_write
     arrays = {"version": np.array(INDEX_VERSION), "shard": stamp, **columns(samples)}
-    atomic_write(index_path(shard), lambda file: np.savez(file, **arrays))
+    atomic_write(path or index_path(shard), lambda file: np.savez(file, **arrays))
 
 
-def read_index(shard):
-    """The columns of `shard`'s index (columns()); UsageError naming what is wrong with it (missing, unreadable, of
-    another version, or no longer matching its shard). Reading 1.33 million samples' indexes takes about a second."""
-    path = index_path(shard)
+def cached_index_path(shard, cache):
+    """Where the output directory `cache` keeps the index of a shard in a folder it cannot write to."""
+    import hashlib
+    digest = hashlib.sha1(os.fsencode(os.path.abspath(shard))).hexdigest()[:16]
+    return Path(cache) / "shard-indexes" / f"{Path(shard).stem}-{digest}.idx"
+
+
+def read_index(shard, path=None):
+    """The columns of `shard`'s index (columns()), beside it or at `path`; UsageError naming what is wrong with it
+    (missing, unreadable, of another version, or no longer matching its shard). Reading 1.33 million samples'
+    indexes takes about a second."""
+    path = path or index_path(shard)
     try:
         with np.load(path, allow_pickle=False) as index:
             arrays = {name: index[name] for name in index.files}
@@ -74,14 +83,17 @@ def read_index(shard):
     return arrays
 
 
-def shard_samples(shard):
+def shard_samples(shard, cache=None):
     """The columns of `shard`'s samples: its index, or, where it has none that matches it (shards written elsewhere,
     copied without their times, changed), the shard read once through (index_tar) and its index written beside it
-    for the next job (atomically: two jobs that index it at once write the same; a read-only folder keeps none)."""
-    try:
-        return read_index(shard)
-    except UsageError:
-        pass
+    for the next job (atomically: two jobs that index it at once write the same), or, where its folder is read-only,
+    in the output directory `cache` (when given and there)."""
+    for path in (None, cached_index_path(shard, cache) if cache is not None else None):
+        try:
+            return read_index(shard, path)
+        except UsageError:
+            if cache is None:
+                break
     stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
     if cut is not None:
         lost = f"{cut} and what followed it are lost" if cut else "what followed them is lost"
@@ -89,8 +101,13 @@ def shard_samples(shard):
             f"cut are read; {lost}")
     try:
         write_index(shard, samples, stamp)
-    except OSError:
-        pass
+    except OSError:  # a read-only folder
+        if cache is not None and Path(cache).is_dir():
+            try:
+                cached_index_path(shard, cache).parent.mkdir(exist_ok=True)
+                write_index(shard, samples, stamp, cached_index_path(shard, cache))
+            except OSError:
+                pass
     return columns(samples)
 
 
@@ -152,21 +169,21 @@ def read_classes(root):
     return classes
 
 
-def split_index(root, split):
+def split_index(root, split, cache=None):
     """The ShardIndex of root/split/*.tar."""
     shards = sorted((Path(root) / split).glob("*.tar"))
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
-    index = ShardIndex(shards, [shard_samples(shard) for shard in shards])
+    index = ShardIndex(shards, [shard_samples(shard, cache) for shard in shards])
     if not len(index):
         raise UsageError(f"the {split} shards of --data {root} hold no sample")
     return index
 
 
-def scan_shards(root):
+def scan_shards(root, cache=None):
     """(classes, train ShardIndex, val ShardIndex) of the shards under `root`, from their indexes (a shard without
-    one is indexed first: shard_samples). The class names are root/classes.txt's; without it, the labels' numbers."""
-    classes, train, val = read_classes(root), split_index(root, "train"), split_index(root, "val")
+    one is indexed first: shard_samples; `cache`: the output directory, for shards in a read-only folder). The class names are root/classes.txt's; without it, the labels' numbers."""
+    classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
     if classes is None:
         classes = [str(label) for label in range(int(max(train.labels.max(), val.labels.max())) + 1)]
     for index in (train, val):
@@ -229,12 +246,13 @@ def split_member(name):
 
 def index_tar(shard):
     """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
-    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls: a class index in text). A shard cut short (a crash
+    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls: a class index in text; else KEY.json's "cls",
+    "label", "class" or "class_index", an int). A shard cut short (a crash
     while it was written: no end-of-archive blocks, or a member cut) gives the samples before the cut, and in `cut`
     the key of the sample it cut, or "" where it cut none (None: a whole shard). UsageError for a sample without a
     label in a whole shard, or a label that is not a class index."""
     import tarfile
-    samples, labels, cut, size = {}, {}, None, os.stat(shard).st_size
+    samples, labels, json_labels, cut, size = {}, {}, {}, None, os.stat(shard).st_size
     try:
         with tarfile.open(shard, "r:") as tar:
             for member in tar:
@@ -251,6 +269,8 @@ def index_tar(shard):
                     if not text.isdigit():
                         raise UsageError(f"{shard}:{key}.cls holds {text[:20]!r}: expected a class index")
                     labels[key] = int(text)
+                elif extension == "json" and key not in labels:
+                    json_labels[key] = label_of_json(tar.extractfile(member).read())
             end = tar.offset  # where the end-of-archive blocks begin
     except (tarfile.ReadError, EOFError):
         cut, end = "", None
@@ -259,10 +279,26 @@ def index_tar(shard):
     if cut is not None and samples and next(reversed(samples)) not in labels:
         cut = samples.popitem()[0]  # its label was cut off
     for key, sample in samples.items():
-        if key not in labels:
-            raise UsageError(f"{shard}:{key} has no label (no {key}.cls): every sample needs one")
-        sample[2] = labels[key]
+        label = labels.get(key, json_labels.get(key))
+        if label is None:
+            raise UsageError(f"{shard}:{key} has no label (no {key}.cls, no class index in a {key}.json): every sample "
+                             "needs one")
+        sample[2] = label
     return list(samples.values()), cut
+
+
+JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
+
+
+def label_of_json(data):
+    """The class index in a sample's .json ({"label": 3}, {"cls": 3}, ...), or None."""
+    import json
+    try:
+        meta = json.loads(data)
+    except ValueError:
+        return None
+    found = [meta[name] for name in JSON_LABELS if isinstance(meta, dict) and name in meta]
+    return found[0] if found and isinstance(found[0], int) and not isinstance(found[0], bool) else None
 
 
 def _ends_an_archive(shard, end, size):

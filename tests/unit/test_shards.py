@@ -97,11 +97,15 @@ def test_a_tar_is_indexed_by_key_with_each_image_s_offset_and_its_label(tmp_path
     assert [raw[offset:offset + size] for *_, offset, size in index] == [b"AAAA", b"BB"]
 
 
-def test_a_sample_without_a_label_is_refused_naming_it(tmp_path):
+def test_a_sample_without_a_label_is_refused_naming_it_and_a_json_label_counts(tmp_path):
     shard = tmp_path / "s.tar"
-    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("nolabel.jpg", b"B")])
-    with pytest.raises(UsageError, match=rf"{shard}:nolabel has no label \(no nolabel\.cls\)"):
+    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("j.png", b"J"), ("j.json", b'{"label": 2, "w": 5}'),
+                           ("nolabel.jpg", b"B"), ("nolabel.json", b'{"caption": "a dog"}')])
+    with pytest.raises(UsageError, match=rf"{shard}:nolabel has no label \(no nolabel\.cls, no class index in a "
+                                         r"nolabel\.json\)"):
         index_tar(shard)
+    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("j.png", b"J"), ("j.json", b'{"label": 2, "w": 5}')])
+    assert [(key, label) for key, _, label, *_ in index_tar(shard)[0]] == [("a", 1), ("j", 2)]
 
 
 def test_a_sample_that_cannot_be_decoded_is_an_unreadable_file_named_shard_key(shards, tmp_path):
@@ -186,3 +190,27 @@ def test_a_reader_keeps_the_most_recently_read_shards_open_and_no_more(shards, m
     assert [Path(path).name for path in opened[2:]] == ["train-000002.tar", "train-000003.tar", "train-000000.tar"]
     assert len(reader.files) == 2
     reader.close()
+
+
+def test_shards_in_a_folder_that_cannot_be_written_keep_their_index_in_the_output_directory(tmp_path):
+    """A read-only folder (made immutable: the tests may run as root, whom permissions do not stop)."""
+    import subprocess
+    root = tmp_path / "read-only"
+    for split in ("train", "val"):
+        (root / split).mkdir(parents=True)
+        webdataset_tar(root / split / f"{split}-0.tar", [("a.jpg", b"AA"), ("a.cls", b"1")])
+    folders = [root / "train", root / "val"]
+    if subprocess.run(["chattr", "+i", *map(str, folders)], capture_output=True).returncode != 0:
+        pytest.skip("this file system cannot make a folder immutable (chattr +i)")
+    try:
+        output = tmp_path / "run"
+        output.mkdir()
+        _, train, _ = scan_shards(root, cache=output)
+        cached = sorted((output / "shard-indexes").iterdir())
+        assert len(train) == 1 and [path.name.split("-")[0] for path in cached] == ["train", "val"]
+        assert not list(root.rglob("*.idx"))
+        written = [path.stat().st_mtime_ns for path in cached]
+        scan_shards(root, cache=output)  # read from the output directory, not indexed again
+        assert [path.stat().st_mtime_ns for path in cached] == written
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, folders)])
