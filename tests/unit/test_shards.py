@@ -2,6 +2,7 @@
 order, read back bitwise the images a folder gives; indexes that do not fit their shard, samples without a label and
 shards cut short are named in one line."""
 import io
+import os
 import shutil
 import sys
 import tarfile
@@ -192,20 +193,33 @@ def test_a_reader_keeps_the_most_recently_read_shards_open_and_no_more(shards, m
     reader.close()
 
 
+def immutable(folder, on):
+    """Make `folder` immutable (or not again), as chattr +i does (the tests may run as root, whom permissions do not
+    stop); False where the file system cannot."""
+    import array
+    import fcntl
+    get_flags, set_flags, immutable_flag = 0x80086601, 0x40086602, 0x10  # FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, get_flags, flags, True)
+        flags[0] = flags[0] | immutable_flag if on else flags[0] & ~immutable_flag
+        fcntl.ioctl(fd, set_flags, flags, True)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def test_shards_in_a_folder_that_cannot_be_written_keep_their_index_in_the_output_directory(tmp_path):
-    """A read-only folder (made immutable: the tests may run as root, whom permissions do not stop)."""
-    import subprocess
     root = tmp_path / "read-only"
     for split in ("train", "val"):
         (root / split).mkdir(parents=True)
         webdataset_tar(root / split / f"{split}-0.tar", [("a.jpg", b"AA"), ("a.cls", b"1")])
     folders = [root / "train", root / "val"]
-    try:
-        immutable = subprocess.run(["chattr", "+i", *map(str, folders)], capture_output=True).returncode == 0
-    except FileNotFoundError:  # no e2fsprogs
-        immutable = False
-    if not immutable:
-        pytest.skip("this machine cannot make a folder immutable (chattr +i)")
+    if not all(immutable(folder, True) for folder in folders):
+        pytest.skip("this file system cannot make a folder immutable (chattr +i)")
     try:
         output = tmp_path / "run"
         output.mkdir()
@@ -217,4 +231,5 @@ def test_shards_in_a_folder_that_cannot_be_written_keep_their_index_in_the_outpu
         scan_shards(root, cache=output)  # read from the output directory, not indexed again
         assert [path.stat().st_mtime_ns for path in cached] == written
     finally:
-        subprocess.run(["chattr", "-i", *map(str, folders)])
+        for folder in folders:
+            immutable(folder, False)
