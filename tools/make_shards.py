@@ -35,13 +35,9 @@ from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
 from common.shards import CLASSES, IMAGE_EXTENSIONS, index_tar, read_index, shard_stamp, write_index  # noqa: E402
-from prepare_imagenet import Parser, ignore_interrupts, resize_jpeg, whole  # noqa: E402
+from prepare_imagenet import Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals, whole  # noqa: E402
 
 MANIFEST = "shards.json"  # how OUT was written: a rerun with other options is refused
-
-
-class Stopped(Exception):
-    """SIGTERM."""
 
 
 def sample_key(relative):
@@ -207,10 +203,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-
-    def stop(signum, frame):
-        raise Stopped()
-    before = signal.signal(signal.SIGTERM, stop)
+    before = stop_on_signals()
     try:
         make_shards(args)
         return 0
@@ -221,7 +214,8 @@ def main(argv=None):
         print("stopped: run the same command again to carry on", file=sys.stderr, flush=True)
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -647,12 +647,22 @@ def parse_args():
     return parser.parse_args()
 
 
-def main():
-    args = parse_args()
+def stop_on_signals():
+    """From now on, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in this process. In a worker of the pool
+    forked before its initializer ran (a fork inherits the handlers), they do nothing: the main process, which got
+    the signal too, stops the workers (else the worker printed a traceback from threading's after-fork hook).
+    Returns the handlers they replace."""
+    main_pid = os.getpid()
 
     def stop(signum, frame):
-        raise Stopped()
-    signal.signal(signal.SIGTERM, stop)
+        if os.getpid() == main_pid:
+            raise Stopped() if signum == signal.SIGTERM else KeyboardInterrupt()
+    return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def main():
+    args = parse_args()
+    stop_on_signals()
     try:
         prepare(args)
         return 0
