@@ -25,6 +25,7 @@ from .errors import UsageError
 
 INDEX_VERSION = 1
 CLASSES = "classes.txt"
+MANIFEST = "shards.json"  # how tools/make_shards.py wrote a folder of shards: a rerun with other options is refused
 
 
 def index_path(shard):
@@ -88,12 +89,12 @@ def shard_samples(shard, cache=None):
     copied without their times, changed), the shard read once through (index_tar) and its index written beside it
     for the next job (atomically: two jobs that index it at once write the same), or, where its folder is read-only,
     in the output directory `cache` (when given and there)."""
-    for path in (None, cached_index_path(shard, cache) if cache is not None else None):
+    cached = cached_index_path(shard, cache) if cache is not None else None
+    for path in (None, cached) if cached else (None,):
         try:
             return read_index(shard, path)
         except UsageError:
-            if cache is None:
-                break
+            pass
     stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
     if cut is not None:
         lost = f"{cut} and what followed it are lost" if cut else "what followed them is lost"
@@ -102,10 +103,10 @@ def shard_samples(shard, cache=None):
     try:
         write_index(shard, samples, stamp)
     except OSError:  # a read-only folder
-        if cache is not None and Path(cache).is_dir():
+        if cached and Path(cache).is_dir():
             try:
-                cached_index_path(shard, cache).parent.mkdir(exist_ok=True)
-                write_index(shard, samples, stamp, cached_index_path(shard, cache))
+                cached.parent.mkdir(exist_ok=True)
+                write_index(shard, samples, stamp, cached)
             except OSError:
                 pass
     return columns(samples)

@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.unit)
         elif not any(item.get_closest_marker(tier) for tier in TIERS):
             raise pytest.UsageError(f"{item.nodeid} has no tier marker ({', '.join(TIERS)}): give its module a pytestmark")
-    later = {item.module.__name__ for item in items if runs_ahead(item)}
+    later = {item.module.__name__ for item in items if ahead_of(item)}
     items.sort(key=lambda item: (Path(item.fspath).parent.name != "unit", item.module.__name__ in later))
 
 PYTHON = sys.executable
@@ -105,10 +105,6 @@ def ahead_of(item):
     return [function for function in found if function is not None]
 
 
-def runs_ahead(item):
-    return bool(ahead_of(item))
-
-
 _background = threading.local()  # .on: a thread that runs what was started ahead, or one such a thread started
 
 
@@ -138,8 +134,7 @@ def _runs_started_ahead(request, tmp_path_factory):
     pool = ThreadPoolExecutor(1, initializer=_mark_background, initargs=(True,))
     for function in order:
         pool.submit(once, function, tmp_path_factory)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
+    yield pool  # shut down by _no_job_outlives_the_session, before it kills the jobs
 
 # Small and fast on two cores: 32 px images, no loader workers, one thread per process.
 TINY = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0", "-p", "1"]

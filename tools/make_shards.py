@@ -34,10 +34,11 @@ from common.datasets import scan_split_files, split_files  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
-from common.shards import CLASSES, IMAGE_EXTENSIONS, index_tar, read_index, shard_stamp, write_index  # noqa: E402
-from prepare_imagenet import Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals, whole  # noqa: E402
+from common.shards import (CLASSES, IMAGE_EXTENSIONS, MANIFEST, index_tar, read_index, shard_stamp,  # noqa: E402
+                           write_index)
+from prepare_imagenet import (Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals,  # noqa: E402
+                             stop_workers, whole)
 
-MANIFEST = "shards.json"  # how OUT was written: a rerun with other options is refused
 
 
 def sample_key(relative):
@@ -180,8 +181,7 @@ def written(jobs, args):
     try:
         yield from pool.map(write_shard, *zip(*jobs), [args.resize] * len(jobs), [args.quality] * len(jobs))
     except BaseException:
-        for process in list((pool._processes or {}).values()):  # as prepare_imagenet.run_pool stops its workers
-            process.terminate()
+        stop_workers(pool)
         raise
     finally:
         pool.shutdown(cancel_futures=True)

@@ -52,6 +52,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.run_dir import atomic_write, fsync as sync, link_or_copy  # noqa: E402  (written whole or not at all)
+from common.shards import MANIFEST  # noqa: E402
 
 TRAIN_TAR, VAL_TAR, DEVKIT = (imagenet.ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
 OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
@@ -491,6 +492,12 @@ def ignore_interrupts():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def stop_workers(pool):
+    """Terminate the worker processes of a ProcessPoolExecutor now, mid-task (Python 3.14 has pool.terminate_workers())."""
+    for process in list((pool._processes or {}).values()):
+        process.terminate()
+
+
 def run_pool(jobs, redo, out_dir, args):
     """A worker's death (the OOM killer's SIGKILL) raises BrokenProcessPool, where a
     multiprocessing.Pool would wait for its task forever."""
@@ -506,22 +513,21 @@ def run_pool(jobs, redo, out_dir, args):
             images += count
             progress.update(1, f" ({images:,} images)")
     except BaseException:  # an error, Ctrl-C, SIGTERM or a dead worker: stop the workers now, mid-job
-        for process in list((pool._processes or {}).values()):  # Python 3.14 has pool.terminate_workers()
-            process.terminate()
+        stop_workers(pool)
         raise
     finally:
         pool.shutdown(cancel_futures=True)
     progress.close()
 
 
-def class_members(archive, class_tar_member):
-    """(file name, offset, size) of the images of one class's tar inside the train archive, their offsets in the
-    archive itself: read by the shard writers in place."""
-    end = class_tar_member.offset_data + class_tar_member.size
+def class_members(archive, offset, size):
+    """(file name, offset, size) of the images of the class's tar at `offset` (of `size` bytes) inside the train
+    archive, their offsets in the archive itself: read by the shard writers in place."""
     with open(archive, "rb") as file:
-        file.seek(class_tar_member.offset_data)
+        file.seek(offset)
         with tarfile.open(fileobj=file, mode="r:") as inner:  # offsets count from the archive's start
-            return [(os.path.basename(m.name), m.offset_data, m.size) for m in inner if m.isfile() and m.offset < end]
+            return [(os.path.basename(m.name), m.offset_data, m.size) for m in inner
+                    if m.isfile() and m.offset < offset + size]
 
 
 def shard_samples(train, val, labels):
@@ -531,12 +537,12 @@ def shard_samples(train, val, labels):
     from make_shards import sample_key
     jobs = make_jobs(train, val, labels)  # train: a job per class; val: chunks of images
     found = {"train": [], "val": []}  # (wnid, name, path, offset, size)
-    if train.is_file():
-        for m in members(train):
-            found["train"] += [(Path(m.name).stem, name, str(train), offset, size)
-                               for name, offset, size in class_members(train, m)]
     for job in jobs:
-        if job.read is class_folder:
+        if job.read is class_tar:
+            wnid, *where = job.args
+            found["train"] += [(wnid, name, job.source, offset, size)
+                               for name, offset, size in class_members(job.source, *where)]
+        elif job.read is class_folder:
             found["train"] += [(wnid, name, path, None, None) for wnid, name, path in class_folder(job.source, *job.args)]
         elif job.read is tar_members:
             found["val"] += [(wnid, name, job.source, offset, size) for wnid, name, offset, size in job.args[0]]
@@ -568,7 +574,7 @@ def prepare_shards(args, train, val, labels):
 def prepare(args):
     start, out_dir = time.monotonic(), Path(args.out_dir)
     train, val, labels = find_inputs(Path(args.archive_dir))
-    holds = ("shards" if (out_dir / "shards.json").exists() else "class folders" if any(
+    holds = ("shards" if (out_dir / MANIFEST).exists() else "class folders" if any(
         path.is_dir() for path in (out_dir / "train").glob("*")) else None)
     if holds and holds != ("shards" if args.shards else "class folders"):
         raise Failure(f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR "
