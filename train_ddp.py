@@ -34,8 +34,9 @@ def parse_args(argv=None):
     return cli.parse_args(parser, argv, mode="ddp")
 
 
-def setup(config):
-    """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT)."""
+def setup(config, mode="ddp"):
+    """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT). train_fsdp.py's processes
+    are started and join alike (mode "fsdp")."""
     from common.data import per_process_batch
     from common.distributed import (Runtime, choose_backend, init_process_group, local_world_size_from_env,
                                     select_device, world_info_from_env)
@@ -50,7 +51,7 @@ def setup(config):
     per_process_batch(config.batch_size, world_size)  # fail before the rendezvous, not after
     local_world_size = local_world_size_from_env(world_size)
     init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size)
-    return Runtime("ddp", device, rank, local_rank, world_size, local_world_size)
+    return Runtime(mode, device, rank, local_rank, world_size, local_world_size)
 
 
 def main(config):

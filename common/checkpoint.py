@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointWriteError, UsageError
+from .models import unwrap
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
 CHECKPOINT = "checkpoint.pth"
@@ -94,10 +95,10 @@ def load_resume(resume, output_dir, warn):
         return previous, load_checkpoint(previous)
 
 
-def load_checkpoint(path, mmap=False):
+def load_checkpoint(path, mmap=False, weights=True):
     """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed); a bare
     state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap=True maps the tensors instead of reading
-    them (to look at the metadata alone)."""
+    them (to look at the metadata alone). weights=False: a sharded checkpoint's state.pth, whose weights are apart."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
@@ -112,14 +113,16 @@ def load_checkpoint(path, mmap=False):
     if isinstance(checkpoint, dict) and "state_dict" not in checkpoint and checkpoint and all(
             isinstance(value, torch.Tensor) for value in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
+    if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
+        return checkpoint
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
     return checkpoint
 
 
-def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
-    """Load the checkpoint's weights (its `key`) into the bare `model`, refusing another arch or other classes."""
+def check_weights(checkpoint, arch, classes, path):
+    """Refuse a checkpoint of another arch or other classes."""
     saved_arch = checkpoint.get("arch")
     if saved_arch and saved_arch != arch:
         raise UsageError(f"{path} holds a {saved_arch} model, not {arch}: pass --arch {saved_arch}")
@@ -127,9 +130,51 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
     if saved_classes and len(saved_classes) == len(classes) and list(saved_classes) != list(classes):
         raise UsageError(f"{path} was trained on other classes ({', '.join(saved_classes[:3])}, ...) "
                          f"than the data's ({', '.join(classes[:3])}, ...)")
+
+
+def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
+    """Load the checkpoint's weights (its `key`) into the bare `model`, refusing another arch or other classes."""
+    check_weights(checkpoint, arch, classes, path)
     weights = checkpoint["state_dict"] if key == "state_dict" else checkpoint[key]["state_dict"]
     try:
         model.load_state_dict(weights)
     except RuntimeError as error:
         detail = " ".join(str(error).split())
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
+
+
+class SingleFile:
+    """The checkpoints of train_dp.py, train_ddp.py and train_spawn.py: one file each, written by the writer rank
+    (save_checkpoint). The Trainer and common/state.py write and read checkpoints through this interface;
+    common/sharded_checkpoint.py's ShardedCheckpoints is train_fsdp.py's."""
+
+    names = (CHECKPOINT, PREVIOUS, BEST)
+
+    def existing(self, output_dir):
+        return [Path(output_dir) / name for name in self.names if (Path(output_dir) / name).is_file()]
+
+    def peek(self, path):
+        return load_checkpoint(path, mmap=True)
+
+    def load_resume(self, resume, output_dir, warn):
+        return load_resume(resume, output_dir, warn)
+
+    def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
+        load_weights(unwrap(model), checkpoint, arch, classes, path, key)
+
+    def load_optimizer(self, model, optimizer, checkpoint, path):
+        optimizer.load_state_dict(checkpoint["optimizer"])
+
+    def states(self, trainer):
+        """The parts of a checkpoint that are the model's and optimizer's (and the EMA's): plain state dicts."""
+        states = {"state_dict": unwrap(trainer.model).state_dict(), "optimizer": trainer.optimizer.state_dict()}
+        if trainer.ema is not None:
+            states["model_ema"] = trainer.ema.state_dict()
+        return states
+
+    def write(self, checkpoint, output_dir, is_best, writes):
+        if writes:
+            save_checkpoint(checkpoint, output_dir, is_best)
+
+    def wait(self):
+        """Nothing to wait for: a single file is written when write() returns."""

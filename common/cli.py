@@ -64,7 +64,23 @@ def parse_args(parser, argv=None, mode="dp"):
     add_arguments = getattr(import_named(name or "", "--trainer"), "add_arguments", None)  # imports torch, if any
     if add_arguments is not None:
         add_arguments(parser.add_argument_group(f"--trainer {name}"))
+    if mode == "fsdp":
+        _fsdp_flags(parser.add_argument_group("FSDP (train_fsdp.py)").add_argument)
     return resolve(parser.parse_args(argv), mode)
+
+
+def _fsdp_flags(add):
+    """The sharding's options (common/fsdp.py, common/sharded_checkpoint.py)."""
+    add("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+        help="free each unit's gathered parameters after its forward and gather them again for backward (ZeRO-3: "
+             "least memory); --no-reshard-after-forward keeps them until backward (one all-gather less per unit)")
+    add("--activation-checkpointing", action="store_true",
+        help="recompute each unit's activations in backward instead of keeping them: less memory, about a third "
+             "more compute")
+    add("--cpu-offload", action="store_true",
+        help="keep parameters, gradients and optimizer state in host memory, the optimizer step on the CPU (GPU only)")
+    add("--async-checkpoint", action="store_true",
+        help="write checkpoints while training goes on (copied to host memory first); a stop and the end wait for it")
 
 
 def _data_flags(add):

@@ -96,6 +96,8 @@ def resolve(namespace, mode):
     _data_source(values)
     _layered_defaults(values)
     _check(values)
+    if mode == "fsdp":
+        _check_fsdp(values)
     _learning_rate(values)
     _pretrained(values)
     if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
@@ -202,6 +204,21 @@ def _check(values):
     if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
         raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
     check_arch(values["arch"])
+
+
+def _check_fsdp(values):
+    """What train_fsdp.py cannot do, refused in one line each."""
+    if values["save_on"] == "node":
+        raise UsageError("--save-on node: every rank writes its shard of a sharded checkpoint, so all ranks need "
+                         "one shared file system (leave --save-on out)")
+    if values["amp"] == "fp16":
+        raise UsageError("--amp fp16 needs loss scaling, which the sharded gradients do not have here: use --amp bf16 "
+                         "(FSDP's mixed precision: bf16 compute, float32 gradient reduction, no scaling)")
+    if values["channels_last"] == "on":
+        raise UsageError("--channels-last on: FSDP shards contiguous parameters only, and channels-last weights are "
+                         "not (leave it out: the default is off under FSDP)")
+    if values["find_unused_parameters"]:
+        raise UsageError("--find-unused-parameters is DDP's: FSDP needs no such flag (leave it out)")
 
 
 def _learning_rate(values):

@@ -34,14 +34,17 @@ class DeviceLoader:
     GPU, and the copy of the next batch runs on a side stream while the current one computes. On the CPU
     the loader workers have normalised them. The files skipped as undecodable go to on_bad(list of (path, reason))."""
 
-    def __init__(self, loader, device, channels_last=False, on_bad=None, normalise=None):
+    def __init__(self, loader, device, channels_last=False, on_bad=None, normalise=None, keep_empty=False):
         self.loader, self.device, self.channels_last, self.on_bad = loader, device, channels_last, on_bad
+        self.keep_empty = keep_empty  # a batch of unreadable files alone as (None, None), not left out
         self.normalise = normalise.to(device) if normalise is not None else None
 
     def __len__(self):
         return len(self.loader)
 
     def _prepare(self, images, target):
+        if images is None:
+            return None, None
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -66,7 +69,7 @@ class DeviceLoader:
             images, target, bad = batch
             if bad and self.on_bad is not None:
                 self.on_bad(bad)
-            if images is not None:
+            if images is not None or self.keep_empty:
                 yield images, target
 
     def __iter__(self):
@@ -89,8 +92,18 @@ class DeviceLoader:
         while upcoming is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             images, target = upcoming
-            # These tensors were made on the side stream; tell the allocator the main stream uses them.
-            images.record_stream(torch.cuda.current_stream(self.device))
-            target.record_stream(torch.cuda.current_stream(self.device))
+            if images is not None:  # These tensors were made on the side stream; the main stream uses them.
+                images.record_stream(torch.cuda.current_stream(self.device))
+                target.record_stream(torch.cuda.current_stream(self.device))
             upcoming = load_next()
             yield images, target
+
+
+def equal_forwards(batches, forwards, placeholder):
+    """(images, target, counted) of `batches` (a DeviceLoader with keep_empty) made `forwards` long: an empty batch
+    or a missing one is `placeholder` (images, target), not counted. A sharded model's forward is a collective: every
+    rank must run as many as the others."""
+    batches = iter(batches)
+    for _ in range(forwards):
+        images, target = next(batches, (None, None))
+        yield (*placeholder, False) if images is None else (images, target, True)

@@ -263,6 +263,15 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def max_over_ranks(value, device):
+    """The largest of the ranks' integer `value`s (a collective, through `device`: NCCL reduces GPU tensors)."""
+    if not is_initialized():
+        return value
+    found = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return int(found.item())
+
+
 def all_gather_object(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
     if not is_initialized():

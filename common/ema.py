@@ -19,6 +19,17 @@ def adjusted_decay(decay, global_batch, every, epochs):
     return 1.0 - alpha
 
 
+def by_kind(update):
+    """`update` (a multi_avg_fn) called apart for sharded tensors (DTensors: a sharded model's parameters) and plain
+    ones (its buffers): one foreach call cannot take both."""
+    def split(averaged, current, count):
+        for sharded in (True, False):
+            pairs = [(mine, theirs) for mine, theirs in zip(averaged, current) if hasattr(mine, "to_local") == sharded]
+            if pairs:
+                update([mine for mine, _ in pairs], [theirs for _, theirs in pairs], count)
+    return split
+
+
 class ModelEma:
     """The EMA of the bare `model` (not a DataParallel / DDP wrapper: the same parameters, without prefixes).
 
@@ -28,7 +39,7 @@ class ModelEma:
         self.model, self.decay, self.every, self.warmup_epochs = model, decay, every, warmup_epochs
         # device=None: the copy stays where the model is, n_averaged on the CPU. An update waits for the
         # GPU once (AveragedModel copies n_averaged there), as torchvision's does: once per --model-ema-steps.
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.averaged = AveragedModel(model, multi_avg_fn=by_kind(get_ema_multi_avg_fn(decay)), use_buffers=True)
 
     @property
     def module(self):
@@ -58,3 +69,12 @@ class ModelEma:
     def load_state_dict(self, state):
         self.module.load_state_dict(state["state_dict"])
         self.averaged.n_averaged.fill_(int(state["n_averaged"]))
+
+    def restart(self, n_averaged=0, copy=True):
+        """Set the count of updates (a checkpoint's); copy=True: the weights' values first, as a new EMA has them
+        (in place: a sharded model, which cannot be deep-copied, and its sharded copy alike)."""
+        if copy:
+            for mine, theirs in zip([*self.module.parameters(), *self.module.buffers()],
+                                    [*self.model.parameters(), *self.model.buffers()]):
+                mine.detach().copy_(theirs.detach())
+        self.averaged.n_averaged.fill_(n_averaged)

@@ -1,5 +1,5 @@
 """The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
-which optimizer, and where it writes. Every part a run uses is named here, whoever built it (a registry that hides
+which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here, whoever built it (a registry that hides
 where a part comes from is not what we want: style.md)."""
 import os
 import platform
@@ -7,6 +7,7 @@ import platform
 import torch
 
 from . import schedule
+from .fsdp import state_bytes
 from .models import warn_slow_amp
 from .presets import RECIPES, describe_preset
 
@@ -75,6 +76,8 @@ def training_lines(trainer):
     """What a training run says before its first step: optimizer, scheduler, EMA, outputs."""
     config = trainer.config
     lines = [schedule.describe_optimizer(trainer.optimizer, config)]
+    if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
+        lines += trainer.shard.describe(trainer.model, trainer.optimizer)
     if not isinstance(trainer.scheduler, schedule.LrSchedule):
         lines.append(f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
                      "step, saved in the checkpoints")
@@ -84,3 +87,26 @@ def training_lines(trainer):
                      f"{config.model_ema_steps} steps, {config.epochs} epochs)")
     lines.append(f"output: {config.output_dir}")
     return lines
+
+
+def run_summary(trainer, seconds, train, val, ema_val):
+    """summary.json's figures: the run's metrics, speed, where it ran, and what it held."""
+    config, runtime = trainer.config, trainer.runtime
+    summary = {"mode": runtime.mode, "arch": config.arch, "epochs": config.epochs, "world_size": runtime.world_size,
+               "devices_per_process": runtime.num_devices, "device": str(runtime.device),
+               "best_acc1": trainer.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
+               "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
+               "wall_seconds": round(seconds, 2), "torch": torch.__version__,
+               "bad_images": len(trainer.bad_images.found)}
+    if trainer.ema is not None:
+        summary.update(best_ema_acc1=trainer.best_ema_acc1, final_ema_acc1=ema_val["acc1"],
+                       final_ema_acc5=ema_val["acc5"], ema_decay=trainer.ema.decay)
+    if runtime.device.type == "cuda":  # rank 0's first GPU
+        summary["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(runtime.device) / 2**30, 3)
+    if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
+        summary["rank_0_parameter_bytes"], summary["rank_0_optimizer_state_bytes"] = state_bytes(
+            trainer.model, trainer.optimizer)
+    if config.compile:
+        # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
+        summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return summary

@@ -6,6 +6,7 @@ gets a RunLogger that prints and writes nothing.
 import csv
 import io
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class RunLogger:
         if self.prints:
             say(message)
 
-    def start(self, config, resumed, ema=False, global_step=0):
+    def start(self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST)):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
         columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
         the interrupted one logged after it (they are logged again)."""
@@ -69,8 +70,12 @@ class RunLogger:
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
             # nothing of an earlier run in this directory may pass for this one's.
-            for name in (CHECKPOINT, PREVIOUS, BEST, "summary.json", "bad_images.txt"):
-                (self.output_dir / name).unlink(missing_ok=True)
+            for name in (*checkpoints, "summary.json", "bad_images.txt"):
+                path = self.output_dir / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
             for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
                 events.unlink()
         self.fields = CSV_FIELDS + EMA_FIELDS if ema else list(CSV_FIELDS)

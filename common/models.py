@@ -271,3 +271,15 @@ def use_channels_last(choice, device, amp, model):
         return False
     convolutional = sum(isinstance(module, nn.Conv2d) for module in model.modules()) >= 2
     return convolutional and (device.type == "cpu" or amp != "none")
+
+
+def step_result(result, method):
+    """(loss, output, values) of what train_step / evaluate_step returned: (loss, output) or (loss, output,
+    {name: scalar})."""
+    if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], torch.Tensor):
+        loss, output, values = (*result, {}) if len(result) == 2 else result
+        if isinstance(output, torch.Tensor) and isinstance(values, dict):
+            return loss, output, values
+    raise UsageError(f"{method} returned {type(result).__name__}"
+                     + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")
+                     + ": return (loss, logits) or (loss, logits, {name: scalar value})")

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 from . import agreement, distributed, seeding, state
-from .checkpoint import BEST, CHECKPOINT, PREVIOUS, load_checkpoint, load_resume
 from .console import say
 from .errors import UsageError
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
@@ -36,7 +35,7 @@ def load_agreed_checkpoint(trainer):
     this load. A checkpoint of these scripts in another format is refused, but for -e, which needs its weights."""
     config, error, path, checkpoint = trainer.config, None, None, None
     try:
-        path, checkpoint = load_resume(config.resume, config.output_dir, warn=trainer.log.print)
+        path, checkpoint = trainer.checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
         if checkpoint is not None and not config.evaluate:
             state.check_format(checkpoint, path)
     except UsageError as failure:
@@ -62,15 +61,15 @@ def choose_seed(trainer, path, checkpoint):
     return distributed.shared_seed(seed)
 
 
-def refuse_to_replace_a_run(config, classes):
+def refuse_to_replace_a_run(config, classes, checkpoints):
     """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
     --resume auto must not cost that run. Refused unless --overwrite says so."""
     output_dir = Path(config.output_dir)
-    there = [output_dir / name for name in (CHECKPOINT, PREVIOUS, BEST) if (output_dir / name).is_file()]
+    there = checkpoints.existing(output_dir)
     if not there or config.resume or config.evaluate or config.overwrite:
         return
     try:
-        other = load_checkpoint(there[0], mmap=True)
+        other = checkpoints.peek(there[0])
     except UsageError:  # damaged: --resume auto falls back to the previous one, which is worth keeping
         other = None
     start_over = "start over with --overwrite (its checkpoints are deleted) or another --output-dir"
@@ -99,7 +98,7 @@ def start_run(trainer):
         seeding.set_determinism(trainer.deterministic)
         seed = choose_seed(trainer, path, checkpoint)
         datasets = trainer.build_datasets()
-        refuse_to_replace_a_run(config, list(datasets[0]))
+        refuse_to_replace_a_run(config, list(datasets[0]), trainer.checkpoints)
         trainer.build(datasets, seed)
         if checkpoint is not None:
             state.restore(trainer, checkpoint, path)

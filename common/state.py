@@ -19,11 +19,8 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
 The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and the epoch.
 """
 from . import distributed
-from .checkpoint import load_weights
 from .config import flag
-from .ema import ModelEma
 from .errors import UsageError
-from .models import unwrap
 
 FORMAT_VERSION = 1
 # The last commit of this repository that wrote each older format (None: before checkpoints had a version).
@@ -59,12 +56,12 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
     """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), with
     the partial epoch's `metrics`. A collective (every rank calls it: it gathers the ranks' random streams, their
     unreadable files and metric sums); the writer rank saves what it returns."""
-    ema = {"best_ema_acc1": trainer.best_ema_acc1, "model_ema": trainer.ema.state_dict()} if trainer.ema else {}
+    ema = {"best_ema_acc1": trainer.best_ema_acc1} if trainer.ema else {}
     return {"format_version": FORMAT_VERSION, "epoch": epoch, "step_in_epoch": step_in_epoch,
             "arch": trainer.config.arch, "num_classes": len(trainer.classes), "classes": list(trainer.classes),
             "seed": trainer.seed, "world_size": trainer.runtime.world_size, "deterministic": trainer.deterministic,
             "args": dict(vars(trainer.config)), "samples": samples(trainer),
-            "state_dict": unwrap(trainer.model).state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            **trainer.checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
             "scheduler": trainer.scheduler.state_dict(), "scheduler_type": type(trainer.scheduler).__name__,
             "scaler": trainer.scaler.state_dict(), "best_acc1": trainer.best_acc1, "epoch_lr": trainer.epoch_lr,
             "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
@@ -76,12 +73,12 @@ def restore(trainer, checkpoint, path):
     """Load `checkpoint` (read from `path`) into the built `trainer`: the weights always (-e evaluates them, with
     the EMA a checkpoint of ours holds); to train on, each part's state and the position, after the checks that
     the checkpoint can go on as this run. Weights from elsewhere give their epoch, optimizer and best acc@1."""
-    config = trainer.config
-    load_weights(unwrap(trainer.model), checkpoint, config.arch, trainer.classes, path)
+    config, checkpoints = trainer.config, trainer.checkpoints
+    checkpoints.load_weights(trainer.model, checkpoint, config.arch, trainer.classes, path)
     if config.evaluate:
-        if is_ours(checkpoint) and "model_ema" in checkpoint:
-            trainer.ema = ModelEma(trainer.model, 0.0)
-            load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
+        if (is_ours(checkpoint) or "exported_from" in checkpoint) and "model_ema" in checkpoint:
+            trainer.ema = trainer.ema_for_evaluation()
+            checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
         return
     trainer.start_epoch = int(checkpoint.get("epoch", 0))
     trainer.best_acc1 = float(checkpoint.get("best_acc1", 0.0))
@@ -97,9 +94,10 @@ def restore(trainer, checkpoint, path):
     trainer.scaler.load_state_dict(checkpoint["scaler"])
     if trainer.ema is not None:
         if "model_ema" in checkpoint:
-            trainer.ema.load_state_dict(checkpoint["model_ema"])
+            checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
+            trainer.ema.restart(int(checkpoint["model_ema"]["n_averaged"]), copy=False)
         else:
-            trainer.ema = ModelEma(trainer.model, trainer.ema.decay, trainer.ema.every, trainer.ema.warmup_epochs)
+            trainer.ema.restart(0)
             trainer.log.print(f"model EMA: {path} holds none; it starts from the checkpoint's weights")
     trainer.best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
     states = checkpoint["rng_states"]
@@ -147,7 +145,7 @@ def _restore_position(trainer, checkpoint, path):
 
 def _load_optimizer(trainer, checkpoint, path):
     try:
-        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+        trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
     except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
         saved = checkpoint.get("args", {})
         names = ("norm_weight_decay", "bias_weight_decay")

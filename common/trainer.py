@@ -3,8 +3,9 @@ read top to bottom.
 
 A script sets up its launch mode (process group, device, Runtime), makes a Trainer (which does nothing yet),
 starts the run with common/run.py (output lock, ranks' agreement, resume, data scan, then Trainer.build and the
-checkpoint's state), wraps `trainer.model` its own way (DataParallel or DistributedDataParallel) and calls
-`trainer.fit(train_model, eval_model)`.
+checkpoint's state), wraps `trainer.model` its own way (DataParallel or DistributedDataParallel; train_fsdp.py gives
+the Trainer a `shard` that Trainer.build applies, and sharded checkpoints) and calls `trainer.fit(train_model,
+eval_model)`.
 
 A run can stop at any step and go on from its last checkpoint as if it had not stopped: checkpoints hold the
 position in the epoch, the partial epoch's metric sums and every rank's random streams (common/state.py); the
@@ -16,16 +17,16 @@ import time
 import torch
 import torch.nn as nn
 
-from . import data, distributed, models, schedule, seeding, state
+from . import data, distributed, fsdp, models, schedule, seeding, state
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
-from .checkpoint import save_checkpoint
+from .checkpoint import SingleFile
 from .config import ResSchedule
 from .datasets import build_datasets
-from .device_loader import DeviceLoader
+from .device_loader import DeviceLoader, equal_forwards
 from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError
-from .header import start_lines, training_lines, warnings
+from .header import run_summary, start_lines, training_lines, warnings
 from .logger import RunLogger, epoch_row
 from .meters import MetricSums, ProgressMeter
 from .named import import_named
@@ -40,18 +41,6 @@ def trainer_class(name):
     return found
 
 
-def step_result(result, method):
-    """(loss, output, values) of what train_step / evaluate_step returned: (loss, output) or (loss, output,
-    {name: scalar})."""
-    if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], torch.Tensor):
-        loss, output, values = (*result, {}) if len(result) == 2 else result
-        if isinstance(output, torch.Tensor) and isinstance(values, dict):
-            return loss, output, values
-    raise UsageError(f"{method} returned {type(result).__name__}"
-                     + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")
-                     + ": return (loss, logits) or (loss, logits, {name: scalar value})")
-
-
 class Trainer:
     """A training run. The parts a researcher changes are the hooks below (add_arguments to after_validation):
     override them in a subclass, and select it with --trainer package.module:Class (docs/adapting.md). Each hook
@@ -63,8 +52,10 @@ class Trainer:
     build one on tiny in-memory data); common/run.py's start_run does both for a script, with the lock, the ranks'
     agreement and the resume around them."""
 
-    def __init__(self, config, runtime):
+    def __init__(self, config, runtime, shard=None, checkpoints=None):
         self.config, self.runtime = config, runtime
+        # train_fsdp.py's shard (common/fsdp.py) and sharded checkpoints; else whole models and single-file checkpoints.
+        self.shard, self.checkpoints = shard, checkpoints or SingleFile()
         self.log = RunLogger(config.output_dir, prints=runtime.is_main,
                              writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate)
         # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/state.py).
@@ -101,6 +92,11 @@ class Trainer:
         (models.loss_with_aux)."""
         config = self.config
         return models.build_model(config.arch, len(classes), config.pretrained, config.dropout, config.weights)
+
+    def shard_units(self, model):
+        """train_fsdp.py: the submodules of the bare `model` that FSDP shards one by one before the root (each is
+        gathered whole only while it computes). The default: the model's blocks (common/fsdp.py's rule)."""
+        return fsdp.default_units(model)
 
     def build_criterion(self):
         """The loss on (logits, labels) that train_step and evaluate_step take; labels may be class indices
@@ -152,6 +148,31 @@ class Trainer:
         self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
+        model = self._model_on_device()
+        self.ema = None
+        if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
+            decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
+            self.ema = ModelEma(model, decay, config.model_ema_steps, config.warmup_epochs)
+        self.model = self._sharded(model)
+        if self.ema is not None:
+            self._sharded(self.ema.module)
+        seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
+        self.criterion = self.build_criterion().to(device)
+        self.metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
+        self.optimizer = self.build_optimizer(self.model)
+        self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
+        self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
+        self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
+        on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
+        self.train_batches, self.val_batches = (DeviceLoader(loader, device, self.channels_last, self.bad_images.report,
+                                                             on_device, keep_empty=self.shard is not None)
+                                                for loader in (self.data.train_loader, self.data.val_loader))
+        return self
+
+    def _model_on_device(self):
+        """build_model's model for these classes, adapted to the data, on the device (not yet wrapped)."""
+        config, device = self.config, self.runtime.device
         model = self.build_model(self.classes)
         channels = self.data.first_image[0] if self.data.first_image else 3
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
@@ -163,25 +184,20 @@ class Trainer:
         self.aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.channels_last = models.use_channels_last(config.channels_last, device, config.amp, model)
-        self.model = model.to(device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
-        self.ema = None
-        if config.model_ema and not config.evaluate:
-            decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
-            self.ema = ModelEma(self.model, decay, config.model_ema_steps, config.warmup_epochs)
-        seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
-        self.criterion = self.build_criterion().to(device)
-        self.metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
-        self.optimizer = self.build_optimizer(self.model)
-        self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
-        self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
-        self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
-        on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
-        self.train_batches, self.val_batches = (DeviceLoader(loader, device, self.channels_last, self.bad_images.report,
-                                                             on_device)
-                                                for loader in (self.data.train_loader, self.data.val_loader))
-        return self
+        # FSDP shards contiguous parameters only: channels_last is off under it (--channels-last on is refused).
+        self.channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
+        return model.to(device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
+
+    def _sharded(self, model):  # train_fsdp.py: sharded in place, unit by unit
+        return model if self.shard is None else self.shard(model, self.shard_units(model))
+
+    def ema_for_evaluation(self):
+        """A ModelEma to load a checkpoint's EMA weights into (-e): a copy of the model, or (sharded) another one."""
+        if self.shard is None:
+            return ModelEma(self.model, 0.0)
+        ema = ModelEma(self._model_on_device(), 0.0)  # its own copy, sharded alike
+        self._sharded(ema.module)
+        return ema
 
     # ---------------------------------------------------------------- the loops
     def fit(self, train_model, eval_model):
@@ -203,7 +219,7 @@ class Trainer:
         for line in training_lines(self):
             log.print(line)
         log.start(config, resumed=self.resumed_from is not None, ema=self.ema is not None,
-                  global_step=self.start_epoch * self.steps_per_epoch + self.start_step)
+                  global_step=self.start_epoch * self.steps_per_epoch + self.start_step, checkpoints=self.checkpoints.names)
         self.stop_signal = StopSignal(config.stop_grace)
         if self.output_lock is not None:  # a run started meanwhile waits for this one to stop
             self.stop_signal.on_first = self.output_lock.mark_stopping
@@ -261,11 +277,12 @@ class Trainer:
             if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, step, rank) alone
                 images, labels = self.batch_mix(images, target, batch_mix_key(self.seed, epoch, step, rank))
             with models.autocast(device, config.amp):
-                loss, output, values = step_result(self.train_step(model, images, labels), "train_step")
+                loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step")
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()  # the scaler is a no-op unless --amp fp16
             if config.clip_grad_norm:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+                # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
                 nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -309,11 +326,12 @@ class Trainer:
         model.eval()
         metrics = MetricSums(device, self.metrics["val"])
         progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip(), self.log.print)
-        with torch.inference_mode():
-            for step, (images, target) in enumerate(self.val_batches):
+        with torch.inference_mode() if self.shard is None else torch.no_grad():  # (FSDP's gather buffers: reused)
+            for step, (images, target, counted) in enumerate(self._validation_batches()):
                 with models.autocast(device, config.amp):
-                    loss, output, values = step_result(self.evaluate_step(model, images, target), "evaluate_step")
-                metrics.update(loss, output.float(), target, values)
+                    loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step")
+                if counted:
+                    metrics.update(loss, output.float(), target, values)
                 if (step + 1) % config.print_freq == 0:
                     progress.display(step, metrics.summary(reduce=False))
         summary = metrics.summary()
@@ -328,14 +346,25 @@ class Trainer:
         self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
 
+    def _validation_batches(self):
+        """(images, target, counted) of this rank's validation batches. A sharded model's forward is a collective:
+        then every rank runs as many as the rank with the most, an empty batch (all its files unreadable) or a
+        missing one as a forward of a placeholder image that is not counted."""
+        if self.shard is None:
+            return ((images, target, True) for images, target in self.val_batches)
+        size, device = self.config.val_crop_size, self.runtime.device
+        images = torch.zeros(1, self.data.first_image[0] if self.data.first_image else 3, size, size, device=device)
+        placeholder = (images, torch.zeros(1, dtype=torch.long, device=device))
+        return equal_forwards(self.val_batches, distributed.max_over_ranks(len(self.val_batches), device), placeholder)
+
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by
         common/state.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
         with self.stop_signal.no_stop_now():
             checkpoint = state.assemble(self, epoch, step_in_epoch, metrics)
+            self.checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:
-                save_checkpoint(checkpoint, self.config.output_dir, is_best)
                 self.log.write_bad_images(checkpoint["bad_images"])
         return checkpoint["bad_images"]
 
@@ -354,29 +383,18 @@ class Trainer:
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
         self.log.print(f"stopped on {self._stop_reason()}: checkpoint of "
                        f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto")
+        self.checkpoints.wait()  # --async-checkpoint: its write done
         distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
         raise Preempted()
 
     def _finish(self, seconds, train, val, ema_val):
-        """summary.json, the last line, and the summary."""
-        config, runtime = self.config, self.runtime
-        summary = {"mode": runtime.mode, "arch": config.arch, "epochs": config.epochs, "world_size": runtime.world_size,
-                   "devices_per_process": runtime.num_devices, "device": str(runtime.device),
-                   "best_acc1": self.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
-                   "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
-                   "wall_seconds": round(seconds, 2), "torch": torch.__version__,
-                   "bad_images": len(self.bad_images.found)}
-        if self.ema is not None:
-            summary.update(best_ema_acc1=self.best_ema_acc1, final_ema_acc1=ema_val["acc1"],
-                           final_ema_acc5=ema_val["acc5"], ema_decay=self.ema.decay)
-        if runtime.device.type == "cuda":  # rank 0's first GPU
-            summary["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(runtime.device) / 2**30, 3)
-        if config.compile:
-            # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
-            summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        """summary.json (header.run_summary), the last line, and the summary."""
+        summary = run_summary(self, seconds, train, val, ema_val)
+        if self.config.compile:
             self.log.print(f"torch.compile: {summary['compiled_graphs']} graph(s) compiled")
+        self.checkpoints.wait()
         self.log.finish(summary)
         ema = f" (EMA: best {self.best_ema_acc1:.2f}, final {ema_val['acc1']:.2f})" if self.ema is not None else ""
         self.log.print(f"done: best acc@1 {self.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}{ema} "
-                       f"in {summary['wall_seconds']:.0f} s; outputs in {config.output_dir}")
+                       f"in {summary['wall_seconds']:.0f} s; outputs in {self.config.output_dir}")
         return summary

@@ -175,6 +175,30 @@ def built_trainer(*argv, trainer=None, datasets=None, runtime=None):
     return made.build(datasets if datasets is not None else made.build_datasets(), config.seed or 0)
 
 
+@pytest.fixture
+def group_of_one():
+    """A process group of one in this process (gloo, in-memory store), for the in-process tests of FSDP and its
+    checkpoints: fully_shard and Distributed Checkpoint need one, and a group of one shards nothing away."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_trainer(*argv, datasets=None):
+    """A Trainer of train_fsdp.py built in-process on tiny in-memory data (inside group_of_one)."""
+    from common.fsdp import Sharding
+    from common.sharded_checkpoint import ShardedCheckpoints
+    from common.trainer import Trainer
+    config = parse("--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4",
+                   "--seed", "1", *argv, mode="fsdp")
+    runtime = cpu_runtime(mode="fsdp")
+    trainer = Trainer(config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config))
+    return trainer.build(datasets or tensor_datasets(), 1)
+
+
 def tensor_datasets(size=16, train=12, val=6, channels=3):
     """(classes, train set, val set) in memory: uint8 CHW images of `size` px, item i of class i % 3, a grey level of
     its own with a little noise (tests/custom_datasets.py)."""

@@ -19,6 +19,22 @@ def TinyNet(num_classes, dropout=0.0):
                          nn.Dropout(dropout), nn.Linear(64, num_classes))
 
 
+class Block(nn.Module):
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.conv, self.relu, self.pool = nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)
+
+    def forward(self, images):
+        return self.pool(self.relu(self.conv(images)))
+
+
+def BlockNet(num_classes, dropout=0.0):
+    """TinyNet with its three conv blocks as modules of a class of their own in its nn.Sequential: train_fsdp.py
+    shards it block by block (common/fsdp.py's rule), then the root (the head). No BatchNorm, as TinyNet."""
+    return nn.Sequential(Block(3, 16), Block(16, 32), Block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Dropout(dropout), nn.Linear(64, num_classes))
+
+
 class _FailsAtStep(nn.Module):
     def __init__(self, model, step):
         super().__init__()

@@ -1,0 +1,175 @@
+"""FSDP2 for train_fsdp.py: which modules become shard units, and the wrap with its options.
+
+fully_shard (torch.distributed.fsdp) splits each parameter of a unit into world_size pieces, one per rank, as
+DTensors: a rank holds 1/N of the weights, of their gradients and (the optimizer being made over the pieces) of the
+optimizer state. Before a unit's forward and backward its parameters are all-gathered, and freed after them;
+gradients are reduce-scattered (averaged, as DDP's all-reduce averages them). The units are the model's blocks, then
+the root (whatever is left: stem, head); a unit's parameters are whole only while it computes, so the memory of
+the largest unit, not of the model, is what a rank needs beyond its shard.
+
+The units of a model (default_units): the outermost modules that are items of an nn.Sequential or nn.ModuleList, hold
+parameters, are not themselves such a list, and are not one of torch.nn's layers (or a subclass of one): the repeated blocks
+of a network. ResNet's BasicBlock and Bottleneck, ViT's EncoderBlock, Swin's SwinTransformerBlock (and PatchMerging),
+ConvNeXt's CNBlock, EfficientNet's MBConv, RegNet's ResBottleneckBlock,
+MobileNet's InvertedResidual; MaxViT's and DenseNet's stages (MaxVitBlock, _DenseBlock). Small layers outside them
+(stems, heads) stay with the root. A model of your own with its blocks in such a list is sharded by them; choose
+others with the Trainer's shard_units hook (docs/adapting.md).
+"""
+from collections import Counter
+
+import torch
+import torch.nn as nn
+
+from .errors import UsageError
+
+# Normalisation layers that keep float32 parameters under --amp bf16: BatchNorm's running statistics stay float32,
+# and its CPU and GPU kernels take bf16 inputs with float32 weights, not bf16 weights with float32 statistics.
+FLOAT32_LAYERS = (nn.modules.batchnorm._BatchNorm,)
+
+
+LISTS = (nn.Sequential, nn.ModuleList)
+
+
+def is_layer(module):
+    """Whether `module` is one of torch.nn's layers, or a subclass of one (ConvNeXt's LayerNorm2d)."""
+    return any(base.__module__.startswith("torch.nn") and base not in (nn.Module, nn.ModuleDict, *LISTS)
+               for base in type(module).__mro__)
+
+
+def default_units(model):
+    """The outermost items of the model's nn.Sequential / nn.ModuleList containers whose class is not torch.nn's
+    own (blocks, not layers), that hold parameters and are no such list themselves: the module's docstring's rule."""
+    units = []
+
+    def visit(module):
+        is_list = isinstance(module, LISTS)
+        for child in module.children():
+            block = not is_layer(child) and any(True for _ in child.parameters())
+            if is_list and block and not isinstance(child, LISTS):
+                units.append(child)
+            else:  # a layer, or a list of blocks (RegNet's AnyStage, torchvision's Conv2dNormActivation)
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def describe_units(units):
+    """'BasicBlock x 8' for the header."""
+    counts = Counter(type(unit).__name__ for unit in units)
+    return ", ".join(f"{name} x {count}" for name, count in counts.items()) or "none (the root alone)"
+
+
+def _replace(model, old, new):
+    """Put `new` where `old` is among the submodules of `model`."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return
+    raise UsageError(f"shard_units returned a {type(old).__name__} that is not a submodule of the model")
+
+
+class Sharding:
+    """How train_fsdp.py shards a model: its device mesh (all ranks in one dimension) and its flags. Made once the
+    process group is up; sharding(model, units) shards a bare model in place and returns it (Trainer.build calls it
+    before the optimizer is made over the shards, and for the EMA's copy)."""
+
+    def __init__(self, config, runtime):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        if config.cpu_offload and runtime.device.type != "cuda":
+            raise UsageError("--cpu-offload keeps parameters and optimizer state in host memory for a GPU's "
+                             "steps: on the CPU they are there already (leave it out)")
+        self.mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+        self.reshard_after_forward = config.reshard_after_forward
+        self.activation_checkpointing = config.activation_checkpointing
+        self.offload = CPUOffloadPolicy() if config.cpu_offload else None
+        # --amp bf16: FSDP casts the gathered parameters to bf16 for compute, and reduces gradients in float32
+        # (the sharded parameters and the optimizer stay float32). The trainer's autocast stays on over it, so that
+        # the loss and softmax run in float32 as under DDP.
+        self.bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if config.amp == "bf16" else None
+        self.float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                            cast_forward_inputs=False)
+        self.described = ""
+
+    def _options(self, policy):
+        options = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
+        if policy is not None:
+            options["mp_policy"] = policy
+        if self.offload is not None:
+            options["offload_policy"] = self.offload
+        return options
+
+    def __call__(self, model, units):
+        """Shard `model` (on its device) unit by unit, then at the root: with --activation-checkpointing each unit
+        recomputes its activations in backward instead of keeping them (torch.utils.checkpoint, wrapped around the
+        unit before it is sharded, as torchtitan does); under --amp bf16 the normalisation layers are units of
+        their own that compute in float32."""
+        from torch.distributed.fsdp import fully_shard
+        units = list(units)
+        self.described = describe_units(units)
+        if self.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            wrapped = []
+            for unit in units:
+                # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
+                wrapper = checkpoint_wrapper(unit, preserve_rng_state=True)
+                _replace(model, unit, wrapper)
+                wrapped.append(wrapper)
+            units = wrapped
+        if self.bf16 is not None:
+            for module in model.modules():
+                if isinstance(module, FLOAT32_LAYERS):
+                    fully_shard(module, **self._options(self.float32))
+        for unit in units:
+            fully_shard(unit, **self._options(self.bf16))
+        fully_shard(model, **self._options(self.bf16))
+        return model
+
+    def describe(self, model, optimizer):
+        """The header's lines: the units and what a rank holds of the model's state against one replica."""
+        local = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
+        whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+        slots = optimizer_slots(optimizer)
+        state = f"{slots} x" if slots is not None else "an unknown multiple of"
+        lines = [f"fsdp: units {self.described}, then the root; --reshard-after-forward "
+                 f"{'on' if self.reshard_after_forward else 'off'}, --activation-checkpointing "
+                 f"{'on' if self.activation_checkpointing else 'off'}, --cpu-offload {'on' if self.offload else 'off'}"
+                 + (", bf16 compute with float32 gradient reduction (BatchNorm in float32)" if self.bf16 else ""),
+                 f"fsdp memory per rank: parameters {_mib(local)} + gradients {_mib(local)} + optimizer state "
+                 f"{state} parameters{f' ({_mib(local * slots)})' if slots else ''}; one unsharded replica: "
+                 f"{_mib(whole)} + {_mib(whole)}" + (f" + {_mib(whole * slots)}" if slots else "")]
+        return lines
+
+
+# Tensors of optimizer state per parameter, by optimizer class (plain SGD: 0; with momentum: 1).
+STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "Adadelta": 2}
+
+
+def optimizer_slots(optimizer):
+    """How many tensors of a parameter's size the optimizer keeps per parameter, or None when not known."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+    if name == "RMSprop":
+        return 1 + int(any(group.get("momentum", 0) for group in optimizer.param_groups)) \
+            + int(any(group.get("centered") for group in optimizer.param_groups))
+    return STATE_SLOTS.get(name)
+
+
+def state_bytes(model, optimizer):
+    """(parameters, optimizer state) bytes this rank holds: its shards, measured."""
+    parameters = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
+    state = sum(_local(value).numel() * value.element_size() for per_parameter in optimizer.state.values()
+                for value in per_parameter.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+    return parameters, state
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _mib(size):
+    return f"{size / 2**20:.1f} MiB"

@@ -1,0 +1,250 @@
+"""Sharded checkpoints for train_fsdp.py: every rank writes its shard through Distributed Checkpoint (DCP).
+
+A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's files (one __RANK_0.distcp per rank
+and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of common/state.py's
+checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and read with
+weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists by
+rank (state.assemble), so no rank's value stands in for another's (DCP keeps one copy of a value that every rank
+saves under the same key).
+
+DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
+and rank 0 has written state.pth, the links OUTPUT/checkpoint (the latest) and OUTPUT/checkpoint_prev (the one
+before) are switched (a new symbolic link renamed over the old: atomic), and the directories neither names are
+removed. A save that dies half-way leaves the links as they were. model_best.pth is a plain single file: the best
+checkpoint's weights (and EMA) exported (export(), tools/export_checkpoint.py for any checkpoint), loadable with
+weights_only=True into the torchvision model.
+
+DCP reads .metadata with pickle: a sharded checkpoint runs code when loaded, so trust it as you trust code
+(docs/failures.md); state.pth and model_best.pth hold tensors and plain data only.
+"""
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import distributed
+from .checkpoint import BEST, check_weights, load_checkpoint
+from .errors import CheckpointWriteError, UsageError
+from .models import unwrap
+from .run_dir import atomic_write, fsync
+
+LATEST, PREVIOUS, FOLDER, STATE = "checkpoint", "checkpoint_prev", "sharded", "state.pth"
+SHARDED = ("state_dict", "optimizer", "model_ema")  # the parts DCP writes, each rank its shard
+
+
+def _failures():
+    """What DCP raises when a rank's read or write fails (its CheckpointException is a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
+
+
+def is_sharded(path):
+    return Path(path).is_dir() and (Path(path) / STATE).is_file()
+
+
+def _options(**values):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(**values)
+
+
+class ShardedCheckpoints:
+    """The checkpoints of a sharded model (the interface of checkpoint.SingleFile, which the Trainer and
+    common/state.py call). --async-checkpoint: the shards are copied to host memory at the save, written while
+    training goes on, on a process group of their own (on the training's, gloo hung or reset the connection), and
+    the links switch at the next save, a stop or the run's end, which wait for the write."""
+
+    names = (LATEST, PREVIOUS, BEST, FOLDER)
+
+    def __init__(self, config):
+        import torch.distributed as dist
+        self.output_dir = Path(config.output_dir)
+        self.group = dist.new_group(backend="gloo") if config.async_checkpoint else None
+        self.pending = None  # (future, directory, state, writes) of the asynchronous save under way
+
+    # ---------------------------------------------------------------- finding and reading
+    def existing(self, output_dir):
+        return [Path(output_dir) / name for name in (LATEST, PREVIOUS, BEST) if (Path(output_dir) / name).exists()]
+
+    def peek(self, path):
+        path = Path(path)
+        return load_checkpoint(path / STATE, mmap=True, weights=False) if path.is_dir() else load_checkpoint(path, mmap=True)
+
+    def load_resume(self, resume, output_dir, warn):
+        """(path, checkpoint without the sharded parts) that --resume names: a checkpoint's directory (OUTPUT/
+        checkpoint: the latest), 'auto' (the latest, else the one before), or a single file for its weights."""
+        if not resume:
+            return None, None
+        if resume == "auto":
+            found = [Path(output_dir) / name for name in (LATEST, PREVIOUS) if is_sharded(Path(output_dir) / name)]
+            for index, path in enumerate(found):
+                try:
+                    return path.resolve(), load_checkpoint(path / STATE, weights=False)
+                except UsageError as error:
+                    if index + 1 == len(found):
+                        raise
+                    warn(f"warning: {error}; resuming from the previous checkpoint {found[index + 1]}")
+            return None, None
+        path = Path(resume)
+        if path.is_dir():
+            if not is_sharded(path):
+                raise UsageError(f"--resume {resume}: no {STATE} in it: give a sharded checkpoint's directory "
+                                 f"(OUTPUT/{LATEST}), or --resume auto")
+            return path.resolve(), load_checkpoint(path / STATE, weights=False)
+        if not path.is_file():
+            raise UsageError(f"--resume {resume}: no such file or directory (give OUTPUT/{LATEST}, or --resume auto)")
+        return path, load_checkpoint(path)
+
+    def _load(self, path, part, template):
+        import torch.distributed.checkpoint as dcp
+        state = {part: template}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except _failures() as error:  # each rank's failure: missing keys, other shapes, damaged files
+            detail = " ".join(str(error).split())
+            raise UsageError(f"cannot load the {part} of {path}: {detail[:300]}") from None
+        return state[part]
+
+    def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
+        """The checkpoint's weights (or the EMA's: key model_ema) into the sharded `model`; from a single file
+        (model_best.pth, weights from elsewhere) each rank takes its shard of the whole."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        check_weights(checkpoint, arch, classes, path)
+        model = unwrap(model)
+        if Path(path).is_dir():
+            if key == "state_dict":
+                weights = self._load(path, key, get_model_state_dict(model))
+            else:
+                weights = self._load(path, key, {"state_dict": get_model_state_dict(model)})["state_dict"]
+            set_model_state_dict(model, weights)
+            return
+        weights = checkpoint["state_dict"] if key == "state_dict" else checkpoint[key]["state_dict"]
+        try:
+            set_model_state_dict(model, weights, options=_options(full_state_dict=True))
+        except (RuntimeError, KeyError, ValueError) as error:
+            detail = " ".join(str(error).split())
+            raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}") from None
+
+    def load_optimizer(self, model, optimizer, checkpoint, path):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        if not Path(path).is_dir():
+            raise UsageError(f"{path} is a single file: train_fsdp.py resumes its own sharded checkpoints "
+                             f"(OUTPUT/{LATEST}); a single file gives weights to evaluate (-e)")
+        model = unwrap(model)
+        state = self._load(path, "optimizer", get_optimizer_state_dict(model, optimizer))
+        set_optimizer_state_dict(model, optimizer, state)
+
+    # ---------------------------------------------------------------- writing
+    def states(self, trainer):
+        """The sharded parts of the checkpoint: each a state dict of DTensors (this rank's shards) keyed by the
+        bare model's parameter names. BatchNorm statistics are each rank's own under FSDP: rank 0's are saved (as
+        DDP's are: DDP gives every rank rank 0's at each forward)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        model = unwrap(trainer.model)
+        distributed.broadcast_buffers(model)
+        states = {"state_dict": get_model_state_dict(model),
+                  "optimizer": get_optimizer_state_dict(model, trainer.optimizer)}
+        if trainer.ema is not None:
+            distributed.broadcast_buffers(trainer.ema.module)
+            states["model_ema"] = {"state_dict": get_model_state_dict(trainer.ema.module),
+                                   "n_averaged": trainer.ema.n_averaged}
+        return states
+
+    def write(self, checkpoint, output_dir, is_best, writes):
+        """Write `checkpoint` (state.assemble's) as a new directory, every rank its shards (a collective), and make
+        it the latest once complete (at once, or with --async-checkpoint once its write is done)."""
+        import torch.distributed.checkpoint as dcp
+        self.wait()
+        output_dir = Path(output_dir)
+        name = distributed.computed_by_rank_0(lambda: uuid.uuid4().hex[:12])
+        directory = output_dir / FOLDER / f"e{checkpoint['epoch']:04d}-s{checkpoint['step_in_epoch']:06d}-{name}"
+        sharded = {key: checkpoint[key] for key in SHARDED if key in checkpoint}
+        state = {key: value for key, value in checkpoint.items() if key not in SHARDED}
+        state["checkpoint_id"] = name
+        if "model_ema" in sharded:
+            state["model_ema"] = {"n_averaged": sharded["model_ema"]["n_averaged"]}
+        try:
+            if self.group is None:
+                dcp.save(sharded, checkpoint_id=str(directory))
+            else:
+                future = dcp.async_save(sharded, checkpoint_id=str(directory), process_group=self.group)
+                self.pending = (future, directory, state, is_best, writes)
+                return
+        except _failures() as error:
+            raise CheckpointWriteError(f"could not write a sharded checkpoint to {directory} "
+                                       f"({' '.join(str(error).split())[:200]}); the checkpoints already there are "
+                                       "intact") from None
+        self._complete(directory, state, is_best, writes)
+
+    def wait(self):
+        """Wait for the asynchronous save under way, if any, and make it the latest."""
+        if self.pending is None:
+            return
+        (future, directory, state, is_best, writes), self.pending = self.pending, None
+        try:
+            future.result()
+        except _failures() as error:
+            raise CheckpointWriteError(f"could not write a sharded checkpoint to {directory} "
+                                       f"({' '.join(str(error).split())[:200]}); the checkpoints already there are "
+                                       "intact") from None
+        self._complete(directory, state, is_best, writes)
+
+    def _complete(self, directory, state, is_best, writes):
+        """Rank 0, once every shard and .metadata are written: state.pth, the links, the older directories, and
+        model_best.pth."""
+        if not writes:
+            return
+        try:
+            atomic_write(directory / STATE, lambda file: torch.save(state, file))
+            latest, previous = self.output_dir / LATEST, self.output_dir / PREVIOUS
+            if latest.is_symlink():
+                _link(previous, latest.readlink())
+            _link(latest, Path(FOLDER) / directory.name)
+            keep = {directory.name, *(Path(link.readlink()).name for link in (previous,) if link.is_symlink())}
+            for other in (self.output_dir / FOLDER).iterdir():
+                if other.name not in keep:
+                    shutil.rmtree(other, ignore_errors=True)
+            if is_best:
+                export(directory, self.output_dir / BEST)
+        except OSError as error:
+            raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({error.strerror or error}); "
+                                       "the checkpoints already there are intact") from None
+
+
+def _link(link, target):
+    """Point the symbolic link `link` at `target` atomically: a new link beside it renamed over it."""
+    new = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}.tmp")
+    new.symlink_to(target)
+    new.replace(link)
+    fsync(link.parent)
+
+
+def export(directory, out):
+    """Write the sharded checkpoint in `directory` as one plain file `out` (atomically): its metadata, the whole
+    weights ("state_dict") and the EMA's ("model_ema"), as a single-file checkpoint holds them; no process group
+    needed. The optimizer state stays in the directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    directory = Path(directory)
+    state = load_checkpoint(directory / STATE, weights=False)
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    template = {"state_dict": {}, "model_ema": {"state_dict": {}}}
+    for key, entry in metadata.items():
+        for prefix, target in (("state_dict.", template["state_dict"]),
+                               ("model_ema.state_dict.", template["model_ema"]["state_dict"])):
+            if key.startswith(prefix) and hasattr(entry, "size"):
+                target[key[len(prefix):]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if not template["model_ema"]["state_dict"]:
+        del template["model_ema"]
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(template, checkpoint_id=str(directory), no_dist=True)
+    exported = {key: state[key] for key in ("epoch", "arch", "num_classes", "classes", "seed", "best_acc1",
+                                            "best_ema_acc1", "args") if key in state}
+    exported.update(exported_from=str(directory), state_dict=template["state_dict"])
+    if "model_ema" in template:
+        exported["model_ema"] = {"state_dict": template["model_ema"]["state_dict"],
+                                 "n_averaged": state.get("model_ema", {}).get("n_averaged", 0)}
+    atomic_write(Path(out), lambda file: torch.save(exported, file))
+    return exported

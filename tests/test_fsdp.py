@@ -1,0 +1,187 @@
+"""train_fsdp.py under torchrun on CPU with gloo: the trajectory of DDP (and of DataParallel) for the same seed and
+global batch, on 2 and 3 processes, sharded block by block with activation checkpointing and asynchronous checkpoints;
+validation that counts each image once where the ranks' shards of the validation set differ in length; sharded
+checkpoints switched atomically, bitwise resume after a SIGKILL mid-epoch, resume on 3 processes of a 2-process
+checkpoint and on 1 of a 3-process one; model_best.pth a plain file that train_dp.py -e evaluates."""
+import re
+import signal
+from subprocess import CompletedProcess
+
+import pytest
+import torch
+
+from conftest import (EXACT_MODEL, RECIPE, TINY, Job, ahead, assert_ok, exact_folder, exact_run, once,
+                      run_together, script_command, single_node_launches, torchrun_command)
+from common.sharded_checkpoint import export
+
+pytestmark = pytest.mark.e2e
+VAL_LINE = re.compile(r"^ \* Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)", re.M)
+EMA_AND_VAL_LINES = re.compile(r"^ \* (?:EMA )?Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)", re.M)
+STEP_LINE = re.compile(r"^Epoch: \[(\d+)\] \[ *(\d+)/\d+\]  loss (\S+)", re.M)
+# BlockNet (three blocks: three units and the root), global batch 12: 2 steps of the 24 images an epoch, and 13 val
+# images that 3 processes hold as 5, 4 and 4, in 2, 1 and 1 batches of 4: FSDP's forward is a collective, so the
+# ranks with one batch run an uncounted one beside rank 0's second. Gradient clipping takes the norm over the shards.
+BLOCKS = [*TINY, "-a", "tests.tiny_models:BlockNet", "--dropout", "0", "--seed", "5", "--lr", "0.05", "-b", "12",
+          "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.8", "--clip-grad-norm", "0.5", "--dist-timeout", "60"]
+
+
+def fsdp_launches(tmp_path_factory):
+    """Together: train_fsdp.py on 2 processes with the flags of the DP/DDP/spawn reference runs (TinyNet: the root
+    alone is a unit); the same SIGKILLed at epoch 1 step 3 with a checkpoint every step, then resumed; BlockNet for
+    2 epochs on 1 process of train_dp.py and on 3 of train_fsdp.py (with --activation-checkpointing and
+    --async-checkpoint), and 1 epoch on 2 processes; then the 2-process checkpoint's second epoch on 3 processes,
+    the 3-process run's first checkpoint's on 1, and train_dp.py -e of the reference run's model_best.pth.
+    (output dir, name -> CompletedProcess, the killed run's saved (epoch, step))."""
+    data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("fsdp")
+    killed = exact_run(data, out / "resumed", "--checkpoint-interval", "1", "--resume", "auto")
+    stopped = exact_run(data, out / "restarted", "--async-checkpoint", "--resume", "auto")
+    jobs = {"killed": Job(torchrun_command("train_fsdp.py", 2, *killed)),
+            "stopped": Job(torchrun_command("train_fsdp.py", 2, *stopped)),
+            "fsdp2": Job(torchrun_command("train_fsdp.py", 2, *exact_run(data, out / "fsdp2"))),
+            "dp": Job(script_command("train_dp.py", *BLOCKS, "--data", data, "--epochs", "2", "--output-dir", out / "dp")),
+            "blocks3": Job(torchrun_command("train_fsdp.py", 3, *BLOCKS, "--data", data, "--epochs", "2",
+                                            "--activation-checkpointing", "--async-checkpoint",
+                                            "--output-dir", out / "blocks3")),
+            "blocks2": Job(torchrun_command("train_fsdp.py", 2, *BLOCKS, "--data", data, "--epochs", "1",
+                                            "--output-dir", out / "blocks2"))}
+    try:
+        jobs["stopped"].wait_for(re.compile(r"^Epoch: \[2\] \[1/"), timeout=300)
+        jobs["stopped"].process.send_signal(signal.SIGTERM)  # torchrun passes it on: a clean stop
+        jobs["killed"].wait_for(re.compile(r"^Epoch: \[1\] \[3/"), timeout=300)
+        jobs["killed"].kill()  # SIGKILL to torchrun and its workers alike: nothing of theirs runs on
+        results = {name: CompletedProcess(job.process.args, *job.finish(timeout=300)) for name, job in jobs.items()
+                   if name != "killed"}
+    finally:
+        for job in jobs.values():
+            job.kill()
+    saved = torch.load(out / "resumed" / "checkpoint" / "state.pth", weights_only=True)
+    later = {"resumed": torchrun_command("train_fsdp.py", 2, *killed),
+             "restarted": torchrun_command("train_fsdp.py", 2, *stopped),
+             "grown": torchrun_command("train_fsdp.py", 3, *BLOCKS, "--data", data, "--epochs", "2", "--resume",
+                                       out / "blocks2" / "checkpoint", "--output-dir", out / "grown"),
+             "shrunk": torchrun_command("train_fsdp.py", 1, *BLOCKS, "--data", data, "--epochs", "2", "--resume",
+                                        out / "blocks3" / "checkpoint_prev", "--output-dir", out / "shrunk"),
+             "evaluated": script_command("train_dp.py", *TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "-e",
+                                         "--resume", out / "fsdp2" / "model_best.pth", "--output-dir", out / "eval")}
+    results.update(zip(later, run_together(list(later.values()))))
+    return out, results, (saved["epoch"], saved["step_in_epoch"])
+
+
+fsdp_runs = ahead(fsdp_launches, "fsdp_runs")
+
+
+def exported(tmp_path, checkpoint):
+    """The whole weights and the EMA's of a sharded checkpoint, through the export that model_best.pth uses."""
+    state = export(checkpoint, tmp_path / f"{checkpoint.parent.name}.pth")
+    return state["state_dict"], state["model_ema"]["state_dict"]
+
+
+def max_difference(a, b):
+    assert a.keys() == b.keys() and a
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+def log_rows(folder):
+    return [row.split(",") for row in (folder / "log.csv").read_text().splitlines()[1:]]
+
+
+def test_fsdp_follows_the_trajectory_of_ddp_and_ends_with_its_weights_and_ema(fsdp_runs, tmp_path, tmp_path_factory):
+    """The reference runs' flags (12 steps of global batch 8, the recipe without mixing) on 2 processes: every
+    progress line's loss, every validation line and the final weights and EMA are DDP's (within 1e-5)."""
+    out, results, _ = fsdp_runs
+    reference_dir, references = once(single_node_launches, tmp_path_factory)
+    output, reference = assert_ok(results["fsdp2"]), assert_ok(references["ddp"])
+    assert "fsdp: world size 2" in output and "fsdp: units none (the root alone)" in output
+    steps, expected = STEP_LINE.findall(output), STEP_LINE.findall(reference)
+    assert len(steps) == 12 and [line[:2] for line in steps] == [line[:2] for line in expected]
+    assert [float(loss) for *_, loss in steps] == pytest.approx([float(loss) for *_, loss in expected], abs=1e-5)
+    lines, expected_lines = VAL_LINE.findall(output), VAL_LINE.findall(reference)
+    assert len(lines) == 4 and [line[:2] + line[3:] for line in lines] == [line[:2] + line[3:] for line in expected_lines]
+    weights, ema = exported(tmp_path, out / "fsdp2" / "checkpoint")
+    ddp = torch.load(reference_dir / "ddp" / "checkpoint.pth", weights_only=True)
+    assert max_difference(weights, ddp["state_dict"]) <= 1e-5
+    assert max_difference(ema, ddp["model_ema"]["state_dict"]) <= 1e-5
+
+
+def test_sharded_checkpoints_are_directories_behind_links_the_older_ones_removed(fsdp_runs):
+    """checkpoint and checkpoint_prev link to the last two complete checkpoints, each a directory of every rank's
+    shard, DCP's .metadata and state.pth; nothing else is left in sharded/; model_best.pth is a plain file of the
+    weights and the EMA that loads with weights_only=True."""
+    out, _, _ = fsdp_runs
+    run = out / "fsdp2"
+    latest, previous = (run / name for name in ("checkpoint", "checkpoint_prev"))
+    assert latest.is_symlink() and previous.is_symlink()
+    assert sorted(path.name for path in (run / "sharded").iterdir()) == sorted([latest.resolve().name,
+                                                                               previous.resolve().name])
+    assert sorted(path.name for path in latest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pth"]
+    assert torch.load(latest / "state.pth", weights_only=True)["epoch"] == 4
+    assert torch.load(previous / "state.pth", weights_only=True)["epoch"] == 3
+    best = torch.load(run / "model_best.pth", weights_only=True)
+    assert {"state_dict", "model_ema", "arch", "classes", "epoch"} <= best.keys() and "optimizer" not in best
+    from tests.tiny_models import TinyNet
+    TinyNet(num_classes=3).load_state_dict(best["state_dict"])
+
+
+def test_dataparallel_evaluates_the_model_best_pth_that_fsdp_exported(fsdp_runs):
+    """train_dp.py -e --resume model_best.pth prints the validation line of the best epoch (each of the 13 images
+    once), of the weights and of the EMA."""
+    _, results, _ = fsdp_runs
+    output, evaluated = assert_ok(results["fsdp2"]), assert_ok(results["evaluated"])
+    best = max(VAL_LINE.findall(output), key=lambda line: float(line[0]))
+    (acc1, acc5, loss, count), = VAL_LINE.findall(evaluated)
+    assert (acc1, acc5, count) == (best[0], best[1], "13") and float(loss) == pytest.approx(float(best[2]), abs=1e-5)
+    assert re.search(r"^ \* EMA Acc@1 .*\(13 images\)", evaluated, re.M)
+
+
+def test_a_sigkilled_fsdp_job_resumes_mid_epoch_bitwise(fsdp_runs, tmp_path):
+    """The job SIGKILLed at epoch 1 step 3 (torchrun and its workers), resumed with --resume auto from its latest
+    complete checkpoint in mid-epoch, ends with bitwise the weights and log of the run that was not interrupted."""
+    out, results, (epoch, step) = fsdp_runs
+    output = assert_ok(results["resumed"])
+    assert epoch == 1 and 1 <= step < 3, (epoch, step)
+    assert re.search(rf"^resumed from \S+/sharded/e0001-s{step:06d}-\w+ \(epoch 1, step {step}\)$", output, re.M)
+    resumed, reference = exported(tmp_path, out / "resumed" / "checkpoint"), exported(tmp_path, out / "fsdp2" / "checkpoint")
+    for mine, theirs in zip(resumed, reference):
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+    assert [row[4:7] for row in log_rows(out / "resumed")] == [row[4:7] for row in log_rows(out / "fsdp2")]
+
+
+def test_a_stopped_fsdp_job_waits_for_its_asynchronous_checkpoint_and_resumes_bitwise(fsdp_runs, tmp_path):
+    """SIGTERM to torchrun at epoch 2 step 1, with --async-checkpoint: the job stops with a checkpoint after a step
+    all ranks agreed on, written before the processes end; relaunched, it ends as the run that was not stopped."""
+    out, results, _ = fsdp_runs
+    stopped = results["stopped"]
+    found = re.search(r"^stopped on SIGTERM: checkpoint of epoch 2 step (\d) in ", stopped.stdout, re.M)
+    assert stopped.returncode != 0 and found, stopped.stdout[-3000:]
+    output = assert_ok(results["restarted"])
+    assert f"(epoch 2, step {found[1]})" in output and "Epoch: [1]" not in output
+    restarted, reference = exported(tmp_path, out / "restarted" / "checkpoint"), exported(tmp_path, out / "fsdp2" / "checkpoint")
+    for mine, theirs in zip(restarted, reference):
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+
+
+def test_blocks_sharded_on_three_processes_follow_dataparallel_each_image_counted_once(fsdp_runs, tmp_path):
+    """BlockNet in three units and the root, with --activation-checkpointing, --async-checkpoint and clipping, on 3
+    processes whose validation shards differ in batches: DataParallel's losses, validation lines and weights."""
+    out, results, _ = fsdp_runs
+    output, reference = assert_ok(results["blocks3"]), assert_ok(results["dp"])
+    assert "fsdp: units Block x 3, then the root" in output and "--activation-checkpointing on" in output
+    lines, expected = EMA_AND_VAL_LINES.findall(output), EMA_AND_VAL_LINES.findall(reference)
+    assert {count for *_, count in lines} == {"13"} and len(lines) == 4  # the weights' and the EMA's, 2 epochs
+    assert [line[:2] for line in lines] == [line[:2] for line in expected]
+    assert [float(line[2]) for line in lines] == pytest.approx([float(line[2]) for line in expected], abs=1e-5)
+    weights, ema = exported(tmp_path, out / "blocks3" / "checkpoint")
+    dp = torch.load(out / "dp" / "checkpoint.pth", weights_only=True)
+    assert max_difference(weights, dp["state_dict"]) <= 1e-5 and max_difference(ema, dp["model_ema"]["state_dict"]) <= 1e-5
+
+
+@pytest.mark.parametrize("name, processes", [("grown", 3), ("shrunk", 1)])
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(fsdp_runs, tmp_path, name, processes):
+    """Epoch 1 of BlockNet on 2 processes, then epoch 2 on 3; epoch 1 on 3 processes, then epoch 2 on 1: DCP reshards
+    the weights, the EMA and the optimizer state, and each ends where 2 epochs of DataParallel end."""
+    out, results, _ = fsdp_runs
+    output = assert_ok(results[name])
+    assert f"fsdp: world size {processes}" in output and "Epoch: [1]" in output and "Epoch: [0]" not in output
+    weights, ema = exported(tmp_path, out / name / "checkpoint")
+    dp = torch.load(out / "dp" / "checkpoint.pth", weights_only=True)
+    assert max_difference(weights, dp["state_dict"]) <= 1e-5 and max_difference(ema, dp["model_ema"]["state_dict"]) <= 1e-5

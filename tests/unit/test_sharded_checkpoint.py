@@ -1,0 +1,117 @@
+"""common/sharded_checkpoint.py in-process, in a process group of one: each save a new directory made the latest by
+switching links once complete, the older ones removed; resume (auto falls back to the previous one); the one-line
+refusals; the single-file export; --async-checkpoint's switch after its write; a failed write leaves the links."""
+import pytest
+import torch
+
+from common import state
+from common.errors import CheckpointWriteError, UsageError
+from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
+from tests.conftest import sharded_trainer
+from tests.tiny_models import BlockNet
+
+BLOCKS = ["-a", "tests.tiny_models:BlockNet", "--model-ema", "--opt", "adamw", "--lr", "0.01"]
+
+
+def trained(tmp_path, *flags):
+    trainer = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, *flags)
+    trainer.model(torch.randn(2, 3, 16, 16)).sum().backward()
+    trainer.optimizer.step()
+    trainer.scheduler.step()
+    trainer.ema.after_step(0, 1)
+    return trainer
+
+
+def whole(model):
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in model.state_dict().items()}
+
+
+def test_each_save_is_a_new_directory_behind_switched_links_and_older_ones_go(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    (tmp_path / "sharded" / "e0001-s000002-crashed").mkdir()  # a save that died before its state.pth
+    trainer.save(1, 2)
+    trainer.save(2)
+    latest, previous = tmp_path / LATEST, tmp_path / PREVIOUS
+    assert latest.is_symlink() and str(latest.readlink()).startswith("sharded/e0002-s000000-")
+    assert str(previous.readlink()).startswith("sharded/e0001-s000002-")
+    assert sorted(path.name for path in (tmp_path / "sharded").iterdir()) == sorted(
+        [latest.resolve().name, previous.resolve().name])
+    assert sorted(path.name for path in latest.iterdir()) == [".metadata", "__0_0.distcp", "state.pth"]
+    saved = torch.load(latest / "state.pth", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (2, 0) and "state_dict" not in saved and "optimizer" not in saved
+    assert saved["checkpoint_id"] in latest.resolve().name and is_sharded(latest)
+
+
+def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    trainer.save(0, 1)
+    resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
+    path, checkpoint = resumed.checkpoints.load_resume("auto", tmp_path, warn=print)
+    assert path == (tmp_path / LATEST).resolve()
+    state.restore(resumed, checkpoint, path)
+    for mine, theirs in ((resumed.model, trainer.model), (resumed.ema.module, trainer.ema.module)):
+        assert all(torch.equal(value, whole(theirs)[name]) for name, value in whole(mine).items())
+    moments = [[value.full_tensor() for value in entry.values() if value.dim()] for entry in trainer.optimizer.state.values()]
+    loaded = [[value.full_tensor() for value in entry.values() if value.dim()] for entry in resumed.optimizer.state.values()]
+    assert len(moments) == 8 and all(torch.equal(a, b) for pair in zip(moments, loaded) for a, b in zip(*pair))
+    assert (resumed.start_epoch, resumed.start_step) == (0, 1)
+
+
+def test_auto_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    trainer.save(2)
+    (tmp_path / LATEST / "state.pth").write_bytes(b"cut short")
+    warned = []
+    path, checkpoint = trainer.checkpoints.load_resume("auto", tmp_path, warn=warned.append)
+    assert path == (tmp_path / PREVIOUS).resolve() and checkpoint["epoch"] == 1
+    assert warned and "resuming from the previous checkpoint" in warned[0]
+
+
+def test_what_is_no_sharded_checkpoint_is_refused_in_one_line(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="^--resume .*empty: no state.pth in it: give a sharded checkpoint's"):
+        trainer.checkpoints.load_resume(str(tmp_path / "empty"), tmp_path, warn=print)
+    with pytest.raises(UsageError, match="^--resume .*nothing: no such file or directory"):
+        trainer.checkpoints.load_resume(str(tmp_path / "nothing"), tmp_path, warn=print)
+    single = tmp_path / "single.pth"
+    torch.save({"state_dict": whole(trainer.model), "format_version": 1}, single)
+    with pytest.raises(UsageError, match="single.pth is a single file: train_fsdp.py resumes its own sharded"):
+        trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, {}, single)
+
+
+def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    trainer.save(1, is_best=True)
+    for exported in (torch.load(tmp_path / "model_best.pth", weights_only=True),
+                     export(tmp_path / LATEST, tmp_path / "exported.pth")):
+        model = BlockNet(3)
+        model.load_state_dict(exported["state_dict"])
+        assert all(torch.equal(value, model.state_dict()[name]) for name, value in whole(trainer.model).items())
+        model.load_state_dict(exported["model_ema"]["state_dict"])
+        assert all(torch.equal(value, model.state_dict()[name]) for name, value in whole(trainer.ema.module).items())
+        assert exported["arch"] == "tests.tiny_models:BlockNet" and "optimizer" not in exported
+
+
+def test_an_asynchronous_save_becomes_the_latest_once_written(group_of_one, tmp_path):
+    trainer = trained(tmp_path, "--async-checkpoint")
+    trainer.save(1)
+    assert not (tmp_path / LATEST).exists() and trainer.checkpoints.pending is not None
+    trainer.checkpoints.wait()
+    assert str((tmp_path / LATEST).readlink()).startswith("sharded/e0001-s000000-")
+
+
+def test_a_failed_write_says_so_and_leaves_the_checkpoints_there(group_of_one, tmp_path):
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    before = (tmp_path / LATEST).readlink()
+    for folder in (tmp_path / "sharded").iterdir():  # sharded/ a file: no directory can be made in it
+        folder.rename(tmp_path / folder.name)
+    (tmp_path / "sharded").rmdir()
+    (tmp_path / "sharded").write_text("in the way")
+    with pytest.raises(CheckpointWriteError, match="^could not write a sharded checkpoint to .*the checkpoints already"):
+        trainer.save(2)
+    assert (tmp_path / LATEST).readlink() == before

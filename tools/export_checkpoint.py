@@ -1,0 +1,39 @@
+"""Export a sharded checkpoint of train_fsdp.py as one plain file: the whole weights (and the EMA's), loadable with
+torch.load(..., weights_only=True) into the torchvision model, and by every script's -e --resume.
+
+    python tools/export_checkpoint.py runs/fsdp-vit_b_16-imagenet/checkpoint model.pth
+
+No process group and no GPU are needed: the shards of every rank are read from the directory and put together.
+The optimizer state stays in the sharded checkpoint. model_best.pth is written this way at each best epoch.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.errors import UsageError  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a sharded checkpoint's directory (OUTPUT/checkpoint: the latest)")
+    parser.add_argument("out", help="the file to write (atomically)")
+    args = parser.parse_args(argv)
+    try:
+        from common.sharded_checkpoint import export, is_sharded
+        if not is_sharded(args.checkpoint):
+            raise UsageError(f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
+                             "state.pth and DCP's .metadata)")
+        exported = export(args.checkpoint, args.out)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    ema = " and the EMA's" if "model_ema" in exported else ""
+    print(f"wrote {args.out}: {exported.get('arch')} weights{ema} of epoch {exported.get('epoch')} "
+          f"({len(exported['state_dict'])} tensors) from {Path(args.checkpoint).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
