@@ -160,11 +160,13 @@ def optimizer_slots(optimizer):
 
 
 def state_bytes(model, optimizer):
-    """(parameters, optimizer state) bytes this rank holds: its shards, measured."""
+    """(parameters, gradients, optimizer state) bytes this rank holds: its shards, measured."""
     parameters = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
+    gradients = sum(_local(parameter.grad).numel() * parameter.grad.element_size() for parameter in model.parameters()
+                    if parameter.grad is not None)
     state = sum(_local(value).numel() * value.element_size() for per_parameter in optimizer.state.values()
                 for value in per_parameter.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
-    return parameters, state
+    return parameters, gradients, state
 
 
 def _local(tensor):

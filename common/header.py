@@ -104,8 +104,8 @@ def run_summary(trainer, seconds, train, val, ema_val):
     if runtime.device.type == "cuda":  # rank 0's first GPU
         summary["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(runtime.device) / 2**30, 3)
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
-        summary["rank_0_parameter_bytes"], summary["rank_0_optimizer_state_bytes"] = state_bytes(
-            trainer.model, trainer.optimizer)
+        summary.update(zip(("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
+                           state_bytes(trainer.model, trainer.optimizer)))
     if config.compile:
         # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
         summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]

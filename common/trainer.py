@@ -61,9 +61,8 @@ class Trainer:
         # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/state.py).
         self.start_epoch, self.start_step, self.best_acc1, self.best_ema_acc1 = 0, 0, 0.0, 0.0
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
-        self.deterministic = config.deterministic
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
-        self.output_lock = None  # the writer rank's, once common/run.py started the run
+        self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -184,9 +183,9 @@ class Trainer:
         self.aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        # FSDP shards contiguous parameters only: channels_last is off under it (--channels-last on is refused).
+        # FSDP: parameters contiguous (no channels_last), and fully_shard moves each unit to the device as it shards it.
         self.channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
-        return model.to(device, memory_format=torch.channels_last if self.channels_last else torch.preserve_format)
+        return model if self.shard else model.to(device, memory_format=torch.channels_last if self.channels_last else None)
 
     def _sharded(self, model):  # train_fsdp.py: sharded in place, unit by unit
         return model if self.shard is None else self.shard(model, self.shard_units(model))
@@ -306,6 +305,8 @@ class Trainer:
             self._stopped(epoch, self.steps_per_epoch)
         seconds, summary = time.perf_counter() - start, metrics.summary()
         summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
+        if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
+            summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2 ** -20
         return summary
 
     def _progress_line(self, progress, metrics, epoch, step):
@@ -373,15 +374,14 @@ class Trainer:
         its run is stopping, so that the job that replaces it waits for it rather than being refused."""
         stop = self.stop_signal.poll(now=now)
         if stop and self.output_lock is not None:
-            self.output_lock.mark_stopping(self._stop_reason())
+            self.output_lock.mark_stopping(self._stop_reason)
         return stop
 
-    def _stop_reason(self):
-        return self.stop_signal.received or "a signal to another rank"
+    _stop_reason = property(lambda self: self.stop_signal.received or "a signal to another rank")
 
     def _stopped(self, epoch, step):
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
-        self.log.print(f"stopped on {self._stop_reason()}: checkpoint of "
+        self.log.print(f"stopped on {self._stop_reason}: checkpoint of "
                        f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto")
         self.checkpoints.wait()  # --async-checkpoint: its write done
         distributed.barrier()  # no rank exits (and gets the others killed) before the save is done

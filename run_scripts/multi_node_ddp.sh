@@ -10,6 +10,7 @@
 # RDZV_BACKEND=static (default): node k holds global ranks k*NPROC_PER_NODE...; =c10d: torchrun's
 # elastic rendezvous (ranks in order of arrival; NODE_RANK unused; needed for --max-restarts across
 # nodes). Extra arguments go to train_ddp.py.
+# TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 NNODES="${NNODES:-1}"
 if [ "$NNODES" -gt 1 ]; then
@@ -20,4 +21,4 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" NODE_RANK="${NODE_RANK:-0}" MASTER_PORT=
 nproc=$(nproc_per_node)
 rdzv=(--rdzv-backend="${RDZV_BACKEND:-static}" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT")
 if [ "${RDZV_BACKEND:-static}" = static ]; then rdzv+=(--node-rank="$NODE_RANK"); else rdzv+=(--rdzv-id="${RDZV_ID:-imagenet}"); fi
-run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$nproc" "${rdzv[@]}" "$REPO_DIR/train_ddp.py" "$@"
+run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$nproc" "${rdzv[@]}" "$REPO_DIR/${TRAIN_SCRIPT:-train_ddp.py}" "$@"

@@ -14,6 +14,7 @@
 #   WORKSPACE                 writable, persistent: outputs go to $WORKSPACE/<run name>
 #   EPOCHS, LR, BATCH_SIZE    hyperparameters (BATCH_SIZE is the global batch here)
 # The training script reads the last four groups itself; extra arguments go to train_ddp.py.
+# TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 require MASTER_ADDR "the address of node 0"
 require MASTER_PORT "a free port on node 0"
@@ -26,4 +27,4 @@ nnodes=$((WORLD_SIZE / WORKER_PER_NODE))
 # torchrun gives each process its own RANK, LOCAL_RANK and WORLD_SIZE.
 unset RANK LOCAL_RANK
 run "${TORCHRUN[@]}" --nnodes="$nnodes" --node-rank="$node_rank" --nproc-per-node="$WORKER_PER_NODE" \
-    --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "$REPO_DIR/train_ddp.py" "$@"
+    --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "$REPO_DIR/${TRAIN_SCRIPT:-train_ddp.py}" "$@"

@@ -3,7 +3,7 @@
 Every command line in README.md and docs/*.md (fenced code blocks and inline code) that starts one of
 the scripts is parsed with that script's own argument parser, in this process, without training:
 
-- `python train_{dp,ddp,spawn}.py ARGS`: `parse_args(ARGS)` of that script must accept them.
+- `python train_{dp,ddp,spawn,fsdp}.py ARGS`: `parse_args(ARGS)` of that script must accept them.
 - `torchrun OPTIONS train_ddp.py ARGS` and `python -m torch.distributed.{run,launch} OPTIONS train_ddp.py ARGS`:
   OPTIONS must parse with the launcher's own parser, and ARGS with train_ddp.py's.
 - `run_scripts/NAME ARGS` and `tools/NAME ARGS` (also after `bash`, `sbatch OPTIONS`, `srun`): the script
@@ -76,7 +76,7 @@ EXPECTED_TO_FAIL = {
     ("train_dp.py", ("--no-such-flag",)),
 }
 
-TRAIN_SCRIPT = re.compile(r"(?:^|/)(train_(?:dp|ddp|spawn)\.py)$")
+TRAIN_SCRIPT = re.compile(r"(?:^|/)(train_(?:dp|ddp|spawn|fsdp)\.py)$")
 PYTHON = re.compile(r"(?:^|/)python(?:3(?:\.\d+)?)?$")
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", ";;"}
@@ -84,7 +84,7 @@ DROPPED_WORDS = {"$", "do", "then", "else", "time", "exec", "done", "fi"}
 # A script of the repository's run_scripts/ (launchers) or tools/, also as ./tools/... or $PWD/tools/...,
 # but not setuptools/.
 SCRIPT_FOLDER = re.compile(r"(?<![\w.-])(?:run_scripts|tools)/")
-CANDIDATE = re.compile(rf"train_(?:dp|ddp|spawn)\.py|{SCRIPT_FOLDER.pattern}|torchrun|torch\.distributed\.(?:run|launch)"
+CANDIDATE = re.compile(rf"train_(?:dp|ddp|spawn|fsdp)\.py|{SCRIPT_FOLDER.pattern}|torchrun|torch\.distributed\.(?:run|launch)"
                        r"|\bmake\b|python3? -c")
 # A path into one of the repository's folders, as the documents name them (run_scripts/single_node_{dp,ddp}.sh,
 # docs/*.md); not a part of a longer path (/usr/share/docs/...) or of a URL.
@@ -407,7 +407,11 @@ def check_repo_script(token, before, args, assignments):
     if before and before[-1] not in ("bash", "sh", "sbatch", "srun", "exec") and not before[-1].startswith("-") \
             and "=" not in before[-1]:
         return  # a mention, not a command
-    trains = set(re.findall(r"train_(?:dp|ddp|spawn)\.py", path.read_text()))
+    chosen = [value for name, _, value in (assignment.partition("=") for assignment in assignments)
+              if name == "TRAIN_SCRIPT"]  # the DDP launchers run ${TRAIN_SCRIPT:-train_ddp.py}
+    default = re.search(r"\$\{TRAIN_SCRIPT:-(train_\w+\.py)\}", path.read_text())
+    trains = ({chosen[-1]} if chosen else {default[1]}) if default else set(
+        re.findall(r"train_(?:dp|ddp|spawn|fsdp)\.py", path.read_text()))
     if len(trains) == 1:  # a launcher: its extra arguments go to that script
         parse_training_args(trains.pop(), args, assignments)
 

@@ -10,7 +10,7 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, RECIPE, TINY, Job, ahead, assert_ok, exact_folder, exact_run, once,
+from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, clean_env, ahead, assert_ok, exact_folder, exact_run, once,
                       run_together, script_command, single_node_launches, torchrun_command)
 from common.sharded_checkpoint import export
 
@@ -27,13 +27,14 @@ BLOCKS = [*TINY, "-a", "tests.tiny_models:BlockNet", "--dropout", "0", "--seed",
 
 def fsdp_launches(tmp_path_factory):
     """Together: train_fsdp.py on 2 processes with the flags of the DP/DDP/spawn reference runs (TinyNet: the root
-    alone is a unit); the same SIGKILLed at epoch 1 step 3 with a checkpoint every step, then resumed; BlockNet for
-    2 epochs on 1 process of train_dp.py and on 3 of train_fsdp.py (with --activation-checkpointing and
-    --async-checkpoint), and 1 epoch on 2 processes; then the 2-process checkpoint's second epoch on 3 processes,
+    alone is a unit); the same SIGKILLed at epoch 1 step 3 with an asynchronous checkpoint every step (a write may be
+    under way), and the same stopped by SIGTERM at epoch 2 step 1, each then resumed; BlockNet for 2 epochs on 1 process of
+    train_dp.py and on 3 of train_fsdp.py (with --activation-checkpointing and --async-checkpoint), and 1 epoch on 2
+    processes (through run_scripts/single_node_ddp.sh with TRAIN_SCRIPT=train_fsdp.py); then the 2-process checkpoint's second epoch on 3 processes,
     the 3-process run's first checkpoint's on 1, and train_dp.py -e of the reference run's model_best.pth.
     (output dir, name -> CompletedProcess, the killed run's saved (epoch, step))."""
     data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("fsdp")
-    killed = exact_run(data, out / "resumed", "--checkpoint-interval", "1", "--resume", "auto")
+    killed = exact_run(data, out / "resumed", "--checkpoint-interval", "1", "--async-checkpoint", "--resume", "auto")
     stopped = exact_run(data, out / "restarted", "--async-checkpoint", "--resume", "auto")
     jobs = {"killed": Job(torchrun_command("train_fsdp.py", 2, *killed)),
             "stopped": Job(torchrun_command("train_fsdp.py", 2, *stopped)),
@@ -42,8 +43,10 @@ def fsdp_launches(tmp_path_factory):
             "blocks3": Job(torchrun_command("train_fsdp.py", 3, *BLOCKS, "--data", data, "--epochs", "2",
                                             "--activation-checkpointing", "--async-checkpoint",
                                             "--output-dir", out / "blocks3")),
-            "blocks2": Job(torchrun_command("train_fsdp.py", 2, *BLOCKS, "--data", data, "--epochs", "1",
-                                            "--output-dir", out / "blocks2"))}
+            # as a user starts it: the DDP launcher of run_scripts/, told to run train_fsdp.py
+            "blocks2": Job(["bash", REPO / "run_scripts" / "single_node_ddp.sh", *BLOCKS, "--data", data, "--epochs", "1",
+                            "--output-dir", out / "blocks2"], clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2,
+                                                                        TRAIN_SCRIPT="train_fsdp.py"))}
     try:
         jobs["stopped"].wait_for(re.compile(r"^Epoch: \[2\] \[1/"), timeout=300)
         jobs["stopped"].process.send_signal(signal.SIGTERM)  # torchrun passes it on: a clean stop
@@ -116,10 +119,14 @@ def test_sharded_checkpoints_are_directories_behind_links_the_older_ones_removed
     assert sorted(path.name for path in latest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pth"]
     assert torch.load(latest / "state.pth", weights_only=True)["epoch"] == 4
     assert torch.load(previous / "state.pth", weights_only=True)["epoch"] == 3
+    header, *rows = (run / "log.csv").read_text().splitlines()
+    column = header.split(",").index("train_sharded_state_mib")
+    from tests.tiny_models import TinyNet  # rank 0's first half of each parameter's rows: weights, gradients, momentum
+    held = sum(-(-parameter.shape[0] // 2) * parameter[0].numel() for parameter in TinyNet(3).parameters())
+    assert {float(row.split(",")[column]) for row in rows} == {3 * 4 * held / 2 ** 20}
     best = torch.load(run / "model_best.pth", weights_only=True)
     assert {"state_dict", "model_ema", "arch", "classes", "epoch"} <= best.keys() and "optimizer" not in best
-    from tests.tiny_models import TinyNet
-    TinyNet(num_classes=3).load_state_dict(best["state_dict"])
+    TinyNet(3).load_state_dict(best["state_dict"])
 
 
 def test_dataparallel_evaluates_the_model_best_pth_that_fsdp_exported(fsdp_runs):
@@ -134,8 +141,9 @@ def test_dataparallel_evaluates_the_model_best_pth_that_fsdp_exported(fsdp_runs)
 
 
 def test_a_sigkilled_fsdp_job_resumes_mid_epoch_bitwise(fsdp_runs, tmp_path):
-    """The job SIGKILLed at epoch 1 step 3 (torchrun and its workers), resumed with --resume auto from its latest
-    complete checkpoint in mid-epoch, ends with bitwise the weights and log of the run that was not interrupted."""
+    """The job SIGKILLed at epoch 1 step 3 (torchrun and its workers; an asynchronous write may be under way), resumed
+    with --resume auto from its latest complete checkpoint in mid-epoch, ends with bitwise the weights and log of the
+    run that was not interrupted."""
     out, results, (epoch, step) = fsdp_runs
     output = assert_ok(results["resumed"])
     assert epoch == 1 and 1 <= step < 3, (epoch, step)

@@ -26,10 +26,11 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
 
 
 def cpu_harness_runs(tmp_path_factory):
-    """The harness on the CPU, twice side by side (each starts one job at a time): the checks that must
-    pass; and a row whose lr is too small to learn anything."""
+    """The harness on the CPU, three times side by side (each starts one job at a time): the checks that must
+    pass; a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison with DDP."""
     return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"],
-                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"]],
+                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
+                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"]],
                         timeout=600)
 
 
@@ -46,6 +47,16 @@ def test_its_checks_pass_on_the_cpu(cpu_runs):
     assert float(rows["ddp jpeg"]["rate"]) > 0
     assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
     assert "3 passed, 0 failed" in result.stdout
+
+
+def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):
+    """The FSDP rows of the harness on the CPU: the bf16 policy trains and its model_best.pth loads into a plain
+    model; FSDP's losses per epoch are DDP's (here within 1e-5)."""
+    result = cpu_runs[2]
+    rows = table(assert_ok(result))
+    assert set(rows) == {"fsdp jpeg bf16", "fsdp losses = ddp losses"}, result.stdout[-3000:]
+    assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
+    assert re.fullmatch(r"PASS \(losses (\d\.\d{5})/\1(, (\d\.\d{5})/\3){3}\)", rows["fsdp losses = ddp losses"]["result"])
 
 
 def test_it_fails_when_training_does_not_learn(cpu_runs):

@@ -6,8 +6,9 @@
     python tools/gpu_check.py --cpu        # the same harness on the CPU (gloo, a tiny model): a self-test
 
 Each row is one real run, started as a user starts it, for a few dozen steps: train_dp.py on one
-GPU and on all of them (nn.DataParallel), train_ddp.py under torchrun, train_spawn.py, both with
-NCCL; in float32, with `--amp bf16 --channels-last`, with `--compile`, and with `--sync-bn` for DDP;
+GPU and on all of them (nn.DataParallel), train_ddp.py under torchrun, train_spawn.py, train_fsdp.py, all
+with NCCL; in float32, with `--amp bf16 --channels-last` (FSDP: `--amp bf16`, its mixed-precision policy),
+with `--compile`, with `--sync-bn` for DDP, with `--cpu-offload` and `--activation-checkpointing` for FSDP;
 on synthetic data (--dummy, ResNet-50 at 224 px: the speed) and on JPEGs (the built-in demo set:
 the learning). Every row must:
   - exit 0, with a finite training loss, that falls by 2% or more from the first epoch to the last
@@ -18,6 +19,7 @@ Then, on the JPEG data:
     the same acc@1 (at most one image apart: the two use different GPU batch sizes, hence kernels);
   - a run stopped after epoch 1 and resumed (--resume auto, --deterministic) ends with weights
     bitwise equal to those of the same run made in one go;
+  - FSDP's training losses per epoch are DDP's (--deterministic, float32; within 1e-3 relative);
   - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU);
     on several GPUs, train_dp.py --compile is refused with one line.
 One table: row, flags, img/s, peak GPU memory, pass/fail. Exit status 1 if anything failed.
@@ -109,6 +111,9 @@ class Setup:
         if mode == "ddp":
             return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py"]
+        if mode == "fsdp":
+            return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_fsdp.py"]
         if mode == "spawn":
             return [python, REPO / "train_spawn.py", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
         raise ValueError(mode)
@@ -191,7 +196,9 @@ def check_training(setup, row, output):
     summary = json.loads((row.output_dir / "summary.json").read_text())
     row.images_per_second = summary["train_images_per_second"]
     row.peak_gib = summary.get("peak_memory_gib", float("nan"))
-    state = torch.load(row.output_dir / "checkpoint.pth", map_location="cpu", weights_only=True)
+    # FSDP's checkpoints are sharded directories: its model_best.pth is the single file of the whole weights.
+    single = "model_best.pth" if row.mode == "fsdp" else "checkpoint.pth"
+    state = torch.load(row.output_dir / single, map_location="cpu", weights_only=True)
     model = build_model(state["arch"], state["num_classes"])
     model.load_state_dict(state["state_dict"])  # strict: every key, every shape
 
@@ -255,6 +262,22 @@ def check_exact_resume(setup, row):
     row.result = f"PASS ({len(a)} tensors bitwise equal)"
 
 
+def check_fsdp_matches_ddp(setup, row):
+    """FSDP (NCCL's reduce-scatter, the model sharded) follows DDP's trajectory: the same per-epoch training losses
+    and validation acc@1 for the same seed, within what another order of summation gives (float32, deterministic)."""
+    flags = ("--deterministic",)
+    logs = {}
+    for mode in ("ddp", "fsdp"):
+        output_dir = setup.workdir / f"compare-{mode}"
+        train(setup, mode, "jpeg", flags, output_dir)
+        logs[mode] = [(float(epoch["train_loss"]), float(epoch["val_acc1"]))
+                      for epoch in csv.DictReader(open(output_dir / "log.csv"))]
+    (ddp, fsdp), tolerance = (logs["ddp"], logs["fsdp"]), (1e-5 if setup.cpu else 1e-3)
+    if len(ddp) != len(fsdp) or any(abs(a[0] - b[0]) > tolerance * max(1.0, abs(a[0])) for a, b in zip(ddp, fsdp)):
+        raise CheckFailed(f"training losses per epoch: ddp {ddp}, fsdp {fsdp}")
+    row.result = f"PASS (losses {', '.join(f'{a[0]:.5f}/{b[0]:.5f}' for a, b in zip(ddp, fsdp))})"
+
+
 def check_two_ranks_one_gpu_refused(setup, row):
     command = [*setup.command("ddp", nproc=2), *setup.jpeg_args, "--output-dir", setup.workdir / "shared-gpu"]
     status, output = run(command, setup.env(), 600)
@@ -277,7 +300,7 @@ def check_refused(setup, row):
 
 def rows_for(setup, quick):
     """The training rows for this machine: DataParallel over all GPUs only where there are several."""
-    modes = ["dp1", *(["dpN"] if setup.gpus > 1 else []), "ddp", "spawn"]
+    modes = ["dp1", *(["dpN"] if setup.gpus > 1 else []), "ddp", "spawn", "fsdp"]
     amp = "bf16" if setup.cpu or setup.bf16 else "fp16"  # bf16 is emulated before compute capability 8.0
     variants = [("fp32", ())] if setup.cpu else [
         ("fp32", ()), (f"{amp} cl", ("--amp", amp, "--channels-last")), ("compile", ("--compile",))]
@@ -287,12 +310,20 @@ def rows_for(setup, quick):
             for name, flags in variants:
                 if name == "compile" and mode == "dpN":
                     continue  # refused: DataParallel over several GPUs cannot be compiled
+                if mode == "fsdp" and "--channels-last" in flags:  # refused: FSDP shards contiguous parameters
+                    name, flags = "bf16", ("--amp", "bf16")  # FSDP's mixed-precision policy
                 rows.append(Row(f"{mode} {data}" + ("" if name == "fp32" else f" {name}"), mode, data, flags))
             if mode == "ddp" and not setup.cpu:
                 rows.append(Row(f"{mode} {data} sync-bn", mode, data, ("--sync-bn",)))
                 # A metric whose state is summed on the GPU (index_add_ in float64) and over the ranks by NCCL.
                 rows.append(Row(f"{mode} {data} confusion-matrix", mode, data,
                                 ("--trainer", "examples.confusion_matrix:PerClass")))
+            if mode == "fsdp":
+                if setup.cpu:
+                    rows.append(Row(f"{mode} {data} bf16", mode, data, ("--amp", "bf16")))
+                else:
+                    rows.append(Row(f"{mode} {data} cpu-offload", mode, data, ("--cpu-offload",)))
+                rows.append(Row(f"{mode} {data} activation-checkpointing", mode, data, ("--activation-checkpointing",)))
     return rows
 
 
@@ -317,7 +348,8 @@ def main(argv=None):
     print(f"gpu-check on {where}, torch {torch.__version__}; runs in {workdir}", flush=True)
     checks = [(row, check_row) for row in rows_for(setup, args.quick)]
     checks += [(Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
-               (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume)]
+               (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume),
+               (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp)]
     if setup.gpus == 1:
         checks.append((Row("two ranks on one GPU refused", "ddp", "jpeg"), check_two_ranks_one_gpu_refused))
     if setup.gpus > 1:

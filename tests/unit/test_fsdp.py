@@ -74,7 +74,7 @@ def test_the_header_says_what_a_rank_holds_and_the_summary_measures_it(group_of_
     batch = torch.randn(2, 3, 16, 16)
     trainer.model(batch).sum().backward()
     trainer.optimizer.step()
-    assert state_bytes(trainer.model, trainer.optimizer) == (whole, 2 * whole)  # a group of one: all of it
+    assert state_bytes(trainer.model, trainer.optimizer) == (whole, whole, 2 * whole)  # a group of one: all of it
 
 
 def test_activation_checkpointing_gives_the_same_gradients(group_of_one):
