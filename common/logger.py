@@ -54,7 +54,7 @@ class RunLogger:
         if self.prints:
             say(message)
 
-    def start(self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST)):
+    def start(self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST), epochs_done=None):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
         columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
         the interrupted one logged after it (they are logged again)."""
@@ -84,11 +84,15 @@ class RunLogger:
         else:
             with open(log, newline="") as file:
                 header, *rows = list(csv.reader(file)) or [[]]
+            # Rows of epochs the checkpoint does not hold (logged while an --async-checkpoint write was under way,
+            # which a kill then cut short) are trained again: they go.
+            kept = rows if epochs_done is None else [row for row in rows if row and int(row[0]) < epochs_done]
             if header[:len(self.fields)] == self.fields:
                 self.fields = header  # as it was (the EMA's and named values' columns of earlier legs stay)
             else:  # a run begun without --model-ema: its rows lack the EMA's columns
                 self.fields += [field for field in header if field not in self.fields]
-                self._rewrite_log([dict(zip(header, row)) for row in rows])
+            if kept != rows or self.fields != header:
+                self._rewrite_log([dict(zip(header, row)) for row in kept])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
         # purge_step: TensorBoard hides the events of the steps at and after it in the earlier files.
         self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),

@@ -224,6 +224,12 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
     return loss, main
 
 
+def compiled(model, static=False):
+    """torch.compile(model); static=True: no dynamic shapes (a sharded model: Inductor failed on FSDP's dynamic shapes
+    in backward, torch 2.15 on the CPU; a batch of another size compiles another graph instead)."""
+    return torch.compile(model, dynamic=False if static else None)
+
+
 def unwrap(model):
     """The bare model inside DataParallel, DistributedDataParallel, AutocastForward and torch.compile wrappers."""
     while True:

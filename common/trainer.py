@@ -204,7 +204,7 @@ class Trainer:
         validate once). `train_model` is the wrapped model (DataParallel, DDP), `eval_model` what validates."""
         config, log = self.config, self.log
         if config.compile:
-            train_model, eval_model = torch.compile(train_model), torch.compile(eval_model)
+            train_model, eval_model = (models.compiled(model, self.shard is not None) for model in (train_model, eval_model))
         for line in [*warnings(self), *start_lines(self)]:
             log.print(line)
         if config.evaluate:
@@ -217,8 +217,8 @@ class Trainer:
             return None
         for line in training_lines(self):
             log.print(line)
-        log.start(config, resumed=self.resumed_from is not None, ema=self.ema is not None,
-                  global_step=self.start_epoch * self.steps_per_epoch + self.start_step, checkpoints=self.checkpoints.names)
+        log.start(config, self.resumed_from is not None, ema=self.ema is not None, checkpoints=self.checkpoints.names,
+                  global_step=self.start_epoch * self.steps_per_epoch + self.start_step, epochs_done=self.start_epoch)
         self.stop_signal = StopSignal(config.stop_grace)
         if self.output_lock is not None:  # a run started meanwhile waits for this one to stop
             self.stop_signal.on_first = self.output_lock.mark_stopping

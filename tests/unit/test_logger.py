@@ -124,3 +124,19 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(runs):
         assert [value for _, value in resumed[tag]] == pytest.approx([value for _, value in uninterrupted[tag]],
                                                                       rel=1e-6), tag
     assert [step for step, _ in resumed["val_acc1"]] == [0, 1]
+
+
+def test_a_resumed_log_drops_the_rows_of_epochs_its_checkpoint_does_not_hold(tmp_path):
+    """An --async-checkpoint write cut short by a kill: the log had the epoch's row, the checkpoint resumed from is
+    older; the resumed run trains that epoch again and logs it once."""
+    config = parse("--dummy", "--output-dir", tmp_path)
+    log = RunLogger(tmp_path, prints=False, writes=True)
+    log.start(config, resumed=False)
+    for epoch in range(3):
+        log.log_epoch({"epoch": epoch, "train_loss": epoch})
+    log.finish({})
+    log = RunLogger(tmp_path, prints=False, writes=True)
+    log.start(config, resumed=True, global_step=5, epochs_done=2)
+    log.finish({})
+    rows = (tmp_path / "log.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["0", "1"]
