@@ -4,7 +4,7 @@ worker reported as the dead worker, in one line."""
 import pytest
 import torch
 
-from common.device_loader import Collate, DeviceLoader
+from common.device_loader import Collate, DeviceLoader, equal_forwards
 from common.launch import known_failure
 from common.transforms import Normalise
 
@@ -40,6 +40,18 @@ def test_collate_leaves_out_what_could_not_be_read_and_the_device_loader_reports
     batches = [(images, target, bad), (None, None, [("c.jpg", "x")])]
     assert len(list(DeviceLoader(batches, torch.device("cpu"), on_bad=reported.extend))) == 1  # the empty batch skipped
     assert reported == [*bad, ("c.jpg", "x")]
+
+
+def test_a_sharded_model_runs_as_many_validation_forwards_on_every_rank_counting_only_real_batches():
+    """FSDP's forward is a collective: a batch whose files were all unreadable, and the batches a shorter shard lacks,
+    become forwards of a placeholder that are not counted."""
+    image = torch.ones(1, 3, 4, 4)
+    batches = [(image, torch.tensor([1]), []), (None, None, [("c.jpg", "x")]), (image * 2, torch.tensor([2]), [])]
+    loader = DeviceLoader(batches, torch.device("cpu"), keep_empty=True)
+    placeholder = (torch.zeros(1, 3, 4, 4), torch.zeros(1, dtype=torch.long))
+    forwards = list(equal_forwards(loader, 5, placeholder))
+    assert [counted for *_, counted in forwards] == [True, False, True, False, False]
+    assert [images.sum().item() for images, _, _ in forwards] == [48, 0, 96, 0, 0]
 
 
 class _BrokenHandOver:
