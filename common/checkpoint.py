@@ -157,6 +157,9 @@ class SingleFile:
         return load_checkpoint(path, mmap=True)
 
     def load_resume(self, resume, output_dir, warn):
+        if resume == "auto" and not (Path(output_dir) / CHECKPOINT).is_file() and (Path(output_dir) / "checkpoint").is_dir():
+            raise UsageError(f"{output_dir} holds a run of train_fsdp.py (sharded checkpoints in checkpoint/): continue "
+                             "it with train_fsdp.py, or choose another --output-dir")
         return load_resume(resume, output_dir, warn)
 
     def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):

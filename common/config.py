@@ -217,6 +217,9 @@ def _check_fsdp(values):
     if values["channels_last"] == "on":
         raise UsageError("--channels-last on: FSDP shards contiguous parameters only, and channels-last weights are "
                          "not (leave it out: the default is off under FSDP)")
+    if values["cpu_offload"] and values["clip_grad_norm"]:
+        raise UsageError("--cpu-offload with --clip-grad-norm: the gradient norm over shards kept in host memory needs a "
+                         "CPU backend beside NCCL, which this script does not start (leave one of them out)")
     if values["find_unused_parameters"]:
         raise UsageError("--find-unused-parameters is DDP's: FSDP needs no such flag (leave it out)")
 

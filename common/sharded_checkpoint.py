@@ -4,8 +4,8 @@ A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's fil
 and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of common/state.py's
 checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and read with
 weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists by
-rank (state.assemble), so no rank's value stands in for another's (DCP keeps one copy of a value that every rank
-saves under the same key).
+rank, or summed over the ranks (state.assemble), so no rank's value stands in for another's (DCP keeps one copy of a
+value that every rank saves under the same key).
 
 DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
 and rank 0 has written state.pth, the links OUTPUT/checkpoint (the latest) and OUTPUT/checkpoint_prev (the one
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpoint import BEST, check_weights, load_checkpoint
+from .checkpoint import BEST, CHECKPOINT, check_weights, load_checkpoint
 from .errors import CheckpointWriteError, UsageError
 from .models import unwrap
 from .run_dir import atomic_write, fsync
@@ -78,6 +78,10 @@ class ShardedCheckpoints:
             return None, None
         if resume == "auto":
             found = [Path(output_dir) / name for name in (LATEST, PREVIOUS) if is_sharded(Path(output_dir) / name)]
+            if not found and (Path(output_dir) / CHECKPOINT).is_file():
+                raise UsageError(f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
+                                 "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
+                                 "or choose another --output-dir")
             for index, path in enumerate(found):
                 try:
                     return path.resolve(), load_checkpoint(path / STATE, weights=False)
@@ -129,8 +133,9 @@ class ShardedCheckpoints:
     def load_optimizer(self, model, optimizer, checkpoint, path):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         if not Path(path).is_dir():
-            raise UsageError(f"{path} is a single file: train_fsdp.py resumes its own sharded checkpoints "
-                             f"(OUTPUT/{LATEST}); a single file gives weights to evaluate (-e)")
+            raise UsageError(f"{path} holds an optimizer state of a single-file checkpoint: train_fsdp.py resumes its own "
+                             f"sharded checkpoints (OUTPUT/{LATEST}); it takes a single file's weights alone (-e, or an "
+                             "exported model_best.pth)")
         model = unwrap(model)
         state = self._load(path, "optimizer", get_optimizer_state_dict(model, optimizer))
         set_optimizer_state_dict(model, optimizer, state)
@@ -207,8 +212,9 @@ class ShardedCheckpoints:
                     shutil.rmtree(other, ignore_errors=True)
             if is_best:
                 export(directory, self.output_dir / BEST)
-        except OSError as error:
-            raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({error.strerror or error}); "
+        except _failures() as error:  # a full disk, a shard unreadable for the export
+            reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+            raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({reason}); "
                                        "the checkpoints already there are intact") from None
 
 
@@ -226,7 +232,7 @@ def export(directory, out):
     needed. The optimizer state stays in the directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    directory = Path(directory)
+    directory = Path(directory).resolve()  # the link's target now: a save meanwhile switches the link, not this
     state = load_checkpoint(directory / STATE, weights=False)
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     template = {"state_dict": {}, "model_ema": {"state_dict": {}}}

@@ -42,7 +42,7 @@ def worker(arch):
     config = Config(cpu_offload=False, reshard_after_forward=True, activation_checkpointing=False, amp="none")
     sharding = fsdp.Sharding(config, Runtime("fsdp", device, rank, rank, world_size, world_size))
     torch.manual_seed(0)
-    model = torchvision.models.get_model(arch, num_classes=1000).to(device)
+    model = torchvision.models.get_model(arch, num_classes=1000)  # on the CPU: fully_shard moves each unit's shard
     whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
     model = sharding(model, fsdp.default_units(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -20,8 +20,9 @@ def main(argv=None):
     parser.add_argument("checkpoint", help="a sharded checkpoint's directory (OUTPUT/checkpoint: the latest)")
     parser.add_argument("out", help="the file to write (atomically)")
     args = parser.parse_args(argv)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from common.sharded_checkpoint import export, is_sharded
     try:
-        from common.sharded_checkpoint import export, is_sharded
         if not is_sharded(args.checkpoint):
             raise UsageError(f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
                              "state.pth and DCP's .metadata)")
@@ -29,6 +30,10 @@ def main(argv=None):
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (OSError, CheckpointException) as error:  # a shard or .metadata missing or damaged, OUT not writable
+        reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:300]
+        print(f"error: cannot export {args.checkpoint} to {args.out}: {reason}", file=sys.stderr)
+        return 1
     ema = " and the EMA's" if "model_ema" in exported else ""
     print(f"wrote {args.out}: {exported.get('arch')} weights{ema} of epoch {exported.get('epoch')} "
           f"({len(exported['state_dict'])} tensors) from {Path(args.checkpoint).resolve()}")

@@ -196,9 +196,11 @@ def check_training(setup, row, output):
     summary = json.loads((row.output_dir / "summary.json").read_text())
     row.images_per_second = summary["train_images_per_second"]
     row.peak_gib = summary.get("peak_memory_gib", float("nan"))
-    # FSDP's checkpoints are sharded directories: its model_best.pth is the single file of the whole weights.
-    single = "model_best.pth" if row.mode == "fsdp" else "checkpoint.pth"
-    state = torch.load(row.output_dir / single, map_location="cpu", weights_only=True)
+    single = row.output_dir / "checkpoint.pth"
+    if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file
+        from common.sharded_checkpoint import export
+        single = export(row.output_dir / "checkpoint", row.output_dir / "exported.pth") and row.output_dir / "exported.pth"
+    state = torch.load(single, map_location="cpu", weights_only=True)
     model = build_model(state["arch"], state["num_classes"])
     model.load_state_dict(state["state_dict"])  # strict: every key, every shape
 

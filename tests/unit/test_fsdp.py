@@ -101,3 +101,8 @@ def test_bf16_computes_in_bf16_with_batchnorm_in_float32(group_of_one):
     assert computed_with == {"bn1": torch.float32, "layer1.0.conv1": torch.bfloat16, "layer1.0.bn1": torch.float32,
                              "fc": torch.bfloat16}
     assert {parameter.dtype for parameter in trainer.model.parameters()} == {torch.float32}  # the shards
+
+
+def test_cpu_offload_with_gradient_clipping_is_refused_in_one_line():
+    with pytest.raises(UsageError, match="^--cpu-offload with --clip-grad-norm: the gradient norm over shards"):
+        parse("--cpu-offload", "--clip-grad-norm", "1", mode="fsdp")

@@ -79,7 +79,7 @@ def test_what_is_no_sharded_checkpoint_is_refused_in_one_line(group_of_one, tmp_
         trainer.checkpoints.load_resume(str(tmp_path / "nothing"), tmp_path, warn=print)
     single = tmp_path / "single.pth"
     torch.save({"state_dict": whole(trainer.model), "format_version": 1}, single)
-    with pytest.raises(UsageError, match="single.pth is a single file: train_fsdp.py resumes its own sharded"):
+    with pytest.raises(UsageError, match="single.pth holds an optimizer state of a single-file checkpoint: train_fsdp.py"):
         trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, {}, single)
 
 
@@ -115,3 +115,17 @@ def test_a_failed_write_says_so_and_leaves_the_checkpoints_there(group_of_one, t
     with pytest.raises(CheckpointWriteError, match="^could not write a sharded checkpoint to .*the checkpoints already"):
         trainer.save(2)
     assert (tmp_path / LATEST).readlink() == before
+
+
+def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one, tmp_path):
+    """train_fsdp.py --resume auto where train_ddp.py's checkpoint.pth is, and train_ddp.py's where train_fsdp.py's
+    checkpoint/ is: one line each, not a fresh start that would delete that run's files."""
+    from common.checkpoint import CHECKPOINT, SingleFile
+    trainer = trained(tmp_path)
+    (tmp_path / "ddp").mkdir()
+    torch.save({"state_dict": whole(trainer.model)}, tmp_path / "ddp" / CHECKPOINT)
+    with pytest.raises(UsageError, match="holds a run of train_dp.py, train_ddp.py or train_spawn.py"):
+        trainer.checkpoints.load_resume("auto", tmp_path / "ddp", warn=print)
+    trainer.save(1)
+    with pytest.raises(UsageError, match="holds a run of train_fsdp.py"):
+        SingleFile().load_resume("auto", tmp_path, warn=print)
