@@ -82,17 +82,24 @@ def resolve_resume(resume, output_dir):
 def load_resume(resume, output_dir, warn):
     """(path, checkpoint) that --resume asks for, or (None, None). With 'auto', a damaged latest
     checkpoint is reported through warn() and the previous one is used."""
+    if resume == "auto":
+        found = [Path(output_dir) / name for name in (CHECKPOINT, PREVIOUS) if (Path(output_dir) / name).is_file()]
+        return first_readable(found, load_checkpoint, warn)
     path = resolve_resume(resume, output_dir)
-    if path is None:
-        return None, None
-    try:
-        return path, load_checkpoint(path)
-    except UsageError as error:
-        previous = path.with_name(PREVIOUS)
-        if resume != "auto" or path.name != CHECKPOINT or not previous.is_file():
-            raise
-        warn(f"warning: {error}; resuming from the previous checkpoint {previous}")
-        return previous, load_checkpoint(previous)
+    return (None, None) if path is None else (path, load_checkpoint(path))
+
+
+def first_readable(paths, load, warn):
+    """(path, load(path)) of the first of `paths` (the latest checkpoint, then the one before) that loads, or (None,
+    None) when there is none; a damaged one is reported through warn() and the next is tried."""
+    for index, path in enumerate(paths):
+        try:
+            return path, load(path)
+        except UsageError as error:
+            if index + 1 == len(paths):
+                raise
+            warn(f"warning: {error}; resuming from the previous checkpoint {paths[index + 1]}")
+    return None, None
 
 
 def load_checkpoint(path, mmap=False, weights=True):

@@ -130,7 +130,7 @@ class Sharding:
 
     def describe(self, model, optimizer):
         """The header's lines: the units and what a rank holds of the model's state against one replica."""
-        local = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
+        local = state_bytes(model, optimizer)[0]
         whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
         slots = optimizer_slots(optimizer)
         state = f"{slots} x" if slots is not None else "an unknown multiple of"

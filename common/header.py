@@ -1,6 +1,6 @@
 """The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
-which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here, whoever built it (a registry that hides
-where a part comes from is not what we want: style.md)."""
+which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here,
+whoever built it (a registry that hides where a part comes from is not what we want: style.md)."""
 import os
 import platform
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpoint import BEST, CHECKPOINT, check_weights, load_checkpoint
+from .checkpoint import BEST, CHECKPOINT, check_weights, first_readable, load_checkpoint
 from .errors import CheckpointWriteError, UsageError
 from .models import unwrap
 from .run_dir import atomic_write, fsync
@@ -82,14 +82,8 @@ class ShardedCheckpoints:
                 raise UsageError(f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
                                  "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
                                  "or choose another --output-dir")
-            for index, path in enumerate(found):
-                try:
-                    return path.resolve(), load_checkpoint(path / STATE, weights=False)
-                except UsageError as error:
-                    if index + 1 == len(found):
-                        raise
-                    warn(f"warning: {error}; resuming from the previous checkpoint {found[index + 1]}")
-            return None, None
+            path, checkpoint = first_readable(found, lambda path: load_checkpoint(path / STATE, weights=False), warn)
+            return (path and path.resolve()), checkpoint
         path = Path(resume)
         if path.is_dir():
             if not is_sharded(path):
@@ -177,9 +171,7 @@ class ShardedCheckpoints:
                 self.pending = (future, directory, state, is_best, writes)
                 return
         except _failures() as error:
-            raise CheckpointWriteError(f"could not write a sharded checkpoint to {directory} "
-                                       f"({' '.join(str(error).split())[:200]}); the checkpoints already there are "
-                                       "intact") from None
+            raise _not_written(directory, error) from None
         self._complete(directory, state, is_best, writes)
 
     def wait(self):
@@ -190,9 +182,7 @@ class ShardedCheckpoints:
         try:
             future.result()
         except _failures() as error:
-            raise CheckpointWriteError(f"could not write a sharded checkpoint to {directory} "
-                                       f"({' '.join(str(error).split())[:200]}); the checkpoints already there are "
-                                       "intact") from None
+            raise _not_written(directory, error) from None
         self._complete(directory, state, is_best, writes)
 
     def _complete(self, directory, state, is_best, writes):
@@ -206,7 +196,7 @@ class ShardedCheckpoints:
             if latest.is_symlink():
                 _link(previous, latest.readlink())
             _link(latest, Path(FOLDER) / directory.name)
-            keep = {directory.name, *(Path(link.readlink()).name for link in (previous,) if link.is_symlink())}
+            keep = {directory.name, previous.readlink().name if previous.is_symlink() else None}
             for other in (self.output_dir / FOLDER).iterdir():
                 if other.name not in keep:
                     shutil.rmtree(other, ignore_errors=True)
@@ -216,6 +206,11 @@ class ShardedCheckpoints:
             reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
             raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({reason}); "
                                        "the checkpoints already there are intact") from None
+
+
+def _not_written(directory, error):
+    return CheckpointWriteError(f"could not write a sharded checkpoint to {directory} ({' '.join(str(error).split())[:200]}); "
+                                "the checkpoints already there are intact")
 
 
 def _link(link, target):
