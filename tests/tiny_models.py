@@ -128,7 +128,15 @@ ReturnsLogitsOnly = _returns_logits_only()
 
 class SlowStop(Trainer):
     """A trainer whose checkpoint on a stop takes SLOW_STOP_SECONDS (40) longer: a large model's save on a slow
-    network file system, longer than torchrun's default 30 s of grace."""
+    network file system, longer than torchrun's default 30 s of grace. Its third training step takes 8 s longer on
+    rank 0, so that a signal sent at the progress line of step 2 lands in epoch 0 on a busy test machine too (once,
+    the tiny steps ran into epoch 1 before the signal came)."""
+
+    def train_step(self, model, images, labels):
+        self.steps_done = getattr(self, "steps_done", 0) + 1
+        if self.steps_done == 3 and self.runtime.is_main:
+            time.sleep(8)
+        return super().train_step(model, images, labels)
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         if self.stop_signal.received:
