@@ -50,7 +50,8 @@ def setup(config, mode="ddp"):
     backend = choose_backend(config.dist_backend, device)
     per_process_batch(config.batch_size, world_size)  # fail before the rendezvous, not after
     local_world_size = local_world_size_from_env(world_size)
-    init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size)
+    init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size,
+                       config.output_dir)
     return Runtime(mode, device, rank, local_rank, world_size, local_world_size)
 
 

@@ -136,7 +136,7 @@ def train(config, init_method, nproc, local_rank, rank):
         # The processes share this node's cores (as torchrun does with OMP_NUM_THREADS=1).
         torch.set_num_threads(max(1, usable_cores() // nproc))
     backend = choose_backend(config.dist_backend, device)
-    init_process_group(backend, init_method, rank, world_size, device, config.dist_timeout, nproc)
+    init_process_group(backend, init_method, rank, world_size, device, config.dist_timeout, nproc, config.output_dir)
     runtime = Runtime("spawn", device, rank, local_rank, world_size, nproc)
     trainer = start_run(trainer_class(config.trainer)(config, runtime))
     device_ids = [device.index] if device.type == "cuda" else None

@@ -7,7 +7,7 @@ and the presets (common/presets.py). This module imports no torch: --help and us
 """
 import argparse
 
-from .config import ResSchedule, env_default, resolve
+from .config import ResSchedule, env_default, profile_steps, resolve
 from .named import import_named
 from .presets import RECIPES
 
@@ -46,10 +46,30 @@ def res_schedule(text):
     return text
 
 
+def profile_spec(text):
+    """--profile START:STEPS (an argparse type): the text, checked (diagnostics.profile_steps reads it)."""
+    try:
+        profile_steps(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def positive(text):
+    """A number above 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
 def build_parser(description):
     """The shared flags; each script adds its launch flags to the returned parser."""
     parser = Parser(description=description)
-    for group in (_data_flags, _model_flags, _training_flags, _run_flags, _device_flags):
+    for group in (_data_flags, _model_flags, _training_flags, _run_flags, _device_flags, _diagnostics_flags):
         group(parser.add_argument)
     _recipe_flags(parser)
     return parser
@@ -191,6 +211,18 @@ def _device_flags(add):
     add("--find-unused-parameters", action="store_true",
         help="DDP: for models whose forward leaves parameters unused (else DDP stops with an error naming them); slower")
 
+
+def _diagnostics_flags(add):
+    """What limits the run (common/diagnostics.py; docs/benchmarks.md, "Why is my run slow?")."""
+    add("--profile", type=profile_spec, default=None, metavar="START:STEPS",
+        help="record torch.profiler over STEPS training steps from step START of this launch (its first is 0): "
+             "one Chrome trace per rank in OUTPUT_DIR/profile/ (off)")
+    add("--peak-tflops", type=positive, default=None, metavar="TFLOPS",
+        help="one device's peak TFLOP/s at this run's precision, for the utilisation (mfu_pct) of a GPU whose peak "
+             "common/diagnostics.py does not know")
+    add("--memory-history", action="store_true",
+        help="GPU: record the allocator's history, so that the snapshot written on out-of-memory holds each "
+             "allocation's stack (slower)")
 
 
 def _recipe_flags(parser):

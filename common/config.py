@@ -89,6 +89,14 @@ class ResSchedule(NamedTuple):
         return schedule
 
 
+def profile_steps(text):
+    """(start, steps) of --profile START:STEPS (kept as text in the Config); ValueError if `text` is not one."""
+    start, _, steps = (text or "").partition(":")
+    if not (start.isdigit() and steps.isdigit() and int(steps) > 0):
+        raise ValueError(f"expected START:STEPS, whole numbers, STEPS at least 1, got {text!r}")
+    return int(start), int(steps)
+
+
 def resolve(namespace, mode):
     """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn): the data
     source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""

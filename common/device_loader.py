@@ -4,6 +4,7 @@ reported), normalised, moved, prefetched on a side stream on GPUs. No value is r
 import torch
 from torch.utils.data import default_collate
 
+from . import distributed
 from .preemption import waiting_for_data
 
 
@@ -107,3 +108,14 @@ def equal_forwards(batches, forwards, placeholder):
     for _ in range(forwards):
         images, target = next(batches, (None, None))
         yield (*placeholder, False) if images is None else (images, target, True)
+
+
+def validation_batches(batches, sharded, image_shape):
+    """(images, target, counted) of this rank's validation `batches` (a DeviceLoader, keep_empty when `sharded`). A
+    sharded model's forward is a collective: then every rank runs as many as the rank with the most, an empty batch
+    (all its files unreadable) or a missing one as the forward of a zero image of `image_shape`, not counted."""
+    if not sharded:
+        return ((images, target, True) for images, target in batches)
+    device = batches.device
+    placeholder = (torch.zeros(1, *image_shape, device=device), torch.zeros(1, dtype=torch.long, device=device))
+    return equal_forwards(batches, distributed.max_over_ranks(len(batches), device), placeholder)

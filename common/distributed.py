@@ -13,6 +13,7 @@ import re
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -164,11 +165,15 @@ def check_gloo_address(init_method, world_size, local_world_size):
         raise UsageError(problem)
 
 
-def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None):
+def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None,
+                       output_dir=None):
     """Join the group. A collective that waits longer than timeout_seconds for a stalled
     rank fails instead of hanging, and the launcher then stops the job. With local_world_size (the processes on
-    this node), a host whose name resolves to a loopback address is refused first (check_gloo_address)."""
+    this node), a host whose name resolves to a loopback address is refused first (check_gloo_address). NCCL's
+    Flight Recorder dumps into `output_dir` when a collective times out (diagnostics.flight_recorder)."""
     check_gloo_address(init_method, world_size, local_world_size)
+    if output_dir is not None:
+        flight_recorder(backend, output_dir)
     device_id = None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any collective, so NCCL uses this GPU
@@ -251,6 +256,11 @@ def get_world_size():
     return dist.get_world_size() if is_initialized() else 1
 
 
+def backend():
+    """The default group's backend ("nccl", "gloo"), or None without a group."""
+    return dist.get_backend() if is_initialized() else None
+
+
 def barrier():
     if is_initialized():
         dist.barrier()
@@ -270,6 +280,17 @@ def max_over_ranks(value, device):
     found = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return int(found.item())
+
+
+def gathered(values, device):
+    """Every rank's list of numbers `values` (as many on each), as a (world size, len(values)) float64 tensor on the
+    CPU: one collective, through `device` (NCCL gathers GPU tensors)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    if not is_initialized():
+        return mine.cpu().unsqueeze(0)
+    parts = [torch.empty_like(mine) for _ in range(get_world_size())]
+    dist.all_gather(parts, mine)
+    return torch.stack(parts).cpu()
 
 
 def all_gather_object(obj):
@@ -330,3 +351,28 @@ def check_port_free(address, port):
         except OSError as error:
             raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): "
                              "the port is in use; choose another --master-port")
+
+
+FLIGHT_RECORDER = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), ("TORCH_FR_DUMP_ON_TIMEOUT",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT"), ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+
+
+def flight_recorder(backend, output_dir):
+    """NCCL's Flight Recorder on (the last 2000 collectives of each rank), dumped to OUTPUT/nccl_trace/rank_N when a
+    collective times out: NCCL's watchdog then aborts the process, before any line of ours. Before the group starts;
+    each variable is set unless the user set it (by either of torch's names). Nothing for other backends."""
+    if backend != "nccl":
+        return
+    directory = Path(output_dir) / "nccl_trace"
+    for names, value in zip(FLIGHT_RECORDER, ("2000", "1", f"{directory}/rank_")):
+        if not any(os.environ.get(name) for name in names):
+            os.environ.update(dict.fromkeys(names, value))
+    files = flight_recorder_files()
+    if files:
+        Path(files).parent.mkdir(parents=True, exist_ok=True)
+
+
+def flight_recorder_files():
+    """Where NCCL's Flight Recorder dumps (the prefix of its files, the rank after it), or None when it is off."""
+    size, _, files = ([os.environ.get(name) for name in names if os.environ.get(name)] for names in FLIGHT_RECORDER)
+    return (files or [None])[0] if size and size[0] != "0" else None

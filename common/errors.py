@@ -21,6 +21,11 @@ class CheckpointWriteError(UsageError):
     exit_code = 1
 
 
+class OutOfMemory(UsageError):
+    """The device ran out of memory: one line naming the evidence and the levers (diagnostics.py), exit code 1."""
+    exit_code = 1
+
+
 class WorkerUsageError(UsageError):
     """A UsageError that may be raised in a DataLoader worker, and still reads as one line."""
 

@@ -85,6 +85,7 @@ def training_lines(trainer):
         lines.append(f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
                      f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
                      f"{config.model_ema_steps} steps, {config.epochs} epochs)")
+    lines += trainer.diagnostics.describe()
     lines.append(f"output: {config.output_dir}")
     return lines
 
@@ -101,8 +102,9 @@ def run_summary(trainer, seconds, train, val, ema_val):
     if trainer.ema is not None:
         summary.update(best_ema_acc1=trainer.best_ema_acc1, final_ema_acc1=ema_val["acc1"],
                        final_ema_acc5=ema_val["acc5"], ema_decay=trainer.ema.decay)
-    if runtime.device.type == "cuda":  # rank 0's first GPU
-        summary["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(runtime.device) / 2**30, 3)
+    if runtime.device.type == "cuda":  # the most any device held in any epoch (common/diagnostics.py)
+        summary["peak_memory_gib"] = round(trainer.diagnostics.run_peak / 2**10, 3)
+    summary.update(trainer.diagnostics.summary())
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
         summary.update(zip(("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
                            state_bytes(trainer.model, trainer.optimizer)))

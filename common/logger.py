@@ -16,23 +16,30 @@ from .errors import UsageError
 from .meters import MetricSums
 from .run_dir import atomic_write
 
+# What limits the run (common/diagnostics.py): input wait (mean and slowest rank), achieved rate and utilisation,
+# peak memory; empty where not measured (GPU memory on the CPU, a model whose FLOPs could not be counted).
+DIAGNOSTICS = ["input_wait_pct", "input_wait_pct_max", "tflops_per_device", "mfu_pct", "gpu_peak_allocated_mib",
+               "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib"]
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
-              "val_acc1", "val_acc5", "images_per_second", "bad_images"]
+              "val_acc1", "val_acc5", "images_per_second", "bad_images", *DIAGNOSTICS]
 EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others
+MEASURED = ["start_time", "seconds", "images_per_second", *DIAGNOSTICS]  # columns that differ between equal runs
 NOT_PLOTTED = ("epoch", "start_time", "seconds", "bad_images")  # log.csv columns that are no curve in TensorBoard
 # Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them.
 STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/lr",
-             "images_per_second": "step/images_per_second"}
+             "images_per_second": "step/images_per_second", "input_wait_pct": "step/input_wait_pct"}
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     """log.csv's row of an epoch that began at `start` (time.time()) with each parameter group's lr `lrs`: the run's
-    columns (lr: the first group's; lr_group1, ...: the others', where they differ from it), the EMA's (`ema_val`,
-    or None without one), then each named value (train_NAME, val_NAME, ema_val_NAME)."""
+    columns (lr: the first group's; lr_group1, ...: the others', where they differ from it; DIAGNOSTICS: those in
+    train["diagnostics"]), the EMA's (`ema_val`, or None without one), then each named value (train_NAME, val_NAME,
+    ema_val_NAME)."""
     row = {"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
            "seconds": round(time.time() - start, 3), "lr": lrs[0], "train_loss": train["loss"], "train_acc1": train["acc1"],
            "val_loss": val["loss"], "val_acc1": val["acc1"], "val_acc5": val["acc5"],
-           "images_per_second": round(train["images_per_second"], 1), "bad_images": len(bad_images)}
+           "images_per_second": round(train["images_per_second"], 1), "bad_images": len(bad_images),
+           **train.get("diagnostics", {})}
     if len(set(lrs)) > 1:
         row.update({f"lr_group{index}": lr for index, lr in enumerate(lrs) if index})
     if ema_val is not None:

@@ -161,9 +161,9 @@ class ProgressMeter:
         eta = datetime.timedelta(seconds=int(elapsed / steps_run * (self.num_batches - batch - 1)))
         return images_per_second, eta
 
-    def display(self, batch, metrics, lr=None, speed=None):
-        """Print the line of batch `batch` (0-based); `speed`: what speed() measured, else measured now.
-        Returns the images/s it shows."""
+    def display(self, batch, metrics, lr=None, speed=None, wait=None):
+        """Print the line of batch `batch` (0-based); `speed`: what speed() measured, else measured now; `wait`:
+        the input wait's text, after the images/s. Returns the images/s it shows."""
         images_per_second, eta = speed or self.speed(batch, metrics)
         done = batch + 1
         width = len(str(self.num_batches))
@@ -173,6 +173,6 @@ class ProgressMeter:
         parts += [f"{name} {value:.4g}" for name, value in MetricSums.extra(metrics).items()]
         if lr is not None:
             parts.append(f"lr {lr:.4g}")
-        parts += [f"{images_per_second:8.1f} img/s", f"eta {eta}"]
+        parts += [f"{images_per_second:8.1f} img/s" + (f" ({wait})" if wait else ""), f"eta {eta}"]
         self.print_fn("  ".join(parts))
         return images_per_second

@@ -23,7 +23,8 @@ from .bad_images import BadImageLog
 from .checkpoint import SingleFile
 from .config import ResSchedule
 from .datasets import build_datasets
-from .device_loader import DeviceLoader, equal_forwards
+from .device_loader import DeviceLoader, validation_batches
+from .diagnostics import Diagnostics
 from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError
 from .header import run_summary, start_lines, training_lines, warnings
@@ -147,7 +148,9 @@ class Trainer:
         self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
-        model = self._model_on_device()
+        self.channels = self.data.first_image[0] if self.data.first_image else 3  # (of the images)
+        model = self._model_on_device()  # its FLOPs counted before it is sharded (or wrapped)
+        self.diagnostics = Diagnostics(config, runtime, model, self.channels, self.log.print)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
             decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
@@ -173,7 +176,7 @@ class Trainer:
         """build_model's model for these classes, adapted to the data, on the device (not yet wrapped)."""
         config, device = self.config, self.runtime.device
         model = self.build_model(self.classes)
-        channels = self.data.first_image[0] if self.data.first_image else 3
+        channels = self.channels
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model), the first convolution adapted to the images' channels.
         self.model_changes = [*getattr(model, "adaptations", []),
@@ -222,7 +225,8 @@ class Trainer:
         self.stop_signal = StopSignal(config.stop_grace)
         if self.output_lock is not None:  # a run started meanwhile waits for this one to stop
             self.stop_signal.on_first = self.output_lock.mark_stopping
-        summary = self._epochs(train_model, eval_model)
+        with self.diagnostics.watching():  # --profile's trace; out of memory: the allocator's snapshot
+            summary = self._epochs(train_model, eval_model)
         self.stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
         return summary
 
@@ -271,7 +275,8 @@ class Trainer:
         progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
         model.train()
         start = time.perf_counter()
-        for step, (images, target) in enumerate(self.train_batches, start=first_step):  # already on the device
+        self.diagnostics.start_epoch()
+        for step, (images, target) in enumerate(self.diagnostics.timed(self.train_batches), start=first_step):
             labels = target
             if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, step, rank) alone
                 images, labels = self.batch_mix(images, target, batch_mix_key(self.seed, epoch, step, rank))
@@ -292,6 +297,7 @@ class Trainer:
                 self._progress_line(progress, metrics, epoch, step)
             if self.ema is not None:
                 self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
+            self.diagnostics.after_step()  # (--profile)
             stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
             every = config.checkpoint_interval
             if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):
@@ -305,18 +311,19 @@ class Trainer:
             self._stopped(epoch, self.steps_per_epoch)
         seconds, summary = time.perf_counter() - start, metrics.summary()
         summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
+        summary["diagnostics"] = self.diagnostics.epoch_figures(epoch, summary["images_per_second"])
         if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
             summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2 ** -20
         return summary
 
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
-        summary = metrics.summary()  # a collective, at the same steps on every rank
-        lr, speed = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary)
+        summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
+        lr, speed, (wait, said) = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary), self.diagnostics.input_wait()
         self.log.log_step(epoch * self.steps_per_epoch + step + 1,
                           {"loss": summary["loss"], "acc1": summary["acc1"], **MetricSums.extra(summary),
-                           "lr": lr, "images_per_second": speed[0]})
-        progress.display(step, summary, lr=lr, speed=speed)
+                           "lr": lr, "images_per_second": speed[0], "input_wait_pct": wait})
+        progress.display(step, summary, lr=lr, speed=speed, wait=said)
 
     def evaluate(self, model, label="", epoch=None):
         """The metrics of evaluate_step over this rank's shard of the val set, summed over all ranks: each image
@@ -328,7 +335,9 @@ class Trainer:
         metrics = MetricSums(device, self.metrics["val"])
         progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip(), self.log.print)
         with torch.inference_mode() if self.shard is None else torch.no_grad():  # (FSDP's gather buffers: reused)
-            for step, (images, target, counted) in enumerate(self._validation_batches()):
+            shape = (self.channels, config.val_crop_size, config.val_crop_size)  # a sharded model's placeholder's
+            batches = validation_batches(self.val_batches, self.shard is not None, shape)
+            for step, (images, target, counted) in enumerate(batches):
                 with models.autocast(device, config.amp):
                     loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step")
                 if counted:
@@ -346,17 +355,6 @@ class Trainer:
             raise
         self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
-
-    def _validation_batches(self):
-        """(images, target, counted) of this rank's validation batches. A sharded model's forward is a collective:
-        then every rank runs as many as the rank with the most, an empty batch (all its files unreadable) or a
-        missing one as a forward of a placeholder image that is not counted."""
-        if self.shard is None:
-            return ((images, target, True) for images, target in self.val_batches)
-        size, device = self.config.val_crop_size, self.runtime.device
-        images = torch.zeros(1, self.data.first_image[0] if self.data.first_image else 3, size, size, device=device)
-        placeholder = (images, torch.zeros(1, dtype=torch.long, device=device))
-        return equal_forwards(self.val_batches, distributed.max_over_ranks(len(self.val_batches), device), placeholder)
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by

@@ -1,6 +1,8 @@
 """Datasets of a researcher's own, as --dataset tests.custom_datasets:NAME gives them to the scripts: the
 kinds that must train (PIL images, float tensors, 1-channel images with their mean and std) and the
 mistakes that must be refused in one line at start."""
+import time
+
 import torch
 import torch.nn as nn
 from PIL import Image
@@ -35,6 +37,20 @@ def splits(make):
 
 def uint8_tensors(config):
     return splits(lambda i: (pixels(i), i % 3))
+
+
+def slow_items(config):
+    """96 training images, each read in 40 ms (a slow file system): a run that waits for its input."""
+    def make(index):
+        time.sleep(0.04)
+        return pixels(index), index % 3
+    return CLASSES, Items(96, make), Items(VAL, make, offset=96)
+
+
+def in_memory(config):
+    """48 training images held in memory: a run with nothing to wait for."""
+    images = [(pixels(index), index % 3) for index in range(48 + VAL)]
+    return CLASSES, Items(48, images.__getitem__), Items(VAL, images.__getitem__, offset=48)
 
 
 def more_uint8_tensors(config):

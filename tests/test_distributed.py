@@ -2,6 +2,7 @@
 mp.spawn) on CPU with gloo: the same trajectory as train_dp.py, the recipe without mixing included (per-image
 augmentation, repeated augmentation, the EMA, weight-decay groups); exact validation of 13 images on 1, 2 and 3
 processes; one checkpoint writer; resuming under another world size; and no hangs when a rank fails."""
+import csv
 import re
 import socket
 import time
@@ -12,6 +13,7 @@ import torch
 from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, free_port,
                       once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
                       torchrun_command, worker_command)
+from common.logger import DIAGNOSTICS
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -91,6 +93,22 @@ def test_each_launch_mode_ends_on_its_done_line_with_nothing_after_it(trajectori
     for mode in ("dp", "ddp", "spawn"):
         assert outputs[mode].endswith("\n") and outputs[mode].splitlines()[-1].startswith("done: best acc@1 "), (
             mode, outputs[mode][-3000:])
+
+
+def test_every_launch_mode_reports_its_input_wait_rate_and_memory_reduced_over_its_ranks(trajectories):
+    """log.csv's DIAGNOSTICS (common/diagnostics.py) in each mode: the wait's mean and slowest rank, the rate from
+    the FLOPs counted at start, the host's peak memory; what only a GPU has stays empty on the CPU."""
+    out, outputs = trajectories
+    for mode in ("dp", "ddp", "spawn"):
+        with open(out / mode / "log.csv", newline="") as file:
+            rows = list(csv.DictReader(file))
+        assert len(rows) == 4 and all(field in rows[0] for field in DIAGNOSTICS), mode
+        for row in rows:
+            assert 0 <= float(row["input_wait_pct"]) <= float(row["input_wait_pct_max"]) <= 100, (mode, row)
+            assert float(row["tflops_per_device"]) > 0 and float(row["host_peak_rss_mib"]) > 50, (mode, row)
+            assert not (row["mfu_pct"] or row["gpu_peak_allocated_mib"] or row["gpu_peak_reserved_mib"]), (mode, row)
+        assert "FLOPs per image: forward " in outputs[mode], mode
+        assert bool(re.search(r"img/s \(input wait \d+%, slowest rank \d+%\)", outputs[mode])) == (mode != "dp"), mode
 
 
 def test_ddp_and_spawn_end_with_the_weights_and_the_ema_of_dataparallel(trajectories):

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from common.logger import MEASURED
 from conftest import PYTHON, REPO, Job, SideBySide, ahead, free_port, once, tiny_folder, worker_command
 
 pytestmark = pytest.mark.e2e
@@ -116,7 +117,7 @@ def log_rows(folder):
 
 
 def compared_columns(rows):
-    return [field for field in rows[0] if field not in ("epoch", "start_time", "seconds", "images_per_second")]
+    return [field for field in rows[0] if field not in ("epoch", *MEASURED)]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

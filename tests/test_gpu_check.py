@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 CHECK = REPO / "tools" / "gpu_check.py"
 TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
-                       r"\| (?P<result>[^|]+?) \|$", re.MULTILINE)
+                       r"\| (?P<mfu>[^|]+?) \| (?P<result>[^|]+?) \|$", re.MULTILINE)
 
 
 def table(output):
@@ -27,8 +27,9 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
 
 def cpu_harness_runs(tmp_path_factory):
     """The harness on the CPU, three times side by side (each starts one job at a time): the checks that must
-    pass; a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison with DDP."""
-    return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume"],
+    pass (the diagnostics' too); a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison
+    with DDP."""
+    return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume|profile|memory"],
                          [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
                          [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"]],
                         timeout=600)
@@ -39,14 +40,17 @@ cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
 
 def test_its_checks_pass_on_the_cpu(cpu_runs):
     """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
-    model), validation by 1 and by 2 processes, and the exact-resume check."""
+    model), validation by 1 and by 2 processes, the exact-resume check, a --profile trace of the asked steps, and a
+    step out of memory ending the run in one line."""
     result = cpu_runs[0]
     rows = table(assert_ok(result))
-    assert set(rows) == {"ddp jpeg", "validation 1 vs N processes", "exact resume (ddp --deterministic)"}
+    assert set(rows) == {"ddp jpeg", "validation 1 vs N processes", "exact resume (ddp --deterministic)",
+                         "profile trace", "out of memory: snapshot"}
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
     assert float(rows["ddp jpeg"]["rate"]) > 0
     assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
-    assert "3 passed, 0 failed" in result.stdout
+    assert rows["ddp jpeg"]["mfu"] == "-" and "0 CUDA kernels" in rows["profile trace"]["result"]
+    assert "5 passed, 0 failed" in result.stdout
 
 
 def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):

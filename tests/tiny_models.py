@@ -2,6 +2,7 @@
 import os
 import time
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -167,3 +168,24 @@ class SlowValidation(Trainer):
             self.log.print("validation begins")
             time.sleep(8)
         return super().evaluate_step(model, images, target)
+
+
+class OutOfMemoryAtStep2(Trainer):
+    """A trainer whose second training step runs out of memory, as a GPU's does (torch.OutOfMemoryError)."""
+
+    def train_step(self, model, images, labels):
+        self.steps_done = getattr(self, "steps_done", 0) + 1
+        if self.steps_done == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (as a test asks)")
+        return super().train_step(model, images, labels)
+
+
+class StallsRank1(Trainer):
+    """A trainer whose rank 1 stalls for 300 s in its third step: rank 0's collectives wait for it until
+    --dist-timeout (tools/gpu_check.py: NCCL's Flight Recorder dumps then)."""
+
+    def train_step(self, model, images, labels):
+        self.steps_done = getattr(self, "steps_done", 0) + 1
+        if self.steps_done == 3 and self.runtime.rank == 1:
+            time.sleep(300)
+        return super().train_step(model, images, labels)

@@ -2,13 +2,15 @@
 works), gloo refused on a host named after loopback before the rendezvous, and helpers that are the identity
 without a process group."""
 import ipaddress
+import os
 import socket
 
 import pytest
 import torch
 
 from common import distributed
-from common.distributed import _address_of, gloo_address_problem, local_world_size_from_env, shared_devices
+from common.distributed import (FLIGHT_RECORDER, _address_of, flight_recorder, flight_recorder_files, gloo_address_problem,
+                                local_world_size_from_env, shared_devices)
 from common.errors import UsageError
 
 
@@ -80,3 +82,16 @@ def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.123"), monkeypatch.setenv("MASTER_PORT", "29999")
     with pytest.raises(UsageError, match=rf"^this host's name {socket.gethostname()} resolves to .*export GLOO_SOCKET_IFNAME="):
         distributed.init_process_group("gloo", "env://", 0, 2, torch.device("cpu"), timeout_seconds=5, local_world_size=1)
+
+
+def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_user_set_it(monkeypatch, tmp_path):
+    names = [name for pair in FLIGHT_RECORDER for name in pair]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    flight_recorder("gloo", tmp_path)
+    assert not any(os.environ.get(name) for name in names) and flight_recorder_files() is None
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    flight_recorder("nccl", tmp_path)
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in os.environ
+    assert os.environ["TORCH_FR_DUMP_ON_TIMEOUT"] == os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert flight_recorder_files() == f"{tmp_path}/nccl_trace/rank_" and (tmp_path / "nccl_trace").is_dir()

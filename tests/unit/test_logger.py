@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.logger import CSV_FIELDS, EMA_FIELDS, STEP_TAGS, RunLogger, epoch_row
+from common.logger import CSV_FIELDS, DIAGNOSTICS, EMA_FIELDS, STEP_TAGS, RunLogger, epoch_row
 from common.run import start_run
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
@@ -16,7 +16,8 @@ from unit.test_state import Crash, StopsAt
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "2",
          "-b", "2", "--seed", "1", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a",
          "tests.tiny_models:TinyNet", "--epochs", "2", "--checkpoint-interval", "4", "--model-ema"]
-PROGRESS = re.compile(r"^Epoch: \[(\d+)\] \[(\d+)/(\d+)\]  loss (\S+)  acc@1\s+(\S+)  acc@5\s+\S+  lr (\S+)\s+(\S+) img/s",
+PROGRESS = re.compile(r"^Epoch: \[(\d+)\] \[(\d+)/(\d+)\]  loss (\S+)  acc@1\s+(\S+)  acc@5\s+\S+  lr (\S+)\s+(\S+) img/s "
+                      r"\(input wait (\d+)%\)",
                       re.MULTILINE)
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -41,11 +42,13 @@ def test_log_csv_gains_the_ema_columns_on_a_resumed_run_and_keeps_them(tmp_path)
 
 
 def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_values():
-    train = {"loss": 1.0, "acc1": 50.0, "images_per_second": 12.34, "margin": 0.5}
+    train = {"loss": 1.0, "acc1": 50.0, "images_per_second": 12.34, "margin": 0.5,
+             "diagnostics": {name: float(index) for index, name in enumerate(DIAGNOSTICS)}}
     val = {"loss": 0.9, "acc1": 60.0, "acc5": 100.0, "count": 6, "margin": 0.6}
     row = epoch_row(3, 0.0, [0.1, 0.1], train, val, {**val, "acc1": 70.0}, [["a.jpg", "x"]])
     assert list(row) == [*CSV_FIELDS, *EMA_FIELDS, "ema_val_margin", "train_margin", "val_margin"]
     assert (row["epoch"], row["lr"], row["images_per_second"], row["bad_images"], row["ema_val_acc1"]) == (3, 0.1, 12.3, 1, 70.0)
+    assert [row[name] for name in DIAGNOSTICS] == list(range(len(DIAGNOSTICS)))
     assert "ema_val_loss" not in epoch_row(3, 0.0, [0.1], train, val, None, [])
     by_group = epoch_row(3, 0.0, [0.1, 0.01, 0.1], train, val, None, [])  # lr_groupN: each group's, where they differ
     assert (by_group["lr"], by_group["lr_group1"], by_group["lr_group2"]) == (0.1, 0.01, 0.1)
@@ -70,7 +73,7 @@ def scalars(output_dir):
 
 
 def printed_steps(output):
-    """{global step: (loss, acc1, lr, img/s)} of the progress lines."""
+    """{global step: (loss, acc1, lr, img/s, input wait %)} of the progress lines."""
     return {int(epoch) * int(total) + int(done): tuple(map(float, values))
             for epoch, done, total, *values in PROGRESS.findall(output)}
 
@@ -103,7 +106,7 @@ def test_per_step_tensorboard_scalars_are_the_progress_lines_values_every_p_step
     assert sorted(steps) == [2, 4, 6, 8, 10, 12]
     # Half a unit of the last digit printed (and a little: 46.875 prints as 46.88).
     tolerances = {"loss": dict(abs=5.1e-5), "acc1": dict(abs=5.1e-3), "lr": dict(rel=5.1e-4),
-                  "images_per_second": dict(abs=0.051)}
+                  "images_per_second": dict(abs=0.051), "input_wait_pct": dict(abs=0.51)}
     for index, (key, tag) in enumerate(STEP_TAGS.items()):
         assert [step for step, _ in logged[tag]] == sorted(steps), tag
         for step, value in logged[tag]:

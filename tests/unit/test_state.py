@@ -9,6 +9,7 @@ import torchvision
 
 from common import checkpoint, state
 from common.errors import UsageError
+from common.logger import MEASURED
 from common.run import start_run
 from common.trainer import Trainer
 from conftest import built_trainer, cpu_runtime, parse
@@ -44,7 +45,7 @@ def started(*argv, trainer=Trainer):
 
 def log_rows(folder):
     with open(folder / "log.csv", newline="") as file:
-        return [{name: value for name, value in row.items() if name not in ("start_time", "seconds", "images_per_second")}
+        return [{name: value for name, value in row.items() if name not in MEASURED}
                 for row in csv.DictReader(file)]
 
 

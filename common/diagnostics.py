@@ -1,0 +1,286 @@
+"""What limits a run, said in its own output (docs/benchmarks.md, "Why is my run slow?"): the share of its time the
+training loop waited for its next batch, the model's FLOPs and the rate it achieved (and the utilisation, on a GPU
+whose peak is known), peak memory per epoch, a profiler trace on demand (--profile), and the evidence a GPU job
+leaves when it dies: an allocator snapshot on out-of-memory, NCCL's Flight Recorder dump on a collective's timeout.
+
+Nothing here reads a value back from the device per step: the wait is the host's wall clock around fetching each
+batch, and the figures are gathered over the ranks at progress lines and epoch ends, where the loop reads its
+metrics anyway."""
+import contextlib
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import distributed
+from .distributed import flight_recorder_files
+from .config import ResSchedule, profile_steps
+from .errors import OutOfMemory, UsageError
+
+INPUT_BOUND = 1 / 3  # a training epoch that waits longer than this share of its time for batches: said once, with levers
+
+# Dense peak TFLOP/s of a GPU by (16-bit: bf16 or fp16, TF32, fp32) from NVIDIA's data sheets, found by the name
+# that torch.cuda.get_device_name gives (the first key in it, as a word: longer names first). --peak-tflops for others.
+PEAK_TFLOPS = {
+    "H100 PCIe": (756, 378, 51.2), "H100 NVL": (835, 418, 60), "H100": (989, 494, 67), "GH200": (989, 494, 67),
+    "H200 NVL": (835, 418, 60), "H200": (989, 494, 67), "A100": (312, 156, 19.5),
+    "L40S": (362, 183, 91.6), "L4": (121, 60, 30.3), "A10": (125, 62.5, 31.2),
+    "V100": (125, 15.7, 15.7), "T4": (65, 8.1, 8.1),  # no bf16 or TF32 units: fp16 tensor cores, fp32
+}
+TRAINING_PER_FORWARD = 3  # a training step's FLOPs: the forward, and twice it in backward (activations and weights)
+MIB = 2 ** -20
+LEVERS = ("more loader workers (-j; {workers} per process now), smaller prepared JPEGs (tools/prepare_imagenet.py "
+          "--resize), the data in shards on a shared file system (tools/make_shards.py), fewer or cheaper "
+          "augmentations (--auto-augment, --random-erase)")
+
+
+def forward_flops(model, size, channels):
+    """FLOPs of one image's forward through `model` (eval mode) at `size` px, counted by torch's FlopCounterMode on
+    the meta device: no weight read, nothing computed. (None, why) for a model whose forward fails there."""
+    from torch.utils.flop_counter import FlopCounterMode
+    tensors = {name: torch.empty_like(tensor, device="meta") for name, tensor in
+               [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    training = model.training
+    model.eval()  # as torchvision counts (no auxiliary heads), and SyncBatchNorm needs no collective
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            torch.func.functional_call(model, tensors, (torch.empty(1, channels, size, size, device="meta"),),
+                                       strict=False)
+        return counter.get_total_flops(), None
+    except Exception as error:  # any forward of a researcher's model: n/a, said once
+        return None, (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+    finally:
+        model.train(training)
+
+
+def peak_tflops(given, device, amp):
+    """(TFLOP/s, what it is) of one device at this run's precision: --peak-tflops, or PEAK_TFLOPS's by the GPU's
+    name; (None, why) on the CPU and unknown GPUs. Float32 runs count TF32's peak when cuDNN or matmuls may use it
+    (cuDNN's convolutions do by default)."""
+    if given:
+        return given, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "known on the CPU"
+    name = torch.cuda.get_device_name(device)
+    tf32 = torch.backends.cudnn.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    precision = amp if amp != "none" else "tf32" if tf32 else "fp32"
+    peak = peak_by_name(name, precision)
+    return (peak, f"{name} at {precision}") if peak else (None, f"known for {name}: --peak-tflops gives one")
+
+
+def peak_by_name(name, precision):
+    """PEAK_TFLOPS's figure for the GPU called `name` at `precision` (bf16, fp16, tf32, fp32), or None."""
+    key = next((key for key in PEAK_TFLOPS if re.search(rf"\b{re.escape(key)}\b", name)), None)
+    return PEAK_TFLOPS[key][{"bf16": 0, "fp16": 0, "tf32": 1, "fp32": 2}[precision]] if key else None
+
+
+def peak_rss(pid="self"):
+    """A process's peak resident memory (VmHWM) in bytes; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as file:
+            return next((int(line.split()[1]) * 1024 for line in file if line.startswith("VmHWM:")), None)
+    except (OSError, ValueError):
+        return None
+
+
+def reset_peak_rss():
+    """Start this process's peak resident memory afresh (Linux: clear_refs 5); elsewhere it stays the lifetime's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def loader_workers():
+    """The process ids of this process's loader workers: its children forked from it (the same command line; a
+    torch.compile worker's differs)."""
+    try:
+        own = Path("/proc/self/cmdline").read_bytes()
+        children = " ".join(path.read_text() for path in Path("/proc/self/task").glob("*/children")).split()
+        return [pid for pid in children if Path(f"/proc/{pid}/cmdline").read_bytes() == own]
+    except OSError:
+        return []
+
+
+class Diagnostics:
+    """The figures of one process, gathered over the ranks where the loop reads its metrics: input wait at progress
+    lines; per epoch, the achieved TFLOP/s per device (and the utilisation), peak memory; the profiler's steps."""
+
+    def __init__(self, config, runtime, model, channels, say):
+        self.config, self.runtime, self.say = config, runtime, say
+        schedule = ResSchedule.parse(config.res_schedule)
+        sizes = sorted({schedule.size(epoch) for epoch in range(config.epochs)} if schedule else {config.train_crop_size})
+        self.flops, self.flops_problem = {}, None  # forward FLOPs per image by training crop
+        for size in sizes:
+            self.flops[size], problem = forward_flops(model, size, channels)
+            self.flops_problem = self.flops_problem or problem
+        self.peak, self.peak_source = peak_tflops(config.peak_tflops, runtime.device, config.amp)
+        if config.memory_history and runtime.device.type != "cuda":
+            raise UsageError("--memory-history records the CUDA allocator's history: this run is on the CPU")
+        self.profiler = self.hinted = None
+        self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
+
+    def describe(self):
+        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked for."""
+        if self.flops_problem:
+            lines = [f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
+                     "log.csv's tflops_per_device and mfu_pct stay empty"]
+        else:
+            counted = ", ".join(f"{flops / 1e9:.4g} G at {size} px" for size, flops in self.flops.items())
+            lines = [f"FLOPs per image: forward {counted}, training {TRAINING_PER_FORWARD} x that; " + (
+                f"peak {self.peak:g} TFLOP/s ({self.peak_source}) for mfu_pct" if self.peak
+                else f"no peak {self.peak_source} (no mfu_pct)")]
+        files = flight_recorder_files() if distributed.backend() == "nccl" else None
+        if files:
+            lines.append(f"NCCL Flight Recorder: a collective that times out dumps each rank's last collectives to "
+                         f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
+        if self.config.profile:
+            start, steps = profile_steps(self.config.profile)
+            lines.append(f"profile: steps {start} to {start + steps - 1} of this launch, one Chrome trace per rank in "
+                         f"{self.trace_dir()}")
+        return lines
+
+    def trace_dir(self):
+        return Path(self.config.output_dir) / "profile"
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Around the training epochs: the allocator's history (--memory-history) and the profiler (--profile) from the
+        first step; a trace still recording at the end (or a stop) is written; running out of device memory ends the
+        run in one line (out_of_memory), the snapshot taken while the failed step's tensors are still held."""
+        if self.config.memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        if self.config.profile:
+            self.profiler = StepProfiler(self.config.profile, self.trace_dir(), self.runtime, self.say)
+        try:
+            yield
+        except torch.OutOfMemoryError as error:
+            raise self.out_of_memory(error) from None
+        finally:
+            if self.profiler is not None:
+                self.profiler.stop()
+                self.profiler = None
+
+    def start_epoch(self):
+        self.waited, self.started, self.worker_rss = 0.0, time.perf_counter(), 0
+        reset_peak_rss()
+        if self.runtime.device.type == "cuda":
+            for device in self.runtime.devices:
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def timed(self, batches):
+        """`batches`, each one's wait (the wall clock around fetching it: no device sync) added to self.waited."""
+        iterator = iter(batches)
+        while True:
+            before = time.perf_counter()
+            batch = next(iterator, None)
+            self.waited += time.perf_counter() - before
+            if batch is None:
+                return
+            yield batch
+
+    def after_step(self):
+        if self.profiler is not None and self.profiler.step():
+            self.profiler = None
+
+    def input_wait(self):
+        """(mean %, the progress line's text) over the ranks of the share of this epoch's time spent waiting for
+        batches (a collective); the loader workers' peak memory is sampled meanwhile, while they live."""
+        wait, slowest = self._shares()
+        return wait, f"input wait {wait:.0f}%" + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
+
+    def _shares(self):
+        self.worker_rss = max([self.worker_rss, *(peak_rss(pid) or 0 for pid in loader_workers())])
+        shares = distributed.gathered([self.waited / max(time.perf_counter() - self.started, 1e-9)], self.runtime.device)
+        return 100 * shares.mean().item(), 100 * shares.max().item()
+
+    def epoch_figures(self, epoch, images_per_second):
+        """log.csv's figures of the epoch that trained at `images_per_second` (all ranks), memory the most any rank
+        held (a collective); the first input-bound epoch says so, with the levers."""
+        wait, slowest = self._shares()
+        flops = self.flops.get(ResSchedule.parse(self.config.res_schedule).size(epoch) if self.config.res_schedule
+                               else self.config.train_crop_size)
+        devices = self.runtime.world_size * self.runtime.num_devices
+        figures = {"input_wait_pct": round(wait, 1), "input_wait_pct_max": round(slowest, 1)}
+        if flops:
+            figures["tflops_per_device"] = round(TRAINING_PER_FORWARD * flops * images_per_second / devices / 1e12, 4)
+            if self.peak:
+                figures["mfu_pct"] = round(100 * figures["tflops_per_device"] / self.peak, 2)
+        cuda = self.runtime.device.type == "cuda"
+        memory = [max(torch.cuda.max_memory_allocated(d) for d in self.runtime.devices) if cuda else -1,
+                  max(torch.cuda.max_memory_reserved(d) for d in self.runtime.devices) if cuda else -1,
+                  peak_rss() or -1, self.worker_rss or -1]
+        names = ("gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib")
+        for name, value in zip(names, distributed.gathered(memory, self.runtime.device).max(dim=0).values.tolist()):
+            if value >= 0:
+                figures[name] = round(value * MIB, 1)
+        self.run_peak, self.last = max(self.run_peak, figures.get("gpu_peak_allocated_mib", 0)), figures
+        if wait > 100 * INPUT_BOUND and not self.hinted:
+            self.hinted = True
+            ranks = f" (slowest rank {slowest:.0f}%)" if self.runtime.world_size > 1 else ""
+            self.say(f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
+                     "its devices idle meanwhile; levers: " + LEVERS.format(workers=self.config.workers))
+        return figures
+
+    def summary(self):
+        """summary.json's figures: the FLOPs per image (at the last crop) and the last epoch's rate and utilisation."""
+        figures = {"forward_gflops_per_image": round(self.flops[max(self.flops)] / 1e9, 4) if not self.flops_problem else None}
+        return {**figures, **{name: self.last.get(name) for name in ("tflops_per_device", "mfu_pct")}}
+
+    def out_of_memory(self, error):
+        """The one line of a run that ran out of device memory: torch's first line, the allocator's snapshot (a GPU's;
+        with --memory-history its allocations' stacks) and the levers."""
+        runtime, snapshot = self.runtime, ""
+        if runtime.device.type == "cuda":
+            path = Path(self.config.output_dir) / "memory" / f"oom-rank{runtime.rank}.pickle"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.cuda.memory._dump_snapshot(str(path))
+                snapshot = f"; the allocator's snapshot in {path} (open it in https://pytorch.org/memory_viz)"
+            except Exception as failure:  # the evidence is a bonus: the line still says what happened
+                snapshot = f"; no snapshot ({failure})"
+        first = (str(error).strip().splitlines() or ["out of memory"])[0]
+        return OutOfMemory(f"rank {runtime.rank} ran out of {runtime.device.type} memory ({first}){snapshot}; levers: a "
+                           "smaller -b (--lr-scaling linear scales the lr with it), --amp bf16, train_fsdp.py (shards "
+                           "weights, gradients and optimizer state) with --activation-checkpointing")
+
+
+class StepProfiler:
+    """--profile START:STEPS: torch.profiler (CPU and CUDA activities, shapes, memory) over steps START to
+    START+STEPS-1 of this launch (its first step is 0), written as a Chrome trace per rank (Perfetto and
+    chrome://tracing open it); each step is a ProfilerStep#N range there."""
+
+    def __init__(self, spec, directory, runtime, say):
+        from torch.profiler import ProfilerActivity, profile, schedule
+        start, self.steps = profile_steps(spec)
+        self.path, self.say, self.rank = directory / f"rank{runtime.rank}.json", say, runtime.rank
+        cuda = runtime.device.type == "cuda"
+        if not cuda:  # Kineto's "gpuGetDeviceCount failed" of a CUDA build on a machine without a GPU: not an error
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with warnings.catch_warnings():  # (START 0: "won't be using warmup", as asked)
+            warnings.simplefilter("ignore")
+            steps = schedule(wait=max(start - 1, 0), warmup=min(start, 1), active=self.steps, repeat=1)
+        self.profile = profile(activities=activities, record_shapes=True, profile_memory=True, schedule=steps,
+                               on_trace_ready=self._write)
+        self.written = False
+        self.profile.start()
+
+    def step(self):
+        """After each training step; True once the trace is written."""
+        self.profile.step()
+        if self.written:
+            self.profile.stop()
+        return self.written
+
+    def stop(self):
+        self.profile.stop()  # a recording cut short by the run's end is written as far as it got
+
+    def _write(self, profile):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        profile.export_chrome_trace(str(self.path))
+        self.written = True
+        self.say(f"profile: {self.path.parent}/rank*.json written (open in https://ui.perfetto.dev); training goes on")
