@@ -6,6 +6,7 @@
     python tools/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
     python tools/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
     python tools/benchmark.py --res-compare        # only: demo epoch at 24 vs 32 px (progressive resizing)
+    python tools/benchmark.py --wait-compare       # only: an input-bound run, and the same after its levers
 
 a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (generated,
    500x375, when --jpeg-dir is not given): ours (torchvision.io decode, uint8 crop/flip, uint8
@@ -21,6 +22,8 @@ c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channe
 --augment-compare: images/s of ONE loader worker of the training pipeline (decode, crop, flip, then
    --auto-augment / --random-erase, seeded per image) for each augmentation of today's recipes.
 --res-compare: train_dp.py on the demo set, one epoch at each --train-crop-size (what --res-schedule saves).
+--wait-compare: train_dp.py on the JPEGs and on prepare_imagenet.py --resize 160 copies, each with -j 0 and -j 1:
+   log.csv's input wait, images/s and TFLOP/s (docs/benchmarks.md, "Why is my run slow?").
 """
 import argparse
 import math
@@ -357,6 +360,37 @@ def res_compare(sizes, epochs, rounds, workdir):
               flush=True)
 
 
+def wait_compare(jpeg_dir, crop, epochs=2):
+    """The worked example of "Why is my run slow?": train_dp.py (resnet18 at `crop` px, batch 32) on `jpeg_dir`
+    as they are and as copies resized by prepare_imagenet.py (its resize_jpeg, --resize 160), each decoded in the
+    training process (-j 0) and by one loader worker (-j 1): the last epoch's figures from log.csv, and whether the
+    run said it was input-bound."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from prepare_imagenet import resize_jpeg
+    workdir = Path(tempfile.mkdtemp(prefix="bench-wait-"))
+    resized = workdir / "resized"
+    for path in Path(jpeg_dir).rglob("*.jpg"):
+        target = resized / path.relative_to(jpeg_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(resize_jpeg(path.read_bytes(), 160, quality=90))
+    print("| JPEGs | flags | images/s | input wait (log.csv) | TFLOP/s | said input-bound |\n|---|---|---:|---:|---:|---|")
+    for name, data, workers in (("as they are", jpeg_dir, "0"), ("as they are", jpeg_dir, "1"),
+                                ("--resize 160 copies", resized, "0"), ("--resize 160 copies", resized, "1")):
+        out = workdir / f"{name.split()[0].strip('-')}-j{workers}"
+        command = [sys.executable, str(REPO / "train_dp.py"), "--data", str(data), "-a", "resnet18", "-b", "32",
+                   "--train-crop-size", str(crop), "--val-resize-size", str(crop), "--val-crop-size", str(crop),
+                   "-j", workers, "--epochs", str(epochs), "--seed", "0", "-p", "1000", "--output-dir", str(out)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        if result.returncode != 0:
+            raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        header, *lines = (out / "log.csv").read_text().splitlines()
+        last = dict(zip(header.split(","), lines[-1].split(",")))
+        print(f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
+              f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
+              flush=True)
+    shutil.rmtree(workdir)
+
+
 CHANNELS_LAST_MODELS = [("resnet18", 224), ("resnet50", 112), ("mobilenet_v3_small", 224),
                         ("efficientnet_b0", 112), ("shufflenet_v2_x1_0", 224), ("squeezenet1_1", 224),
                         ("convnext_tiny", 64), ("vit_b_16", 224)]
@@ -437,6 +471,8 @@ def main():
                         help="only the table of per-worker images/s with each per-image augmentation")
     parser.add_argument("--res-compare", default=None, nargs="?", const="24,32", metavar="PX,PX",
                         help="only the table of demo-set epochs at these training crop sizes (24,32)")
+    parser.add_argument("--wait-compare", action="store_true",
+                        help="only the worked example of docs/benchmarks.md's \"Why is my run slow?\"")
     parser.add_argument("--models", default=None, metavar="ARCH:PX,...",
                         help="models of --channels-last-compare (default: " +
                              ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS) + ")")
@@ -471,6 +507,10 @@ def main():
     if args.resize_compare:
         print("original vs prepare_imagenet.py --resize, one DataLoader worker, our pipeline\n")
         resize_compare(jpeg_dir, pipeline_images)
+        return
+    if args.wait_compare:
+        print(f"train_dp.py, resnet18 at {args.crop or 64} px, batch 32, the second of 2 epochs\n")
+        wait_compare(jpeg_dir, args.crop or 64)
         return
     if args.augment_compare:
         print(f"per-image augmentation, one DataLoader worker, {pipeline_images} images per row, median of 3\n")

@@ -22,7 +22,11 @@ Then, on the JPEG data:
   - FSDP's training losses per epoch are DDP's (--deterministic, float32; within 1e-3 relative);
   - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU);
     on several GPUs, train_dp.py --compile is refused with one line.
-One table: row, flags, img/s, peak GPU memory, pass/fail. Exit status 1 if anything failed.
+What a run says of itself (common/diagnostics.py): every GPU row logs its peak GPU memory and TFLOP/s, and an MFU
+within (0, 100] on a GPU of known peak; a --profile trace holds CUDA kernels; running out of GPU memory (a batch far
+too large, --memory-history) ends in one line naming an allocator snapshot with its history; on several GPUs, a
+collective that times out leaves NCCL's Flight Recorder dump in the output directory.
+One table: row, flags, img/s, peak GPU memory, MFU, pass/fail. Exit status 1 if anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
 import argparse
@@ -64,6 +68,7 @@ class Row:
     result: str = "not run"
     images_per_second: float = float("nan")
     peak_gib: float = float("nan")
+    mfu: str = "-"
     output_dir: Path = None
     extra: dict = field(default_factory=dict)
 
@@ -195,7 +200,12 @@ def check_training(setup, row, output):
         raise CheckFailed(f"training loss did not fall by 2% or more: {losses}")
     summary = json.loads((row.output_dir / "summary.json").read_text())
     row.images_per_second = summary["train_images_per_second"]
-    row.peak_gib = summary.get("peak_memory_gib", float("nan"))
+    row.peak_gib, last = summary.get("peak_memory_gib", float("nan")), epochs[-1]
+    if not setup.cpu and not all(float(last[name] or 0) > 0 for name in ("gpu_peak_allocated_mib", "tflops_per_device")):
+        raise CheckFailed(f"log.csv lacks the GPU's figures: {last}")
+    if last["mfu_pct"] and not 0 < float(last["mfu_pct"]) <= 100:
+        raise CheckFailed(f"an MFU of {last['mfu_pct']}%")
+    row.mfu = last["mfu_pct"] or "-"
     single = row.output_dir / "checkpoint.pth"
     if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file
         from common.sharded_checkpoint import export
@@ -280,6 +290,49 @@ def check_fsdp_matches_ddp(setup, row):
     row.result = f"PASS (losses {', '.join(f'{a[0]:.5f}/{b[0]:.5f}' for a, b in zip(ddp, fsdp))})"
 
 
+def check_profile(setup, row):
+    """--profile 3:2: each rank's Chrome trace holds steps 3 and 4, and (on a GPU) CUDA kernels."""
+    train(setup, "ddp", "jpeg", ("--profile", "3:2"), setup.workdir / "profile")
+    events = json.loads((setup.workdir / "profile" / "profile" / "rank0.json").read_text())["traceEvents"]
+    steps = {event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}
+    kernels = [event for event in events if event.get("cat") == "kernel"]
+    if steps != {"ProfilerStep#3", "ProfilerStep#4"} or not (kernels or setup.cpu):
+        raise CheckFailed(f"the trace holds steps {sorted(steps)} and {len(kernels)} CUDA kernels")
+    row.result = f"PASS ({len(events)} events, {len(kernels)} CUDA kernels)"
+
+
+def check_out_of_memory(setup, row):
+    """A step that runs out of memory: exit 1 and one line with the levers; on a GPU, the snapshot it names holds the
+    allocator's segments and (--memory-history) its history."""
+    import pickle
+    out = setup.workdir / "oom"
+    flags = (["--trainer", "tests.tiny_models:OutOfMemoryAtStep2"] if setup.cpu else
+             ["--dummy", "--dummy-size", "8192", "-a", "resnet50", "-b", "8192", "--memory-history"])
+    command = [*setup.command("dp1"), *setup.jpeg_args, *flags, "--output-dir", out]
+    status, output = run(command, setup.env(), 900)
+    line = next((line for line in output.splitlines() if " ran out of " in line), "")
+    if status != 1 or "--amp bf16" not in line or "Traceback" in output:
+        raise CheckFailed(f"exit {status}, and not one line with the levers:\n{output[-2500:]}")
+    if not setup.cpu:
+        snapshot = pickle.loads((out / "memory" / "oom-rank0.pickle").read_bytes())
+        if not snapshot["segments"] or not any(snapshot["device_traces"]):
+            raise CheckFailed("the snapshot holds no segments or no history")
+    row.result = "PASS (" + line.split(": ", 1)[-1][:60] + "...)"
+
+
+def check_flight_recorder(setup, row):
+    """Rank 1 stalls past --dist-timeout: NCCL's watchdog aborts the job, and rank 0's Flight Recorder dump is in the
+    output directory, where the header said."""
+    out = setup.workdir / "stalled"
+    command = [*setup.command("ddp"), *setup.jpeg_args, "--trainer", "tests.tiny_models:StallsRank1", "--dist-timeout",
+               "30", "--output-dir", out]
+    status, output = run(command, setup.env(), 600)
+    dump = out / "nccl_trace" / "rank_0"
+    if status == 0 or f"{out}/nccl_trace/rank_" not in output or not dump.is_file() or not dump.stat().st_size:
+        raise CheckFailed(f"exit {status}, dump {dump} {'found' if dump.is_file() else 'missing'}:\n{output[-2500:]}")
+    row.result = f"PASS ({dump.stat().st_size} bytes in {dump})"
+
+
 def check_two_ranks_one_gpu_refused(setup, row):
     command = [*setup.command("ddp", nproc=2), *setup.jpeg_args, "--output-dir", setup.workdir / "shared-gpu"]
     status, output = run(command, setup.env(), 600)
@@ -351,7 +404,11 @@ def main(argv=None):
     checks = [(row, check_row) for row in rows_for(setup, args.quick)]
     checks += [(Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
                (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume),
-               (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp)]
+               (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp),
+               (Row("profile trace", "ddp", "jpeg"), check_profile),
+               (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory)]
+    if setup.gpus > 1:
+        checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))
     if setup.gpus == 1:
         checks.append((Row("two ranks on one GPU refused", "ddp", "jpeg"), check_two_ranks_one_gpu_refused))
     if setup.gpus > 1:
@@ -373,11 +430,11 @@ def main(argv=None):
             print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
 
-    print("\n| row | flags | img/s | peak GPU memory (GiB) | result |\n|---|---|---:|---:|---|")
+    print("\n| row | flags | img/s | peak GPU memory (GiB) | MFU % | result |\n|---|---|---:|---:|---:|---|")
     for row, _ in checks:
         rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
         peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
-        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {peak} | {row.result} |")
+        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {peak} | {row.mfu} | {row.result} |")
     print(f"\n{len(checks) - failures} passed, {failures} failed")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
