@@ -41,8 +41,9 @@ def forward_flops(model, size, channels):
     """FLOPs of one image's forward through `model` (eval mode) at `size` px, counted by torch's FlopCounterMode on
     the meta device: no weight read, nothing computed. (None, why) for a model whose forward fails there."""
     from torch.utils.flop_counter import FlopCounterMode
-    tensors = {name: torch.empty_like(tensor, device="meta") for name, tensor in
-               [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    # One meta tensor per tensor of the model: functional_call ties the other names of a tied weight to it.
+    tensors = {name: torch.empty_like(tensor, device="meta")
+               for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
     training = model.training
     model.eval()  # as torchvision counts (no auxiliary heads), and SyncBatchNorm needs no collective
     try:
@@ -65,6 +66,8 @@ def peak_tflops(given, device, amp):
     if device.type != "cuda":
         return None, "known on the CPU"
     name = torch.cuda.get_device_name(device)
+    if "MIG" in name:  # a slice of the GPU: a share of its peak
+        return None, f"known for a MIG slice ({name}): --peak-tflops gives one"
     tf32 = torch.backends.cudnn.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
     precision = amp if amp != "none" else "tf32" if tf32 else "fp32"
     peak = peak_by_name(name, precision)
@@ -109,19 +112,29 @@ class Diagnostics:
     """The figures of one process, gathered over the ranks where the loop reads its metrics: input wait at progress
     lines; per epoch, the achieved TFLOP/s per device (and the utilisation), peak memory; the profiler's steps."""
 
-    def __init__(self, config, runtime, model, channels, say):
+    def __init__(self, config, runtime, say):
+        """Before the model is built: --memory-history records from here, the model's allocations included."""
         self.config, self.runtime, self.say = config, runtime, say
-        schedule = ResSchedule.parse(config.res_schedule)
+        if config.memory_history and runtime.device.type != "cuda":
+            raise UsageError("--memory-history records the CUDA allocator's history: this run is on the CPU")
+        if config.memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self.peak, self.peak_source = peak_tflops(config.peak_tflops, runtime.device, config.amp)
+        self.flops, self.flops_problem, self.profiler, self.hinted = {}, None, None, None
+        self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
+
+    def count_flops(self, model, channels):
+        """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's)."""
+        schedule, config = ResSchedule.parse(self.config.res_schedule), self.config
         sizes = sorted({schedule.size(epoch) for epoch in range(config.epochs)} if schedule else {config.train_crop_size})
-        self.flops, self.flops_problem = {}, None  # forward FLOPs per image by training crop
         for size in sizes:
             self.flops[size], problem = forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
-        self.peak, self.peak_source = peak_tflops(config.peak_tflops, runtime.device, config.amp)
-        if config.memory_history and runtime.device.type != "cuda":
-            raise UsageError("--memory-history records the CUDA allocator's history: this run is on the CPU")
-        self.profiler = self.hinted = None
-        self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
+
+    def crop(self, epoch):
+        """The training crop of `epoch`."""
+        schedule = ResSchedule.parse(self.config.res_schedule)
+        return schedule.size(epoch) if schedule else self.config.train_crop_size
 
     def describe(self):
         """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked for."""
@@ -148,11 +161,13 @@ class Diagnostics:
 
     @contextlib.contextmanager
     def watching(self):
-        """Around the training epochs: the allocator's history (--memory-history) and the profiler (--profile) from the
+        """Around the training epochs: the folder of NCCL's Flight Recorder dumps, and the profiler (--profile) from the
         first step; a trace still recording at the end (or a stop) is written; running out of device memory ends the
         run in one line (out_of_memory), the snapshot taken while the failed step's tensors are still held."""
-        if self.config.memory_history:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        files = flight_recorder_files() if distributed.backend() == "nccl" else None
+        if files:  # (once the output directory is this run's; a dump into a folder that is not there is lost)
+            with contextlib.suppress(OSError):
+                Path(files).parent.mkdir(parents=True, exist_ok=True)
         if self.config.profile:
             self.profiler = StepProfiler(self.config.profile, self.trace_dir(), self.runtime, self.say)
         try:
@@ -168,8 +183,15 @@ class Diagnostics:
         self.waited, self.started, self.worker_rss = 0.0, time.perf_counter(), 0
         reset_peak_rss()
         if self.runtime.device.type == "cuda":
+            self.run_peak = max(self.run_peak, self._gpu_peaks()[0] * MIB)  # the last validation's too
             for device in self.runtime.devices:
                 torch.cuda.reset_peak_memory_stats(device)
+
+    def _gpu_peaks(self):
+        """(allocated, reserved) bytes at their peak since the last reset, the most of this process's GPUs."""
+        devices = self.runtime.devices
+        return (max(torch.cuda.max_memory_allocated(d) for d in devices),
+                max(torch.cuda.max_memory_reserved(d) for d in devices))
 
     def timed(self, batches):
         """`batches`, each one's wait (the wall clock around fetching it: no device sync) added to self.waited."""
@@ -201,24 +223,26 @@ class Diagnostics:
         """log.csv's figures of the epoch that trained at `images_per_second` (all ranks), memory the most any rank
         held (a collective); the first input-bound epoch says so, with the levers."""
         wait, slowest = self._shares()
-        flops = self.flops.get(ResSchedule.parse(self.config.res_schedule).size(epoch) if self.config.res_schedule
-                               else self.config.train_crop_size)
+        flops = self.flops.get(self.crop(epoch))
         devices = self.runtime.world_size * self.runtime.num_devices
         figures = {"input_wait_pct": round(wait, 1), "input_wait_pct_max": round(slowest, 1)}
         if flops:
-            figures["tflops_per_device"] = round(TRAINING_PER_FORWARD * flops * images_per_second / devices / 1e12, 4)
+            tflops = TRAINING_PER_FORWARD * flops * images_per_second / devices / 1e12
+            figures["tflops_per_device"] = float(f"{tflops:.4g}")
             if self.peak:
-                figures["mfu_pct"] = round(100 * figures["tflops_per_device"] / self.peak, 2)
+                figures["mfu_pct"] = float(f"{100 * tflops / self.peak:.4g}")
         cuda = self.runtime.device.type == "cuda"
-        memory = [max(torch.cuda.max_memory_allocated(d) for d in self.runtime.devices) if cuda else -1,
-                  max(torch.cuda.max_memory_reserved(d) for d in self.runtime.devices) if cuda else -1,
-                  peak_rss() or -1, self.worker_rss or -1]
+        memory = [*(self._gpu_peaks() if cuda else (-1, -1)), peak_rss() or -1, self.worker_rss or -1]
         names = ("gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib")
         for name, value in zip(names, distributed.gathered(memory, self.runtime.device).max(dim=0).values.tolist()):
             if value >= 0:
                 figures[name] = round(value * MIB, 1)
         self.run_peak, self.last = max(self.run_peak, figures.get("gpu_peak_allocated_mib", 0)), figures
-        if wait > 100 * INPUT_BOUND and not self.hinted:
+        if self.profiler is not None and self.profiler.recording:  # its window ends with the training epoch
+            self.profiler.stop()
+            self.profiler = None
+        if slowest > 100 * INPUT_BOUND and not self.hinted:  # (a rank that waits holds up all: the others wait in
+            # their collectives, which is not input wait)
             self.hinted = True
             ranks = f" (slowest rank {slowest:.0f}%)" if self.runtime.world_size > 1 else ""
             self.say(f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
@@ -226,8 +250,12 @@ class Diagnostics:
         return figures
 
     def summary(self):
-        """summary.json's figures: the FLOPs per image (at the last crop) and the last epoch's rate and utilisation."""
-        figures = {"forward_gflops_per_image": round(self.flops[max(self.flops)] / 1e9, 4) if not self.flops_problem else None}
+        """summary.json's figures: the FLOPs per image (at the last epoch's crop) and the last epoch's rate and
+        utilisation. (The run's GPU peak, validations included, is run_peak once this ran.)"""
+        if self.runtime.device.type == "cuda":
+            self.run_peak = max(self.run_peak, self._gpu_peaks()[0] * MIB)
+        flops = self.flops.get(self.crop(self.config.epochs - 1))
+        figures = {"forward_gflops_per_image": float(f"{flops / 1e9:.4g}") if flops else None}
         return {**figures, **{name: self.last.get(name) for name in ("tflops_per_device", "mfu_pct")}}
 
     def out_of_memory(self, error):
@@ -242,7 +270,8 @@ class Diagnostics:
                 snapshot = f"; the allocator's snapshot in {path} (open it in https://pytorch.org/memory_viz)"
             except Exception as failure:  # the evidence is a bonus: the line still says what happened
                 snapshot = f"; no snapshot ({failure})"
-        first = (str(error).strip().splitlines() or ["out of memory"])[0]
+        lines = str(error).strip().splitlines() or ["out of memory"]  # (DataParallel: "Caught ... in replica 0" first)
+        first = next((line for line in lines if "out of memory" in line.lower()), lines[0])
         return OutOfMemory(f"rank {runtime.rank} ran out of {runtime.device.type} memory ({first}){snapshot}; levers: a "
                            "smaller -b (--lr-scaling linear scales the lr with it), --amp bf16, train_fsdp.py (shards "
                            "weights, gradients and optimizer state) with --activation-checkpointing")
@@ -251,11 +280,13 @@ class Diagnostics:
 class StepProfiler:
     """--profile START:STEPS: torch.profiler (CPU and CUDA activities, shapes, memory) over steps START to
     START+STEPS-1 of this launch (its first step is 0), written as a Chrome trace per rank (Perfetto and
-    chrome://tracing open it); each step is a ProfilerStep#N range there."""
+    chrome://tracing open it); each step is a ProfilerStep#N range there. A window that reaches the end of a training
+    epoch (or of the run) ends there: validation is no step's."""
 
     def __init__(self, spec, directory, runtime, say):
         from torch.profiler import ProfilerActivity, profile, schedule
-        start, self.steps = profile_steps(spec)
+        self.start, self.steps = profile_steps(spec)
+        start, self.done = self.start, 0
         self.path, self.say, self.rank = directory / f"rank{runtime.rank}.json", say, runtime.rank
         cuda = runtime.device.type == "cuda"
         if not cuda:  # Kineto's "gpuGetDeviceCount failed" of a CUDA build on a machine without a GPU: not an error
@@ -269,8 +300,11 @@ class StepProfiler:
         self.written = False
         self.profile.start()
 
+    recording = property(lambda self: self.start < self.done and not self.written)  # a step of the window done
+
     def step(self):
         """After each training step; True once the trace is written."""
+        self.done += 1
         self.profile.step()
         if self.written:
             self.profile.stop()
@@ -283,4 +317,6 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.path))
         self.written = True
-        self.say(f"profile: {self.path.parent}/rank*.json written (open in https://ui.perfetto.dev); training goes on")
+        last = min(self.done, self.start + self.steps) - 1
+        self.say(f"profile: steps {self.start} to {last} in {self.path.parent}/rank*.json (open in https://ui.perfetto.dev); "
+                 "training goes on")

@@ -358,21 +358,21 @@ FLIGHT_RECORDER = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), ("T
 
 
 def flight_recorder(backend, output_dir):
-    """NCCL's Flight Recorder on (the last 2000 collectives of each rank), dumped to OUTPUT/nccl_trace/rank_N when a
-    collective times out: NCCL's watchdog then aborts the process, before any line of ours. Before the group starts;
-    each variable is set unless the user set it (by either of torch's names). Nothing for other backends."""
+    """NCCL's Flight Recorder (the last 2000 collectives of each rank, torch's default) dumped to
+    OUTPUT/nccl_trace/rank_N when a collective times out: NCCL's watchdog then aborts the process, before any line of
+    ours. Set before the group starts, each variable unless the user set it (by either of torch's names); the folder
+    is made once the output directory is this run's (diagnostics.Diagnostics.watching). Nothing for other backends."""
     if backend != "nccl":
         return
     directory = Path(output_dir) / "nccl_trace"
     for names, value in zip(FLIGHT_RECORDER, ("2000", "1", f"{directory}/rank_")):
         if not any(os.environ.get(name) for name in names):
             os.environ.update(dict.fromkeys(names, value))
-    files = flight_recorder_files()
-    if files:
-        Path(files).parent.mkdir(parents=True, exist_ok=True)
 
 
 def flight_recorder_files():
-    """Where NCCL's Flight Recorder dumps (the prefix of its files, the rank after it), or None when it is off."""
-    size, _, files = ([os.environ.get(name) for name in names if os.environ.get(name)] for names in FLIGHT_RECORDER)
-    return (files or [None])[0] if size and size[0] != "0" else None
+    """Where NCCL's Flight Recorder dumps on a timeout (the prefix of its files, the rank after it), or None when it
+    records nothing or does not dump."""
+    size, dump, files = ([os.environ.get(name) for name in names if os.environ.get(name)] for names in FLIGHT_RECORDER)
+    on = (size or ["2000"])[0] != "0" and (dump or ["1"])[0] not in ("0", "false")
+    return (files or [None])[0] if on else None

@@ -102,9 +102,9 @@ def run_summary(trainer, seconds, train, val, ema_val):
     if trainer.ema is not None:
         summary.update(best_ema_acc1=trainer.best_ema_acc1, final_ema_acc1=ema_val["acc1"],
                        final_ema_acc5=ema_val["acc5"], ema_decay=trainer.ema.decay)
-    if runtime.device.type == "cuda":  # the most any device held in any epoch (common/diagnostics.py)
+    summary.update(trainer.diagnostics.summary())  # (which reads the last validation's GPU peak too)
+    if runtime.device.type == "cuda":  # the most rank 0's devices held in the run, validations included
         summary["peak_memory_gib"] = round(trainer.diagnostics.run_peak / 2**10, 3)
-    summary.update(trainer.diagnostics.summary())
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
         summary.update(zip(("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
                            state_bytes(trainer.model, trainer.optimizer)))

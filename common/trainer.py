@@ -149,8 +149,9 @@ class Trainer:
         self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         self.channels = self.data.first_image[0] if self.data.first_image else 3  # (of the images)
-        model = self._model_on_device()  # its FLOPs counted before it is sharded (or wrapped)
-        self.diagnostics = Diagnostics(config, runtime, model, self.channels, self.log.print)
+        self.diagnostics = Diagnostics(config, runtime, self.log.print)
+        model = self._model_on_device()
+        self.diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
             decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)

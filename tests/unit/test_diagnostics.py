@@ -4,6 +4,7 @@ Flight Recorder settings; and the figures a built Trainer's epoch reports."""
 import json
 import mmap
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,6 +32,23 @@ def test_the_forward_flops_counted_on_meta_are_torchvision_s_own_figures(arch):
     published = torchvision.models.get_model_weights(arch).DEFAULT.meta["_ops"]
     assert problem is None and flops / 2e9 == pytest.approx(published, rel=0.02)
     assert model.training and all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+class Tied(nn.Module):
+    """Two layers that share one weight (as a language model's embedding and output layer do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x.mean((2, 3))[:, :1].expand(-1, 8)))
+
+
+def test_a_model_with_tied_weights_is_counted():
+    flops, problem = forward_flops(Tied(), 4, 3)
+    assert problem is None and flops == 2 * 2 * 8 * 8
 
 
 class ReadsAValue(nn.Module):
@@ -67,6 +85,19 @@ def test_a_built_trainer_s_epoch_reports_its_wait_rate_and_memory_and_the_header
     assert trainer.diagnostics.describe()[0] == (
         f"FLOPs per image: forward {trainer.diagnostics.flops[16] / 1e9:.4g} G at 16 px, "
         f"{trainer.diagnostics.flops[32] / 1e9:.4g} G at 32 px, training 3 x that; no peak known on the CPU (no mfu_pct)")
+
+
+def test_the_rate_is_per_device_of_the_job_and_the_summary_counts_the_last_epoch_s_crop():
+    """4 devices (2 processes of 2 GPUs each, as DataParallel in each of 2 processes would be): a quarter of the job's
+    rate each. A --res-schedule that ends smaller: summary.json's FLOPs are the last epoch's crop's."""
+    config = parse(*SMALL, "--res-schedule", "32:16:0:1:16", "--epochs", "2")
+    diagnostics = Diagnostics(config, replace(cpu_runtime(world_size=2), num_devices=2), print)
+    diagnostics.count_flops(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), 3)
+    diagnostics.start_epoch()
+    figures = diagnostics.epoch_figures(0, images_per_second=1000.0)
+    assert figures["tflops_per_device"] == pytest.approx(3 * diagnostics.flops[32] * 1000.0 / 4 / 1e12, rel=1e-3)
+    assert diagnostics.summary()["forward_gflops_per_image"] == pytest.approx(diagnostics.flops[16] / 1e9, rel=1e-3)
+    assert diagnostics.flops[16] < diagnostics.flops[32]
 
 
 def test_the_peak_is_found_by_the_gpu_s_name_at_the_run_s_precision():
@@ -125,6 +156,21 @@ def test_peak_resident_memory_is_read_reset_and_found_for_the_loader_workers():
     del loader
 
 
+def test_a_profile_window_that_reaches_an_epoch_s_end_ends_there(tmp_path):
+    """--profile 1:5 over an epoch of 3 steps: steps 1 and 2 are written at the epoch's end, before validation."""
+    said = []
+    profiler = StepProfiler("1:5", tmp_path, cpu_runtime(), said.append)
+    for _ in range(3):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        profiler.step()
+    assert profiler.recording
+    profiler.stop()
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    steps = {event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}
+    assert {"ProfilerStep#1", "ProfilerStep#2"} <= steps and "ProfilerStep#0" not in steps
+    assert said == [f"profile: steps 1 to 2 in {tmp_path}/rank*.json (open in https://ui.perfetto.dev); training goes on"]
+
+
 def test_the_profiler_writes_a_trace_of_the_asked_steps_and_the_run_goes_on(tmp_path):
     said = []
     profiler = StepProfiler("2:3", tmp_path / "profile", cpu_runtime(rank=1, world_size=2), said.append)
@@ -149,6 +195,10 @@ def test_running_out_of_memory_ends_the_run_in_one_line_with_the_levers(tmp_path
     assert raised.value.exit_code == 1 and "\n" not in message
     assert message.startswith("rank 0 ran out of cpu memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
     assert all(lever in message for lever in ("-b", "--amp bf16", "train_fsdp.py", "--activation-checkpointing"))
+    with pytest.raises(OutOfMemory, match=r"cpu memory \(torch.OutOfMemoryError: CUDA out of memory. Tried"):
+        with trainer.diagnostics.watching():  # DataParallel's replica re-raises it with its own first line
+            raise torch.OutOfMemoryError("Caught OutOfMemoryError in replica 0 on device 0.\nOriginal Traceback:\n"
+                                         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def test_what_only_a_gpu_has_is_refused_on_the_cpu_and_bad_flags_in_one_line():

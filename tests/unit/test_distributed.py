@@ -87,11 +87,15 @@ def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_
 def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_user_set_it(monkeypatch, tmp_path):
     names = [name for pair in FLIGHT_RECORDER for name in pair]
     for name in names:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # unset as far as torch and flight_recorder go; restored (removed) afterwards
     flight_recorder("gloo", tmp_path)
-    assert not any(os.environ.get(name) for name in names) and flight_recorder_files() is None
+    assert not any(os.environ[name] for name in names) and flight_recorder_files() is None
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
     flight_recorder("nccl", tmp_path)
-    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and "TORCH_FR_BUFFER_SIZE" not in os.environ
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and not os.environ["TORCH_FR_BUFFER_SIZE"]
     assert os.environ["TORCH_FR_DUMP_ON_TIMEOUT"] == os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert flight_recorder_files() == f"{tmp_path}/nccl_trace/rank_" and (tmp_path / "nccl_trace").is_dir()
+    # The folder waits until the output directory is this run's (a refused run leaves nothing there).
+    assert flight_recorder_files() == f"{tmp_path}/nccl_trace/rank_" and not (tmp_path / "nccl_trace").exists()
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    monkeypatch.setenv("TORCH_FR_DUMP_ON_TIMEOUT", "")
+    assert flight_recorder_files() is None  # no dump: the header names none
