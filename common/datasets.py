@@ -1,5 +1,5 @@
-"""Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, a
-researcher's own dataset (--dataset package.module:function), --dummy's synthetic tensors, or the built-in demo
+"""Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, webdataset
+shards, a Hugging Face dataset on disk (common/hf_data.py), a researcher's own dataset (--dataset package.module:function), --dummy's synthetic tensors, or the built-in demo
 set; and what an item must be: (image, label), the image a PIL image or a CHW tensor, the label a class index.
 """
 import csv
@@ -24,6 +24,7 @@ from .config import ResSchedule
 from .demo_data import ensure_demo_dataset
 from .errors import BadItem, Preempted, UsageError
 from .folder_index import FolderIndex, scan_image_folder
+from .hf_data import has_hf_dataset, load_splits
 from .named import import_named
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -136,6 +137,22 @@ class ShardedImages(ImageFiles):
             raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
 
 
+class HFImages(ImageFiles):
+    """(image, label) of each row of a Hugging Face dataset's split (hf_data.HFRows): its encoded image decoded as
+    load_image decodes a file. A row that cannot be read or decoded raises UnreadableFile, named SPLIT[ROW]."""
+
+    def __getitem__(self, index):
+        try:
+            return decode_bytes(*self.samples.encoded(index)), int(self.samples.labels[index])
+        except (MemoryError, Preempted):
+            raise
+        except Exception as error:
+            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+
+    def name(self, index):
+        return self.samples.name(index)
+
+
 def read_split_file(path, root):
     """[(path, class name)] of a CSV or TSV split file: rows `path,label` (a first row `path,label` is a
     header), paths relative to `root` (the file's folder) unless absolute."""
@@ -183,8 +200,9 @@ def scan_split_files(root):
 
 def build_datasets(config):
     """(classes, train set, val set) of the data the flags name: --dummy's synthetic images; --dataset
-    package.module:function's (called as function(config)); --data's train.csv / val.csv (or .tsv); --data's
-    train/ and val/ image folders; the built-in demo set (generated first, once). A set's items are (image, label).
+    package.module:function's (called as function(config)); --data's Hugging Face dataset (save_to_disk's, or
+    parquet files); --data's train.csv / val.csv (or .tsv); --data's shards; --data's train/ and val/ image
+    folders; the built-in demo set (generated first, once). A set's items are (image, label).
     Rank 0 lists a folder (1.33 M files on ImageNet) or reads the split files, once for the job: a collective."""
     if config.dummy:
         val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
@@ -198,6 +216,9 @@ def build_datasets(config):
                              "(classes, train_set, val_set)")
         return tuple(result)
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
+    if has_hf_dataset(root):
+        classes, train_rows, val_rows = load_splits(root)
+        return classes, HFImages(train_rows), HFImages(val_rows)
     output = Path(config.output_dir) if config.output_dir else None  # (where a read-only folder's shard indexes go)
     scan = (partial(scan_shards, cache=output) if has_shards(root) else scan_split_files
             if root.is_dir() and split_files(root) else scan_image_folder)

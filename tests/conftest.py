@@ -216,6 +216,27 @@ def make_image_folder(root, train_per_class=8, val_per_class=4, num_classes=3):
     return Path(root)
 
 
+def hf_copy(folder, out, form="disk"):
+    """The images of the image folder `folder` (train/, val/) as a Hugging Face dataset at `out`, in the folder's own
+    order with its class indices (a ClassLabel of its classes), each image's file bytes as they are: save_to_disk's
+    form ("disk"), or parquet files as the Hub lays them out (data/train-00000-of-00001.parquet, "parquet")."""
+    import datasets
+    from common.folder_index import scan_image_folder
+    datasets.disable_progress_bars()
+    classes, *splits = scan_image_folder(folder)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    made = {name: datasets.Dataset.from_dict(
+        {"image": [{"bytes": Path(path).read_bytes(), "path": Path(path).name} for path, _ in samples],
+         "label": [label for _, label in samples]}, features=features)
+        for name, samples in zip(("train", "validation"), ([files[i] for i in range(len(files))] for files in splits))}
+    if form == "disk":
+        datasets.DatasetDict(made).save_to_disk(str(out))
+    else:
+        for name, split in made.items():
+            split.to_parquet(str(Path(out) / "data" / f"{name}-00000-of-00001.parquet"))
+    return Path(out)
+
+
 def tiny_folder(tmp_path_factory):
     """3 classes, 24 train and 12 val images."""
     return make_image_folder(tmp_path_factory.mktemp("tiny"))

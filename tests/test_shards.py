@@ -1,7 +1,8 @@
 """Shards (tools/make_shards.py, --data DIR of shards): written in the folder's order and carried on after a crash
 without rewriting a finished shard; trained on with every guarantee a folder has: bitwise the run of the folder they
 came from, a sample that cannot be decoded skipped and named SHARD:KEY, exact validation under torchrun, bitwise
-resume after a SIGKILL mid-epoch."""
+resume after a SIGKILL mid-epoch. A Hugging Face dataset made of the same folder (save_to_disk's, the Hub's parquet
+files) trains bitwise as the folder, its broken rows skipped and named SPLIT[ROW], validation exact under torchrun."""
 import re
 import shutil
 import signal
@@ -12,8 +13,9 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, REPO, TINY, Job, ahead, assert_ok, free_port, make_image_folder,
-                      no_traceback_of_ours, once, run_prewarmed, script_command, torchrun_command, worker_command)
+from conftest import (EXACT_MODEL, PYTHON, REPO, TINY, Job, ahead, assert_ok, clean_env, free_port, hf_copy,
+                      make_image_folder, no_traceback_of_ours, once, run_prewarmed, script_command, torchrun_command,
+                      worker_command)
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards  # noqa: E402
@@ -54,16 +56,21 @@ def node_copy(shards, out):
 
 
 def training_runs(tmp_path_factory):
-    """Together: train_dp.py on the folder and on its shards; torchrun with 3 processes on the shards; two
-    "nodes" whose node 1 reads its own copy of the shards at another path; train_dp.py on the shards SIGKILLed in
-    epoch 1, then resumed. name -> (result, output dir)."""
+    """Together: train_dp.py on the folder, on its shards and on its Hugging Face copy (save_to_disk's); torchrun with
+    3 processes on the shards and on the parquet copy; two "nodes" whose node 1 reads its own copy of the shards at
+    another path; train_dp.py on the shards SIGKILLed in epoch 1, then resumed. name -> (result, output dir)."""
     folder, shards = once(broken_folder, tmp_path_factory), once(sharded, tmp_path_factory)
     out = tmp_path_factory.mktemp("shard-runs")
     copy, port = node_copy(shards, out), free_port()
+    hf = {form: hf_copy(folder, out / f"hf-{form}", form) for form in ("disk", "parquet")}
+    hf_env = clean_env(HF_DATASETS_CACHE=out / "hf-cache")  # (datasets' arrow copy of the parquet files)
     killed = [*RUN, "--data", shards, "--output-dir", out / "resumed", "--resume", "auto", "--checkpoint-interval", "1"]
     jobs = {"killed": Job(script_command("train_dp.py", *killed)),
             "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),
             "shards": Job(script_command("train_dp.py", *RUN, "--data", shards, "--output-dir", out / "shards")),
+            "hf": Job(script_command("train_dp.py", *RUN, "--data", hf["disk"], "--output-dir", out / "hf"), hf_env),
+            "hf3": Job(torchrun_command("train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", hf["parquet"],
+                                        "--output-dir", out / "hf3"), hf_env),
             "three": Job(torchrun_command("train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", shards,
                                           "--output-dir", out / "three")),
             **{f"node{rank}": Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
@@ -105,6 +112,23 @@ def test_the_same_images_in_shards_and_in_their_folder_give_bitwise_the_same_run
     assert all(torch.equal(reference[name], trained[name]) for name in reference)
     assert losses(folder_dir) == losses(shards_dir) and len(losses(folder_dir)) == 2
     assert progress(shards.stdout) == progress(folder.stdout) and progress(folder.stdout)
+
+
+def test_a_hugging_face_copy_of_the_folder_gives_bitwise_its_run_broken_rows_named_and_validation_exact(shard_runs):
+    """save_to_disk's form under train_dp.py: the folder's run, bitwise (its cut JPEGs skipped in both, named SPLIT[ROW]:
+    FILE here); the parquet form under torchrun with 3 processes: each readable val image counted once (15 of 16)."""
+    runs, _ = shard_runs
+    (folder, folder_dir), (hf, hf_dir) = runs["folder"], runs["hf"]
+    output = assert_ok(hf)
+    reference, trained = weights(folder_dir), weights(hf_dir)
+    assert reference.keys() == trained.keys() and all(torch.equal(reference[name], trained[name]) for name in reference)
+    assert losses(hf_dir) == losses(folder_dir) and progress(output) == progress(assert_ok(folder))
+    named = set(re.findall(r"^warning: (?:rank \d: )?skipped (\S+): cannot decode it", output, re.MULTILINE))
+    assert {re.sub(r"\[\d+\]", "[N]", name).rsplit("/", 2)[-1] for name in named} == {"train[N]:zz.cut.jpg",
+                                                                                      "validation[N]:zz.cut.jpg"}, named
+    three = assert_ok(runs["hf3"][0])
+    assert "world size 3" in three and re.findall(r" \* Acc@1 .*\((\d+) images\)", three) == ["15"], three[-3000:]
+    assert no_traceback_of_ours(three) and "validation[" in (runs["hf3"][1] / "bad_images.txt").read_text()
 
 
 def progress(output):

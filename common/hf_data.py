@@ -1,0 +1,121 @@
+"""A Hugging Face dataset on disk as --data: a DatasetDict written by `datasets`' save_to_disk (dataset_dict.json,
+train/, validation/), or the parquet files in which the Hub distributes one (ImageNet-1k: data/train-00000-of-00294
+.parquet, ..., data/validation-*.parquet), with a column of images and one of class labels. `datasets` is optional:
+requirements-hf.txt.
+
+save_to_disk's arrow files are memory-mapped: an image is a read at its row. Parquet compresses many images per row
+group, which a random read would decode whole for every image: `datasets` converts the files once into arrow files in
+its cache (HF_DATASETS_CACHE, else ~/.cache/huggingface/datasets), on rank 0 first; the other ranks, and later runs,
+find them there. The rows keep the order they have on disk: the data order is then the sampler's, as for a folder.
+"""
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from . import agreement, distributed
+from .errors import UsageError
+
+TRAIN_SPLITS, VAL_SPLITS = ("train",), ("validation", "val", "valid")
+LABEL_NAMES = ("label", "labels", "cls")  # an integer column of one of these names, where no ClassLabel says it
+
+
+def has_hf_dataset(root):
+    """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train and a validation split."""
+    root = Path(root)
+    return (root / "dataset_dict.json").is_file() or "train" in parquet_splits(root)
+
+
+def parquet_splits(root):
+    """{split: [parquet files]} under `root`: a file's split is the start of its name (train-00000-of-00294.parquet)
+    or the folder it is in (train/0000.parquet)."""
+    found = {}
+    for path in sorted(Path(root).rglob("*.parquet")):
+        names = [re.split(r"[-_.]", path.name)[0], *(part for part in reversed(path.relative_to(root).parts[:-1]))]
+        split = next((name for name in names if name in TRAIN_SPLITS + VAL_SPLITS), None)
+        if split:
+            found.setdefault(split, []).append(str(path))
+    return found
+
+
+def _load(root):
+    """The DatasetDict at `root` (save_to_disk's, or its parquet files converted into datasets' cache)."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(f"--data {root} is a Hugging Face dataset, which needs the datasets package: "
+                         "pip install -r requirements-hf.txt") from None
+    datasets.disable_progress_bars()
+    if (Path(root) / "dataset_dict.json").is_file():
+        return datasets.load_from_disk(str(root))
+    # (its cache read now: datasets reads HF_DATASETS_CACHE once, when imported)
+    return datasets.load_dataset("parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE"))
+
+
+def load_splits(root):
+    """(classes, train rows, val rows) of the dataset at `root` (HFRows); one line for what it lacks. Rank 0 loads it
+    first (parquet: converted once), then every rank its own --data (a node's copy at its own path), which must
+    hold rank 0's classes and row counts."""
+    if distributed.get_world_size() > 1:
+        distributed.computed_by_rank_0(lambda: len(_splits(root)[0]))
+    classes, train, val = _splits(root)
+    found = distributed.all_gather_object((classes, len(train), len(val)))
+    agreement.raise_any(None if all(other == found[0] for other in found) else (
+        f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
+        f"{[(len(c), t, v) for c, t, v in found]}): every node's copy must hold the same dataset"))
+    return classes, train, val
+
+
+def _splits(root):
+    loaded = _load(root)
+    names = list(loaded)
+    train = next((name for name in TRAIN_SPLITS if name in loaded), None)
+    val = next((name for name in VAL_SPLITS if name in loaded), None)
+    if train is None or val is None:
+        raise UsageError(f"--data {root}: a Hugging Face dataset needs a train and a validation split; it has "
+                         f"{', '.join(names) or 'none'}")
+    features = loaded[train].features
+    image = next((name for name, kind in features.items() if type(kind).__name__ == "Image"), None)
+    label = next((name for name, kind in features.items() if type(kind).__name__ == "ClassLabel"),
+                 next((name for name in LABEL_NAMES if name in features), None))
+    if image is None or label is None:
+        raise UsageError(f"--data {root}: its {train} split has no {'image' if image is None else 'label'} column "
+                         f"(columns: {', '.join(features)}); it needs a column of images (datasets.Image) and one of "
+                         "class indices (a ClassLabel, or integers named label)")
+    rows = {split: HFRows(loaded[split], image, label, f"{root}/{split}") for split in (train, val)}
+    count = max(int(rows[train].labels.max(initial=-1)), int(rows[val].labels.max(initial=-1))) + 1
+    classes = getattr(features[label], "names", None) or [str(index) for index in range(count)]
+    return list(classes), rows[train], rows[val]
+
+
+class HFRows:
+    """The rows of one split: its labels (read whole, a column of integers) and each row's encoded image, read when
+    asked (the image column alone, undecoded: datasets.Image(decode=False))."""
+
+    def __init__(self, split, image, label, where):
+        import datasets
+        self.where, self.image = where, image
+        self.labels = np.asarray(split.data.column(label).to_numpy(zero_copy_only=False), dtype=np.int64)
+        if len(self.labels) == 0:
+            raise UsageError(f"--data {where}: the split has no rows")
+        missing = np.flatnonzero(self.labels < 0)
+        if len(missing):
+            raise UsageError(f"--data {where}: row {missing[0]} has no label ({len(missing)} of {len(self.labels)} rows "
+                             "lack one, as a test split does): train and validate on labelled splits")
+        self.rows = split.select_columns([image]).cast_column(image, datasets.Image(decode=False))
+
+    def __len__(self):
+        return len(self.labels)
+
+    def encoded(self, index):
+        """(bytes, file extension) of row `index`'s image (an image stored as a path: the file's bytes)."""
+        cell = self.rows[int(index)][self.image]
+        path = cell.get("path") or ""
+        data = cell.get("bytes") or Path(path).read_bytes()
+        return data, Path(path).suffix.lstrip(".") or "jpg"
+
+    def name(self, index):
+        """SPLIT[ROW], and the image's file name where the dataset keeps one: how a row that cannot be read is named."""
+        path = self.rows[int(index)][self.image].get("path")
+        return f"{self.where}[{index}]" + (f":{Path(path).name}" if path else "")
