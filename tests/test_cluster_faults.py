@@ -204,12 +204,14 @@ def last_step_runs(data, out):
 
 
 def killed_rendezvous_runs(data, out):
-    """train_spawn.py through a file:// rendezvous, SIGKILLed at epoch 0 step 3, then relaunched with --resume auto:
-    (whether the rendezvous file was left, not empty; the step of the checkpoint it left (2, or 4 when the kill came
-    after step 4's save: the job runs ahead of the reading of its lines); (returncode, output) of the relaunch)."""
+    """train_spawn.py through a file:// rendezvous, SIGKILLed at epoch 0 step 3 (its step 4 slow: SlowFourthStep), then
+    relaunched with --resume auto: (whether the rendezvous file was left, not empty; the step of the checkpoint it left
+    (2, or 4 when the kill came after step 4's save: the job runs ahead of the reading of its lines); (returncode,
+    output) of the relaunch)."""
     rendezvous = out / "rendezvous"
     command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
-               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2", "--epochs"]
+               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2",
+               "--trainer", "tests.tiny_models:SlowFourthStep", "--epochs"]
     job = Job([*command, "30"])
     try:
         job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)

@@ -145,6 +145,18 @@ class SlowStop(Trainer):
         return super().save(epoch, step_in_epoch, metrics, is_best)
 
 
+class SlowFourthStep(Trainer):
+    """A trainer whose fourth training step takes 8 s longer on rank 0, in a fresh run (not in its resumed one): a
+    SIGKILL sent at the progress line of step 3 lands in that step on a busy test machine too (once, side by side
+    with six other jobs, the tiny steps ran on to epoch 2 before the kill came)."""
+
+    def train_step(self, model, images, labels):
+        self.steps_done = getattr(self, "steps_done", 0) + 1
+        if self.steps_done == 4 and self.runtime.is_main and self.resumed_from is None:
+            time.sleep(8)
+        return super().train_step(model, images, labels)
+
+
 class SlowLastStep(Trainer):
     """A trainer whose last training step of every epoch takes 8 s longer on rank 0, which says when it begins:
     a stop signal can then be sent in an epoch's last step."""
