@@ -121,6 +121,7 @@ class Diagnostics:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.peak, self.peak_source = peak_tflops(config.peak_tflops, runtime.device, config.amp)
         self.flops, self.flops_problem, self.profiler, self.hinted = {}, None, None, None
+        self.device_idle = DeviceIdle(runtime.device, say) if runtime.device.type == "cuda" else None
         self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
 
     def count_flops(self, model, channels):
@@ -181,6 +182,8 @@ class Diagnostics:
 
     def start_epoch(self):
         self.waited, self.started, self.worker_rss = 0.0, time.perf_counter(), 0
+        if self.device_idle is not None:
+            self.device_idle.start_epoch()
         reset_peak_rss()
         if self.runtime.device.type == "cuda":
             self.run_peak = max(self.run_peak, self._gpu_peaks()[0] * MIB)  # the last validation's too
@@ -195,13 +198,17 @@ class Diagnostics:
 
     def timed(self, batches):
         """`batches`, each one's wait (the wall clock around fetching it: no device sync) added to self.waited."""
-        iterator = iter(batches)
+        iterator, device = iter(batches), self.device_idle
         while True:
             before = time.perf_counter()
+            if device is not None:  # (GPU: the previous step's work is queued; its end marked on the GPU's clock)
+                device.mark(has_batch=False)
             batch = next(iterator, None)
             self.waited += time.perf_counter() - before
             if batch is None:
                 return
+            if device is not None:
+                device.mark(has_batch=True)
             yield batch
 
     def after_step(self):
@@ -211,21 +218,28 @@ class Diagnostics:
     def input_wait(self):
         """(mean %, the progress line's text) over the ranks of the share of this epoch's time spent waiting for
         batches (a collective); the loader workers' peak memory is sampled meanwhile, while they live."""
-        wait, slowest = self._shares()
-        return wait, f"input wait {wait:.0f}%" + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
+        wait, slowest, idle = self._shares()
+        return wait, (f"input wait {wait:.0f}%" + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
+                      + (f"; GPU idle {idle:.0f}%" if idle is not None else ""))
 
     def _shares(self):
+        """(mean, slowest) input wait and mean GPU idle share (None off a GPU) over the ranks, in %."""
         self.worker_rss = max([self.worker_rss, *(peak_rss(pid) or 0 for pid in loader_workers())])
-        shares = distributed.gathered([self.waited / max(time.perf_counter() - self.started, 1e-9)], self.runtime.device)
-        return 100 * shares.mean().item(), 100 * shares.max().item()
+        idle = self.device_idle.share() if self.device_idle is not None else None
+        mine = [100 * self.waited / max(time.perf_counter() - self.started, 1e-9), -1.0 if idle is None else idle]
+        shares = distributed.gathered(mine, self.runtime.device)
+        idle = shares[:, 1].mean().item() if (shares[:, 1] >= 0).all() else None
+        return shares[:, 0].mean().item(), shares[:, 0].max().item(), idle
 
     def epoch_figures(self, epoch, images_per_second):
         """log.csv's figures of the epoch that trained at `images_per_second` (all ranks), memory the most any rank
         held (a collective); the first input-bound epoch says so, with the levers."""
-        wait, slowest = self._shares()
+        wait, slowest, idle = self._shares()
         flops = self.flops.get(self.crop(epoch))
         devices = self.runtime.world_size * self.runtime.num_devices
         figures = {"input_wait_pct": round(wait, 1), "input_wait_pct_max": round(slowest, 1)}
+        if idle is not None:
+            figures["gpu_idle_pct"] = round(idle, 1)
         if flops:
             tflops = TRAINING_PER_FORWARD * flops * images_per_second / devices / 1e12
             figures["tflops_per_device"] = float(f"{tflops:.4g}")
@@ -275,6 +289,57 @@ class Diagnostics:
         return OutOfMemory(f"rank {runtime.rank} ran out of {runtime.device.type} memory ({first}){snapshot}; levers: a "
                            "smaller -b (--lr-scaling linear scales the lr with it), --amp bf16, train_fsdp.py (shards "
                            "weights, gradients and optimizer state) with --activation-checkpointing")
+
+
+class DeviceIdle:
+    """The share of a training epoch the GPU sat idle between steps, on its own clock: CUDA events recorded (never
+    waited for) when the loop asks for its next batch and once it has it (the batch's copy awaited on the stream);
+    the gaps between the two are read where the loop has synchronised anyway (progress lines, the epoch's end).
+    After one warning, off, if the events fail."""
+
+    def __init__(self, device, say):
+        self.device, self.say, self.on = device, say, True
+        self.begin = self.pending = self.last = None
+        self.gaps, self.idle_ms = [], 0.0
+
+    def start_epoch(self):
+        self.gaps, self.idle_ms = [], 0.0
+        self.begin = self.pending = self.last = self._event()
+
+    def mark(self, has_batch):
+        event = self._event()
+        if event is None:
+            return
+        if has_batch and self.pending is not None:  # the GPU idled from `pending` (a step's end) to here, if at all
+            self.gaps.append((self.pending, event))
+        self.pending, self.last = (None if has_batch else event), event
+
+    def share(self):
+        """% of the epoch's GPU time so far spent idle between steps, or None (off)."""
+        if not self.on or self.begin is None:
+            return None
+        try:
+            self.last.synchronize()  # (already done: the loop read its metrics after it)
+            self.idle_ms += sum(end.elapsed_time(start) for end, start in self.gaps)
+            self.gaps = []
+            span = self.begin.elapsed_time(self.last)
+            return 100 * self.idle_ms / span if span > 0 else 0.0
+        except Exception as error:  # a GPU figure is never worth a run
+            return self._off(error)
+
+    def _event(self):
+        if not self.on:
+            return None
+        try:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        except Exception as error:
+            return self._off(error)
+
+    def _off(self, error):
+        self.on = False
+        self.say(f"warning: the GPU's idle share is not measured ({error}); the input wait still is")
 
 
 class StepProfiler:

@@ -16,10 +16,11 @@ from .errors import UsageError
 from .meters import MetricSums
 from .run_dir import atomic_write
 
-# What limits the run (common/diagnostics.py): input wait (mean and slowest rank), achieved rate and utilisation,
-# peak memory; empty where not measured (GPU memory on the CPU, a model whose FLOPs could not be counted).
-DIAGNOSTICS = ["input_wait_pct", "input_wait_pct_max", "tflops_per_device", "mfu_pct", "gpu_peak_allocated_mib",
-               "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib"]
+# What limits the run (common/diagnostics.py): input wait (mean and slowest rank), the GPU's idle share between steps,
+# achieved rate and utilisation, peak memory; empty where not measured (GPU figures on the CPU, a model whose FLOPs
+# could not be counted).
+DIAGNOSTICS = ["input_wait_pct", "input_wait_pct_max", "gpu_idle_pct", "tflops_per_device", "mfu_pct",
+               "gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib"]
 CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
               "val_acc1", "val_acc5", "images_per_second", "bad_images", *DIAGNOSTICS]
 EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others

@@ -115,7 +115,7 @@ def test_train_dp_writes_checkpoints_log_and_summary(trained):
     logged = [dict(zip(header, row)) for row in rows]
     for row in logged:
         # On the CPU no GPU memory and no utilisation (no known peak); -j 0: no loader worker.
-        empty = ("mfu_pct", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "worker_peak_rss_mib")
+        empty = ("gpu_idle_pct", "mfu_pct", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "worker_peak_rss_mib")
         assert all(row[field] == "" if field in empty else float(row[field]) >= 0 for field in CSV_FIELDS[2:]), row
         assert 0.0 <= float(row["val_acc1"]) <= float(row["val_acc5"]) <= 100.0
     assert [float(row["val_acc1"]) for row in logged] == [

@@ -22,10 +22,10 @@ Then, on the JPEG data:
   - FSDP's training losses per epoch are DDP's (--deterministic, float32; within 1e-3 relative);
   - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU);
     on several GPUs, train_dp.py --compile is refused with one line.
-What a run says of itself (common/diagnostics.py): every GPU row logs its peak GPU memory and TFLOP/s, and an MFU
-within (0, 100] on a GPU of known peak; a --profile trace holds CUDA kernels; running out of GPU memory (a batch far
-too large, --memory-history) ends in one line naming an allocator snapshot with its history; on several GPUs, a
-collective that times out leaves NCCL's Flight Recorder dump in the output directory.
+What a run says of itself (common/diagnostics.py): every GPU row logs its GPU idle share (CUDA events), peak GPU
+memory and TFLOP/s, and an MFU within (0, 100] on a GPU of known peak; a --profile trace holds CUDA kernels; running
+out of GPU memory (a batch far too large, --memory-history) ends in one line naming an allocator snapshot with its
+history; on several GPUs, a collective that times out leaves NCCL's Flight Recorder dump in the output directory.
 One table: row, flags, img/s, peak GPU memory, MFU, pass/fail. Exit status 1 if anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
@@ -205,6 +205,8 @@ def check_training(setup, row, output):
         raise CheckFailed(f"log.csv lacks the GPU's figures: {last}")
     if last["mfu_pct"] and not 0 < float(last["mfu_pct"]) <= 100:
         raise CheckFailed(f"an MFU of {last['mfu_pct']}%")
+    if not setup.cpu and not (0 <= float(last["gpu_idle_pct"] or -1) <= 100 and "GPU idle " in output):
+        raise CheckFailed(f"no GPU idle share in log.csv ({last['gpu_idle_pct']!r}) or on the progress lines")
     row.mfu = last["mfu_pct"] or "-"
     single = row.output_dir / "checkpoint.pth"
     if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file

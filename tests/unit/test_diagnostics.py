@@ -111,8 +111,8 @@ def test_the_peak_is_found_by_the_gpu_s_name_at_the_run_s_precision():
 
 
 def test_the_wait_is_the_time_spent_fetching_batches_against_the_loop_s():
-    diagnostics = Diagnostics.__new__(Diagnostics)
-    diagnostics.runtime, diagnostics.worker_rss = cpu_runtime(), 0
+    diagnostics = Diagnostics(parse(*SMALL), cpu_runtime(), print)
+    assert diagnostics.device_idle is None  # a GPU's idle share: CUDA events (make gpu-check)
 
     def slow(count):
         for index in range(count):
