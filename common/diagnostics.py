@@ -11,9 +11,11 @@ import os
 import re
 import time
 import warnings
+from copy import deepcopy
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from . import distributed
 from .distributed import flight_recorder_files
@@ -39,22 +41,20 @@ LEVERS = ("more loader workers (-j; {workers} per process now), smaller prepared
 
 def forward_flops(model, size, channels):
     """FLOPs of one image's forward through `model` (eval mode) at `size` px, counted by torch's FlopCounterMode on
-    the meta device: no weight read, nothing computed. (None, why) for a model whose forward fails there."""
+    a copy of it on the meta device: no weight read or copied, nothing computed, and whatever its forward keeps (a
+    cache) stays with the copy. (None, why) for a model whose forward fails there."""
     from torch.utils.flop_counter import FlopCounterMode
-    # One meta tensor per tensor of the model: functional_call ties the other names of a tied weight to it.
-    tensors = {name: torch.empty_like(tensor, device="meta")
-               for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
-    training = model.training
-    model.eval()  # as torchvision counts (no auxiliary heads), and SyncBatchNorm needs no collective
+    # The copy's parameters and buffers are meta tensors of the same shapes (a tied weight stays one tensor).
+    meta = {id(tensor): (nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
+                         if isinstance(tensor, nn.Parameter) else torch.empty_like(tensor, device="meta"))
+            for tensor in [*model.parameters(), *model.buffers()]}
     try:
+        copy = deepcopy(model, memo=dict(meta)).eval()  # eval: as torchvision counts (no auxiliary heads, no SyncBN)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            torch.func.functional_call(model, tensors, (torch.empty(1, channels, size, size, device="meta"),),
-                                       strict=False)
+            copy(torch.empty(1, channels, size, size, device="meta"))
         return counter.get_total_flops(), None
     except Exception as error:  # any forward of a researcher's model: n/a, said once
         return None, (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-    finally:
-        model.train(training)
 
 
 def peak_tflops(given, device, amp):

@@ -51,6 +51,26 @@ def test_a_model_with_tied_weights_is_counted():
     assert problem is None and flops == 2 * 2 * 8 * 8
 
 
+class Caches(nn.Module):
+    """A forward that keeps a tensor it makes (a lazily built table, as rotary embeddings keep theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.table = nn.Linear(3, 3), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.ones(3, device=x.device)
+        return self.fc(x.mean((2, 3))) * self.table
+
+
+def test_what_a_forward_keeps_stays_with_the_counted_copy():
+    model = Caches()
+    flops, problem = forward_flops(model, 4, 3)
+    assert problem is None and flops == 2 * 3 * 3 and model.table is None
+    assert model(torch.ones(1, 3, 4, 4)).device.type == "cpu" and model.table.device.type == "cpu"
+
+
 class ReadsAValue(nn.Module):
     """A forward that reads a value back (.item()): it cannot run on the meta device."""
 
