@@ -126,9 +126,7 @@ class Diagnostics:
 
     def count_flops(self, model, channels):
         """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's)."""
-        schedule, config = ResSchedule.parse(self.config.res_schedule), self.config
-        sizes = sorted({schedule.size(epoch) for epoch in range(config.epochs)} if schedule else {config.train_crop_size})
-        for size in sizes:
+        for size in sorted({self.crop(epoch) for epoch in range(self.config.epochs)}):
             self.flops[size], problem = forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
 
@@ -147,7 +145,7 @@ class Diagnostics:
             lines = [f"FLOPs per image: forward {counted}, training {TRAINING_PER_FORWARD} x that; " + (
                 f"peak {self.peak:g} TFLOP/s ({self.peak_source}) for mfu_pct" if self.peak
                 else f"no peak {self.peak_source} (no mfu_pct)")]
-        files = flight_recorder_files() if distributed.backend() == "nccl" else None
+        files = self._dump_files()
         if files:
             lines.append(f"NCCL Flight Recorder: a collective that times out dumps each rank's last collectives to "
                          f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
@@ -157,6 +155,11 @@ class Diagnostics:
                          f"{self.trace_dir()}")
         return lines
 
+    @staticmethod
+    def _dump_files():
+        """Where NCCL's Flight Recorder of this run dumps on a timeout (distributed.flight_recorder), or None."""
+        return flight_recorder_files() if distributed.backend() == "nccl" else None
+
     def trace_dir(self):
         return Path(self.config.output_dir) / "profile"
 
@@ -165,7 +168,7 @@ class Diagnostics:
         """Around the training epochs: the folder of NCCL's Flight Recorder dumps, and the profiler (--profile) from the
         first step; a trace still recording at the end (or a stop) is written; running out of device memory ends the
         run in one line (out_of_memory), the snapshot taken while the failed step's tensors are still held."""
-        files = flight_recorder_files() if distributed.backend() == "nccl" else None
+        files = self._dump_files()
         if files:  # (once the output directory is this run's; a dump into a folder that is not there is lost)
             with contextlib.suppress(OSError):
                 Path(files).parent.mkdir(parents=True, exist_ok=True)
@@ -218,23 +221,30 @@ class Diagnostics:
     def input_wait(self):
         """(mean %, the progress line's text) over the ranks of the share of this epoch's time spent waiting for
         batches (a collective); the loader workers' peak memory is sampled meanwhile, while they live."""
-        wait, slowest, idle = self._shares()
+        self._sample_workers()
+        wait, slowest, idle, _ = self._shares()
         return wait, (f"input wait {wait:.0f}%" + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
                       + (f"; GPU idle {idle:.0f}%" if idle is not None else ""))
 
-    def _shares(self):
-        """(mean, slowest) input wait and mean GPU idle share (None off a GPU) over the ranks, in %."""
+    def _sample_workers(self):
         self.worker_rss = max([self.worker_rss, *(peak_rss(pid) or 0 for pid in loader_workers())])
+
+    def _shares(self, *more):
+        """(mean, slowest) input wait and mean GPU idle share (None off a GPU) over the ranks, in %, and the largest
+        over the ranks of each of `more` (numbers of this rank): one collective."""
         idle = self.device_idle.share() if self.device_idle is not None else None
         mine = [100 * self.waited / max(time.perf_counter() - self.started, 1e-9), -1.0 if idle is None else idle]
-        shares = distributed.gathered(mine, self.runtime.device)
+        shares = distributed.gathered([*mine, *more], self.runtime.device)
         idle = shares[:, 1].mean().item() if (shares[:, 1] >= 0).all() else None
-        return shares[:, 0].mean().item(), shares[:, 0].max().item(), idle
+        return shares[:, 0].mean().item(), shares[:, 0].max().item(), idle, shares[:, 2:].max(dim=0).values.tolist()
 
     def epoch_figures(self, epoch, images_per_second):
         """log.csv's figures of the epoch that trained at `images_per_second` (all ranks), memory the most any rank
         held (a collective); the first input-bound epoch says so, with the levers."""
-        wait, slowest, idle = self._shares()
+        self._sample_workers()
+        cuda = self.runtime.device.type == "cuda"  # memory: -1 where not measured
+        wait, slowest, idle, memory = self._shares(*(self._gpu_peaks() if cuda else (-1, -1)), peak_rss() or -1,
+                                                   self.worker_rss or -1)
         flops = self.flops.get(self.crop(epoch))
         devices = self.runtime.world_size * self.runtime.num_devices
         figures = {"input_wait_pct": round(wait, 1), "input_wait_pct_max": round(slowest, 1)}
@@ -245,10 +255,8 @@ class Diagnostics:
             figures["tflops_per_device"] = float(f"{tflops:.4g}")
             if self.peak:
                 figures["mfu_pct"] = float(f"{100 * tflops / self.peak:.4g}")
-        cuda = self.runtime.device.type == "cuda"
-        memory = [*(self._gpu_peaks() if cuda else (-1, -1)), peak_rss() or -1, self.worker_rss or -1]
         names = ("gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib")
-        for name, value in zip(names, distributed.gathered(memory, self.runtime.device).max(dim=0).values.tolist()):
+        for name, value in zip(names, memory):
             if value >= 0:
                 figures[name] = round(value * MIB, 1)
         self.run_peak, self.last = max(self.run_peak, figures.get("gpu_peak_allocated_mib", 0)), figures
@@ -350,16 +358,15 @@ class StepProfiler:
 
     def __init__(self, spec, directory, runtime, say):
         from torch.profiler import ProfilerActivity, profile, schedule
-        self.start, self.steps = profile_steps(spec)
-        start, self.done = self.start, 0
-        self.path, self.say, self.rank = directory / f"rank{runtime.rank}.json", say, runtime.rank
+        (self.start, self.steps), self.done = profile_steps(spec), 0
+        self.path, self.say = directory / f"rank{runtime.rank}.json", say
         cuda = runtime.device.type == "cuda"
         if not cuda:  # Kineto's "gpuGetDeviceCount failed" of a CUDA build on a machine without a GPU: not an error
             os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with warnings.catch_warnings():  # (START 0: "won't be using warmup", as asked)
             warnings.simplefilter("ignore")
-            steps = schedule(wait=max(start - 1, 0), warmup=min(start, 1), active=self.steps, repeat=1)
+            steps = schedule(wait=max(self.start - 1, 0), warmup=min(self.start, 1), active=self.steps, repeat=1)
         self.profile = profile(activities=activities, record_shapes=True, profile_memory=True, schedule=steps,
                                on_trace_ready=self._write)
         self.written = False
