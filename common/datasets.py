@@ -94,6 +94,16 @@ class UnreadableFile(OSError):
     """An image file that cannot be decoded (whatever its decoder raised): skipped, or --strict-data's end."""
 
 
+def decoded(read):
+    """read()'s image; whatever a reader or decoder raised as UnreadableFile (a stop signal, MemoryError pass)."""
+    try:
+        return read()
+    except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
+        raise
+    except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
+        raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+
+
 class ImageFiles(Dataset):
     """(image, label) of each (path, label) of `samples` (a FolderIndex, a list), the file decoded by
     load_image. A file that cannot be decoded raises UnreadableFile: SkipUnreadable skips it
@@ -107,12 +117,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index):
         path, label = self.samples[index]
-        try:
-            return load_image(path), label
-        except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
-            raise
-        except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
-            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+        return decoded(lambda: load_image(path)), label
 
     def name(self, index):
         return self.samples[index][0]
@@ -129,12 +134,8 @@ class ShardedImages(ImageFiles):
 
     def __getitem__(self, index):
         shard, offset, size, extension = self.samples.location(index)
-        try:
-            return decode_bytes(self.reader.read(shard, offset, size), extension), int(self.samples.labels[index])
-        except (MemoryError, Preempted):
-            raise
-        except Exception as error:
-            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+        image = decoded(lambda: decode_bytes(self.reader.read(shard, offset, size), extension))
+        return image, int(self.samples.labels[index])
 
 
 class HFImages(ImageFiles):
@@ -142,12 +143,7 @@ class HFImages(ImageFiles):
     load_image decodes a file. A row that cannot be read or decoded raises UnreadableFile, named SPLIT[ROW]."""
 
     def __getitem__(self, index):
-        try:
-            return decode_bytes(*self.samples.encoded(index)), int(self.samples.labels[index])
-        except (MemoryError, Preempted):
-            raise
-        except Exception as error:
-            raise UnreadableFile(" ".join(str(error).split()) or type(error).__name__) from error
+        return decoded(lambda: decode_bytes(*self.samples.encoded(index))), int(self.samples.labels[index])
 
     def name(self, index):
         return self.samples.name(index)

@@ -57,9 +57,9 @@ def load_splits(root):
     """(classes, train rows, val rows) of the dataset at `root` (HFRows); one line for what it lacks. Rank 0 loads it
     first (parquet: converted once), then every rank its own --data (a node's copy at its own path), which must
     hold rank 0's classes and row counts."""
-    if distributed.get_world_size() > 1:
-        distributed.computed_by_rank_0(lambda: len(_splits(root)[0]))
-    classes, train, val = _splits(root)
+    first = []  # rank 0's, kept: it loads once
+    distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
+    classes, train, val = first[0] if first else _splits(root)
     found = distributed.all_gather_object((classes, len(train), len(val)))
     agreement.raise_any(None if all(other == found[0] for other in found) else (
         f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
