@@ -61,6 +61,7 @@ def main(config):
     from common.run import start_run
     from common.trainer import trainer_class
     runtime = setup(config)
+    model = None
     try:
         trainer = start_run(trainer_class(config.trainer)(config, runtime))
         # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
@@ -73,6 +74,9 @@ def main(config):
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)
     finally:
+        # DDP's reducer holds the process group: free it first, or the group's last reference goes with the
+        # reducer, whose destructor holds Python's lock (torch 2.11's gloo then hangs at exit, 1 run in 4).
+        model = None
         destroy_process_group()
 
 
