@@ -10,8 +10,8 @@ import torch.nn as nn
 import torchvision
 
 from common.errors import UsageError
-from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, loss_with_aux,
-                           replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
+from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, compiled,
+                           loss_with_aux, replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
 from conftest import FAMILIES
 
 
@@ -102,6 +102,26 @@ def test_unwrap_removes_dataparallel_and_compile():
     assert unwrap(nn.DataParallel(model)) is model
     assert unwrap(torch.compile(model)) is model
     assert unwrap(nn.DataParallel(torch.compile(model))) is model
+
+
+def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_split_the_model(monkeypatch, tmp_path):
+    # On an H200 (torch 2.11) DDP's and FSDP's --compile failed in convolution_backward ("expected ... stride") with
+    # it on, and trained with it off (make gpu-check's compile rows); one graph (DataParallel, one GPU) keeps it.
+    import torch.distributed as dist
+    from torch._inductor import config
+    monkeypatch.setattr(config, "layout_optimization", True)
+    model = nn.Conv2d(3, 8, 3)
+    compiled(model)
+    assert config.layout_optimization
+    compiled(model, static=True)  # a sharded model (FSDP)
+    assert not config.layout_optimization
+    monkeypatch.setattr(config, "layout_optimization", True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        compiled(nn.parallel.DistributedDataParallel(model))
+    finally:
+        dist.destroy_process_group()
+    assert not config.layout_optimization
 
 
 def test_channels_last_auto_is_on_where_it_was_measured_faster():
