@@ -104,10 +104,9 @@ def test_unwrap_removes_dataparallel_and_compile():
     assert unwrap(nn.DataParallel(torch.compile(model))) is model
 
 
-def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_split_the_model(monkeypatch, tmp_path):
+def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_split_the_model(monkeypatch, group_of_one):
     # On an H200 (torch 2.11) DDP's and FSDP's --compile failed in convolution_backward ("expected ... stride") with
     # it on, and trained with it off (make gpu-check's compile rows); one graph (DataParallel, one GPU) keeps it.
-    import torch.distributed as dist
     from torch._inductor import config
     monkeypatch.setattr(config, "layout_optimization", True)
     model = nn.Conv2d(3, 8, 3)
@@ -116,11 +115,7 @@ def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_spli
     compiled(model, static=True)  # a sharded model (FSDP)
     assert not config.layout_optimization
     monkeypatch.setattr(config, "layout_optimization", True)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        compiled(nn.parallel.DistributedDataParallel(model))
-    finally:
-        dist.destroy_process_group()
+    compiled(nn.parallel.DistributedDataParallel(model))
     assert not config.layout_optimization
 
 
