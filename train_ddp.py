@@ -61,7 +61,7 @@ def main(config):
     from common.run import start_run
     from common.trainer import trainer_class
     runtime = setup(config)
-    model = None
+    model, finished = None, False
     try:
         trainer = start_run(trainer_class(config.trainer)(config, runtime))
         # DDP keeps the replicas equal by all-reducing gradients in buckets during backward.
@@ -73,11 +73,12 @@ def main(config):
         # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)
+        finished = True
     finally:
-        # DDP's reducer holds the process group: free it first, or the group's last reference goes with the
-        # reducer, whose destructor holds Python's lock (torch 2.11's gloo then hangs at exit, 1 run in 4).
+        # DDP's reducer holds the process group: freed first, or the group ends with it, inside a destructor that
+        # holds Python's lock (with torch 2.11, gloo's thread then hangs waiting for it, 1 run in 4).
         model = None
-        destroy_process_group()
+        destroy_process_group(finished)
 
 
 if __name__ == "__main__":

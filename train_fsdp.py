@@ -31,12 +31,13 @@ def parse_args(argv=None):
 
 
 def main(config):
-    from common.distributed import barrier, destroy_process_group
+    from common.distributed import destroy_process_group
     from common.fsdp import Sharding
     from common.run import start_run
     from common.sharded_checkpoint import ShardedCheckpoints
     from common.trainer import trainer_class
     runtime = setup(config, mode="fsdp")
+    finished = False
     try:
         # The Trainer shards the model as it builds it, before its optimizer is made over the shards; every rank
         # writes its shard of each checkpoint.
@@ -45,9 +46,9 @@ def main(config):
         # The sharded model trains and validates as it is: its forward is a collective, so every rank validates
         # as many batches as the others (the Trainer adds uncounted ones where a rank's shard is shorter).
         trainer.fit(train_model=trainer.model, eval_model=trainer.model)
-        barrier()  # FSDP's last collectives done on every rank before the group ends (else: an abort at exit)
+        finished = True
     finally:
-        destroy_process_group()
+        destroy_process_group(finished)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def worker(local_rank, config, init_method, nproc, usage_errors):
 def train(config, init_method, nproc, local_rank, rank):
     import torch
     from torch.nn.parallel import DistributedDataParallel
-    from common.distributed import Runtime, choose_backend, init_process_group, select_device, usable_cores
+    from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group, select_device,
+                                    usable_cores)
     from common.run import start_run
     from common.trainer import trainer_class
     world_size = config.nnodes * nproc
@@ -144,6 +145,8 @@ def train(config, init_method, nproc, local_rank, rank):
     model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
                                     find_unused_parameters=config.find_unused_parameters)
     trainer.fit(train_model=model, eval_model=trainer.model)
+    model = None  # DDP's reducer holds the process group: freed first (see train_ddp.py)
+    destroy_process_group(finished=True)
 
 
 def main(config):
