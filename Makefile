@@ -22,7 +22,7 @@ UV_COMPILE  = $(UV) pip compile --quiet --upgrade --generate-hashes --universal 
 # local wheel of the same version with another build cannot).
 venv_from = rm -rf $(1) && $(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install --quiet --require-hashes -r $(2)
 
-.PHONY: benchmark demo gpu-check lock test test-quick test-latest test-slurm venv clean
+.PHONY: benchmark demo gpu-check lock test test-quick test-latest test-oldest test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py --overwrite
@@ -81,10 +81,18 @@ test-latest: $(UV)
 	diff $(UV_VENV)/locked.pins $(UV_VENV)/latest.pins || true; \
 	exit $$status
 
+# The oldest versions requirements.txt allows (its floors: uv's lowest-direct resolution) into .venv-oldest, then
+# gpu-check's CPU self-test there: every script and launch mode, FSDP's losses against DDP's, exact resume.
+test-oldest: $(UV)
+	$(UV) pip compile --quiet --generate-hashes --python-version $(LOCK_PYTHON) --resolution lowest-direct \
+	  requirements.txt -o $(UV_VENV)/oldest.txt
+	$(call venv_from,.venv-oldest,$(UV_VENV)/oldest.txt)
+	.venv-oldest/bin/python tools/gpu_check.py --cpu
+
 # Only what `make` and the tests generate: the venvs, pytest's cache, the built-in demo set
 # (common/demo_data.py) and the benchmark's JPEGs (tools/benchmark.py). Your runs/ and
 # anything else under data/ stay.
 clean:
-	rm -rf $(VENV) $(UV_VENV) .venv-latest .pytest_cache data/demo-shapes-v2 data/bench-jpegs-500x375
+	rm -rf $(VENV) $(UV_VENV) .venv-latest .venv-oldest .pytest_cache data/demo-shapes-v2 data/bench-jpegs-500x375
 	rm -rf __pycache__ common/__pycache__ tools/__pycache__ tests/__pycache__ examples/__pycache__
 	rmdir data 2>/dev/null || true
