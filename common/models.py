@@ -227,14 +227,13 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
 def compiled(model, static=False):
     """torch.compile(model); static=True: no dynamic shapes (a sharded model: Inductor failed on FSDP's dynamic shapes
     in backward, torch 2.15 on the CPU; a batch of another size compiles another graph instead)."""
-    if static or isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        # DDP's buckets and FSDP's hooks split the model into several graphs; Inductor's layout optimisation
-        # (convolutions made channels-last inside a graph) then predicts strides that cuDNN's backward does not
-        # give: "AssertionError: expected size 512==512, stride 9==1" in convolution_backward (torch 2.11, an
-        # H200; pytorch/pytorch#113740). Torch's own message names this switch; DataParallel keeps it.
-        from torch._inductor import config as inductor_config
-        inductor_config.layout_optimization = False
-    return torch.compile(model, dynamic=False if static else None)
+    # DDP's buckets and FSDP's hooks split the model into several graphs; Inductor's layout optimisation (convolutions
+    # made channels-last inside a graph) then predicted strides that cuDNN's backward did not give: "AssertionError:
+    # expected size 512==512, stride 9==1" in convolution_backward (torch 2.11, an H200; pytorch/pytorch#113740).
+    # Torch's own message names this switch. Off for this compile only; train_dp.py (DataParallel, one GPU) keeps it.
+    split = static or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    return torch.compile(model, dynamic=False if static else None,
+                         options={"layout_optimization": False} if split else None)
 
 
 def unwrap(model):
