@@ -76,7 +76,7 @@ def main(config):
         finished = True
     finally:
         # DDP's reducer holds the process group: freed first, or the group ends with it, inside a destructor that
-        # holds Python's lock (with torch 2.11, gloo's thread then hangs waiting for it, 1 run in 4).
+        # holds Python's lock (see destroy_process_group).
         model = None
         destroy_process_group(finished)
 
