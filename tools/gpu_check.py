@@ -56,7 +56,9 @@ LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MAS
 
 
 class CheckFailed(Exception):
-    pass
+    def __init__(self, message, output=None):
+        super().__init__(message)
+        self.output = output  # all a run printed, where it ran past its time
 
 
 @dataclass
@@ -175,18 +177,27 @@ def run(command, env, timeout):
         except subprocess.TimeoutExpired:
             kill_marked(marker)
             output, _ = process.communicate()
-        raise CheckFailed(f"no end after {timeout} s:\n{output[-1500:]}")
+        raise CheckFailed(f"no end after {timeout} s:\n{output[-1500:]}", output)
     finally:
         kill_marked(marker)  # loader workers, a rank stuck in a collective
     return process.returncode, output
 
 
+def keep_console(output_dir, output):
+    """What a run printed, beside its log.csv (--keep keeps both), a run that hung included."""
+    if output is not None and Path(output_dir).is_dir():
+        (Path(output_dir) / "console.log").write_text(output)
+
+
 def train(setup, mode, data, flags, output_dir, extra=(), timeout=None):
     command = [*setup.command(mode), *setup.data_args(data, mode), *flags, *setup.extra_args, "--seed", "0",
                "--output-dir", output_dir, *extra]
-    status, output = run(command, setup.env(), timeout or (300 if setup.cpu else 1200))
-    if Path(output_dir).is_dir():  # what the run printed, beside its log.csv (--keep keeps both)
-        (Path(output_dir) / "console.log").write_text(output)
+    try:
+        status, output = run(command, setup.env(), timeout or (300 if setup.cpu else 1200))
+    except CheckFailed as failed:
+        keep_console(output_dir, failed.output)
+        raise
+    keep_console(output_dir, output)
     if status != 0:
         raise CheckFailed(f"exit status {status}:\n{output[-2500:]}")
     return output
