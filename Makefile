@@ -83,7 +83,11 @@ test-latest: $(UV)
 
 # The oldest versions requirements.txt allows (its floors: uv's lowest-direct resolution) into .venv-oldest, then
 # gpu-check's CPU self-test there: every script and launch mode, FSDP's losses against DDP's, exact resume.
+# On Python $(LOCK_PYTHON), the oldest the lock covers (older packages have no wheels for newer Pythons).
 test-oldest: $(UV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(LOCK_PYTHON)),) and \
+	  f"error: $(PYTHON) is Python {sys.version_info[0]}.{sys.version_info[1]}; the floors are checked on Python $(LOCK_PYTHON): make PYTHON=python$(LOCK_PYTHON) test-oldest")'
+	rm -f $(UV_VENV)/oldest.txt
 	$(UV) pip compile --quiet --generate-hashes --python-version $(LOCK_PYTHON) --resolution lowest-direct \
 	  requirements.txt -o $(UV_VENV)/oldest.txt
 	$(call venv_from,.venv-oldest,$(UV_VENV)/oldest.txt)
