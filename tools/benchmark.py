@@ -26,6 +26,7 @@ c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channe
    log.csv's input wait, images/s and TFLOP/s (docs/benchmarks.md, "Why is my run slow?").
 """
 import argparse
+import csv
 import math
 import os
 import platform
@@ -115,6 +116,12 @@ def pipeline_rates(jpeg_dir, images, batch=64):
     return rates
 
 
+def log_rows(out):
+    """The rows of the log.csv in `out`, by column name (columns are added over time: never by position)."""
+    with open(out / "log.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
 def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
     """Training images/s of one real run of a script, from its log.csv."""
     out = Path(tempfile.mkdtemp(dir=workdir))
@@ -134,7 +141,7 @@ def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
     if result.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     # The mean over the epochs after the first: one short epoch is dominated by its start.
-    rates = [float(row.split(",")[-1]) for row in (out / "log.csv").read_text().splitlines()[1:]]
+    rates = [float(row["images_per_second"]) for row in log_rows(out)]
     return sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0]
 
 
@@ -328,8 +335,7 @@ def res_compare(sizes, epochs, rounds, workdir):
             if result.returncode != 0:
                 raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
             channels_last = "channels_last memory format" in result.stdout
-            header, *lines = (out / "log.csv").read_text().splitlines()
-            last = dict(zip(header.split(","), lines[-1].split(",")))
+            last = log_rows(out)[-1]
             rows[size].append((float(last["images_per_second"]), float(last["seconds"])))
     for _ in range(rounds):
         for size in sizes:
@@ -383,8 +389,7 @@ def wait_compare(jpeg_dir, crop, epochs=2):
         result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
         if result.returncode != 0:
             raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-        header, *lines = (out / "log.csv").read_text().splitlines()
-        last = dict(zip(header.split(","), lines[-1].split(",")))
+        last = log_rows(out)[-1]
         print(f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
               f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
               flush=True)
