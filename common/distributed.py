@@ -248,7 +248,6 @@ def destroy_process_group(finished=False):
     where a rank that failed would never join it."""
     if not is_initialized():
         return
-    fence = None
     if finished:
         nccl = dist.get_backend() == "nccl"
         fence = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")

@@ -177,13 +177,12 @@ class Trainer:
         """build_model's model for these classes, adapted to the data, on the device (not yet wrapped)."""
         config, device = self.config, self.runtime.device
         model = self.build_model(self.classes)
-        channels = self.channels
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model), the first convolution adapted to the images' channels.
         self.model_changes = [*getattr(model, "adaptations", []),
-                              *models.adapt_first_conv(model, config.arch, channels, config.pretrained)]
+                              *models.adapt_first_conv(model, config.arch, self.channels, config.pretrained)]
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
-        models.check_input_size(model, config.arch, sizes, config.val_crop_size, channels)
+        models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels)
         self.aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
