@@ -1,5 +1,6 @@
 """Shared helpers: tiny datasets on disk and real processes started the way a user starts them, none of
 which outlives its test."""
+import csv
 import json
 import os
 import queue
@@ -73,6 +74,12 @@ class Once:
 
 
 _once, _once_lock = {}, threading.Lock()
+
+
+def log_rows(folder):
+    """The rows of the log.csv in `folder`, by column name."""
+    with open(Path(folder) / "log.csv", newline="") as file:
+        return list(csv.DictReader(file))
 
 
 def once(function, tmp_path_factory):

@@ -9,7 +9,7 @@ import pytest
 
 from common.diagnostics import INPUT_BOUND
 from common.logger import DIAGNOSTICS
-from conftest import TINY, ahead, assert_ok, no_traceback_of_ours, run_together, script_command, torchrun_command
+from conftest import TINY, ahead, assert_ok, log_rows, no_traceback_of_ours, run_together, script_command, torchrun_command
 from tests.unit.test_logger import scalars
 
 pytestmark = pytest.mark.e2e
@@ -36,18 +36,13 @@ def diagnosed_runs(tmp_path_factory):
 diagnosed = ahead(diagnosed_runs, "diagnosed")
 
 
-def last_row(folder):
-    header, *rows = (folder / "log.csv").read_text().splitlines()
-    return dict(zip(header.split(","), rows[-1].split(",")))
-
-
 def test_a_run_that_waits_for_its_data_says_so_once_with_the_levers(diagnosed):
     out, results = diagnosed
     output = assert_ok(results["slow"])
     waits = WAIT.findall(output)
     assert len(waits) == 6 and all(slowest for _, slowest in waits)  # 96 images, global batch 16: 6 steps
     assert int(waits[-1][0]) > 50 and int(waits[-1][1]) >= int(waits[-1][0])
-    row = last_row(out / "slow")
+    row = log_rows(out / "slow")[-1]
     assert float(row["input_wait_pct"]) > 50 and float(row["input_wait_pct_max"]) >= float(row["input_wait_pct"])
     hints = [line for line in output.splitlines() if line.startswith("input-bound:")]
     assert len(hints) == 1 and "epoch 0" in hints[0] and "-j" in hints[0] and "make_shards" in hints[0]
@@ -73,8 +68,8 @@ def test_a_run_on_data_in_memory_is_not_said_to_wait(diagnosed):
     output = assert_ok(results["fast"])
     waits = WAIT.findall(output)
     assert len(waits) == 3 and not any(slowest for _, slowest in waits)  # one process: no slowest rank
-    assert float(last_row(out / "fast")["input_wait_pct"]) < 100 * INPUT_BOUND and "input-bound" not in output
-    assert float(last_row(out / "fast")["tflops_per_device"]) > 0
+    assert float(log_rows(out / "fast")[-1]["input_wait_pct"]) < 100 * INPUT_BOUND and "input-bound" not in output
+    assert float(log_rows(out / "fast")[-1]["tflops_per_device"]) > 0
 
 
 def test_running_out_of_memory_ends_the_run_in_one_line_naming_the_levers(diagnosed):

@@ -2,7 +2,6 @@
 mp.spawn) on CPU with gloo: the same trajectory as train_dp.py, the recipe without mixing included (per-image
 augmentation, repeated augmentation, the EMA, weight-decay groups); exact validation of 13 images on 1, 2 and 3
 processes; one checkpoint writer; resuming under another world size; and no hangs when a rank fails."""
-import csv
 import re
 import socket
 import time
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, free_port,
-                      once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
+                      log_rows, once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
                       torchrun_command, worker_command)
 from common.logger import DIAGNOSTICS
 from tests.tiny_models import TinyNet
@@ -100,8 +99,7 @@ def test_every_launch_mode_reports_its_input_wait_rate_and_memory_reduced_over_i
     the FLOPs counted at start, the host's peak memory; what only a GPU has stays empty on the CPU."""
     out, outputs = trajectories
     for mode in ("dp", "ddp", "spawn"):
-        with open(out / mode / "log.csv", newline="") as file:
-            rows = list(csv.DictReader(file))
+        rows = log_rows(out / mode)
         assert len(rows) == 4 and all(field in rows[0] for field in DIAGNOSTICS), mode
         for row in rows:
             assert 0 <= float(row["input_wait_pct"]) <= float(row["input_wait_pct_max"]) <= 100, (mode, row)

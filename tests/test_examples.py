@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.logger import MEASURED
-from conftest import PYTHON, REPO, Job, SideBySide, ahead, free_port, once, tiny_folder, worker_command
+from conftest import PYTHON, REPO, Job, SideBySide, ahead, free_port, log_rows, once, tiny_folder, worker_command
 
 pytestmark = pytest.mark.e2e
 
@@ -109,11 +109,6 @@ def runs_of_examples(tmp_path_factory):
 
 
 example_runs = ahead(runs_of_examples, "example_runs")
-
-
-def log_rows(folder):
-    with open(folder / "log.csv", newline="") as file:
-        return list(csv.DictReader(file))
 
 
 def compared_columns(rows):
