@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
+from .datasets import SyntheticImages
 from .preemption import waiting_for_data
 
 
@@ -98,6 +99,26 @@ class DeviceLoader:
                 target.record_stream(torch.cuda.current_stream(self.device))
             upcoming = load_next()
             yield images, target
+
+
+class SyntheticOnDevice(DeviceLoader):
+    """--dummy on a GPU: each batch made on the device, not by a loader (no worker, no copy), so that images/s is the
+    model's: the synthetic image repeated, labels index % classes of the sampler's indices (resumable and sharded as
+    any data), laid out and normalised as a copied batch is."""
+
+    def __iter__(self):
+        dataset = self.loader.dataset  # (a SyntheticImages: its image follows --res-schedule's epoch)
+        images = dataset.image.to(self.device).expand(self.loader.batch_size, *dataset.image.shape)
+        for indices in self.loader.batch_sampler:
+            target = torch.as_tensor(indices) % dataset.num_classes
+            yield self._prepare(images[:len(indices)], target)
+
+
+def device_batches(loader, device, *args, **kwargs):
+    """The DeviceLoader of `loader` on `device` (its other arguments DeviceLoader's): for --dummy on a GPU, batches made
+    there (SyntheticOnDevice: the model's speed); on the CPU the loader's, as the tests use them."""
+    synthetic = device.type == "cuda" and isinstance(loader.dataset, SyntheticImages)
+    return (SyntheticOnDevice if synthetic else DeviceLoader)(loader, device, *args, **kwargs)
 
 
 def equal_forwards(batches, forwards, placeholder):

@@ -7,6 +7,7 @@ import platform
 import torch
 
 from . import schedule
+from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
 from .models import warn_slow_amp
 from .presets import RECIPES, describe_preset
@@ -28,9 +29,10 @@ def start_lines(trainer):
     lines = [f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
              f"{describe_environment(runtime.device, runtime.num_devices)}"]
     source = (f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data) or "synthetic (--dummy)"
+    made = ("batches made on the GPU, no loader" if isinstance(trainer.train_batches, SyntheticOnDevice)
+            else f"{data.train_loader.num_workers} loader worker(s) per process")
     lines.append(f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
-                 f"{len(data.val_loader.dataset)} val images, {data.train_loader.num_workers} loader worker(s) per "
-                 f"process), normalised with {data.normalisation}")
+                 f"{len(data.val_loader.dataset)} val images, {made}), normalised with {data.normalisation}")
     lines += describe_preset(config, data.first_image)
     if config.trainer:
         lines.append(f"trainer: {config.trainer}")

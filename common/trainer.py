@@ -23,7 +23,7 @@ from .bad_images import BadImageLog
 from .checkpoint import SingleFile
 from .config import ResSchedule
 from .datasets import build_datasets
-from .device_loader import DeviceLoader, validation_batches
+from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
 from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError
@@ -168,8 +168,8 @@ class Trainer:
         self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
         self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
         on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
-        self.train_batches, self.val_batches = (DeviceLoader(loader, device, self.channels_last, self.bad_images.report,
-                                                             on_device, keep_empty=self.shard is not None)
+        self.train_batches, self.val_batches = (device_batches(loader, device, self.channels_last, self.bad_images.report,
+                                                               on_device, keep_empty=self.shard is not None)
                                                 for loader in (self.data.train_loader, self.data.val_loader))
         return self
 

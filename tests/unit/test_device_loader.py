@@ -77,3 +77,34 @@ def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line
         next(batches)
     assert known_failure(raised.value) == (f"error: DataLoader worker exited unexpectedly while sending a batch "
                                            f"({type(error).__name__}) (out of memory? fewer --workers use less)")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_synthetic_batches_made_on_the_device_are_the_loaders_batches_resumed_and_sharded_alike(channels_last):
+    """--dummy on a GPU (SyntheticOnDevice) makes each batch where it computes, no loader worker and no copy: the same
+    images, labels and batch sizes as the loader's batches (normalised and laid out as those are), over the sampler's
+    indices, so a resumed epoch and a rank's shard are those of the loader. Here on the CPU: the same code."""
+    from torch.utils.data import DataLoader
+
+    from common.datasets import SyntheticImages
+    from common.device_loader import SyntheticOnDevice
+    from common.samplers import ResumableSampler
+    dataset = SyntheticImages(23, 8, num_classes=5)
+    sampler = ResumableSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=4, collate_fn=Collate(), num_workers=0)
+    normalise, cpu = Normalise(), torch.device("cpu")
+    for start in (0, 4):  # a resumed epoch starts part-way through the shard
+        sampler.set_epoch(1, start=start)
+        made = list(SyntheticOnDevice(loader, cpu, channels_last, normalise=normalise))
+        sampler.set_epoch(1, start=start)
+        loaded = list(DeviceLoader(loader, cpu, channels_last, normalise=normalise))
+        assert [len(target) for _, target in made] == [len(target) for _, target in loaded] == ([4, 4, 4] if not start else [4, 4])
+        for (images, target), (images_loaded, target_loaded) in zip(made, loaded):
+            assert torch.equal(images, images_loaded) and torch.equal(target, target_loaded)
+            assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    # The Trainer's choice: made on the device on a GPU only; real data always through its loader.
+    from common.device_loader import device_batches
+    assert type(device_batches(loader, torch.device("cuda"))) is SyntheticOnDevice
+    assert type(device_batches(loader, cpu)) is DeviceLoader
+    images = DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3, 2, 2)), batch_size=2)
+    assert type(device_batches(images, torch.device("cuda"))) is DeviceLoader
