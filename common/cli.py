@@ -136,7 +136,7 @@ def _training_flags(add):
     """The optimizer, its schedule and the loop."""
     add("-j", "--workers", type=workers_count, default="auto", metavar="N|auto",
         help="data loading workers per process; auto: this node's usable cores shared among its processes, "
-             "one core left to each process, at most 8 each (%(default)s)")
+             "one core left to each process, at most 16 each (%(default)s)")
     add("--epochs", type=int, default=None, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
     add("-b", "--batch-size", type=int, default=None, metavar="N",
         help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)")

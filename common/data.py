@@ -30,16 +30,21 @@ def per_process_batch(batch_size, world_size):
     return batch_size // world_size
 
 
+# -j auto's most workers per process. One H100 trains ResNet-50 in bf16 at about 3,900 images/s; 8 workers decoding
+# ImageNet-sized JPEGs fed it about 2,000, 15 fed it all (docs/benchmarks.md, make benchmark-gpu).
+MAX_AUTO_WORKERS = 16
+
+
 def loader_workers(requested, processes_on_node, cores=None):
     """-j: `requested`, or for 'auto' the usable cores (CPU affinity: what Slurm or a container allows)
-    shared among the processes of this node, keeping one core for each process itself, at most 8 each;
+    shared among the processes of this node, keeping one core for each process itself, at most MAX_AUTO_WORKERS each;
     at least 1 when there is a core to spare (2 cores, 1 process: 1 worker; 2 cores, 2 processes: 0)."""
     if requested != "auto":
         return requested
     cores = cores or distributed.usable_cores()
     share = cores // max(processes_on_node, 1) - 1
     spare = cores > processes_on_node
-    return min(8, max(share, 1 if spare else 0))
+    return min(MAX_AUTO_WORKERS, max(share, 1 if spare else 0))
 
 
 class Data(NamedTuple):

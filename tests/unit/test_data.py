@@ -89,8 +89,9 @@ def test_build_data_wires_the_recipe_flags(tiny_data):
     (2, 1, 1),     # this machine, train_dp.py: one worker, the process keeps a core
     (2, 2, 0),     # this machine, 2 ranks: no core to spare
     (3, 2, 1),     # a core to spare: at least one worker each
-    (16, 1, 8),    # at most 8 per process
-    (96, 8, 8),    # a GPU node: 12 cores per rank
+    (16, 1, 15),   # one GPU on 16 cores: 8 workers fed an H100 half of what 15 did (make benchmark-gpu)
+    (64, 1, 16),   # at most 16 per process
+    (96, 8, 11),   # a GPU node: 12 cores per rank
     (16, 8, 1),
     (8, 8, 0),
 ])
