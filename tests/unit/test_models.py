@@ -120,13 +120,19 @@ def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_spli
     assert all(name in config.__dict__ or hasattr(config, name) for name in asked[1])  # a real option of Inductor's
 
 
-def test_channels_last_auto_is_on_where_it_was_measured_faster():
+def test_channels_last_auto_is_on_where_it_was_measured_faster(monkeypatch):
     cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
     patches = nn.Sequential(nn.Conv2d(3, 8, 16, stride=16), nn.Flatten(), nn.Linear(8, 2))  # ViT-like: one conv
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert use_channels_last("auto", cpu, "none", cnn)
-    assert use_channels_last("auto", cuda, "bf16", cnn)
-    assert not use_channels_last("auto", cuda, "none", cnn)
+    # Float32 on a GPU: on where its convolutions use TF32 tensor cores (ResNet-50 1.36x on an H100), not before.
+    for capability, expected in [((7, 0), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, found=capability: found)
+        assert use_channels_last("auto", cuda, "bf16", cnn)
+        assert use_channels_last("auto", cuda, "none", cnn) == expected
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # TF32 turned off: no tensor cores in float32
+        assert not use_channels_last("auto", cuda, "none", cnn)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     assert not use_channels_last("auto", cpu, "none", patches)
     assert use_channels_last("on", cuda, "none", patches) and not use_channels_last("off", cpu, "none", cnn)
     # Measured not faster with it on the CPU (docs/benchmarks.md): auto leaves them alone, "on" still applies.
