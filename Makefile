@@ -22,7 +22,7 @@ UV_COMPILE  = $(UV) pip compile --quiet --upgrade --generate-hashes --universal 
 # local wheel of the same version with another build cannot).
 venv_from = rm -rf $(1) && $(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install --quiet --require-hashes -r $(2)
 
-.PHONY: benchmark demo gpu-check lock test test-quick test-latest test-oldest test-slurm venv clean
+.PHONY: benchmark benchmark-gpu demo gpu-check lock test test-quick test-latest test-oldest test-slurm venv clean
 
 demo: $(STAMP)
 	$(PY) train_dp.py --overwrite
@@ -46,6 +46,11 @@ test-slurm: $(STAMP)
 
 benchmark: $(STAMP)
 	$(PY) tools/benchmark.py
+
+# The GPU at steady state (ResNet-50, ViT-B/16, from synthetic data and JPEGs): one table under OUT/benchmark-gpu or
+# ./benchmark-gpu, about 7 min on one H100. Without a GPU it says so and exits 0.
+benchmark-gpu: $(STAMP)
+	$(PY) tools/benchmark_gpu.py
 
 # Every script, launch mode and GPU flag on this machine's GPUs: one table, exit 1 on any failure.
 # Without a GPU it says so and exits 0.

@@ -10,8 +10,8 @@ from conftest import PYTHON, REPO, ahead, assert_ok, clean_env, run, run_togethe
 pytestmark = pytest.mark.e2e
 
 CHECK = REPO / "tools" / "gpu_check.py"
-TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<peak>[^|]+?) "
-                       r"\| (?P<mfu>[^|]+?) \| (?P<result>[^|]+?) \|$", re.MULTILINE)
+TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<target>[^|]+?) "
+                       r"\| (?P<peak>[^|]+?) \| (?P<mfu>[^|]+?) \| (?P<result>[^|]+?) \|$", re.MULTILINE)
 
 
 def table(output):
@@ -29,7 +29,7 @@ def cpu_harness_runs(tmp_path_factory):
     """The harness on the CPU, three times side by side (each starts one job at a time): the checks that must
     pass (the diagnostics' too); a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison
     with DDP."""
-    return run_together([[PYTHON, CHECK, "--cpu", "--quick", "--only", "ddp jpeg|validation|resume|profile|memory"],
+    return run_together([[PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory"],
                          [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
                          [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"]],
                         timeout=600)
@@ -40,17 +40,21 @@ cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
 
 def test_its_checks_pass_on_the_cpu(cpu_runs):
     """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
-    model), validation by 1 and by 2 processes, the exact-resume check, a --profile trace of the asked steps, and a
-    step out of memory ending the run in one line."""
+    model), a synthetic row's rate at steady state (make benchmark-gpu's window), validation by 1 and by 2 processes,
+    the exact-resume check, a --profile trace of the asked steps, and a step out of memory ending the run in one line."""
     result = cpu_runs[0]
     rows = table(assert_ok(result))
-    assert set(rows) == {"ddp jpeg", "validation 1 vs N processes", "exact resume (ddp --deterministic)",
+    assert set(rows) == {"ddp jpeg", "dp1 synthetic", "validation 1 vs N processes", "exact resume (ddp --deterministic)",
                          "profile trace", "out of memory: snapshot"}
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
     assert float(rows["ddp jpeg"]["rate"]) > 0
+    # Its rate over a steady window (make benchmark-gpu's), not the epoch's; no target on the CPU.
+    assert re.fullmatch(r"PASS \(steady: \d+ images in [\d.]+ s, [\d.]+ s before left out\)", rows["dp1 synthetic"]["result"])
+    assert float(rows["dp1 synthetic"]["rate"]) > 0
+    assert rows["dp1 synthetic"]["target"] == "-"
     assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
     assert rows["ddp jpeg"]["mfu"] == "-" and "0 CUDA kernels" in rows["profile trace"]["result"]
-    assert "5 passed, 0 failed" in result.stdout
+    assert "6 passed, 0 failed" in result.stdout
 
 
 def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):

@@ -2,6 +2,7 @@
 
     python tools/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
     python tools/benchmark.py --quick              # fewer images, for a smoke test
+    python tools/benchmark.py --gpu                # the GPU at steady state (tools/benchmark_gpu.py; make benchmark-gpu)
     python tools/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
     python tools/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
     python tools/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
@@ -15,8 +16,7 @@ a. Input pipeline, images/s of ONE DataLoader worker on ImageNet-sized JPEGs (ge
 b. Training images/s of train_dp.py, train_ddp.py (torchrun) and train_spawn.py on --dummy
    data and on the JPEG folder at two global batch sizes, and of the articles' classic loop
    (classic pipeline, a .item() per step) on the same model and data.
-c. With a CUDA GPU: ResNet-50 at 224 px on synthetic data, fp32 vs bf16 + channels_last
-   (+ torch.compile): images/s and peak memory.
+c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): the GPU at steady state.
 --resize-compare: images/s of ONE loader worker (our pipeline) on the JPEGs as they are and on copies
    made by prepare_imagenet.py's --resize 256 / 160, with their average size and the cost of making them.
 --augment-compare: images/s of ONE loader worker of the training pipeline (decode, crop, flip, then
@@ -416,52 +416,10 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
         print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
 
 
-def gpu_row(amp, channels_last, compiled, steps):
-    """(images/s, peak GiB) of ResNet-50 training steps at 224 px, batch 256, on the first GPU."""
-    from torchvision import models
-    model = models.resnet50().cuda()
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
-    optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9)
-    step_model = torch.compile(model) if compiled else model
-    images = torch.randn(256, 3, 224, 224, device="cuda").contiguous(memory_format=memory_format)
-    target = torch.randint(0, 1000, (256,), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            loss = torch.nn.functional.cross_entropy(step_model(images), target)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    for _ in range(10):  # cuDNN autotuning and compilation happen here
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return steps * 256 / (time.perf_counter() - start), torch.cuda.max_memory_allocated() / 2**30
-
-
-def gpu_rows(steps):
-    """ResNet-50 at 224 px, synthetic data, on the first GPU; each row's peak memory is its own (the
-    previous row's model, optimizer and batch are freed before it starts)."""
-    import gc
-    torch.backends.cudnn.benchmark = True  # as train_*.py without --deterministic
-    rows = []
-    for name, amp, channels_last, compiled in [("fp32", None, False, False),
-                                               ("bf16 + channels_last", torch.bfloat16, True, False),
-                                               ("bf16 + channels_last + compile", torch.bfloat16, True, True)]:
-        gc.collect()
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        rows.append((name, *gpu_row(amp, channels_last, compiled, steps)))
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true",
+                        help="only the GPU at steady state: tools/benchmark_gpu.py (make benchmark-gpu), its flags after")
     parser.add_argument("--jpeg-dir", help="an ImageFolder of JPEGs (train/ and val/); default: generated")
     parser.add_argument("--quick", action="store_true", help="fewer images: a smoke test, not a measurement")
     parser.add_argument("--arch", default="resnet18", help="model of the training table (%(default)s)")
@@ -481,7 +439,11 @@ def main():
     parser.add_argument("--models", default=None, metavar="ARCH:PX,...",
                         help="models of --channels-last-compare (default: " +
                              ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS) + ")")
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.gpu:  # tools/benchmark_gpu.py, with the flags it takes (--only, --out, ...)
+        sys.exit(subprocess.run([sys.executable, str(REPO / "tools" / "benchmark_gpu.py"), *rest]).returncode)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.channels_last_compare:
         models = [(entry.split(":")[0], int(entry.split(":")[1])) for entry in args.models.split(",")] \
             if args.models else None
@@ -549,13 +511,8 @@ def main():
             print(f"| {data_name} | {batch} | " + " | ".join(f"{cell:.0f}" for cell in cells) + f" | {classic_cell} |",
                   flush=True)
 
-    print("\nc. GPU: ResNet-50, 224 px, batch 256, synthetic data\n")
-    if not gpu:
-        print("skipped: no CUDA GPU on this machine")
-        return
-    print("| precision | images/s | peak memory (GiB) |\n|---|---:|---:|")
-    for name, rate, memory in gpu_rows(steps=10 if args.quick else 50):
-        print(f"| {name} | {rate:.0f} | {memory:.1f} |")
+    if gpu:
+        print("\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ What a run says of itself (common/diagnostics.py): every GPU row logs its GPU id
 memory and TFLOP/s, and an MFU within (0, 100] on a GPU of known peak; a --profile trace holds CUDA kernels; running
 out of GPU memory (a batch far too large, --memory-history) ends in one line naming an allocator snapshot with its
 history; on several GPUs, a collective that times out leaves NCCL's Flight Recorder dump in the output directory.
-One table: row, flags, img/s, peak GPU memory, MFU, pass/fail. Exit status 1 if anything failed.
+The synthetic rows give images/s per GPU at steady state (make benchmark-gpu's window: one epoch of 80 steps of 256
+per GPU, start-up left out) beside issue 40's target where one applies; every GPU row but FSDP's steps the fused
+optimizer. One table: row, flags, img/s per GPU, target, peak GPU memory, MFU, pass/fail. Exit status 1 if anything
+failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
 import argparse
@@ -36,29 +39,22 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmark_gpu import STEADY_WITHIN, TARGETS, dummy_size, steady  # noqa: E402
+from jobs import CheckFailed, free_port, run  # noqa: E402
+
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND",
                     "WORKER_PER_NODE")
-
-
-class CheckFailed(Exception):
-    def __init__(self, message, output=None):
-        super().__init__(message)
-        self.output = output  # all a run printed, where it ran past its time
 
 
 @dataclass
@@ -71,6 +67,7 @@ class Row:
     images_per_second: float = float("nan")
     peak_gib: float = float("nan")
     mfu: str = "-"
+    target: str = "-"         # issue 40's images/s per GPU, where one applies, and whether it was met
     output_dir: Path = None
     extra: dict = field(default_factory=dict)
 
@@ -91,7 +88,7 @@ class Setup:
             tiny = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0"]
             self.jpeg_args = ["--data", str(self.jpeg_dir), *tiny, "-a", "tests.tiny_models:TinyNet", "--dropout",
                               "0", "--lr", "0.1", "-b", "8", "--epochs", "4", "-p", "1"]
-            self.synthetic_args = ["--dummy", "--dummy-size", "32", *tiny, "-a", "tests.tiny_models:TinyNet",
+            self.synthetic_args = ["--dummy", "--dummy-size", "64", *tiny, "-a", "tests.tiny_models:TinyNet",
                                    "-b", "8", "--epochs", "1", "-p", "1"]
         else:
             # The built-in demo set (generated on first use) at its preset: 32 px shapes that resnet18
@@ -125,62 +122,18 @@ class Setup:
             return [python, REPO / "train_spawn.py", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
         raise ValueError(mode)
 
-    def data_args(self, data, mode):
+    def synthetic_batch(self, mode):
+        """The global batch of the synthetic rows: 256 per GPU (ResNet-50 in bf16 as its anchors train it)."""
+        return 8 if self.cpu else 256 * (1 if mode == "dp1" else self.world)
+
+    def data_args(self, data, mode, compiled=False):
         if data == "jpeg" or self.cpu:
             return self.jpeg_args if data == "jpeg" else self.synthetic_args
-        # ResNet-50 at 224 px, 64 images per GPU (one GPU for dp1), 2 epochs of 30 steps: the table gives the second
-        # epoch's rate, after the first step's start-up (cuDNN's autotuning, compiling, the loader's start).
-        batch = 64 * (1 if mode == "dp1" else self.world)
-        return ["--dummy", "--dummy-size", str(batch * 30), "-a", "resnet50", "-b", str(batch), "--epochs", "2",
-                "-p", "10", "--dist-timeout", "300"]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def processes_marked(marker):
-    """Live processes whose environment holds GPU_CHECK_JOB=marker: a job and all it started, whatever
-    session they moved to (torchrun starts each worker in a session of its own)."""
-    needle, found = f"GPU_CHECK_JOB={marker}".encode(), []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def kill_marked(marker):
-    for pid in processes_marked(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def run(command, env, timeout):
-    """(exit status, output) of a job. On timeout it gets a SIGTERM (torchrun passes it on, the ranks
-    save and stop), 30 s later a SIGKILL; whatever of it is left when it ends is killed."""
-    marker = uuid.uuid4().hex
-    process = subprocess.Popen([str(part) for part in command], cwd=REPO, env={**env, "GPU_CHECK_JOB": marker},
-                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)
-        try:
-            output, _ = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill_marked(marker)
-            output, _ = process.communicate()
-        raise CheckFailed(f"no end after {timeout} s:\n{output[-1500:]}", output)
-    finally:
-        kill_marked(marker)  # loader workers, a rank stuck in a collective
-    return process.returncode, output
+        # ResNet-50 at 224 px, one epoch of 80 steps: the table gives the rate at steady state (make benchmark-gpu's
+        # window: the start-up, cuDNN's autotuning and compiling left out).
+        batch = self.synthetic_batch(mode)
+        return ["--dummy", "--dummy-size", str(dummy_size(80, batch, compiled)), "-a", "resnet50", "-b", str(batch),
+                "--epochs", "1", "-p", "10", "--dist-timeout", "300"]
 
 
 def keep_console(output_dir, output):
@@ -190,7 +143,7 @@ def keep_console(output_dir, output):
 
 
 def train(setup, mode, data, flags, output_dir, extra=(), timeout=None):
-    command = [*setup.command(mode), *setup.data_args(data, mode), *flags, *setup.extra_args, "--seed", "0",
+    command = [*setup.command(mode), *setup.data_args(data, mode, "--compile" in flags), *flags, *setup.extra_args, "--seed", "0",
                "--output-dir", output_dir, *extra]
     try:
         status, output = run(command, setup.env(), timeout or (300 if setup.cpu else 1200))
@@ -222,6 +175,11 @@ def check_training(setup, row, output):
     if not setup.cpu and not (0 <= float(last["gpu_idle_pct"] or -1) <= 100 and "GPU idle " in output):
         raise CheckFailed(f"no GPU idle share in log.csv ({last['gpu_idle_pct']!r}) or on the progress lines")
     row.mfu = last["mfu_pct"] or "-"
+    if row.data == "synthetic":
+        speed(setup, row, output, last)
+    optimizer = next((line for line in output.splitlines() if line.startswith("optimizer: ")), "")
+    if not setup.cpu and row.mode != "fsdp" and ", fused," not in optimizer:  # (FSDP's DTensors: torch's default)
+        raise CheckFailed(f"the optimizer is not the fused one on a GPU: {optimizer!r}")
     single = row.output_dir / "checkpoint.pth"
     if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file
         from common.sharded_checkpoint import export
@@ -229,6 +187,27 @@ def check_training(setup, row, output):
     state = torch.load(single, map_location="cpu", weights_only=True)
     model = build_model(state["arch"], state["num_classes"])
     model.load_state_dict(state["state_dict"])  # strict: every key, every shape
+
+
+def speed(setup, row, output, last):
+    """A synthetic row's images/s per GPU at steady state (make benchmark-gpu's window; else the epoch's, said so), its
+    MFU at that rate, and issue 40's target beside it where one applies (one GPU per process, ResNet-50)."""
+    devices = 1 if row.mode == "dp1" else setup.world  # (on the CPU: per process)
+    figures = steady(output, setup.synthetic_batch(row.mode), within=0.5 if setup.cpu else STEADY_WITHIN)
+    if figures is None:
+        row.result = "PASS (no steady window: the epoch's rate)"
+        return
+    epoch_rate = float(last["images_per_second"])
+    row.images_per_second = figures["images_per_second"] / devices
+    row.result = (f"PASS (steady: {figures['measured_images']} images in {figures['measured_seconds']:.1f} s, "
+                  f"{figures['excluded_seconds']:.1f} s before left out)")
+    if last["mfu_pct"]:
+        row.mfu = f"{float(last['mfu_pct']) * figures['images_per_second'] / epoch_rate:.3g}"
+    variant = ("bf16" if "--amp" in row.flags and "--channels-last" in row.flags else
+               "float32" if not row.flags else None)
+    if variant and row.mode in ("dp1", "ddp", "spawn") and not setup.cpu:
+        reached = row.images_per_second >= TARGETS[variant]
+        row.target = f">= {TARGETS[variant]} ({'met' if reached else 'NOT met'})"
 
 
 def check_row(setup, row):
@@ -446,11 +425,12 @@ def main(argv=None):
             print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
 
-    print("\n| row | flags | img/s | peak GPU memory (GiB) | MFU % | result |\n|---|---|---:|---:|---:|---|")
+    print("\n| row | flags | img/s per GPU | target | peak GPU memory (GiB) | MFU % | result |\n"
+          "|---|---|---:|---|---:|---:|---|")
     for row, _ in checks:
         rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
         peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
-        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {peak} | {row.mfu} | {row.result} |")
+        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {row.target} | {peak} | {row.mfu} | {row.result} |")
     print(f"\n{len(checks) - failures} passed, {failures} failed")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

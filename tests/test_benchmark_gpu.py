@@ -1,0 +1,116 @@
+"""tools/benchmark_gpu.py (`make benchmark-gpu`): the steady window read from the scripts' own progress lines, the
+trace's summary, and the harness run on the CPU (a tiny model) as it runs on a GPU."""
+import json
+import re
+import sys
+
+import pytest
+
+from common.meters import ProgressMeter
+from conftest import PYTHON, REPO, assert_ok, clean_env, run
+
+sys.path.insert(0, str(REPO / "tools"))
+from benchmark_gpu import progress_points, steady, steady_start, trace_summary, window_figures  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+BENCH = REPO / "tools" / "benchmark_gpu.py"
+
+
+def progress_output(seconds_per_interval, batch=256, every=10, waits=None):
+    """What a run prints: the scripts' own progress lines (ProgressMeter) of one epoch, a line every `every` steps,
+    the k-th after seconds_per_interval[:k+1] have passed, each with the images/s since the epoch's start and (waits:
+    the input wait and GPU idle % since then)."""
+    lines, elapsed = ["a library's warning", "Epoch: [1] [ 10/60]  ... 1.0 img/s"], 0.0  # (another epoch: ignored)
+    steps = every * len(seconds_per_interval)
+    meter = ProgressMeter(steps, "Epoch: [0]", lines.append)
+    for k, seconds in enumerate(seconds_per_interval):
+        elapsed += seconds
+        done = every * (k + 1)
+        wait = f"input wait {waits[k][0]}%; GPU idle {waits[k][1]}%" if waits else "input wait 0%; GPU idle 0%"
+        meter.display(done - 1, {"loss": 1.0, "acc1": 0.0, "acc5": 0.0}, lr=0.1,
+                      speed=(done * batch / elapsed, "0:00:01"), wait=wait)
+    return "\n".join(lines)
+
+
+def test_the_steady_window_leaves_out_the_start_and_the_slow_steps_after_it():
+    """Start-up (the first line) and cuDNN's autotuning or compiling (a slow interval) are left out: the rate is that
+    of the steps after them, read from the cumulative rates the progress lines print (to 0.1 img/s)."""
+    output = progress_output([9.0, 3.0, 0.64, 0.65, 0.64, 0.66, 0.65])
+    points = progress_points(output, 256)
+    assert [point.images for point in points] == [2560 * k for k in range(1, 8)]
+    first = steady_start(points)
+    assert first == 1  # the line after the slow interval (the first line's 9 s are no interval: the start)
+    figures = window_figures(points, first)
+    assert figures["images_per_second"] == pytest.approx(5 * 2560 / 3.24, rel=5e-4)  # (lines print 0.1 img/s)
+    assert figures["excluded_seconds"] == pytest.approx(12.0, rel=1e-4)
+    assert figures["measured_images"] == 5 * 2560 and figures["spread"] == pytest.approx(0.66 / 0.64, rel=1e-3)
+    assert steady(output, 256)["images_per_second"] == figures["images_per_second"]
+
+
+def test_a_run_that_never_settles_has_no_steady_window():
+    """The H100's JPEG run with 8 loader workers: the rate fell with every interval as the prefetched batches ran out
+    (3926, 3059, 2655, 2447, 2407, 1903 images/s): no figure is given for it, rather than one of a moment."""
+    intervals = [2560 / rate for rate in (3926, 3059, 2655, 2447, 2407, 1903)]
+    assert steady(progress_output([2.0, *intervals]), 256) is None
+    assert steady_start(progress_points(progress_output([2.0, 1.0, 1.0]), 256)) is None  # too few intervals
+
+
+def test_input_wait_and_gpu_idle_are_the_windows_share():
+    """The lines' percentages are of the time since the epoch's start: the window's share is what was added in it."""
+    # Waited 5 s of the first 10, then 0.2 s a second; idle 9 s, then 0.1 s a second: 20% and 10% in the window.
+    seconds = [10, 11, 12, 13, 14]
+    waits = [(round(100 * (5 + 0.2 * (t - 10)) / t), round(100 * (9 + 0.1 * (t - 10)) / t)) for t in seconds]
+    output = progress_output([10.0, 1.0, 1.0, 1.0, 1.0], waits=waits)
+    figures = window_figures(progress_points(output, 256), 1)
+    bound = 0.5 * (14 + 11) / 3  # the lines print whole percents
+    assert figures["input_wait_pct"] == pytest.approx(20, abs=bound) and figures["input_wait_pct"] != 41
+    assert figures["gpu_idle_pct"] == pytest.approx(10, abs=bound) and figures["gpu_idle_pct"] != 67
+
+
+def test_the_trace_summary_counts_steps_busy_time_waits_and_kernel_kinds(tmp_path):
+    """The CPU's steps (not the GPU's copies of their ranges), the GPU's busy time as the union of its overlapping
+    kernels, its idle share over their span, the host's waits and device-to-host copies, and kernels by kind."""
+    def event(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+    events = [event("ProfilerStep#3", "user_annotation", 0, 100), event("ProfilerStep#4", "user_annotation", 100, 60),
+              event("ProfilerStep#3", "gpu_user_annotation", 5, 100), event("ProfilerStep#4", "gpu_user_annotation", 105, 90),
+              event("sm90_xmma_fprop_implicit_gemm_bf16", "kernel", 10, 40),
+              event("void at::native::batch_norm_collect_statistics_channels_last_kernel", "kernel", 30, 40),  # overlaps
+              event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "kernel", 100, 20),  # attention, not cuDNN conv
+              event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 150, 10),
+              event("cudaStreamSynchronize", "cuda_runtime", 140, 25), event("aten::_local_scalar_dense", "cpu_op", 139, 27)]
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = trace_summary(path)
+    assert summary["steps"] == 2 and summary["cpu_ms_per_step"] == pytest.approx(0.080)
+    assert summary["gpu_busy_ms_per_step"] == pytest.approx((60 + 20 + 10) / 2 / 1000)  # 10-70, 100-120, 150-160
+    assert summary["gpu_idle_pct"] == pytest.approx(100 * (1 - 90 / 150))
+    assert summary["syncs_per_step"]["cudaStreamSynchronize"] == 0.5
+    assert summary["syncs_per_step"]["aten::_local_scalar_dense"] == 0.5
+    assert summary["device_to_host_copies_per_step"] == 0.5 and summary["kernels_per_step"] == 1.5
+    assert summary["gpu_ms_by_family_per_step"] == {"convolution (cuDNN)": 0.02, "batch norm": 0.02, "attention": 0.01,
+                                                    "memory copy": 0.005}
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    result = run([PYTHON, BENCH], env=clean_env(), timeout=120)
+    assert result.returncode == 0
+    assert result.stdout == ("benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure "
+                             "(--cpu tests the harness)\n")
+
+
+def test_the_harness_measures_real_runs_of_the_scripts_on_the_cpu(tmp_path):
+    """--cpu: the same harness on a tiny model, each row a real run of train_dp.py (one with a --profile trace); the
+    table, the rows' figures and the runs' outputs written to --out. (Its other rows run the same code with another
+    command: train_ddp.py under torchrun, a bare loop.)"""
+    result = run([PYTHON, BENCH, "--cpu", "--only", "^tiny$|profile", "--out", tmp_path], env=clean_env(), timeout=600)
+    output = assert_ok(result)
+    rows = {match[1]: match[2] for match in re.finditer(r"^\| (tiny[^|]*?) \| ([^|]+?) \|", output, re.MULTILINE)}
+    assert set(rows) == {"tiny"} and float(rows["tiny"]) > 0, output[-3000:]
+    assert re.search(r"^tiny, profile \(--profile 3:2\): 2 steps, CPU [\d.]+ ms per step", output, re.MULTILINE)
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert [row["name"] for row in saved["rows"]] == ["tiny", "tiny, profile"]
+    first = saved["rows"][0]["result"]
+    assert first["measured_images"] > 0 and first["excluded_seconds"] > 0 and first["met"] is True
+    assert (tmp_path / "table.md").read_text().strip() in output and (tmp_path / "runs.tar.gz").is_file()
