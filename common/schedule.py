@@ -56,19 +56,16 @@ def build_optimizer(model, config):
     recipes), adamw (betas and eps torch's defaults); each with --lr and --wd."""
     groups = parameter_groups(model, config.weight_decay, config.norm_weight_decay, config.bias_weight_decay)
     lr, decay = config.lr, config.weight_decay
-    # On a GPU, SGD and AdamW step every parameter in one fused kernel (torch's default, foreach, takes several per
-    # group); RMSprop has no fused form; a sharded model's parameters (DTensors) keep the default.
-    fused = {"fused": True} if all(type(p) is nn.Parameter and p.is_cuda for g in groups for p in g["params"]) else {}
     if config.opt.startswith("sgd"):
         return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, weight_decay=decay,
-                               nesterov=config.opt == "sgd-nesterov", **fused)
+                               nesterov=config.opt == "sgd-nesterov")
     if config.opt == "rmsprop":
         return torch.optim.RMSprop(groups, lr=lr, momentum=config.momentum, weight_decay=decay, eps=0.0316, alpha=0.9)
-    return torch.optim.AdamW(groups, lr=lr, weight_decay=decay, **fused)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=decay)
 
 
 # The hyperparameters the header names, where an optimizer has them.
-DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps", "fused")
+DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
 
 
 def describe_optimizer(optimizer, config):
@@ -81,8 +78,8 @@ def describe_optimizer(optimizer, config):
     settings = []
     for name in DESCRIBED:
         value = optimizer.defaults.get(name)
-        if name in ("nesterov", "fused"):
-            settings += [name] if value else []
+        if name == "nesterov":
+            settings += ["nesterov"] if value else []
         elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
             settings.append(f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}")
     where = {"norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights", "bias": " on biases"}

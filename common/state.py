@@ -144,12 +144,8 @@ def _restore_position(trainer, checkpoint, path):
 
 
 def _load_optimizer(trainer, checkpoint, path):
-    # Which implementation steps it (fused on a GPU: schedule.build_optimizer) is this run's, not the checkpoint's.
-    implementation = {key: trainer.optimizer.defaults[key] for key in ("fused", "foreach") if key in trainer.optimizer.defaults}
     try:
         trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
-        for group in trainer.optimizer.param_groups:
-            group.update(implementation)
     except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
         saved = checkpoint.get("args", {})
         names = ("norm_weight_decay", "bias_weight_decay")

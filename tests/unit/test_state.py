@@ -210,21 +210,3 @@ def test_an_fp16_run_resumes_with_the_scale_its_gradscaler_had(tmp_path):
     resumed.fit(resumed.model, resumed.model)
     scaler = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["scaler"]
     assert scaler["scale"] == 1024.0 and scaler["_growth_tracker"] == 7 + 3, scaler  # 3 more steps, no overflow
-
-
-def test_the_optimizer_s_implementation_is_the_resumed_run_s_not_the_checkpoint_s(tmp_path):
-    """On a GPU the optimizer is torch's fused one (schedule.build_optimizer), on the CPU torch's default: a checkpoint
-    keeps its groups' settings, fused included, and loading it must not carry a GPU run's fused=True into a CPU run
-    (or a CPU run's default into a GPU run). Here: a checkpoint written as a GPU run writes it, resumed on the CPU."""
-    flags = [*SMALL, *TINY_NET, "--output-dir", tmp_path]
-    first = started(*flags, "--epochs", "1")
-    first.fit(first.model, first.model)
-    assert not any(group["fused"] for group in first.optimizer.param_groups)  # the CPU: torch's default
-    saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
-    for group in saved["optimizer"]["param_groups"]:
-        group.update(fused=True, foreach=None)  # as an SGD built on a GPU saves it
-    torch.save(saved, tmp_path / "checkpoint.pth")
-    resumed = started(*flags, "--epochs", "2", "--resume", "auto")
-    assert [group["fused"] for group in resumed.optimizer.param_groups] == [None] * len(resumed.optimizer.param_groups)
-    assert resumed.optimizer.state_dict()["state"] and resumed.start_epoch == 1  # the momentum buffers were loaded
-    resumed.fit(resumed.model, resumed.model)
