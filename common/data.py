@@ -31,7 +31,7 @@ def per_process_batch(batch_size, world_size):
 
 
 # -j auto's most workers per process. One H100 trains ResNet-50 in bf16 at about 3,900 images/s; 8 workers decoding
-# ImageNet-sized JPEGs fed it about 2,000, 15 fed it all (docs/benchmarks.md, make benchmark-gpu).
+# ImageNet-sized JPEGs fell behind it (1,903 images/s by the epoch's end, and falling), 15 fed it all (docs/benchmarks.md).
 MAX_AUTO_WORKERS = 16
 
 

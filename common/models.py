@@ -276,7 +276,7 @@ def use_channels_last(choice, device, amp, model):
     for convolutional networks (two Conv2d layers or more; a vision transformer has one, its patch
     embedding) on the CPU (oneDNN's convolutions are fastest in NHWC), on GPUs with --amp (tensor
     cores read NHWC) and on GPUs whose float32 convolutions run on tensor cores (TF32: compute capability 8.0
-    and up, cuDNN's default; ResNet-50 1.36x on an H100); off on older GPUs in float32, for the networks measured not
+    and up, cuDNN's default; ResNet-50 1.35x on an H100); off on older GPUs in float32, for the networks measured not
     to gain (CHANNELS_LAST_NOT_FASTER), and for other models."""
     if choice != "auto":
         return choice == "on"

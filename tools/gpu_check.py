@@ -27,9 +27,9 @@ memory and TFLOP/s, and an MFU within (0, 100] on a GPU of known peak; a --profi
 out of GPU memory (a batch far too large, --memory-history) ends in one line naming an allocator snapshot with its
 history; on several GPUs, a collective that times out leaves NCCL's Flight Recorder dump in the output directory.
 The synthetic rows give images/s per GPU at steady state (make benchmark-gpu's window: one epoch of 80 steps of 256
-per GPU, start-up left out) beside issue 40's target where one applies; every GPU row but FSDP's steps the fused
-optimizer. One table: row, flags, img/s per GPU, target, peak GPU memory, MFU, pass/fail. Exit status 1 if anything
-failed.
+per GPU, 128 or 64 on a GPU of less than 40 or 20 GiB; start-up left out) beside issue 40's target (one H100's) on an
+H100 or H200. One table: row, flags, img/s per GPU, target, peak GPU memory, MFU, pass/fail. Exit status 1 if
+anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
 import argparse
@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmark_gpu import STEADY_WITHIN, TARGETS, dummy_size, steady  # noqa: E402
+from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, dummy_size, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
@@ -81,6 +81,8 @@ class Setup:
         self.gpus = 0 if cpu else torch.cuda.device_count()
         self.world = 2 if cpu else self.gpus  # processes of ddp / spawn rows
         self.bf16 = not cpu and torch.cuda.get_device_capability(0) >= (8, 0)
+        # Issue 40's targets are one H100's (an H200 at least the same): another GPU's figures have none.
+        self.targets_apply = not cpu and re.search(r"\bH(100|200)\b", torch.cuda.get_device_name(0)) is not None
         if cpu:
             from common import demo_data
             self.jpeg_dir = self.workdir / "jpegs"
@@ -123,8 +125,13 @@ class Setup:
         raise ValueError(mode)
 
     def synthetic_batch(self, mode):
-        """The global batch of the synthetic rows: 256 per GPU (ResNet-50 in bf16 as its anchors train it)."""
-        return 8 if self.cpu else 256 * (1 if mode == "dp1" else self.world)
+        """The global batch of the synthetic rows: 256 per GPU (ResNet-50 as its anchors train it; float32 holds 27 GiB
+        at 256), 128 on a GPU of less than 40 GiB, 64 under 20."""
+        if self.cpu:
+            return 8
+        import torch
+        gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+        return (256 if gib >= 40 else 128 if gib >= 20 else 64) * (1 if mode == "dp1" else self.world)
 
     def data_args(self, data, mode, compiled=False):
         if data == "jpeg" or self.cpu:
@@ -177,9 +184,6 @@ def check_training(setup, row, output):
     row.mfu = last["mfu_pct"] or "-"
     if row.data == "synthetic":
         speed(setup, row, output, last)
-    optimizer = next((line for line in output.splitlines() if line.startswith("optimizer: ")), "")
-    if not setup.cpu and row.mode != "fsdp" and ", fused," not in optimizer:  # (FSDP's DTensors: torch's default)
-        raise CheckFailed(f"the optimizer is not the fused one on a GPU: {optimizer!r}")
     single = row.output_dir / "checkpoint.pth"
     if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file
         from common.sharded_checkpoint import export
@@ -193,7 +197,7 @@ def speed(setup, row, output, last):
     """A synthetic row's images/s per GPU at steady state (make benchmark-gpu's window; else the epoch's, said so), its
     MFU at that rate, and issue 40's target beside it where one applies (one GPU per process, ResNet-50)."""
     devices = 1 if row.mode == "dp1" else setup.world  # (on the CPU: per process)
-    figures = steady(output, setup.synthetic_batch(row.mode), within=0.5 if setup.cpu else STEADY_WITHIN)
+    figures = steady(output, setup.synthetic_batch(row.mode), within=CPU_WITHIN if setup.cpu else STEADY_WITHIN)
     if figures is None:
         row.result = "PASS (no steady window: the epoch's rate)"
         return
@@ -203,9 +207,8 @@ def speed(setup, row, output, last):
                   f"{figures['excluded_seconds']:.1f} s before left out)")
     if last["mfu_pct"]:
         row.mfu = f"{float(last['mfu_pct']) * figures['images_per_second'] / epoch_rate:.3g}"
-    variant = ("bf16" if "--amp" in row.flags and "--channels-last" in row.flags else
-               "float32" if not row.flags else None)
-    if variant and row.mode in ("dp1", "ddp", "spawn") and not setup.cpu:
+    variant = "bf16" if "bf16" in row.flags and "--channels-last" in row.flags else "float32" if not row.flags else None
+    if variant and row.mode in ("dp1", "ddp", "spawn") and not setup.cpu and setup.targets_apply:
         reached = row.images_per_second >= TARGETS[variant]
         row.target = f">= {TARGETS[variant]} ({'met' if reached else 'NOT met'})"
 

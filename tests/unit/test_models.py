@@ -125,7 +125,7 @@ def test_channels_last_auto_is_on_where_it_was_measured_faster(monkeypatch):
     patches = nn.Sequential(nn.Conv2d(3, 8, 16, stride=16), nn.Flatten(), nn.Linear(8, 2))  # ViT-like: one conv
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert use_channels_last("auto", cpu, "none", cnn)
-    # Float32 on a GPU: on where its convolutions use TF32 tensor cores (ResNet-50 1.36x on an H100), not before.
+    # Float32 on a GPU: on where its convolutions use TF32 tensor cores (ResNet-50 1.35x on an H100), not before.
     for capability, expected in [((7, 0), False), ((8, 0), True), ((9, 0), True)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, found=capability: found)
         assert use_channels_last("auto", cuda, "bf16", cnn)
