@@ -30,9 +30,9 @@ from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 
 def load_image(path):
-    """An RGB image as a uint8 CHW tensor. JPEG and PNG are decoded by torchvision.io
-    (libjpeg-turbo, about 2.7x faster than PIL here: docs/benchmarks.md); other formats, and
-    files it cannot decode, go through PIL (whose error names a broken file)."""
+    """An RGB image as a uint8 CHW tensor. JPEGs are decoded by torchvision.io (libjpeg-turbo, about 2.7x faster
+    than PIL here: docs/benchmarks.md); other formats, PNG too, and files it cannot decode go through PIL (whose
+    error names a broken file)."""
     if decode_image is not None and path.lower().endswith(DECODED_BY_TORCHVISION):
         try:
             image = _torchvision_decoded(read_file(path))
@@ -41,7 +41,7 @@ def load_image(path):
         if image is not None:
             return image
     with open(path, "rb") as file:
-        return F.pil_to_tensor(Image.open(file).convert("RGB"))
+        return _pil_rgb(Image.open(file))
 
 
 def decode_bytes(data, extension):
@@ -51,19 +51,33 @@ def decode_bytes(data, extension):
         image = _torchvision_decoded(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if image is not None:
             return image
-    return F.pil_to_tensor(Image.open(io.BytesIO(data)).convert("RGB"))
+    return _pil_rgb(Image.open(io.BytesIO(data)))
 
 
-DECODED_BY_TORCHVISION = (".jpg", ".jpeg", ".png")
+# JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (libpng's "IDAT: incorrect data check",
+# then SIGSEGV: torchvision 0.29), where PIL raises an error that skips the file. A file is a JPEG by its first bytes.
+DECODED_BY_TORCHVISION = (".jpg", ".jpeg")
+JPEG_START = (0xFF, 0xD8, 0xFF)
 
 
 def _torchvision_decoded(encoded):
-    """torchvision.io's RGB uint8 image of the encoded bytes (a uint8 tensor), or None where it cannot decode them."""
+    """torchvision.io's RGB uint8 image of JPEG bytes (a uint8 tensor), or None where they are no JPEG (a PNG under a
+    .jpg name) or it cannot decode them."""
+    if tuple(encoded[:3].tolist()) != JPEG_START:
+        return None
     try:
-        image = decode_image(encoded, mode=ImageReadMode.RGB)
+        return decode_image(encoded, mode=ImageReadMode.RGB)
     except RuntimeError:
         return None
-    return image if image.dtype == torch.uint8 else F.to_dtype(image, torch.uint8, scale=True)  # a 16-bit PNG: uint16
+
+
+def _pil_rgb(image):
+    """A PIL image as an RGB uint8 CHW tensor; 16-bit grayscale (a PNG's) scaled to its high byte, as torchvision scales
+    it, not clipped to white, as PIL's convert("RGB") would."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        values = (torch.from_numpy(np.asarray(image, dtype=np.int32)).clamp(0, 65535) >> 8).to(torch.uint8)
+        return values.expand(3, *values.shape).contiguous()
+    return F.pil_to_tensor(image.convert("RGB"))
 
 
 class SyntheticImages(Dataset):

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -15,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 
-from conftest import (PYTHON, REPO, Job, SideBySide, ahead, free_port, make_image_folder, no_traceback_of_ours, once,
-                      process_stat, tiny_folder, worker_command)
+from conftest import (PYTHON, REPO, Job, SideBySide, ahead, clean_env, free_port, make_image_folder, no_traceback_of_ours,
+                      once, process_stat, run, tiny_folder, worker_command)
 
 RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
        "-p", "1", "--seed", "0"]
@@ -81,19 +82,37 @@ def jpeg_bytes(mode="RGB", fmt="JPEG", size=(40, 40), color=(200, 30, 30)):
     return buffer.getvalue()
 
 
+def damaged_png():
+    """A PNG of digits and lines whose compressed image data (IDAT) has 64 bytes flipped from offset 720: PIL raises
+    "broken data stream"; torchvision's decoder crashed the process on it (libpng's "IDAT: invalid distance too far
+    back", then SIGSEGV)."""
+    image, rng = Image.new("RGB", (64, 64), (255, 255, 255)), random.Random(0)
+    draw = ImageDraw.Draw(image)
+    for k in range(30):
+        x, y = rng.randrange(64), rng.randrange(64)
+        draw.text((x, y), str(k % 10), fill=(rng.randrange(256), 0, 0))
+        draw.line((x, y, rng.randrange(64), rng.randrange(64)), fill=(0, rng.randrange(256), 0), width=2)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())
+    data[720:784] = bytes(byte ^ 0xFF for byte in data[720:784])
+    return bytes(data)
+
+
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     return once(faulty_folder, tmp_path_factory)
 
 
 def faulty_folder(tmp_path_factory):
-    """The tiny shapes set, plus in train/ a truncated JPEG and an empty .jpg, in val/ random bytes
+    """The tiny shapes set, plus in train/ a truncated JPEG, an empty .jpg and a PNG with damaged data, in val/ random bytes
     named .jpg, and valid files in odd forms: CMYK and grayscale JPEG, PNG content under a .jpg
     name, RGBA PNG, 16-bit grayscale PNG."""
     root = make_image_folder(tmp_path_factory.mktemp("faulty"), train_per_class=8, val_per_class=4)
     whole = next((root / "train" / "circle").iterdir()).read_bytes()
     bad = {root / "train" / "circle" / "truncated.jpg": whole[: len(whole) // 3],
            root / "train" / "square" / "empty.jpg": b"",
+           root / "train" / "square" / "damaged.png": damaged_png(),
            root / "val" / "ring" / "garbage.jpg": os.urandom(2000)}
     odd = {root / "train" / "ring" / "cmyk.jpg": jpeg_bytes("CMYK", color=(0, 200, 200, 0)),
            root / "train" / "ring" / "gray.jpg": jpeg_bytes("L"),
@@ -141,8 +160,8 @@ def test_undecodable_images_are_skipped_warned_once_listed_and_counted(faulty, f
     assert [line.split("\t")[0] for line in listed] == bad
     rows = (out / "skipped-dp" / "log.csv").read_text().splitlines()
     column = rows[0].split(",").index("bad_images")
-    assert [row.split(",")[column] for row in rows[1:]] == ["3", "3"]
-    assert json.loads((out / "skipped-dp" / "summary.json").read_text())["bad_images"] == 3
+    assert [row.split(",")[column] for row in rows[1:]] == ["4", "4"]
+    assert json.loads((out / "skipped-dp" / "summary.json").read_text())["bad_images"] == 4
     assert re.findall(r"\((\d+) images\)", output) == ["12", "12"]  # 13 files in val/, one unreadable
     assert "Traceback" not in output
 
@@ -154,7 +173,7 @@ def test_ddp_ranks_pool_the_files_they_skipped(faulty, faulty_runs):
     assert returncode == 0, output[-3000:]
     assert sorted(set(re.findall(r"warning: rank [01]: skipped (\S+): cannot decode it", output))) == bad
     assert [line.split("\t")[0] for line in (out / "skipped-ddp" / "bad_images.txt").read_text().splitlines()] == bad
-    assert json.loads((out / "skipped-ddp" / "summary.json").read_text())["bad_images"] == 3
+    assert json.loads((out / "skipped-ddp" / "summary.json").read_text())["bad_images"] == 4
     assert re.findall(r"\((\d+) images\)", output) == ["12"]
 
 
@@ -169,6 +188,29 @@ def test_strict_data_ends_the_run_at_the_first_bad_file_in_one_line(faulty, faul
     others = [line for line in output.splitlines() if line.startswith("error:") and "cannot decode" not in line]
     assert all(re.match(r"error: (rank \d: )?another process of this job ended", line) for line in others), others
     assert no_traceback_of_ours(output), output[-3000:]
+
+
+def test_a_damaged_png_is_an_unreadable_file_in_a_process_that_goes_on(tmp_path):
+    """A file (ImageFiles) and bytes (a shard's sample, a Hugging Face row: decode_bytes) alike, under its own name or
+    a .jpg one: the decoder's error, which the loaders skip and name; never the process killed (SIGSEGV: exit -11)."""
+    path = tmp_path / "damaged.png"
+    path.write_bytes(damaged_png())
+    (tmp_path / "damaged-png.jpg").write_bytes(damaged_png())
+    script = f"""
+from common.datasets import UnreadableFile, decode_bytes, decoded, load_image
+data = open({str(path)!r}, "rb").read()
+for name, read in [("file", lambda: load_image({str(path)!r})), ("file named .jpg", lambda: load_image({str(tmp_path / 'damaged-png.jpg')!r})),
+                   ("bytes", lambda: decode_bytes(data, "png")), ("bytes named .jpg", lambda: decode_bytes(data, "jpg"))]:
+    try:
+        decoded(read)
+    except UnreadableFile as error:
+        print(f"{{name}}: {{error}}")
+"""
+    result = run([PYTHON, "-c", script], env=clean_env(), timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:]
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("libpng")]
+    assert lines == [f"{name}: broken data stream when reading image file"
+                     for name in ("file", "file named .jpg", "bytes", "bytes named .jpg")], result.stdout
 
 
 # ----------------------------------------------------------------------------- no fault hangs

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4"]
 
 
-def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with_pil(tmp_path, monkeypatch):
+def test_load_image_decodes_jpegs_with_torchvision_and_other_formats_png_too_with_pil(tmp_path, monkeypatch):
+    """JPEGs (by their first bytes) by torchvision.io; PNGs by PIL, since torchvision's PNG decoder crashed the process
+    on a damaged PNG (tests/test_data_faults.py); a PNG under a .jpg name too."""
     picture = Image.new("RGB", (30, 20), (200, 40, 10))
     picture.paste((10, 220, 30), (5, 5, 20, 15))
     # Which decoder ran: both, unchanged, count their calls (their pixels may agree to the bit).
@@ -27,8 +29,8 @@ def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with
     assert torchvision_decode is not None, "torchvision.io.decode_image is gone: load_image uses PIL alone"
     monkeypatch.setattr(datasets_module, "decode_image", lambda *a, **k: calls.append("torchvision") or torchvision_decode(*a, **k))
     monkeypatch.setattr(Image, "open", lambda *a, **k: calls.append("PIL") or pil_open(*a, **k))
-    for name, decoder in (("a.jpg", "torchvision"), ("a.png", "torchvision"), ("a.bmp", "PIL")):
-        picture.save(tmp_path / name)
+    for name, decoder in (("a.jpg", "torchvision"), ("a.png", "PIL"), ("png-inside.jpg", "PIL"), ("a.bmp", "PIL")):
+        picture.save(tmp_path / name, format="PNG" if "png" in name else None)
         calls.clear()
         image = load_image(str(tmp_path / name))
         assert calls == [decoder], name
@@ -37,6 +39,9 @@ def test_load_image_decodes_jpeg_and_png_with_torchvision_and_other_formats_with
         assert (image.int() - reference.int()).abs().max() <= 2, name  # two JPEG decoders may round apart
     Image.new("L", (8, 6), 90).save(tmp_path / "grey.png")
     assert load_image(str(tmp_path / "grey.png")).shape == (3, 6, 8)  # always RGB
+    # 16-bit grayscale: scaled to 8 bits as torchvision scales it (its high byte), not clipped to white by PIL.
+    Image.new("I;16", (8, 6), 40000).save(tmp_path / "grey16.png")
+    assert load_image(str(tmp_path / "grey16.png")).unique().tolist() == [40000 >> 8]
 
 
 def test_load_image_of_a_broken_file_names_it(tmp_path):
