@@ -61,12 +61,32 @@ def choose_seed(trainer, path, checkpoint):
     return distributed.shared_seed(seed)
 
 
-def refuse_to_replace_a_run(config, classes, checkpoints):
+def trained_outputs(output_dir, there):
+    """What in `output_dir` shows that a run trained there: its checkpoint files `there`, summary.json, log.csv's epoch
+    rows (a run stopped before its first epoch's end leaves a header alone, and may start over)."""
+    found = [path.name for path in there] + (["summary.json"] if (output_dir / "summary.json").is_file() else [])
+    try:
+        with open(output_dir / "log.csv") as file:
+            epochs = sum(1 for _ in file) - 1
+    except OSError:
+        epochs = 0
+    return found + ([f"log.csv of {epochs} epoch(s)"] if epochs > 0 else [])
+
+
+def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
-    --resume auto must not cost that run. Refused unless --overwrite says so."""
+    --resume auto must not cost that run; nor may --resume auto, where that run's checkpoints to continue from are
+    gone but its outputs are not (`resumed`: whether it found one). Refused unless --overwrite says so."""
     output_dir = Path(config.output_dir)
     there = checkpoints.existing(output_dir)
-    if not there or config.resume or config.evaluate or config.overwrite:
+    if config.evaluate or config.overwrite:
+        return
+    if config.resume == "auto" and not resumed:
+        found = trained_outputs(output_dir, there)
+        if found:
+            raise UsageError(f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no checkpoint to continue "
+                             "it from: start over with --overwrite (its outputs are replaced) or another --output-dir")
+    if not there or config.resume:
         return
     try:
         other = checkpoints.peek(there[0])
@@ -98,7 +118,7 @@ def start_run(trainer):
         seeding.set_determinism(trainer.deterministic)
         seed = choose_seed(trainer, path, checkpoint)
         datasets = trainer.build_datasets()
-        refuse_to_replace_a_run(config, list(datasets[0]), trainer.checkpoints)
+        refuse_to_replace_a_run(config, list(datasets[0]), trainer.checkpoints, resumed=checkpoint is not None)
         trainer.build(datasets, seed)
         if checkpoint is not None:
             state.restore(trainer, checkpoint, path)
