@@ -9,6 +9,7 @@ import pickle
 import re
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
 
 import torch
@@ -102,10 +103,25 @@ def first_readable(paths, load, warn):
     return None, None
 
 
+def check_crcs(path):
+    """UsageError where a record of the zip at `path` (torch.save's format) does not match its CRC-32: torch.load does
+    not check them, so a flipped bit loaded as a wrong weight. A file that is no zip is torch.load's to judge."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError):  # truncated, not a zip, an older torch.save format: torch.load says
+        return
+    if bad is not None:
+        raise UsageError(f"cannot read checkpoint {path}: corrupt (its record {bad} fails its CRC-32 check)")
+
+
 def load_checkpoint(path, mmap=False, weights=True):
-    """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed); a bare
-    state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap=True maps the tensors instead of reading
-    them (to look at the metadata alone). weights=False: a sharded checkpoint's state.pth, whose weights are apart."""
+    """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed) once every record
+    matches its CRC-32; a bare state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap=True maps the tensors
+    instead of reading them, unchecked (to look at the metadata alone). weights=False: a sharded checkpoint's
+    state.pth, whose weights are apart."""
+    if not mmap:
+        check_crcs(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:

@@ -172,6 +172,42 @@ def test_truncated_checkpoint_raises_usage_error(tmp_path):
         checkpoint.load_checkpoint(tmp_path / "truncated.pth")
 
 
+def flip_bytes_in_record(path, suffix, count=16):
+    """XOR `count` bytes in the middle of the data of the zip record of `path` whose name ends with `suffix` (a tensor's
+    storage): the file still loads with torch.load, one tensor's values changed."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        info = next(info for info in archive.infolist() if info.filename.endswith(suffix))
+    data = bytearray(path.read_bytes())
+    header = info.header_offset
+    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") \
+        + int.from_bytes(data[header + 28:header + 30], "little") + info.file_size // 2
+    data[start:start + count] = bytes(byte ^ 0xFF for byte in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+def test_a_bit_flipped_checkpoint_is_corrupt_and_resume_auto_falls_back_to_the_one_before(tmp_path):
+    """16 bytes XORed inside a tensor's storage: torch.load reads it without a word (values changed), so the records'
+    CRC-32s are checked first. --resume auto then warns and takes checkpoint_prev.pth, as for a truncated file."""
+    state = {"epoch": 1, "state_dict": small_resnet().state_dict()}
+    checkpoint.save_checkpoint(state, tmp_path, is_best=False)
+    checkpoint.save_checkpoint({**state, "epoch": 2}, tmp_path, is_best=False)
+    latest = tmp_path / "checkpoint.pth"
+    flip_bytes_in_record(latest, "/data/0")  # conv1.weight's storage
+    loaded = torch.load(latest, weights_only=True)  # what resumed before: no error, other weights
+    assert not torch.equal(loaded["state_dict"]["conv1.weight"], state["state_dict"]["conv1.weight"])
+    with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(latest))}: corrupt \(its record "
+                                         r"\S+/data/0 fails its CRC-32 check\)$"):
+        checkpoint.load_checkpoint(latest)
+    warned = []
+    path, resumed = checkpoint.load_resume("auto", tmp_path, warned.append)
+    assert path == tmp_path / "checkpoint_prev.pth" and resumed["epoch"] == 1
+    assert warned == [f"warning: cannot read checkpoint {latest}: corrupt (its record "
+                      f"{warned[0].split('record ')[1].split(' ')[0]} fails its CRC-32 check); resuming from the "
+                      f"previous checkpoint {tmp_path / 'checkpoint_prev.pth'}"]
+    assert checkpoint.load_checkpoint(latest, mmap=True)["epoch"] == 2  # a look at its metadata alone: unchecked
+
+
 def test_a_text_file_given_as_checkpoint_raises_usage_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello\n")
     with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(tmp_path / 'notes.txt'))}: "
