@@ -48,21 +48,38 @@ def save_checkpoint(state, output_dir, is_best):
     output_dir = Path(output_dir)
     latest, new = output_dir / CHECKPOINT, None
     state = {**state, "checkpoint_id": uuid.uuid4().hex}
+    written = False
     try:
         new = write_synced(latest, lambda file: torch.save(state, file))
         if latest.exists():
             link_or_copy(latest, output_dir / PREVIOUS)
         replace_synced(new, latest)
+        written = True
         if is_best:
             with open(latest, "rb") as source:
                 atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        if written:  # (the latest is this best epoch: a resume copies it, state.restore's repair_best)
+            raise CheckpointWriteError(f"could not copy {latest} to {BEST} ({reason}); the checkpoint itself is written "
+                                       f"and --resume auto writes {BEST} again from it") from None
         raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({reason}); "
                                    "the checkpoints already there are intact") from None
     finally:  # Ctrl-C, a full disk: no full-size temporary left behind
         if new is not None:
             new.unlink(missing_ok=True)
+
+
+def stale_best(checkpoint, path, latest, best, peek):
+    """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: that checkpoint is the latest
+    (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or older."""
+    epoch = checkpoint.get("epoch")
+    if checkpoint.get("best_epoch") != epoch or checkpoint.get("step_in_epoch") or Path(path).resolve() != latest.resolve():
+        return False
+    try:
+        return int(peek(best).get("epoch", -1)) < epoch if best.exists() else True
+    except UsageError:  # damaged
+        return True
 
 
 def resolve_resume(resume, output_dir):
@@ -201,6 +218,15 @@ class SingleFile:
     def write(self, checkpoint, output_dir, is_best, writes):
         if writes:
             save_checkpoint(checkpoint, output_dir, is_best)
+
+    def repair_best(self, checkpoint, path, output_dir, say):
+        """model_best.pth copied again from the resumed checkpoint where stale_best says so (its save wrote the
+        checkpoint but not model_best.pth: a full disk, a kill between the two)."""
+        output_dir = Path(output_dir)
+        if stale_best(checkpoint, path, output_dir / CHECKPOINT, output_dir / BEST, self.peek):
+            with open(path, "rb") as source:
+                atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+            say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: copied again from {path}")
 
     def wait(self):
         """Nothing to wait for: a single file is written when write() returns."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpoint import BEST, CHECKPOINT, check_weights, first_readable, load_checkpoint
+from .checkpoint import BEST, CHECKPOINT, check_weights, first_readable, load_checkpoint, stale_best
 from .errors import CheckpointWriteError, UsageError
 from .models import unwrap
 from .run_dir import atomic_write, fsync
@@ -174,6 +174,14 @@ class ShardedCheckpoints:
             raise _not_written(directory, error) from None
         self._complete(directory, state, is_best, writes)
 
+    def repair_best(self, checkpoint, path, output_dir, say):
+        """model_best.pth exported again from the resumed checkpoint where checkpoint.stale_best says so (its save
+        switched the links but did not export model_best.pth: a full disk, a kill between the two)."""
+        output_dir = Path(output_dir)
+        if stale_best(checkpoint, path, output_dir / LATEST, output_dir / BEST, self.peek):
+            export(path, output_dir / BEST)
+            say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: exported again from {path}")
+
     def wait(self):
         """Wait for the asynchronous save under way, if any, and make it the latest."""
         if self.pending is None:
@@ -190,12 +198,13 @@ class ShardedCheckpoints:
         model_best.pth."""
         if not writes:
             return
+        latest, previous, switched = self.output_dir / LATEST, self.output_dir / PREVIOUS, False
         try:
             atomic_write(directory / STATE, lambda file: torch.save(state, file))
-            latest, previous = self.output_dir / LATEST, self.output_dir / PREVIOUS
             if latest.is_symlink():
                 _link(previous, latest.readlink())
             _link(latest, Path(FOLDER) / directory.name)
+            switched = True
             keep = {directory.name, previous.readlink().name if previous.is_symlink() else None}
             for other in (self.output_dir / FOLDER).iterdir():
                 if other.name not in keep:
@@ -204,6 +213,9 @@ class ShardedCheckpoints:
                 export(directory, self.output_dir / BEST)
         except _failures() as error:  # a full disk, a shard unreadable for the export
             reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+            if switched:  # (the latest is this best epoch: a resume exports it, state.restore's repair_best)
+                raise CheckpointWriteError(f"could not export {directory} to {BEST} ({reason}); the checkpoint itself "
+                                           f"is complete and --resume auto exports {BEST} again from it") from None
             raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({reason}); "
                                        "the checkpoints already there are intact") from None
 

@@ -13,6 +13,7 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
   model_ema        with --model-ema, ModelEma.state_dict(): {"state_dict": the EMA's weights, which load into the
                    same plain model, "n_averaged": its updates since it last restarted}
   best_acc1, best_ema_acc1, epoch_lr (each parameter group's lr at the start of the epoch in progress: log.csv's)
+  best_epoch       the `epoch` of the checkpoint that model_best.pth holds (None: no best yet, or an older checkpoint)
   train_totals     the partial epoch's metric sums over all ranks (MetricSums.state_dict()), or None
   rng_states       every rank's random streams, in rank order (RandomStreams.state_dict())
   bad_images       the epoch's unreadable files, over all ranks (BadImageLog.state_dict())
@@ -63,7 +64,8 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
             "args": dict(vars(trainer.config)), "samples": samples(trainer),
             **trainer.checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
             "scheduler": trainer.scheduler.state_dict(), "scheduler_type": type(trainer.scheduler).__name__,
-            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer.best_acc1, "epoch_lr": trainer.epoch_lr,
+            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer.best_acc1, "best_epoch": trainer.best_epoch,
+            "epoch_lr": trainer.epoch_lr,
             "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
             "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
             "bad_images": trainer.bad_images.state_dict(), **ema}
@@ -88,6 +90,9 @@ def restore(trainer, checkpoint, path):
         _restore_scheduler(trainer, checkpoint, path)
         return
     _check_run(trainer, checkpoint, path)
+    trainer.best_epoch = checkpoint.get("best_epoch")
+    if trainer.log.writes:  # a save that wrote this checkpoint, the best, but not model_best.pth: written now
+        checkpoints.repair_best(checkpoint, path, config.output_dir, trainer.log.print)
     _restore_position(trainer, checkpoint, path)
     _load_optimizer(trainer, checkpoint, path)
     _restore_scheduler(trainer, checkpoint, path)

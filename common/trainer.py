@@ -60,7 +60,7 @@ class Trainer:
         self.log = RunLogger(config.output_dir, prints=runtime.is_main,
                              writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate)
         # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/state.py).
-        self.start_epoch, self.start_step, self.best_acc1, self.best_ema_acc1 = 0, 0, 0.0, 0.0
+        self.start_epoch, self.start_step, self.best_acc1, self.best_ema_acc1, self.best_epoch = 0, 0, 0.0, 0.0, None
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
         self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
@@ -246,7 +246,7 @@ class Trainer:
                 ema_val = self.evaluate(self.ema.module, label="EMA", epoch=epoch)
                 self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
             is_best = val["acc1"] > self.best_acc1
-            self.best_acc1 = max(val["acc1"], self.best_acc1)
+            self.best_acc1, self.best_epoch = max(val["acc1"], self.best_acc1), epoch + 1 if is_best else self.best_epoch
             bad_images = self.save(epoch + 1, is_best=is_best)
             self.log.log_epoch(epoch_row(epoch, epoch_start, self.epoch_lr, train, val,
                                          ema_val if self.ema is not None else None, bad_images))

@@ -117,6 +117,35 @@ def test_a_failed_write_says_so_and_leaves_the_checkpoints_there(group_of_one, t
     assert (tmp_path / LATEST).readlink() == before
 
 
+def test_a_best_epoch_whose_export_failed_is_exported_again_on_resume(group_of_one, tmp_path):
+    """The links switched to the best epoch's checkpoint, its export to model_best.pth failed (a full disk): the line
+    says so, and the resumed run exports it again (it stayed an older epoch for good before)."""
+    trainer = trained(tmp_path)  # (one step; the schedule stands where trained epochs leave it)
+    for _ in range(trainer.steps_per_epoch - 1):
+        trainer.scheduler.step()
+    trainer.best_acc1, trainer.best_epoch = 20.0, 1
+    trainer.save(1, is_best=True)
+    best = tmp_path / "model_best.pth"
+    for _ in range(trainer.steps_per_epoch):
+        trainer.scheduler.step()
+    trainer.best_acc1, trainer.best_epoch = 25.0, 2
+    kept = best.read_bytes()
+    best.unlink()
+    best.mkdir()  # model_best.pth cannot be replaced: the export fails, as on a full disk
+    with pytest.raises(CheckpointWriteError, match=r"^could not export \S+ to model_best.pth \(Is a directory\); the "
+                                                   r"checkpoint itself is complete and --resume auto exports"):
+        trainer.save(2, is_best=True)
+    best.rmdir()
+    best.write_bytes(kept)  # the earlier best (epoch 1), as the failed export left it
+    resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
+    path, checkpoint = resumed.checkpoints.load_resume("auto", tmp_path, warn=print)
+    said = []
+    resumed.log.print = said.append
+    state.restore(resumed, checkpoint, path)
+    assert torch.load(best, weights_only=True)["epoch"] == 2
+    assert said == [f"warning: {best} did not hold the best epoch 2: exported again from {path}"]
+
+
 def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one, tmp_path):
     """train_fsdp.py --resume auto where train_ddp.py's checkpoint.pth is, and train_ddp.py's where train_fsdp.py's
     checkpoint/ is: one line each, not a fresh start that would delete that run's files."""

@@ -81,7 +81,7 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
     assert loaded["format_version"] == state.FORMAT_VERSION == 1
     assert {"epoch", "step_in_epoch", "arch", "num_classes", "classes", "seed", "world_size", "deterministic", "args",
             "samples", "state_dict", "optimizer", "scheduler", "scheduler_type", "scaler", "model_ema", "best_acc1",
-            "best_ema_acc1", "epoch_lr", "train_totals", "rng_states", "bad_images"} == set(loaded) - {"format_version"}
+            "best_ema_acc1", "best_epoch", "epoch_lr", "train_totals", "rng_states", "bad_images"} == set(loaded) - {"format_version"}
     assert loaded["scheduler"] == {"last_epoch": 0, "steps_per_epoch": 3} and loaded["samples"] == {"train": 12, "val": 6, "steps": 3}
     for key in ("state_dict", "model_ema"):
         plain = TinyNet(num_classes=3)
@@ -210,3 +210,39 @@ def test_an_fp16_run_resumes_with_the_scale_its_gradscaler_had(tmp_path):
     resumed.fit(resumed.model, resumed.model)
     scaler = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["scaler"]
     assert scaler["scale"] == 1024.0 and scaler["_growth_tracker"] == 7 + 3, scaler  # 3 more steps, no overflow
+
+
+def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp_path, capsys):
+    """A save of the best epoch writes checkpoint.pth, then copies it to model_best.pth: a failure between the two (a
+    full disk, a kill) says so in its line, and the resumed run copies it again. model_best.pth stayed an older, worse
+    epoch for good before (the latest recorded the new best accuracy, so no later epoch was 'best')."""
+    from common.errors import CheckpointWriteError
+    flags = [*SMALL, *TINY_NET, "--epochs", "3", "--output-dir", tmp_path]
+    trainer = started(*flags)
+    trainer.optimizer.step()  # (no gradients: nothing moves; the schedule stands where a trained epoch leaves it)
+    for _ in range(trainer.steps_per_epoch):
+        trainer.scheduler.step()
+    trainer.best_acc1, trainer.best_epoch = 20.0, 1
+    trainer.save(1, is_best=True)
+    best = tmp_path / "model_best.pth"
+    assert torch.load(best, weights_only=True)["epoch"] == 1
+    for _ in range(trainer.steps_per_epoch):
+        trainer.scheduler.step()
+    trainer.best_acc1, trainer.best_epoch = 25.0, 2
+    best.unlink()
+    best.mkdir()  # model_best.pth cannot be replaced: the copy fails, as on a full disk
+    with pytest.raises(CheckpointWriteError, match=rf"^could not copy {tmp_path / 'checkpoint.pth'} to model_best.pth "
+                                                   r"\(Is a directory\); the checkpoint itself is written and --resume "
+                                                   r"auto writes model_best.pth again from it$"):
+        trainer.save(2, is_best=True)
+    best.rmdir()
+    (tmp_path / "checkpoint_prev.pth").rename(best)  # what the failed copy left: the earlier best (epoch 1)
+    latest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    assert (latest["epoch"], latest["best_epoch"], latest["best_acc1"]) == (2, 2, 25.0)
+    capsys.readouterr()
+    resumed = started(*flags, "--resume", "auto")
+    assert f"warning: {best} did not hold the best epoch 2: copied again from {tmp_path / 'checkpoint.pth'}" \
+        in capsys.readouterr().out
+    assert torch.load(best, weights_only=True)["checkpoint_id"] == latest["checkpoint_id"] and resumed.best_epoch == 2
+    started(*flags, "--resume", "auto")  # model_best.pth is the best now: left alone
+    assert "did not hold the best" not in capsys.readouterr().out
