@@ -204,6 +204,11 @@ def start(*args, env):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+# The script's start (Python, torch, the archives' listing, its workers) before the state a test waits for: under the
+# suite's load on 2 cores, 30 s was seen to pass before a worker's first file.
+START_UP = 90
+
+
 def wait_for(what, condition, timeout=30):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -254,7 +259,7 @@ def test_killed_run_carries_on_without_redoing_finished_work(archives, images, t
     process = start(archives, out, "--skip-md5", "--workers", "1",
                     env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.3)))  # time to see, and kill
     try:
-        wait_for("a finished class, and one part-way", lambda: part_way_class(out))
+        wait_for("a finished class, and one part-way", lambda: part_way_class(out), timeout=START_UP)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
     finally:
@@ -280,7 +285,7 @@ def test_stop_signal_ends_it_within_seconds(archives, tmp_path, signum, code):
     out = tmp_path / "out"
     process = start(archives, out, "--skip-md5", "--workers", "2", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1)))
     try:
-        wait_for("a worker's temporary", lambda: temporaries(out / "train"))
+        wait_for("a worker's temporary", lambda: temporaries(out / "train"), timeout=START_UP)
         os.killpg(process.pid, signum)
         output, _ = process.communicate(timeout=10)
         assert process.returncode == code, output
@@ -296,7 +301,7 @@ def test_killed_worker_ends_the_run_and_a_rerun_completes(archives, images, tmp_
     out = tmp_path / "out"
     process = start(archives, out, "--skip-md5", "--workers", "2", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1)))
     try:
-        wait_for("a worker's temporary", lambda: temporaries(out / "train"))
+        wait_for("a worker's temporary", lambda: temporaries(out / "train"), timeout=START_UP)
         os.kill(workers(process)[0], signal.SIGKILL)  # mid-job: a temporary stands, its rename waits
         output, _ = process.communicate(timeout=30)
         assert process.returncode == 1 and output.strip().splitlines() == [WORKER_DIED], output
