@@ -4,6 +4,7 @@ Bad input (UsageError) is one line on stderr and exit code 2 (a checkpoint that 
 on request (Preempted) exits 75; Ctrl-C 130; a failure that is not this process's own fault (a lost peer, a
 killed loader worker) one line and 1. Anything else is a bug, and its traceback is the report.
 """
+import errno
 import os
 import signal
 import sys
@@ -11,6 +12,10 @@ import traceback
 
 from .console import say
 from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, end_with_launcher, stop_at_once_until_training
+
+
+# A write the file system refused: full, over quota, read-only, or over the process's file size limit (RLIMIT_FSIZE).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def known_failure(error):
@@ -38,6 +43,9 @@ def outcome(error):
         return PREEMPTED_EXIT_CODE, str(error) or None  # (no text: the trainer said where its checkpoint is)
     if isinstance(error, KeyboardInterrupt):
         return 130, None
+    if isinstance(error, OSError) and error.errno in DISK_FULL:  # log.csv, summary.json, ... (checkpoints: their own)
+        return 1, (f"error: could not write {error.filename or 'an output file'} ({error.strerror}); the checkpoints "
+                   "already there are intact: make room, then --resume auto goes on from the last one")
     line = known_failure(error) if isinstance(error, RuntimeError) else None
     return None if line is None else (1, line)
 

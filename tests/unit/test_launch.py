@@ -1,6 +1,7 @@
 """common/launch.py: the one exception ladder of the three scripts: bad input one line and exit 2 (a checkpoint that
 could not be written: 1), a stop on request 75, Ctrl-C 130, a lost peer or loader worker one line and 1, a bug its
 traceback; a spawned worker ends through the same ladder, its usage line handed to the parent."""
+import errno
 import subprocess
 
 import pytest
@@ -21,6 +22,14 @@ from conftest import PYTHON, REPO, clean_env
      (1, "error: DataLoader worker (pid 7) is killed by signal: Killed. (out of memory? fewer --workers use less)")),
     (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
      (1, "error: another process of this job ended, see its error; this one stops too")),
+    # A full disk while log.csv or summary.json is written (a checkpoint's is CheckpointWriteError): one line, not a
+    # traceback; another OSError is a bug's.
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/summary.json"),
+     (1, "error: could not write /runs/x/summary.json (No space left on device); the checkpoints already there are "
+         "intact: make room, then --resume auto goes on from the last one")),
+    (OSError(errno.EFBIG, "File too large"), (1, "error: could not write an output file (File too large); the checkpoints "
+                                        "already there are intact: make room, then --resume auto goes on from the last one")),
+    (OSError(errno.EISDIR, "Is a directory", "/runs/x/log.csv"), None),
     (RuntimeError("a bug of ours"), None), (TypeError("another"), None)])
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):
     assert outcome(error) == ended
