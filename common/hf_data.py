@@ -83,10 +83,27 @@ def _splits(root):
         raise UsageError(f"--data {root}: its {train} split has no {'image' if image is None else 'label'} column "
                          f"(columns: {', '.join(features)}); it needs a column of images (datasets.Image) and one of "
                          "class indices (a ClassLabel, or integers named label)")
+    _check_validation(root, loaded, train, val, image, label)
     rows = {split: HFRows(loaded[split], image, label, f"{root}/{split}") for split in (train, val)}
     count = max(int(rows[train].labels.max(initial=-1)), int(rows[val].labels.max(initial=-1))) + 1
     classes = getattr(features[label], "names", None) or [str(index) for index in range(count)]
     return list(classes), rows[train], rows[val]
+
+
+def _check_validation(root, loaded, train, val, image, label):
+    """The validation split has the train split's image and label columns, and a ClassLabel of the same class names in
+    the same order: its label k must name train's class k (else validation scores other classes, without a word)."""
+    theirs = loaded[val].features
+    missing = [name for name in (image, label) if name not in theirs]
+    if missing:
+        raise UsageError(f"--data {root}: its {val} split has no column {missing[0]!r}, which its {train} split has "
+                         f"(columns: {', '.join(theirs)}): the splits need the same image and label columns")
+    names = [getattr(loaded[split].features[label], "names", None) for split in (train, val)]
+    if names[0] != names[1] and None not in names:
+        k = next((k for k, pair in enumerate(zip(*names)) if pair[0] != pair[1]), min(map(len, names)))
+        said = [repr(split_names[k]) if k < len(split_names) else "none" for split_names in names]
+        raise UsageError(f"--data {root}: its {val} split's class {k} is {said[1]}, its {train} split's {said[0]} "
+                         f"({len(names[1])} and {len(names[0])} classes): a label must name the same class in both")
 
 
 class HFRows:
@@ -96,7 +113,11 @@ class HFRows:
     def __init__(self, split, image, label, where):
         import datasets
         self.where, self.image = where, image
-        self.labels = np.asarray(split.data.column(label).to_numpy(zero_copy_only=False), dtype=np.int64)
+        column = split.data.column(label)
+        if not pyarrow_types().is_integer(column.type):
+            raise UsageError(f"--data {where}: its label column {label!r} holds {column.type}, not class indices: make it "
+                             "a ClassLabel (dataset.class_encode_column) or integers")
+        self.labels = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int64)
         if len(self.labels) == 0:
             raise UsageError(f"--data {where}: the split has no rows")
         missing = np.flatnonzero(self.labels < 0)
@@ -109,13 +130,21 @@ class HFRows:
         return len(self.labels)
 
     def encoded(self, index):
-        """(bytes, file extension) of row `index`'s image (an image stored as a path: the file's bytes)."""
+        """(bytes, file extension) of row `index`'s image (an image stored as a path: the file's bytes); a row without
+        an image raises (an unreadable row, skipped and named as one)."""
         cell = self.rows[int(index)][self.image]
+        if cell is None:
+            raise ValueError("the row has no image")
         path = cell.get("path") or ""
         data = cell.get("bytes") or Path(path).read_bytes()
         return data, Path(path).suffix.lstrip(".") or "jpg"
 
     def name(self, index):
         """SPLIT[ROW], and the image's file name where the dataset keeps one: how a row that cannot be read is named."""
-        path = self.rows[int(index)][self.image].get("path")
+        path = (self.rows[int(index)][self.image] or {}).get("path")
         return f"{self.where}[{index}]" + (f":{Path(path).name}" if path else "")
+
+
+def pyarrow_types():
+    import pyarrow  # (datasets' own dependency)
+    return pyarrow.types
