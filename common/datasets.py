@@ -148,7 +148,8 @@ class ShardedImages(ImageFiles):
 
     def __getitem__(self, index):
         shard, offset, size, extension = self.samples.location(index)
-        image = decoded(lambda: decode_bytes(self.reader.read(shard, offset, size), extension))
+        member = self.samples.member(index)  # (its tar header, read with it, must name it: the index is this shard's)
+        image = decoded(lambda: decode_bytes(self.reader.read(shard, offset, size, member), extension))
         return image, int(self.samples.labels[index])
 
 

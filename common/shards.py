@@ -81,7 +81,38 @@ def read_index(shard, path=None):
         raise UsageError(f"{path} is no shard index of version {INDEX_VERSION}")
     if not np.array_equal(arrays["shard"], shard_stamp(shard)):
         raise UsageError(f"{path} no longer matches {Path(shard).name} (its size or modification time changed)")
+    # Size and time alike, it may still be another shard's (two swapped: tar sizes round to 10 KiB, and shards written
+    # in one clock tick share a time): its first and last samples must be the members the shard holds there.
+    ends = {0, len(arrays["offsets"]) - 1} if len(arrays["offsets"]) else set()
+    names = bytes(arrays["names"]).split(b"\0")
+    try:
+        with open(shard, "rb") as file:
+            for k in sorted(ends):
+                file.seek(int(arrays["offsets"][k]) - TAR_BLOCK)
+                check_member(file.read(TAR_BLOCK), os.fsdecode(names[k]), int(arrays["sizes"][k]))
+    except OSError as error:
+        raise UsageError(f"{path} no longer matches {Path(shard).name} ({error})") from None
     return arrays
+
+
+TAR_BLOCK = 512  # a tar member's header: the block before its data
+
+
+def check_member(header, name, size):
+    """OSError unless the tar `header` (the 512 bytes before a member's data) is that of member `name` of `size` bytes:
+    an index's offset is then into the shard it was made of. (A name too long for the header, which a pax or GNU record
+    before it holds, is checked as far as the header holds it.)"""
+    found = header[0:100].split(b"\0", 1)[0]
+    prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+    found = os.fsdecode(prefix + b"/" + found if prefix else found)
+    field = header[124:136]
+    try:  # octal text, or (GNU, for 8 GiB and more) a base-256 number
+        stored = int.from_bytes(field[1:], "big") if field[:1] == b"\x80" else int(field.split(b"\0")[0].strip() or b"0", 8)
+    except ValueError:
+        stored = None
+    if stored != size or not (found == name or (len(found) >= 99 and name.startswith(found))):
+        raise OSError(f"the shard holds {found or 'no member'!r} ({stored} bytes) where its index says {name!r} ({size} "
+                      "bytes): the index is another shard's (a shard renamed or replaced after it was indexed?)")
 
 
 def shard_samples(shard, cache=None):
@@ -204,7 +235,9 @@ class ShardReader:
     def __init__(self):
         self.pid, self.files = None, {}
 
-    def read(self, path, offset, size):
+    def read(self, path, offset, size, member=None):
+        """The `size` bytes at `offset` in shard `path`; with `member` (its KEY.EXTENSION), read with the tar header
+        before them in the same read, which must name it (check_member)."""
         if self.pid != os.getpid():
             self.close()
             self.pid = os.getpid()
@@ -214,10 +247,13 @@ class ShardReader:
                 os.close(self.files.pop(next(iter(self.files))))  # the least recently read
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.files[path] = fd  # (last: the most recently read)
-        data = os.pread(fd, size, offset)
-        if len(data) < size:
-            raise OSError(f"the shard ends {size - len(data)} bytes before this sample does (cut short)")
-        return data
+        header = TAR_BLOCK if member is not None else 0
+        data = os.pread(fd, size + header, offset - header)
+        if len(data) < size + header:
+            raise OSError(f"the shard ends {size + header - len(data)} bytes before this sample does (cut short)")
+        if member is not None:
+            check_member(data[:header], member, size)
+        return data[header:]
 
     def close(self):
         for fd in self.files.values():

@@ -233,3 +233,42 @@ def test_shards_in_a_folder_that_cannot_be_written_keep_their_index_in_the_outpu
     finally:
         for folder in folders:
             immutable(folder, False)
+
+
+def test_two_shards_that_swapped_places_are_indexed_again_not_read_with_each_other_s_index(tmp_path):
+    """Tar sizes round to 10 KiB and shards written in one clock tick share a time, so two shards renamed into each
+    other's place (or an index copied with cp -p onto another shard's) passed the (size, time) stamp, and their samples
+    were read under the other's names and labels. The first and last samples' tar headers must name them: else the
+    shard is indexed again, and a read whose header names another member fails as an unreadable sample."""
+    root = tmp_path / "swapped"
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+    shards = [root / "train" / f"train-{n}.tar" for n in range(2)]
+    for n, shard in enumerate(shards):  # the same sizes, other keys, images and labels
+        webdataset_tar(shard, [item for k in range(3) for item in (
+            (f"shard{n}-{k}.png", bytes([n]) * (10 + k)), (f"shard{n}-{k}.cls", str(n).encode()))])
+        os.utime(shard, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    webdataset_tar(root / "val" / "val-0.tar", [("v.png", b"v"), ("v.cls", b"0")])
+    _, train, _ = scan_shards(root)
+    assert [train[i] for i in range(6)] == [(f"{shards[n]}:shard{n}-{k}", n) for n in range(2) for k in range(3)]
+    assert shards[0].stat().st_size == shards[1].stat().st_size
+    moved = root / "train" / "t"
+    shards[0].rename(moved)
+    shards[1].rename(shards[0])
+    moved.rename(shards[1])  # the .idx files stay: each now stands beside the other shard
+    with pytest.raises(UsageError, match=r"train-0\.idx no longer matches train-0\.tar \(the shard holds "
+                                         r"'shard1-0\.png' \(10 bytes\) where its index says 'shard0-0\.png'"):
+        read_index(shards[0])
+    import numpy as np
+    from common.shards import ShardIndex
+    with np.load(index_path(shards[0])) as stale:  # the index as it is, past the check: each read checks too
+        misread = ShardedImages(ShardIndex([shards[0]], [{name: stale[name] for name in stale.files}]))
+    with pytest.raises(UnreadableFile, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"):
+        misread[1]
+    _, train, _ = scan_shards(root)  # indexed again: each sample under its own name and label
+    assert [train[i] for i in range(6)] == [(f"{shards[n]}:shard{1 - n}-{k}", 1 - n) for n in range(2) for k in range(3)]
+    # A read at an offset whose header names another member (an index that passed as its shard's) is no image.
+    offset, size = int(train.offsets[1]), int(train.sizes[1])
+    with pytest.raises(OSError, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"):
+        ShardReader().read(str(shards[0]), offset, size, "shard0-1.png")
+    assert ShardReader().read(str(shards[0]), offset, size, "shard1-1.png") == bytes([1]) * 11
