@@ -72,12 +72,13 @@ def save_checkpoint(state, output_dir, is_best):
 
 def stale_best(checkpoint, path, latest, best, peek):
     """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: that checkpoint is the latest
-    (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or older."""
+    (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or another
+    checkpoint's (an earlier one's; or, after a resume from checkpoint_prev, the same epoch of the lost leg)."""
     epoch = checkpoint.get("epoch")
     if checkpoint.get("best_epoch") != epoch or checkpoint.get("step_in_epoch") or Path(path).resolve() != latest.resolve():
         return False
-    try:
-        return int(peek(best).get("epoch", -1)) < epoch if best.exists() else True
+    try:  # (model_best.pth is the checkpoint's copy, or its export: the same checkpoint_id)
+        return not best.exists() or peek(best).get("checkpoint_id") != checkpoint.get("checkpoint_id")
     except UsageError:  # damaged
         return True
 
@@ -124,12 +125,22 @@ def check_crcs(path):
     """UsageError where a record of the zip at `path` (torch.save's format) does not match its CRC-32: torch.load does
     not check them, so a flipped bit loaded as a wrong weight. A file that is no zip is torch.load's to judge."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
+        archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError):  # truncated, not a zip, an older torch.save format: torch.load says
         return
-    if bad is not None:
-        raise UsageError(f"cannot read checkpoint {path}: corrupt (its record {bad} fails its CRC-32 check)")
+    with archive:
+        for info in archive.infolist():
+            if info.CRC == 0:  # none written (torch.save with serialization.config.save.compute_crc32 off)
+                continue
+            try:
+                with archive.open(info) as record:  # (zipfile checks the CRC-32 at the record's end)
+                    while record.read(1 << 24):
+                        pass
+            except zipfile.BadZipFile:
+                raise UsageError(f"cannot read checkpoint {path}: corrupt (its record {info.filename} fails its "
+                                 "CRC-32 check)") from None
+            except (OSError, EOFError):  # cut short: torch.load says
+                return
 
 
 def load_checkpoint(path, mmap=False, weights=True):

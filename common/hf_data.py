@@ -91,15 +91,16 @@ def _splits(root):
 
 
 def _check_validation(root, loaded, train, val, image, label):
-    """The validation split has the train split's image and label columns, and a ClassLabel of the same class names in
-    the same order: its label k must name train's class k (else validation scores other classes, without a word)."""
+    """The validation split has the train split's image and label columns, and a ClassLabel whose class names are
+    train's, in the same order (or its first ones): its label k must name train's class k (else validation scores other
+    classes, without a word)."""
     theirs = loaded[val].features
     missing = [name for name in (image, label) if name not in theirs]
     if missing:
         raise UsageError(f"--data {root}: its {val} split has no column {missing[0]!r}, which its {train} split has "
                          f"(columns: {', '.join(theirs)}): the splits need the same image and label columns")
     names = [getattr(loaded[split].features[label], "names", None) for split in (train, val)]
-    if names[0] != names[1] and None not in names:
+    if None not in names and names[0][:len(names[1])] != names[1]:  # (train's first classes alone: the same labels)
         k = next((k for k, pair in enumerate(zip(*names)) if pair[0] != pair[1]), min(map(len, names)))
         said = [repr(split_names[k]) if k < len(split_names) else "none" for split_names in names]
         raise UsageError(f"--data {root}: its {val} split's class {k} is {said[1]}, its {train} split's {said[0]} "

@@ -44,8 +44,9 @@ def outcome(error):
     if isinstance(error, KeyboardInterrupt):
         return 130, None
     if isinstance(error, OSError) and error.errno in DISK_FULL:  # log.csv, summary.json, ... (checkpoints: their own)
-        return 1, (f"error: could not write {error.filename or 'an output file'} ({error.strerror}); the checkpoints "
-                   "already there are intact: make room, then --resume auto goes on from the last one")
+        where = f" ({error.filename})" if error.filename else ""  # (a write to an open file names none)
+        return 1, (f"error: a write failed: {error.strerror}{where}; the checkpoints already there are intact: make "
+                   "room, then --resume auto goes on from the last one")
     line = known_failure(error) if isinstance(error, RuntimeError) else None
     return None if line is None else (1, line)
 

@@ -62,21 +62,17 @@ def choose_seed(trainer, path, checkpoint):
 
 
 def trained_outputs(output_dir, there):
-    """What in `output_dir` shows that a run trained there: its checkpoint files `there`, summary.json, log.csv's epoch
-    rows (a run stopped before its first epoch's end leaves a header alone, and may start over)."""
-    found = [path.name for path in there] + (["summary.json"] if (output_dir / "summary.json").is_file() else [])
-    try:
-        with open(output_dir / "log.csv") as file:
-            epochs = sum(1 for _ in file) - 1
-    except OSError:
-        epochs = 0
-    return found + ([f"log.csv of {epochs} epoch(s)"] if epochs > 0 else [])
+    """What in `output_dir` a run left that is worth keeping: its checkpoint files `there` (model_best.pth), its
+    summary.json. (Not log.csv's rows: an epoch's row may outlive its checkpoint, as with --async-checkpoint, whose
+    save completes at the next one; a relaunch then starts over.)"""
+    return [path.name for path in there] + (["summary.json"] if (output_dir / "summary.json").is_file() else [])
 
 
 def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
     --resume auto must not cost that run; nor may --resume auto, where that run's checkpoints to continue from are
-    gone but its outputs are not (`resumed`: whether it found one). Refused unless --overwrite says so."""
+    gone but its model_best.pth or summary.json are not (`resumed`: whether it found one). Refused unless --overwrite
+    says so."""
     output_dir = Path(config.output_dir)
     there = checkpoints.existing(output_dir)
     if config.evaluate or config.overwrite:

@@ -204,11 +204,11 @@ class ShardedCheckpoints:
             if latest.is_symlink():
                 _link(previous, latest.readlink())
             _link(latest, Path(FOLDER) / directory.name)
-            switched = True
             keep = {directory.name, previous.readlink().name if previous.is_symlink() else None}
             for other in (self.output_dir / FOLDER).iterdir():
                 if other.name not in keep:
                     shutil.rmtree(other, ignore_errors=True)
+            switched = True
             if is_best:
                 export(directory, self.output_dir / BEST)
         except _failures() as error:  # a full disk, a shard unreadable for the export
@@ -254,7 +254,7 @@ def export(directory, out):
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(directory), no_dist=True)
     exported = {key: state[key] for key in ("epoch", "arch", "num_classes", "classes", "seed", "best_acc1",
-                                            "best_ema_acc1", "args") if key in state}
+                                            "best_ema_acc1", "args", "checkpoint_id") if key in state}
     exported.update(exported_from=str(directory), state_dict=template["state_dict"])
     if "model_ema" in template:
         exported["model_ema"] = {"state_dict": template["model_ema"]["state_dict"],

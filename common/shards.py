@@ -100,19 +100,22 @@ TAR_BLOCK = 512  # a tar member's header: the block before its data
 
 def check_member(header, name, size):
     """OSError unless the tar `header` (the 512 bytes before a member's data) is that of member `name` of `size` bytes:
-    an index's offset is then into the shard it was made of. (A name too long for the header, which a pax or GNU record
-    before it holds, is checked as far as the header holds it.)"""
-    found = header[0:100].split(b"\0", 1)[0]
-    prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-    found = os.fsdecode(prefix + b"/" + found if prefix else found)
+    an index's offset is then into the shard it was made of. A name the header cannot hold as it is (not ASCII, or
+    longer than its fields: a pax or GNU record before the header holds it, and the header a stand-in) is checked by
+    the size alone."""
+    raw = header[0:100].split(b"\0", 1)[0]
+    prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""  # (POSIX ustar's field)
+    found, expected = (prefix + b"/" + raw if prefix else raw), os.fsencode(name)
     field = header[124:136]
     try:  # octal text, or (GNU, for 8 GiB and more) a base-256 number
         stored = int.from_bytes(field[1:], "big") if field[:1] == b"\x80" else int(field.split(b"\0")[0].strip() or b"0", 8)
     except ValueError:
         stored = None
-    if stored != size or not (found == name or (len(found) >= 99 and name.startswith(found))):
-        raise OSError(f"the shard holds {found or 'no member'!r} ({stored} bytes) where its index says {name!r} ({size} "
-                      "bytes): the index is another shard's (a shard renamed or replaced after it was indexed?)")
+    verbatim = expected.isascii() and len(expected) <= 100  # (what every tar writer stores as it is)
+    if stored != size or (verbatim and found != expected):
+        raise OSError(f"the shard holds {os.fsdecode(found) or 'no member'!r} ({stored} bytes) where its index says "
+                      f"{name!r} ({size} bytes): the index is another shard's (a shard renamed or replaced after it "
+                      "was indexed?)")
 
 
 def shard_samples(shard, cache=None):

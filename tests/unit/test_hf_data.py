@@ -93,8 +93,8 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
         "reordered": (split(), split(names=("b", "a")),
                       r"its validation split's class 0 is 'b', its train split's 'a' \(2 and 2 classes\): a label must "
                       r"name the same class in both$"),
-        "fewer": (split(names=("a", "b", "c"), labels=(0, 2)), split(),
-                  r"its validation split's class 2 is none, its train split's 'c' \(2 and 3 classes\)"),
+        "more": (split(), split(names=("a", "b", "c"), labels=(0, 2)),
+                 r"its validation split's class 2 is 'c', its train split's none \(3 and 2 classes\)"),
         "renamed": (split(), split(image_column="img"),
                     r"its validation split has no column 'image', which its train split has \(columns: img, label\)"),
         "strings": (split(names=None, labels=("a", "b")), split(names=None, labels=("a", "b")),
@@ -104,6 +104,10 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
         datasets.DatasetDict({"train": train, "validation": val}).save_to_disk(str(tmp_path / name))
         with pytest.raises(UsageError, match=line):
             load_splits(tmp_path / name)
+    # A validation split of train's first classes, in their order: the same labels name the same classes.
+    datasets.DatasetDict({"train": split(names=("a", "b", "c"), labels=(0, 2)), "validation": split()}).save_to_disk(
+        str(tmp_path / "fewer"))
+    assert load_splits(tmp_path / "fewer")[0] == ["a", "b", "c"]
 
 
 def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):

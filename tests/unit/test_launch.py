@@ -25,10 +25,11 @@ from conftest import PYTHON, REPO, clean_env
     # A full disk while log.csv or summary.json is written (a checkpoint's is CheckpointWriteError): one line, not a
     # traceback; another OSError is a bug's.
     (OSError(errno.ENOSPC, "No space left on device", "/runs/x/summary.json"),
-     (1, "error: could not write /runs/x/summary.json (No space left on device); the checkpoints already there are "
+     (1, "error: a write failed: No space left on device (/runs/x/summary.json); the checkpoints already there are "
          "intact: make room, then --resume auto goes on from the last one")),
-    (OSError(errno.EFBIG, "File too large"), (1, "error: could not write an output file (File too large); the checkpoints "
-                                        "already there are intact: make room, then --resume auto goes on from the last one")),
+    (OSError(errno.EFBIG, "File too large"),  # (a write to an open file: no file named)
+     (1, "error: a write failed: File too large; the checkpoints already there are intact: make room, then --resume "
+         "auto goes on from the last one")),
     (OSError(errno.EISDIR, "Is a directory", "/runs/x/log.csv"), None),
     (RuntimeError("a bug of ours"), None), (TypeError("another"), None)])
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):

@@ -272,3 +272,20 @@ def test_two_shards_that_swapped_places_are_indexed_again_not_read_with_each_oth
     with pytest.raises(OSError, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"):
         ShardReader().read(str(shards[0]), offset, size, "shard0-1.png")
     assert ShardReader().read(str(shards[0]), offset, size, "shard1-1.png") == bytes([1]) * 11
+
+
+def test_names_a_tar_header_cannot_hold_as_they_are_are_checked_by_size(tmp_path):
+    """Non-ASCII and long names live in a pax record before the member's header, which holds a stand-in ('caf?.png',
+    the first 100 bytes): those samples' headers are checked by their size, and read; a short ASCII name must match."""
+    shard = tmp_path / "s.tar"
+    long_name = "d" * 60 + "/" + "e" * 80
+    samples = [("café.png", b"\x01" * 5), ("café.cls", b"0"), (f"{long_name}.png", b"\x02" * 7), (f"{long_name}.cls", b"1"),
+               ("x" * 96 + ".png", b"\x03" * 9), ("x" * 96 + ".cls", b"0")]  # (a name of exactly 100 bytes)
+    webdataset_tar(shard, samples)
+    write_index(shard, index_tar(shard)[0], shard_stamp(shard))
+    index = read_index(shard)  # its first and last samples' headers: checked, and it stays
+    reader, names = ShardReader(), bytes(index["names"]).split(b"\0")
+    for k, expected in enumerate((b"\x01" * 5, b"\x02" * 7, b"\x03" * 9)):
+        assert reader.read(str(shard), int(index["offsets"][k]), int(index["sizes"][k]), os.fsdecode(names[k])) == expected
+    with pytest.raises(OSError, match="where its index says 'y.png'"):
+        reader.read(str(shard), int(index["offsets"][2]), int(index["sizes"][2]), "y.png")

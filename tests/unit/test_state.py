@@ -246,3 +246,8 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     assert torch.load(best, weights_only=True)["checkpoint_id"] == latest["checkpoint_id"] and resumed.best_epoch == 2
     started(*flags, "--resume", "auto")  # model_best.pth is the best now: left alone
     assert "did not hold the best" not in capsys.readouterr().out
+    best.unlink()
+    best.mkdir()  # still no room for it: the resume goes on, saying so
+    assert started(*flags, "--resume", "auto").start_epoch == 2
+    assert f"warning: could not write model_best.pth again from {tmp_path / 'checkpoint.pth'} (" \
+        in capsys.readouterr().out
