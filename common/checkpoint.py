@@ -56,8 +56,7 @@ def save_checkpoint(state, output_dir, is_best):
         replace_synced(new, latest)
         written = True
         if is_best:
-            with open(latest, "rb") as source:
-                atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+            copy_to_best(latest, output_dir)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         if written:  # (the latest is this best epoch: a resume copies it, state.restore's repair_best)
@@ -68,6 +67,12 @@ def save_checkpoint(state, output_dir, is_best):
     finally:  # Ctrl-C, a full disk: no full-size temporary left behind
         if new is not None:
             new.unlink(missing_ok=True)
+
+
+def copy_to_best(path, output_dir):
+    """The checkpoint at `path` copied to model_best.pth in `output_dir`, atomically."""
+    with open(path, "rb") as source:
+        atomic_write(Path(output_dir) / BEST, lambda file: shutil.copyfileobj(source, file))
 
 
 def stale_best(checkpoint, path, latest, best, peek):
@@ -235,8 +240,7 @@ class SingleFile:
         checkpoint but not model_best.pth: a full disk, a kill between the two)."""
         output_dir = Path(output_dir)
         if stale_best(checkpoint, path, output_dir / CHECKPOINT, output_dir / BEST, self.peek):
-            with open(path, "rb") as source:
-                atomic_write(output_dir / BEST, lambda file: shutil.copyfileobj(source, file))
+            copy_to_best(path, output_dir)
             say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: copied again from {path}")
 
     def wait(self):

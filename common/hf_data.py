@@ -113,9 +113,10 @@ class HFRows:
 
     def __init__(self, split, image, label, where):
         import datasets
+        import pyarrow  # (datasets' own dependency)
         self.where, self.image = where, image
         column = split.data.column(label)
-        if not pyarrow_types().is_integer(column.type):
+        if not pyarrow.types.is_integer(column.type):
             raise UsageError(f"--data {where}: its label column {label!r} holds {column.type}, not class indices: make it "
                              "a ClassLabel (dataset.class_encode_column) or integers")
         self.labels = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -144,8 +145,3 @@ class HFRows:
         """SPLIT[ROW], and the image's file name where the dataset keeps one: how a row that cannot be read is named."""
         path = (self.rows[int(index)][self.image] or {}).get("path")
         return f"{self.where}[{index}]" + (f":{Path(path).name}" if path else "")
-
-
-def pyarrow_types():
-    import pyarrow  # (datasets' own dependency)
-    return pyarrow.types

@@ -179,7 +179,11 @@ class ShardedCheckpoints:
         switched the links but did not export model_best.pth: a full disk, a kill between the two)."""
         output_dir = Path(output_dir)
         if stale_best(checkpoint, path, output_dir / LATEST, output_dir / BEST, self.peek):
-            export(path, output_dir / BEST)
+            try:
+                export(path, output_dir / BEST)
+            except _failures() as error:  # (DCP's CheckpointException is a BaseException)
+                raise CheckpointWriteError(f"could not export {path} to {BEST} "
+                                           f"({getattr(error, 'strerror', None) or ' '.join(str(error).split())[:200]})") from None
             say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: exported again from {path}")
 
     def wait(self):

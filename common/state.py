@@ -94,7 +94,7 @@ def restore(trainer, checkpoint, path):
     if trainer.log.writes:  # a save that wrote this checkpoint, the best, but not model_best.pth: written now
         try:
             checkpoints.repair_best(checkpoint, path, config.output_dir, trainer.log.print)
-        except Exception as error:  # (still a full disk, a shard it cannot read): training goes on, model_best.pth later
+        except (OSError, UsageError) as error:  # (still a full disk, a shard it cannot read): training goes on
             trainer.log.print(f"warning: could not write model_best.pth again from {path} ({' '.join(str(error).split())[:200]}); "
                               "it holds an earlier epoch until a better one is saved")
     _restore_position(trainer, checkpoint, path)

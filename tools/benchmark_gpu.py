@@ -176,6 +176,13 @@ def dummy_size(steps, batch, compiled):
     return batches * batch * 1_281_167 // 50_000
 
 
+def at_window_rate(epoch, rate):
+    """log.csv's TFLOP/s and MFU of the epoch row `epoch` (the run's own FLOPs and peak) at the window's `rate` instead
+    of the epoch's (None where the run has none)."""
+    scale = rate / float(epoch["images_per_second"])
+    return {name: float(epoch[name]) * scale if epoch.get(name) else None for name in ("tflops_per_device", "mfu_pct")}
+
+
 def steady(output, batch, within=STEADY_WITHIN):
     """window_figures of a run's output over its steady window, or None where it has none."""
     points = progress_points(output, batch)
@@ -225,10 +232,8 @@ def measure(bench, repo, workdir, cpu, timeout):
     with open(out / "log.csv", newline="") as file:
         epoch = list(csv.DictReader(file))[-1]
     summary = json.loads((out / "summary.json").read_text())
-    epoch_rate = float(epoch["images_per_second"])
-    for name in ("tflops_per_device", "mfu_pct"):  # the run's FLOPs and peak, at the window's rate
-        figures[name] = float(epoch[name]) * figures["images_per_second"] / epoch_rate if epoch.get(name) else None
-    figures["epoch_images_per_second"] = epoch_rate
+    figures.update(at_window_rate(epoch, figures["images_per_second"]))
+    figures["epoch_images_per_second"] = float(epoch["images_per_second"])
     figures["gpu_peak_allocated_gib"] = float(epoch["gpu_peak_allocated_mib"]) / 1024 \
         if epoch.get("gpu_peak_allocated_mib") else None
     figures["forward_gflops_per_image"] = summary.get("forward_gflops_per_image")

@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, dummy_size, steady  # noqa: E402
+from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
@@ -201,12 +201,12 @@ def speed(setup, row, output, last):
     if figures is None:
         row.result = "PASS (no steady window: the epoch's rate)"
         return
-    epoch_rate = float(last["images_per_second"])
     row.images_per_second = figures["images_per_second"] / devices
     row.result = (f"PASS (steady: {figures['measured_images']} images in {figures['measured_seconds']:.1f} s, "
                   f"{figures['excluded_seconds']:.1f} s before left out)")
-    if last["mfu_pct"]:
-        row.mfu = f"{float(last['mfu_pct']) * figures['images_per_second'] / epoch_rate:.3g}"
+    mfu = at_window_rate(last, figures["images_per_second"])["mfu_pct"]
+    if mfu is not None:
+        row.mfu = f"{mfu:.3g}"
     variant = "bf16" if "bf16" in row.flags and "--channels-last" in row.flags else "float32" if not row.flags else None
     if variant and row.mode in ("dp1", "ddp", "spawn") and not setup.cpu and setup.targets_apply:
         reached = row.images_per_second >= TARGETS[variant]
