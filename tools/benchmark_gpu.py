@@ -49,7 +49,7 @@ STEADY_WITHIN = 0.10  # an interval's rate within this of the later half's media
 CPU_WITHIN = 4.0  # --cpu's self-test: steps of milliseconds on a shared CPU, any interval counts (the plumbing is tested)
 FEWEST_INTERVALS = 3  # a window of fewer intervals is no measurement
 PRINT_FREQ = 10
-H200_BEFORE = 1495  # resnet50 float32 images/s, the first GPU run (H200, -b 64, start-up included): issue 40's base
+H200_BEFORE = 1495  # resnet50 float32 images/s, the first GPU run (H200, -b 64, start-up included): the float32 row's base
 
 
 @dataclass
@@ -118,7 +118,7 @@ class Bench:
     args: tuple
     batch: int
     steps: int
-    target: str = ""     # what the row must reach (issue 40): ">= N img/s", "MFU >= N%", or a share of `versus`'s rate
+    target: str = ""     # what the row should reach: ">= N img/s", "MFU >= N%", or a share of `versus`'s rate
     versus: str = None   # the row whose rate `target` is a share of
     share: float = None  # (that share)
     data: str = "synthetic"  # or "jpeg"
@@ -126,7 +126,7 @@ class Bench:
     result: dict = field(default_factory=dict)
 
 
-# Issue 40's targets on one H100 (images/s per GPU; the float32 one is 1.4x the first GPU run's 1,495 on an H200).
+# The rates expected of one H100 (images/s per GPU; the float32 one is 1.4x the first GPU run's 1,495 on an H200).
 TARGETS = {"bf16": 3000, "bf16 compile": 3500, "float32": round(1.4 * H200_BEFORE)}
 
 
@@ -420,7 +420,7 @@ def table(rows, facts):
              f"{facts['torchvision']}, Python {facts['python']}, {facts['usable_cores']} usable CPU cores of "
              f"{facts['cpu_cores']}", "",
              "| row | images/s per GPU | measured | left out | TFLOP/s | MFU % | input wait % | GPU idle % | peak GiB "
-             "| batch per GPU | target | met |",
+             "| batch per GPU | expected | reached |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     traces = [bench for bench in rows if bench.profile and "steps" in bench.result]
     for bench in rows:

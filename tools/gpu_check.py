@@ -27,8 +27,8 @@ memory and TFLOP/s, and an MFU within (0, 100] on a GPU of known peak; a --profi
 out of GPU memory (a batch far too large, --memory-history) ends in one line naming an allocator snapshot with its
 history; on several GPUs, a collective that times out leaves NCCL's Flight Recorder dump in the output directory.
 The synthetic rows give images/s per GPU at steady state (make benchmark-gpu's window: one epoch of 80 steps of 256
-per GPU, 128 or 64 on a GPU of less than 40 or 20 GiB; start-up left out) beside issue 40's target (one H100's) on an
-H100 or H200. One table: row, flags, img/s per GPU, target, peak GPU memory, MFU, pass/fail. Exit status 1 if
+per GPU, 128 or 64 on a GPU of less than 40 or 20 GiB; start-up left out) beside the rate expected of one H100 on an
+H100 or H200. One table: row, flags, img/s per GPU, expected, peak GPU memory, MFU, pass/fail. Exit status 1 if
 anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
@@ -67,7 +67,7 @@ class Row:
     images_per_second: float = float("nan")
     peak_gib: float = float("nan")
     mfu: str = "-"
-    target: str = "-"         # issue 40's images/s per GPU, where one applies, and whether it was met
+    target: str = "-"         # the images/s per GPU expected of one H100, where it applies, and whether it was reached
     output_dir: Path = None
     extra: dict = field(default_factory=dict)
 
@@ -81,7 +81,7 @@ class Setup:
         self.gpus = 0 if cpu else torch.cuda.device_count()
         self.world = 2 if cpu else self.gpus  # processes of ddp / spawn rows
         self.bf16 = not cpu and torch.cuda.get_device_capability(0) >= (8, 0)
-        # Issue 40's targets are one H100's (an H200 at least the same): another GPU's figures have none.
+        # The rates expected are one H100's (an H200 at least the same): another GPU's figures have none.
         self.targets_apply = not cpu and re.search(r"\bH(100|200)\b", torch.cuda.get_device_name(0)) is not None
         if cpu:
             from common import demo_data
@@ -195,7 +195,7 @@ def check_training(setup, row, output):
 
 def speed(setup, row, output, last):
     """A synthetic row's images/s per GPU at steady state (make benchmark-gpu's window; else the epoch's, said so), its
-    MFU at that rate, and issue 40's target beside it where one applies (one GPU per process, ResNet-50)."""
+    MFU at that rate, and the rate expected beside it where one applies (one GPU per process, ResNet-50)."""
     devices = 1 if row.mode == "dp1" else setup.world  # (on the CPU: per process)
     figures = steady(output, setup.synthetic_batch(row.mode), within=CPU_WITHIN if setup.cpu else STEADY_WITHIN)
     if figures is None:
@@ -210,7 +210,7 @@ def speed(setup, row, output, last):
     variant = "bf16" if "bf16" in row.flags and "--channels-last" in row.flags else "float32" if not row.flags else None
     if variant and row.mode in ("dp1", "ddp", "spawn") and not setup.cpu and setup.targets_apply:
         reached = row.images_per_second >= TARGETS[variant]
-        row.target = f">= {TARGETS[variant]} ({'met' if reached else 'NOT met'})"
+        row.target = f">= {TARGETS[variant]} ({'reached' if reached else 'NOT reached'})"
 
 
 def check_row(setup, row):
@@ -428,7 +428,7 @@ def main(argv=None):
             print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
 
-    print("\n| row | flags | img/s per GPU | target | peak GPU memory (GiB) | MFU % | result |\n"
+    print("\n| row | flags | img/s per GPU | expected | peak GPU memory (GiB) | MFU % | result |\n"
           "|---|---|---:|---|---:|---:|---|")
     for row, _ in checks:
         rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
