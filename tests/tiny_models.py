@@ -36,6 +36,29 @@ def BlockNet(num_classes, dropout=0.0):
                          nn.Dropout(dropout), nn.Linear(64, num_classes))
 
 
+def _pauses(model):
+    """`model`, which sleeps for good at its Nth training forward in each process where PAUSE_AT_TRAINING_FORWARD=N
+    is set: a test that kills a job at a progress line kills it there, however late the line is read (a fast
+    run would otherwise end its epoch first). A hook, so the weights' names stay the model's."""
+    at, calls = int(os.environ.get("PAUSE_AT_TRAINING_FORWARD", 0)), [0]
+
+    def pause(module, inputs):
+        calls[0] += module.training
+        if at and calls[0] == at:
+            time.sleep(3600)
+    model.register_forward_pre_hook(pause)
+    return model
+
+
+def TinyNetThatPauses(num_classes, dropout=0.0):
+    return _pauses(TinyNet(num_classes, dropout))
+
+
+def AuxNetThatPauses(num_classes, dropout=0.0):
+    from examples.aux_model import build
+    return _pauses(build(num_classes, dropout))
+
+
 class _FailsAtStep(nn.Module):
     def __init__(self, model, step):
         super().__init__()
