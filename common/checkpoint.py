@@ -182,10 +182,13 @@ def check_weights(checkpoint, arch, classes, path):
     saved_arch = checkpoint.get("arch")
     if saved_arch and saved_arch != arch:
         raise UsageError(f"{path} holds a {saved_arch} model, not {arch}: pass --arch {saved_arch}")
-    saved_classes = checkpoint.get("classes")
-    if saved_classes and len(saved_classes) == len(classes) and list(saved_classes) != list(classes):
-        raise UsageError(f"{path} was trained on other classes ({', '.join(saved_classes[:3])}, ...) "
-                         f"than the data's ({', '.join(classes[:3])}, ...)")
+    saved_classes, classes = list(checkpoint.get("classes") or []), list(classes)
+    if saved_classes and len(saved_classes) != len(classes):
+        raise UsageError(f"{path} was trained on {len(saved_classes)} classes, the data has {len(classes)}")
+    if saved_classes != classes and saved_classes:
+        index = next(index for index, (a, b) in enumerate(zip(saved_classes, classes)) if a != b)
+        raise UsageError(f"{path} was trained on other classes than the data's: its class {index} is "
+                         f"{saved_classes[index]}, the data's {classes[index]}")
 
 
 def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):

@@ -65,7 +65,14 @@ def test_load_weights_trained_on_other_class_names_raises_usage_error(tmp_path):
     torch.save({"arch": "resnet18", "classes": ["cat", "dog", "fox"], "state_dict": small_resnet().state_dict()},
                tmp_path / "pets.pth")
     loaded = checkpoint.load_checkpoint(tmp_path / "pets.pth")
-    with pytest.raises(UsageError, match=r"trained on other classes \(cat, dog, fox, ...\)"):
+    with pytest.raises(UsageError, match=r"trained on other classes than the data's: its class 0 is cat, the data's circle$"):
+        checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "pets.pth")
+    # the classes that differ, not the first ones of each (the same here)
+    loaded["classes"] = ["circle", "ring", "star"]
+    with pytest.raises(UsageError, match=r"its class 2 is star, the data's square$"):
+        checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "pets.pth")
+    loaded["classes"] = ["circle", "ring"]
+    with pytest.raises(UsageError, match=r"pets.pth was trained on 2 classes, the data has 3$"):
         checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "pets.pth")
 
 
