@@ -10,7 +10,10 @@ value that every rank saves under the same key).
 DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
 and rank 0 has written state.pth, the links OUTPUT/checkpoint (the latest) and OUTPUT/checkpoint_prev (the one
 before) are switched (a new symbolic link renamed over the old: atomic), and the directories neither names are
-removed. A save that dies half-way leaves the links as they were. model_best.pth is a plain single file: the best
+removed. A save that dies half-way leaves the links as they were. state.pth records the size and CRC-32 of each of
+DCP's files (each rank reads a share of them back after the save); a resume checks them (each rank a share, all
+agreeing), so a truncated, missing or bit-flipped file is "corrupt" and --resume auto takes the checkpoint before,
+as for a single file (DCP itself checks none). model_best.pth is a plain single file: the best
 checkpoint's weights (and EMA) exported (export(), tools/export_checkpoint.py for any checkpoint), loadable with
 weights_only=True into the torchvision model.
 
@@ -20,6 +23,7 @@ DCP reads .metadata with pickle: a sharded checkpoint runs code when loaded, so 
 import shutil
 import uuid
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
@@ -42,6 +46,50 @@ def _failures():
 
 def is_sharded(path):
     return Path(path).is_dir() and (Path(path) / STATE).is_file()
+
+
+def _reason(error):
+    """One line for what DCP raised: the first failing rank's exception (a CheckpointException holds every rank's,
+    each with its traceback), an OSError by its message (No space left on device)."""
+    rank = ""
+    if getattr(error, "failures", None):
+        index, (error, _) = min(error.failures.items(), key=lambda item: item[0])
+        rank = f"rank {index}: "
+    if isinstance(error, OSError) and error.strerror:
+        text = error.strerror  # (its file is often a temporary one: the caller names what it wrote)
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return rank + " ".join(text.split())[:300]
+
+
+def _checksum(path):
+    """(size, CRC-32) of the file at `path`."""
+    size, crc = 0, 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            size, crc = size + len(chunk), zlib.crc32(chunk, crc)
+    return size, crc
+
+
+def _checksums(directory):
+    """{name: (size, CRC-32)} of DCP's files in the just-written `directory`, each rank reading a share (a collective)."""
+    names = sorted(path.name for path in Path(directory).iterdir() if path.name != STATE)
+    share = names[distributed.get_rank()::distributed.get_world_size()]
+    return {name: value for part in distributed.all_gather_object({name: _checksum(Path(directory) / name) for name in share})
+            for name, value in part.items()}
+
+
+def _check_files(directory, files, share=slice(None)):
+    """UsageError where a file that state.pth records (`files`: name -> (size, CRC-32)), of the sorted names' `share`,
+    is missing or not as written. A checkpoint of a version that recorded none is not checked."""
+    for name in sorted(files)[share]:
+        try:
+            found = _checksum(Path(directory) / name)
+        except OSError as error:
+            raise UsageError(f"cannot read checkpoint {directory}: its {name} is unreadable ({error.strerror})") from None
+        if tuple(found) != tuple(files[name]):
+            what = "fails its CRC-32 check" if found[0] == files[name][0] else f"holds {found[0]} bytes of {files[name][0]}"
+            raise UsageError(f"cannot read checkpoint {directory}: corrupt (its {name} {what})")
 
 
 def _options(**values):
@@ -77,22 +125,41 @@ class ShardedCheckpoints:
         if not resume:
             return None, None
         if resume == "auto":
-            found = [Path(output_dir) / name for name in (LATEST, PREVIOUS) if is_sharded(Path(output_dir) / name)]
+            # (a link whose directory is gone is tried too: it is said, and the one before taken)
+            found = [Path(output_dir) / name for name in (LATEST, PREVIOUS)
+                     if is_sharded(Path(output_dir) / name) or (Path(output_dir) / name).is_symlink()]
             if not found and (Path(output_dir) / CHECKPOINT).is_file():
                 raise UsageError(f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
                                  "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
                                  "or choose another --output-dir")
-            path, checkpoint = first_readable(found, lambda path: load_checkpoint(path / STATE, weights=False), warn)
+            path, checkpoint = first_readable(found, self._verified, warn)
             return (path and path.resolve()), checkpoint
         path = Path(resume)
         if path.is_dir():
             if not is_sharded(path):
                 raise UsageError(f"--resume {resume}: no {STATE} in it: give a sharded checkpoint's directory "
                                  f"(OUTPUT/{LATEST}), or --resume auto")
-            return path.resolve(), load_checkpoint(path / STATE, weights=False)
+            return path.resolve(), self._verified(path)
         if not path.is_file():
             raise UsageError(f"--resume {resume}: no such file or directory (give OUTPUT/{LATEST}, or --resume auto)")
         return path, load_checkpoint(path)
+
+    def _verified(self, path):
+        """The state.pth of the sharded checkpoint at `path`, once its files are as written: each rank checks a share,
+        and all raise the first rank's UsageError (a collective), so that all fall back alike."""
+        error, state = None, None
+        try:
+            if not Path(path).is_dir():
+                raise UsageError(f"cannot read checkpoint {path}: its directory {Path(path).readlink()} is gone")
+            state = load_checkpoint(Path(path) / STATE, weights=False)
+            share = slice(distributed.get_rank(), None, distributed.get_world_size())
+            _check_files(path, state.get("files", {}), share)
+        except UsageError as failure:
+            error = str(failure)
+        errors = [error for error in distributed.all_gather_object(error) if error]
+        if errors:
+            raise UsageError(errors[0])
+        return state
 
     def _load(self, path, part, template):
         import torch.distributed.checkpoint as dcp
@@ -100,8 +167,7 @@ class ShardedCheckpoints:
         try:
             dcp.load(state, checkpoint_id=str(path))
         except _failures() as error:  # each rank's failure: missing keys, other shapes, damaged files
-            detail = " ".join(str(error).split())
-            raise UsageError(f"cannot load the {part} of {path}: {detail[:300]}") from None
+            raise UsageError(f"cannot load the {part} of {path}: {_reason(error)}") from None
         return state[part]
 
     def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
@@ -166,6 +232,7 @@ class ShardedCheckpoints:
         try:
             if self.group is None:
                 dcp.save(sharded, checkpoint_id=str(directory))
+                state["files"] = _checksums(directory)
             else:
                 future = dcp.async_save(sharded, checkpoint_id=str(directory), process_group=self.group)
                 self.pending = (future, directory, state, is_best, writes)
@@ -180,10 +247,9 @@ class ShardedCheckpoints:
         output_dir = Path(output_dir)
         if stale_best(checkpoint, path, output_dir / LATEST, output_dir / BEST, self.peek):
             try:
-                export(path, output_dir / BEST)
+                export(path, output_dir / BEST, check=False)  # (its files checked at the resume)
             except _failures() as error:  # (DCP's CheckpointException is a BaseException)
-                raise CheckpointWriteError(f"could not export {path} to {BEST} "
-                                           f"({getattr(error, 'strerror', None) or ' '.join(str(error).split())[:200]})") from None
+                raise CheckpointWriteError(f"could not export {path} to {BEST} ({_reason(error)})") from None
             say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: exported again from {path}")
 
     def wait(self):
@@ -195,6 +261,7 @@ class ShardedCheckpoints:
             future.result()
         except _failures() as error:
             raise _not_written(directory, error) from None
+        state["files"] = _checksums(directory)
         self._complete(directory, state, is_best, writes)
 
     def _complete(self, directory, state, is_best, writes):
@@ -214,9 +281,9 @@ class ShardedCheckpoints:
                     shutil.rmtree(other, ignore_errors=True)
             switched = True
             if is_best:
-                export(directory, self.output_dir / BEST)
+                export(directory, self.output_dir / BEST, check=False)  # (its files just checksummed)
         except _failures() as error:  # a full disk, a shard unreadable for the export
-            reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+            reason = _reason(error)
             if switched:  # (the latest is this best epoch: a resume exports it, state.restore's repair_best)
                 raise CheckpointWriteError(f"could not export {directory} to {BEST} ({reason}); the checkpoint itself "
                                            f"is complete and --resume auto exports {BEST} again from it") from None
@@ -225,7 +292,7 @@ class ShardedCheckpoints:
 
 
 def _not_written(directory, error):
-    return CheckpointWriteError(f"could not write a sharded checkpoint to {directory} ({' '.join(str(error).split())[:200]}); "
+    return CheckpointWriteError(f"could not write a sharded checkpoint to {directory} ({_reason(error)}); "
                                 "the checkpoints already there are intact")
 
 
@@ -237,14 +304,16 @@ def _link(link, target):
     fsync(link.parent)
 
 
-def export(directory, out):
+def export(directory, out, check=True):
     """Write the sharded checkpoint in `directory` as one plain file `out` (atomically): its metadata, the whole
     weights ("state_dict") and the EMA's ("model_ema"), as a single-file checkpoint holds them; no process group
-    needed. The optimizer state stays in the directory."""
+    needed. The optimizer state stays in the directory. check: its files' sizes and CRC-32s first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     directory = Path(directory).resolve()  # the link's target now: a save meanwhile switches the link, not this
     state = load_checkpoint(directory / STATE, weights=False)
+    if check:
+        _check_files(directory, state.get("files", {}))
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     template = {"state_dict": {}, "model_ema": {"state_dict": {}}}
     for key, entry in metadata.items():

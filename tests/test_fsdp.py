@@ -64,7 +64,13 @@ def fsdp_launches(tmp_path_factory):
                        clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2, TRAIN_SCRIPT="train_fsdp.py"))},
         # SIGKILL to torchrun and its workers alike: nothing of theirs runs on
         stop=("killed", r"^Epoch: \[1\] \[3/", lambda job: job.kill()))
-    saved = torch.load(out / "resumed" / "checkpoint" / "state.pth", weights_only=True)
+    # Rank 0's shard of the latest checkpoint damaged (16 bytes flipped): rank 1 checks that file (each rank a share),
+    # and both ranks resume from the checkpoint before.
+    shard = out / "resumed" / "checkpoint" / "__0_0.distcp"
+    damaged, middle = bytearray(shard.read_bytes()), shard.stat().st_size // 2
+    damaged[middle:middle + 16] = bytes(byte ^ 0xFF for byte in damaged[middle:middle + 16])
+    shard.write_bytes(bytes(damaged))
+    saved = torch.load(out / "resumed" / "checkpoint_prev" / "state.pth", weights_only=True)
     results.update(finished({
         "stopped": Job(torchrun_command("train_fsdp.py", 2, *stopped)),
         "resumed": Job(torchrun_command("train_fsdp.py", 2, *killed)),
@@ -151,13 +157,17 @@ def test_dataparallel_evaluates_the_model_best_pth_that_fsdp_exported(fsdp_runs)
 
 
 def test_a_sigkilled_fsdp_job_resumes_mid_epoch_bitwise(fsdp_runs, tmp_path):
-    """The job SIGKILLed at epoch 1 step 3 (torchrun and its workers), resumed with --resume auto from its latest
-    complete checkpoint in mid-epoch, ends with bitwise the weights and log of the run that was not interrupted. (On
-    busy cores the kill may land a step or an epoch later: any checkpoint in mid-epoch will do.)"""
+    """The job SIGKILLed at epoch 1 step 3 (torchrun and its workers), its latest checkpoint then damaged (bytes
+    flipped in one shard), resumed with --resume auto: the damage is said and the checkpoint before is taken; the run
+    ends with bitwise the weights and log of the run that was not interrupted. (On busy cores the kill may land a
+    step or an epoch later: any checkpoint will do.)"""
     out, results, (epoch, step) = fsdp_runs
     output = assert_ok(results["resumed"])
-    assert 1 <= epoch < 4 and 1 <= step < 3, (epoch, step)
-    assert re.search(rf"^resumed from \S+/sharded/e{epoch:04d}-s{step:06d}-\w+ \(epoch {epoch}, step {step}\)$", output, re.M)
+    assert 1 <= epoch < 4, (epoch, step)
+    assert re.search(r"^warning: cannot read checkpoint \S+/checkpoint: corrupt \(its __0_0\.distcp fails its CRC-32 "
+                     r"check\); resuming from the previous checkpoint \S+/checkpoint_prev$", output, re.M), output[-3000:]
+    at = f", step {step}" if step else ""
+    assert re.search(rf"^resumed from \S+/sharded/e{epoch:04d}-s{step:06d}-\w+ \(epoch {epoch}{at}\)$", output, re.M)
     resumed, reference = exported(tmp_path, out / "resumed" / "checkpoint"), exported(tmp_path, out / "fsdp2" / "checkpoint")
     for mine, theirs in zip(resumed, reference):
         assert all(torch.equal(mine[name], theirs[name]) for name in theirs)

@@ -1,6 +1,11 @@
 """common/sharded_checkpoint.py in-process, in a process group of one: each save a new directory made the latest by
 switching links once complete, the older ones removed; resume (auto falls back to the previous one); the one-line
 refusals; the single-file export; --async-checkpoint's switch after its write; a failed write leaves the links."""
+import errno
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -158,3 +163,101 @@ def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one
     trainer.save(1)
     with pytest.raises(UsageError, match="holds a run of train_fsdp.py"):
         SingleFile().load_resume("auto", tmp_path, warn=print)
+
+
+def damage(checkpoint, how):
+    """Damage the sharded checkpoint at `checkpoint` (a link) as a crash of the storage or a bad disk would."""
+    folder = checkpoint.resolve()
+    shard = folder / "__0_0.distcp"
+    if how == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif how == "missing shard":
+        shard.unlink()
+    elif how == "missing .metadata":
+        (folder / ".metadata").unlink()
+    elif how == "16 flipped bytes":
+        data = bytearray(shard.read_bytes())
+        middle = len(data) // 2
+        data[middle:middle + 16] = bytes(byte ^ 0xFF for byte in data[middle:middle + 16])
+        shard.write_bytes(bytes(data))
+    elif how == "deleted directory":
+        shutil.rmtree(folder)
+
+
+DAMAGE = {"truncated shard": r"corrupt \(its __0_0\.distcp holds \d+ bytes of \d+\)",
+          "missing shard": r"its __0_0\.distcp is unreadable \(No such file or directory\)",
+          "missing .metadata": r"its \.metadata is unreadable \(No such file or directory\)",
+          "16 flipped bytes": r"corrupt \(its __0_0\.distcp fails its CRC-32 check\)",
+          "deleted directory": r"its directory sharded/e0002-s000000-\w+ is gone"}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_sharded_checkpoint_is_said_and_auto_resumes_from_the_one_before(group_of_one, tmp_path, how):
+    """Each DCP file's size and CRC-32 are in state.pth and checked at the resume (DCP checks none: flipped bytes
+    loaded as wrong weights, a missing file was a traceback cut at 300 characters); the checkpoint before is whole."""
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    trainer.save(2)
+    named = tmp_path / LATEST
+    damage(named, how)
+    warned = []
+    path, checkpoint = trainer.checkpoints.load_resume("auto", tmp_path, warn=warned.append)
+    assert path == (tmp_path / PREVIOUS).resolve() and checkpoint["epoch"] == 1
+    assert len(warned) == 1 and re.search(rf"^warning: cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}; resuming from "
+                                          rf"the previous checkpoint \S+/{PREVIOUS}$", warned[0]), warned
+    resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "resumed")
+    resumed.checkpoints.load_weights(resumed.model, checkpoint, resumed.config.arch, resumed.classes, path)
+    resumed.checkpoints.load_optimizer(resumed.model, resumed.optimizer, checkpoint, path)  # the one before: whole
+    assert all(torch.equal(value, whole(trainer.model)[name]) for name, value in whole(resumed.model).items())
+    if how != "deleted directory":  # named, it is refused in the same words
+        with pytest.raises(UsageError, match=rf"^cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}$"):
+            trainer.checkpoints.load_resume(str(named), tmp_path, warn=print)
+        with pytest.raises(UsageError, match=DAMAGE[how]):
+            export(named, tmp_path / "exported.pth")
+
+
+def test_a_dcp_failure_is_one_line_that_names_the_rank_and_the_system_s_words(group_of_one, tmp_path):
+    """What DCP raises (a CheckpointException with each rank's traceback) in one line: the first rank's error, an
+    OSError by its message; a load of another shape too."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from common.sharded_checkpoint import _reason
+    full = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device", "/x/.tmp"), None),
+                                               0: (ValueError("bad\nvalue"), None)})
+    assert _reason(full) == "rank 0: ValueError: bad value"
+    assert _reason(CheckpointException("", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})) == \
+        "rank 1: No space left on device"
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    other = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "other", "--opt", "sgd")
+    with pytest.raises(UsageError) as error:
+        other.checkpoints.load_optimizer(other.model, other.optimizer, {}, tmp_path / LATEST)
+    assert str(error.value).startswith(f"cannot load the optimizer of {tmp_path / LATEST}: rank 0: ")
+    assert "\n" not in str(error.value) and "Traceback" not in str(error.value)
+
+
+def test_a_full_disk_during_a_sharded_save_says_so_and_leaves_the_checkpoints_there(group_of_one, tmp_path):
+    """A real full disk (a 2 MiB tmpfs, filled after the first save; it needs root, as mount does): the line says
+    "No space left on device", the links stay on the checkpoint before, which resumes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", disk], capture_output=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs could be mounted (it needs root): {mounted.stderr.decode().strip()}")
+    try:
+        trainer = trained(disk)
+        trainer.save(1)
+        before = (disk / LATEST).readlink()
+        with open(disk / "filler", "wb") as filler:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+        with pytest.raises(CheckpointWriteError, match=r"^could not write a sharded checkpoint to \S+ \(rank 0: No space "
+                                                       r"left on device\); the checkpoints already there are intact$"):
+            trainer.save(2)
+        (disk / "filler").unlink()
+        assert (disk / LATEST).readlink() == before
+        path, checkpoint = trainer.checkpoints.load_resume("auto", disk, warn=pytest.fail)
+        assert checkpoint["epoch"] == 1
+    finally:
+        subprocess.run(["umount", "-l", disk], timeout=30)
