@@ -312,6 +312,34 @@ def test_killed_worker_ends_the_run_and_a_rerun_completes(archives, images, tmp_
     assert contents(out) == images and not temporaries(out)
 
 
+def test_a_sigkilled_make_shards_takes_its_pool_s_workers_with_it(prepared, tmp_path):
+    """SIGKILL to tools/make_shards.py alone (the OOM killer's choice) while its workers write: they end too, at once
+    (they were left alive, 400 MB each, waiting on the pool's pipe forever). prepare_imagenet.py's pool starts alike."""
+    hook = tmp_path / "slow"  # a worker's renames wait 60 s (the main process's do not)
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import multiprocessing, os, time\n_replace = os.replace\n"
+        "def slow_replace(*args, **kwargs):\n    if multiprocessing.parent_process() is not None:\n        time.sleep(60)\n"
+        "    return _replace(*args, **kwargs)\nos.replace = slow_replace\n")
+    process = subprocess.Popen([PYTHON, REPO / "tools" / "make_shards.py", prepared[0], tmp_path / "shards", "--shard-size",
+                                "2", "--workers", "2"], cwd=REPO, env=clean_env(PYTHONPATH=hook),
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for("both workers writing", lambda: len(workers(process)) == 2 and temporaries(tmp_path / "shards"),
+                 timeout=START_UP)
+        pool = workers(process)
+        process.kill()  # the main process alone
+        process.wait(timeout=30)
+        wait_for("its workers to end", lambda: not any(alive(pid) for pid in pool), timeout=10)
+    finally:
+        kill_group(process)
+
+
+def alive(pid):
+    fields = process_stat(str(pid))
+    return fields is not None and fields[0] != "Z"
+
+
 def test_the_devkit_s_labels_cut_short_are_parsed_again(archives, prepared, images, tmp_path):
     """The devkit's val labels, parsed (val_wnids.json), cut short by a kill under an older version, and the
     temporaries of later writes: the labels are read from the devkit again, as torchvision's parse_devkit_archive

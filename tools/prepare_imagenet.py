@@ -51,6 +51,7 @@ from torchvision.datasets import imagenet
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.errors import end_with_launcher  # noqa: E402
 from common.run_dir import atomic_write, fsync as sync, link_or_copy  # noqa: E402  (written whole or not at all)
 from common.shards import MANIFEST  # noqa: E402
 
@@ -487,9 +488,12 @@ def open_output(out_dir, resize, quality):
 
 
 def ignore_interrupts():
-    # Ctrl-C reaches the whole process group: the main process alone handles it, stopping the pool.
+    """A pool worker's start. Ctrl-C reaches the whole process group: the main process alone handles it, stopping the
+    pool. A main process that ends without stopping it (SIGKILL, the OOM killer) ends its workers too: SIGTERM from the
+    kernel (end_with_launcher), where they would wait on the pool's pipe forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    end_with_launcher()
 
 
 def stop_workers(pool):
