@@ -32,8 +32,9 @@ def printable(path):
 
 
 def describe(error):
-    """The decoder's reason, on one line and without PIL's file-object repr."""
-    reason = re.sub(r" ?<_io\.\w+ name=[^>]*>", "", " ".join(str(error).split()))
+    """The decoder's reason, on one line and without PIL's file-object repr (a file's, or the BytesIO of a shard's
+    sample or a Hugging Face row)."""
+    reason = re.sub(r" ?<_io\.\w+ (?:name=[^>]*|object at 0x[0-9a-fA-F]+)>", "", " ".join(str(error).split()))
     return (reason or type(error).__name__)[:200]
 
 
@@ -91,6 +92,11 @@ class BadImageLog:
         self.found = {}  # path -> reason, this epoch, of every rank as of the last sync and of this one since
         self.new = {}  # this process's since the last sync: all that sync() gathers
         self.warned = set()
+        self.in_validation = {}  # this process's, this epoch: check_validation's example is one of them
+
+    def report_validation(self, bad):
+        self.in_validation.update(bad)
+        self.report(bad)
 
     def report(self, bad):
         for path, reason in bad:
@@ -102,7 +108,7 @@ class BadImageLog:
 
     def next_epoch(self):
         """Files that could not be read are read again; the list starts afresh."""
-        self.found, self.new = {}, {}
+        self.found, self.new, self.in_validation = {}, {}, {}
 
     def sync(self):
         """Pool every rank's findings since the last sync (a collective: all ranks call it at the same point).
@@ -125,7 +131,9 @@ class BadImageLog:
         MAX_UNREADABLE_SHARE of them. Call it on every rank, with the counts of all."""
         unread = total - counted
         if total and (counted == 0 or unread > MAX_UNREADABLE_SHARE * total):
-            example = next(iter(self.found.items()), None)
+            # one of validation's own unread files (the epoch's training found others), of any rank: a collective,
+            # here where every rank raises
+            example = next(filter(None, distributed.all_gather_object(next(iter(self.in_validation.items()), None))), None)
             raise UsageError(f"validation could not read {unread} of its {total} images"
                              + (f" (e.g. {printable(example[0])}: {example[1]})" if example else "")
                              + f", more than {MAX_UNREADABLE_SHARE:.0%}: its accuracy would mean nothing; is the data "

@@ -168,9 +168,10 @@ class Trainer:
         self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
         self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
         on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
-        self.train_batches, self.val_batches = (device_batches(loader, device, self.channels_last, self.bad_images.report,
-                                                               on_device, keep_empty=self.shard is not None)
-                                                for loader in (self.data.train_loader, self.data.val_loader))
+        self.train_batches, self.val_batches = (device_batches(loader, device, self.channels_last, report, on_device,
+                                                               keep_empty=self.shard is not None)
+                                                for loader, report in ((self.data.train_loader, self.bad_images.report),
+                                                                       (self.data.val_loader, self.bad_images.report_validation)))
         return self
 
     def _model_on_device(self):

@@ -107,5 +107,30 @@ def test_a_share_of_unreadable_validation_images_over_the_limit_is_refused():
         log.check_validation(0, 1)
 
 
+def test_the_example_of_a_refused_validation_is_one_of_validation_s_files(capsys):
+    """The epoch's training skipped a file first: the example is validation's (it named a train sample)."""
+    log = BadImageLog(0, 1)
+    log.report([("train-000002.tar:n01/a", "truncated")])
+    log.report_validation([("val-000000.tar:n01/b", "broken data stream")])
+    with pytest.raises(UsageError, match=r"could not read 2 of its 3 images \(e\.g\. val-000000\.tar:n01/b: broken data "
+                                         r"stream\), more than 10%"):
+        log.check_validation(1, 3)
+    assert log.state_dict() == [["train-000002.tar:n01/a", "truncated"], ["val-000000.tar:n01/b", "broken data stream"]]
+    log.next_epoch()
+    with pytest.raises(UsageError, match=r"could not read 2 of its 3 images, more than"):  # none of this epoch's
+        log.check_validation(1, 3)
+
+
 def test_a_file_name_that_is_not_utf8_is_printed_with_its_bytes_escaped():
     assert printable(b"broken-\xff.jpg".decode("utf-8", "surrogateescape")) == "broken-\\xff.jpg"
+
+
+def test_the_reason_says_no_file_object_of_pil_s():
+    """PIL names the object it read: a file's name is in the warning already, a BytesIO's address means nothing."""
+    import io
+    from PIL import Image, UnidentifiedImageError
+    from common.bad_images import describe
+    with pytest.raises(UnidentifiedImageError) as error:
+        Image.open(io.BytesIO(b"not an image"))
+    assert "BytesIO object at 0x" in str(error.value) and describe(error.value) == "cannot identify image file"
+    assert describe(OSError("cannot identify image file <_io.BufferedReader name='/d/a.jpg'>")) == "cannot identify image file"
