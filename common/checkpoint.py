@@ -98,6 +98,12 @@ def resolve_resume(resume, output_dir):
             if path.is_file():
                 return path
         return None
+    if Path(resume).is_dir():
+        if (Path(resume) / "state.pth").is_file():  # (sharded_checkpoint.STATE)
+            raise UsageError(f"--resume {resume}: a sharded checkpoint of train_fsdp.py; resume it with train_fsdp.py, "
+                             "or write its weights as one file (python tools/export_checkpoint.py DIR model.pth) to "
+                             "evaluate or fine-tune here")
+        raise UsageError(f"--resume {resume}: a directory; give a checkpoint file (OUTPUT/checkpoint.pth), or --resume auto")
     if not Path(resume).is_file():
         raise UsageError(f"--resume {resume}: no such file (give a checkpoint.pth, or --resume auto)")
     return Path(resume)

@@ -6,6 +6,7 @@ DATASETS_PATH + DATASETS, WORKSPACE, BACKEND; train_spawn.py also WORKER_PER_NOD
 and the presets (common/presets.py). This module imports no torch: --help and usage errors are instant.
 """
 import argparse
+import math
 
 from .config import ResSchedule, env_default, profile_steps, resolve
 from .named import import_named
@@ -56,13 +57,13 @@ def profile_spec(text):
 
 
 def positive(text):
-    """A number above 0 (an argparse type)."""
+    """A finite number above 0 (an argparse type)."""
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
     return value
 
 

@@ -135,8 +135,9 @@ class Diagnostics:
         schedule = ResSchedule.parse(self.config.res_schedule)
         return schedule.size(epoch) if schedule else self.config.train_crop_size
 
-    def describe(self):
-        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked for."""
+    def describe(self, launch_steps):
+        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked for (of the
+        `launch_steps` training steps this launch runs)."""
         if self.flops_problem:
             lines = [f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
                      "log.csv's tflops_per_device and mfu_pct stay empty"]
@@ -151,8 +152,12 @@ class Diagnostics:
                          f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
         if self.config.profile:
             start, steps = profile_steps(self.config.profile)
-            lines.append(f"profile: steps {start} to {start + steps - 1} of this launch, one Chrome trace per rank in "
-                         f"{self.trace_dir()}")
+            if start >= launch_steps:
+                lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch_steps} training steps "
+                             f"(0 to {launch_steps - 1}): no trace will be written; give a START below {launch_steps}")
+            else:
+                lines.append(f"profile: steps {start} to {min(start + steps, launch_steps) - 1} of this launch, one "
+                             f"Chrome trace per rank in {self.trace_dir()}")
         return lines
 
     @staticmethod

@@ -87,7 +87,8 @@ def training_lines(trainer):
         lines.append(f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
                      f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
                      f"{config.model_ema_steps} steps, {config.epochs} epochs)")
-    lines += trainer.diagnostics.describe()
+    launch_steps = (config.epochs - trainer.start_epoch) * trainer.steps_per_epoch - trainer.start_step
+    lines += trainer.diagnostics.describe(launch_steps)
     lines.append(f"output: {config.output_dir}")
     return lines
 

@@ -253,5 +253,9 @@ def test_resolve_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_pre
 def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):
     with pytest.raises(UsageError, match="no such file"):
         checkpoint.resolve_resume(str(tmp_path / "missing.pth"), tmp_path)
-    with pytest.raises(UsageError, match="no such file"):
+    with pytest.raises(UsageError, match=r"^--resume \S+: a directory; give a checkpoint file"):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)  # a directory is not a checkpoint
+    (tmp_path / "state.pth").write_bytes(b"x")  # train_fsdp.py's: said so (it said "no such file")
+    with pytest.raises(UsageError, match=r"^--resume \S+: a sharded checkpoint of train_fsdp.py; resume it with "
+                                         r"train_fsdp.py, or write its weights as one file \(python tools/export_checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path), tmp_path)
