@@ -108,6 +108,17 @@ def loader_workers():
         return []
 
 
+def input_bound(wait, slowest, world_size, epoch, workers):
+    """The line of an epoch whose slowest rank waited for its batches longer than INPUT_BOUND of its time (`wait`: the
+    mean over the ranks, in %), else None. The slowest rank decides: it holds up all, and the others wait in their
+    collectives, which is not input wait, so one slow rank among fast ones leaves the mean below the bound."""
+    if slowest <= 100 * INPUT_BOUND:
+        return None
+    ranks = f" (slowest rank {slowest:.0f}%)" if world_size > 1 else ""
+    return (f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
+            "its devices idle meanwhile; levers: " + LEVERS.format(workers=workers))
+
+
 class Diagnostics:
     """The figures of one process, gathered over the ranks where the loop reads its metrics: input wait at progress
     lines; per epoch, the achieved TFLOP/s per device (and the utilisation), peak memory; the profiler's steps."""
@@ -268,12 +279,10 @@ class Diagnostics:
         if self.profiler is not None and self.profiler.recording:  # its window ends with the training epoch
             self.profiler.stop()
             self.profiler = None
-        if slowest > 100 * INPUT_BOUND and not self.hinted:  # (a rank that waits holds up all: the others wait in
-            # their collectives, which is not input wait)
+        hint = None if self.hinted else input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)
+        if hint:
             self.hinted = True
-            ranks = f" (slowest rank {slowest:.0f}%)" if self.runtime.world_size > 1 else ""
-            self.say(f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
-                     "its devices idle meanwhile; levers: " + LEVERS.format(workers=self.config.workers))
+            self.say(hint)
         return figures
 
     def summary(self):

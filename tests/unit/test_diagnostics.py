@@ -239,3 +239,15 @@ def test_what_only_a_gpu_has_is_refused_on_the_cpu_and_bad_flags_in_one_line():
                   ["--peak-tflops", "inf"], ["--peak-tflops", "nan"]):
         with pytest.raises(SystemExit):
             parse(*flags)
+
+
+def test_one_slow_rank_among_fast_ones_is_input_bound():
+    """4 ranks, one waits 80% of the epoch for its batches, the others none (they wait for it in their collectives):
+    the mean, 20%, is below the bound; the slowest rank decides, as it holds up all. One rank: its own share."""
+    from common.diagnostics import input_bound
+    line = input_bound(20.0, 80.0, 4, 3, 8)
+    assert line.startswith("input-bound: the training loop waited for its batches 20% of epoch 3's time (slowest rank "
+                           "80%), its devices idle meanwhile; levers: ") and "-j" in line
+    assert input_bound(30.0, 30.0, 4, 3, 8) is None
+    assert input_bound(34.0, 34.0, 1, 0, 8).startswith("input-bound: the training loop waited for its batches 34% of "
+                                                       "epoch 0's time, its devices idle meanwhile")
