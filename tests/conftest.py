@@ -527,9 +527,9 @@ class Prewarmed:
     @classmethod
     def socket(cls):
         """The server's socket, the server started first if it is not running (not once the session is over)."""
-        if _session_over.is_set():
-            raise RuntimeError("the test session is over: no prewarm server starts now")
-        with cls.lock:
+        with cls.lock:  # (stop() takes it too: no server starts while it stops one)
+            if _session_over.is_set():
+                raise RuntimeError("the test session is over: no prewarm server starts now")
             if cls.server is None or cls.server.poll() is not None:
                 cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
                 cls.server_env = clean_env()
@@ -565,11 +565,12 @@ class Prewarmed:
 
     @classmethod
     def stop(cls):
-        if cls.server is not None:
-            cls.server.kill()
-            cls.server.wait()
-            cls.server = None
-            shutil.rmtree(os.path.dirname(cls.socket_path), ignore_errors=True)
+        with cls.lock:
+            if cls.server is not None:
+                cls.server.kill()
+                cls.server.wait()
+                cls.server = None
+                shutil.rmtree(os.path.dirname(cls.socket_path), ignore_errors=True)
 
 
 def lower_priority(pid):
