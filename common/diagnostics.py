@@ -109,14 +109,12 @@ def loader_workers():
 
 
 def input_bound(wait, slowest, world_size, epoch, workers):
-    """The line of an epoch whose slowest rank waited for its batches longer than INPUT_BOUND of its time (`wait`: the
-    mean over the ranks, in %), else None. The slowest rank decides: it holds up all, and the others wait in their
-    collectives, which is not input wait, so one slow rank among fast ones leaves the mean below the bound."""
-    if slowest <= 100 * INPUT_BOUND:
-        return None
+    """The line of an epoch whose slowest rank (it holds up all; the others wait in their collectives, not for input)
+    waited for its batches over INPUT_BOUND of its time (`wait`: the mean over the ranks, in %), else None."""
     ranks = f" (slowest rank {slowest:.0f}%)" if world_size > 1 else ""
-    return (f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
-            "its devices idle meanwhile; levers: " + LEVERS.format(workers=workers))
+    return None if slowest <= 100 * INPUT_BOUND else (
+        f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, its devices "
+        "idle meanwhile; levers: " + LEVERS.format(workers=workers))
 
 
 class Diagnostics:
@@ -147,8 +145,7 @@ class Diagnostics:
         return schedule.size(epoch) if schedule else self.config.train_crop_size
 
     def describe(self, launch_steps):
-        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked for (of the
-        `launch_steps` training steps this launch runs)."""
+        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked (of `launch_steps`)."""
         if self.flops_problem:
             lines = [f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
                      "log.csv's tflops_per_device and mfu_pct stay empty"]
@@ -163,12 +160,10 @@ class Diagnostics:
                          f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
         if self.config.profile:
             start, steps = profile_steps(self.config.profile)
-            if start >= launch_steps:
-                lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch_steps} training steps "
-                             f"(0 to {launch_steps - 1}): no trace will be written; give a START below {launch_steps}")
-            else:
-                lines.append(f"profile: steps {start} to {min(start + steps, launch_steps) - 1} of this launch, one "
-                             f"Chrome trace per rank in {self.trace_dir()}")
+            lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch_steps} training steps (0 "
+                         f"to {launch_steps - 1}): no trace will be written; give a START below {launch_steps}"
+                         if start >= launch_steps else f"profile: steps {start} to {min(start + steps, launch_steps) - 1} "
+                         f"of this launch, one Chrome trace per rank in {self.trace_dir()}")
         return lines
 
     @staticmethod
@@ -279,8 +274,7 @@ class Diagnostics:
         if self.profiler is not None and self.profiler.recording:  # its window ends with the training epoch
             self.profiler.stop()
             self.profiler = None
-        hint = None if self.hinted else input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)
-        if hint:
+        if not self.hinted and (hint := input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)):
             self.hinted = True
             self.say(hint)
         return figures
@@ -372,7 +366,7 @@ class StepProfiler:
 
     def __init__(self, spec, directory, runtime, say):
         from torch.profiler import ProfilerActivity, profile, schedule
-        (self.start, self.steps), self.done = profile_steps(spec), 0
+        (self.start, self.steps), self.done, self.written = profile_steps(spec), 0, False
         self.path, self.say = directory / f"rank{runtime.rank}.json", say
         cuda = runtime.device.type == "cuda"
         if not cuda:  # Kineto's "gpuGetDeviceCount failed" of a CUDA build on a machine without a GPU: not an error
@@ -383,7 +377,6 @@ class StepProfiler:
             steps = schedule(wait=max(self.start - 1, 0), warmup=min(self.start, 1), active=self.steps, repeat=1)
         self.profile = profile(activities=activities, record_shapes=True, profile_memory=True, schedule=steps,
                                on_trace_ready=self._write)
-        self.written = False
         self.profile.start()
 
     recording = property(lambda self: self.start < self.done and not self.written)  # a step of the window done
@@ -403,6 +396,5 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.path))
         self.written = True
-        last = min(self.done, self.start + self.steps) - 1
-        self.say(f"profile: steps {self.start} to {last} in {self.path.parent}/rank*.json (open in https://ui.perfetto.dev); "
-                 "training goes on")
+        self.say(f"profile: steps {self.start} to {min(self.done, self.start + self.steps) - 1} in {self.path.parent}/"
+                 "rank*.json (open in https://ui.perfetto.dev); training goes on")
