@@ -1,12 +1,15 @@
 """The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
 which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here,
 whoever built it (a registry that hides where a part comes from is not what we want: style.md)."""
+import csv
 import os
 import platform
+import time
+from pathlib import Path
 
 import torch
 
-from . import schedule
+from . import distributed, schedule
 from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
 from .models import warn_slow_amp
@@ -115,3 +118,30 @@ def run_summary(trainer, seconds, train, val, ema_val):
         # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
         summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return summary
+
+
+def trained_already(trainer, eval_model):
+    """A relaunch of a run trained to --epochs: nothing to do, but for a final summary.json that a failed write lost (a
+    full disk): the final weights (and the EMA's) validated again and it written, log.csv's last training rate in it."""
+    config, log = trainer.config, trainer.log
+    log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
+    path = Path(config.output_dir) / "summary.json"
+    if not distributed.computed_by_rank_0(lambda: log.writes and not path.exists()):
+        return None
+    log.print(f"{path} is missing (its write failed): the final weights are validated to write it again")
+    start = time.time()
+    val = trainer.evaluate(eval_model)
+    ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
+    summary = run_summary(trainer, time.time() - start, {"images_per_second": _last_rate(path.parent)}, val, ema_val)
+    log.finish(summary)
+    log.print(f"done: best acc@1 {trainer.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
+    return summary
+
+
+def _last_rate(output_dir):
+    """The training images/s of log.csv's last epoch, or None."""
+    try:
+        with open(output_dir / "log.csv", newline="") as file:
+            return float(list(csv.DictReader(file))[-1]["images_per_second"])
+    except (OSError, LookupError, ValueError):
+        return None

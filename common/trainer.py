@@ -27,7 +27,7 @@ from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
 from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError
-from .header import run_summary, start_lines, training_lines, warnings
+from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
 from .meters import MetricSums, ProgressMeter
 from .named import import_named
@@ -216,9 +216,8 @@ class Trainer:
             if self.ema is not None:
                 self.evaluate(self.ema.module, label="EMA")
             return None
-        if self.start_epoch >= config.epochs:
-            log.print(f"already trained {self.start_epoch} of --epochs {config.epochs}: nothing to do")
-            return None
+        if self.start_epoch >= config.epochs:  # (summary.json written again where a failed write lost it)
+            return trained_already(self, eval_model)
         for line in training_lines(self):
             log.print(line)
         log.start(config, self.resumed_from is not None, ema=self.ema is not None, checkpoints=self.checkpoints.names,

@@ -2,6 +2,7 @@
 from its last checkpoint and ends bitwise equal to a run that was never interrupted; torchrun's
 elastic restart brings a killed worker back; a stalled rank fails the job; a damaged or unwritable
 checkpoint costs nothing already saved; and a test that fails leaves no process behind."""
+import json
 import os
 import re
 import resource
@@ -466,7 +467,8 @@ def finished_runs(data, root):
     common = [*TINY_NET, "--epochs", "2", "--checkpoint-interval", "0"]
     assert_ok(run_script("train_dp.py", *common, "--data", data, "--output-dir", run_dir))
     copies = {name: shutil.copytree(run_dir, root / name) for name in ("damaged", "damaged-resumed", "full-disk",
-                                                                       "full-disk-spawn", "overwritten")}
+                                                                       "full-disk-spawn", "overwritten", "summary-lost")}
+    (copies["summary-lost"] / "summary.json").unlink()  # as a failed write of it leaves the run (written atomically)
     for name in ("damaged", "damaged-resumed"):
         saved = (copies[name] / "checkpoint.pth").read_bytes()
         (copies[name] / "checkpoint.pth").write_bytes(saved[:1000])  # truncated, as by a crash of the storage
@@ -484,6 +486,7 @@ def finished_runs(data, root):
             "full-disk": train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3",
                                   preexec_fn=limit_file_size(64 * 1024)),
             "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite"),
+            "summary-lost": train_dp(copies["summary-lost"], "--resume", "auto"),
             "full-disk-spawn": Job([PYTHON, REPO / "train_spawn.py", *common, "--data", data, "--output-dir",
                                     copies["full-disk-spawn"], "--resume", "auto", "--epochs", "3", "--nproc-per-node", "2",
                                     "-j", "0", "--master-port", free_port()], preexec_fn=limit_file_size(64 * 1024))}
@@ -543,6 +546,20 @@ def test_after_a_failed_save_resume_auto_goes_on_from_the_checkpoint_before_it(f
     output = assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["full-disk-resumed"]))
     assert f"resumed from {run_dir / 'checkpoint.pth'} (epoch 2)" in output and "warning: cannot read" not in output
     assert_bitwise_equal(weights(run_dir), weights(finished_run.copies["damaged-resumed"]))
+
+
+def test_a_final_summary_json_that_a_failed_write_lost_is_written_again_on_resume(finished_run):
+    """The run trained to --epochs, its summary.json lost (a full disk at its write): --resume auto has nothing to
+    train, validates the final weights and writes it, the figures of the run's own (it stayed missing for good)."""
+    run_dir = finished_run.copies["summary-lost"]
+    output = assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["summary-lost"]))
+    assert "already trained 2 of --epochs 2: nothing to do" in output, output[-3000:]
+    assert f"{run_dir / 'summary.json'} is missing (its write failed): the final weights are validated" in output
+    written, original = (json.loads((folder / "summary.json").read_text()) for folder in (run_dir, finished_run.run_dir))
+    for key in ("arch", "epochs", "best_acc1", "final_acc1", "final_acc5", "bad_images"):
+        assert written[key] == original[key], key
+    assert written["final_val_loss"] == pytest.approx(original["final_val_loss"], abs=1e-6)
+    assert written["train_images_per_second"] == pytest.approx(original["train_images_per_second"], abs=0.051)
 
 
 def test_a_checkpoint_that_cannot_be_written_under_spawn_ends_in_its_one_line_too(finished_run):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import PYTHON, REPO, assert_ok, clean_env, process_stat, run
+from conftest import PYTHON, REPO, alive, assert_ok, clean_env, process_stat, run
 from common.datasets import load_image
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
@@ -333,11 +333,6 @@ def test_a_sigkilled_make_shards_takes_its_pool_s_workers_with_it(prepared, tmp_
         wait_for("its workers to end", lambda: not any(alive(pid) for pid in pool), timeout=10)
     finally:
         kill_group(process)
-
-
-def alive(pid):
-    fields = process_stat(str(pid))
-    return fields is not None and fields[0] != "Z"
 
 
 def test_the_devkit_s_labels_cut_short_are_parsed_again(archives, prepared, images, tmp_path):
