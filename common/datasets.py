@@ -227,6 +227,12 @@ def build_datasets(config):
                              "(classes, train_set, val_set)")
         return tuple(result)
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
+    try:
+        root.stat()
+    except FileNotFoundError:  # (the scan says so)
+        pass
+    except OSError as error:  # a name too long, a loop of links, no permission: before any file in it is read
+        raise UsageError(f"--data {root}: {error.strerror}") from None
     if has_hf_dataset(root):
         classes, train_rows, val_rows = load_splits(root)
         return classes, HFImages(train_rows), HFImages(val_rows)

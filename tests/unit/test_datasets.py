@@ -165,3 +165,9 @@ def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
     assert from_uint8.dtype == from_float.dtype == torch.float32
     # pil_images is the grey (L) version of the noise: compare the channel means, which the noise barely moves.
     assert torch.allclose(from_uint8.mean(dim=(1, 2, 3)), from_float.mean(dim=(1, 2, 3)), atol=0.05)
+
+
+def test_a_data_path_the_system_refuses_is_one_line(tmp_path):
+    """A name longer than the file system takes (it was a traceback: OSError File name too long)."""
+    with pytest.raises(UsageError, match=r"^--data \S+: File name too long$"):
+        build_datasets(parse("--data", tmp_path / ("x" * 300)))
