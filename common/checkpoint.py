@@ -39,9 +39,10 @@ def strip_prefixes(state_dict):
     return clean
 
 
-def save_checkpoint(state, output_dir, is_best):
+def save_checkpoint(state, output_dir, is_best, keep_previous=False):
     """Write checkpoint.pth, keeping the one before as checkpoint_prev.pth (and copy it to model_best.pth when
-    is_best). Call it from the writer rank only. The new checkpoint is written beside the latest and renamed over
+    is_best); keep_previous: checkpoint_prev.pth stays (the run resumed from it, the latest was damaged). Call it from
+    the writer rank only. The new checkpoint is written beside the latest and renamed over
     it once it is whole on disk: a crash at any moment leaves the latest (or, during the rename, the previous)
     whole. On failure (a full disk, say) the checkpoints already there stay as they were, and
     CheckpointWriteError says so. Each save has its own checkpoint_id."""
@@ -51,7 +52,7 @@ def save_checkpoint(state, output_dir, is_best):
     written = False
     try:
         new = write_synced(latest, lambda file: torch.save(state, file))
-        if latest.exists():
+        if latest.exists() and not keep_previous:
             link_or_copy(latest, output_dir / PREVIOUS)
         replace_synced(new, latest)
         written = True
@@ -214,6 +215,7 @@ class SingleFile:
     common/sharded_checkpoint.py's ShardedCheckpoints is train_fsdp.py's."""
 
     names = (CHECKPOINT, PREVIOUS, BEST)
+    fell_back = False  # --resume auto took checkpoint_prev.pth, the latest damaged: the next save keeps it
 
     def existing(self, output_dir):
         return [Path(output_dir) / name for name in self.names if (Path(output_dir) / name).is_file()]
@@ -225,7 +227,9 @@ class SingleFile:
         if resume == "auto" and not (Path(output_dir) / CHECKPOINT).is_file() and (Path(output_dir) / "checkpoint").is_dir():
             raise UsageError(f"{output_dir} holds a run of train_fsdp.py (sharded checkpoints in checkpoint/): continue "
                              "it with train_fsdp.py, or choose another --output-dir")
-        return load_resume(resume, output_dir, warn)
+        path, checkpoint = load_resume(resume, output_dir, warn)
+        self.fell_back = resume == "auto" and path is not None and path.name == PREVIOUS
+        return path, checkpoint
 
     def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
         load_weights(unwrap(model), checkpoint, arch, classes, path, key)
@@ -242,7 +246,8 @@ class SingleFile:
 
     def write(self, checkpoint, output_dir, is_best, writes):
         if writes:
-            save_checkpoint(checkpoint, output_dir, is_best)
+            save_checkpoint(checkpoint, output_dir, is_best, keep_previous=self.fell_back)
+            self.fell_back = False
 
     def repair_best(self, checkpoint, path, output_dir, say):
         """model_best.pth copied again from the resumed checkpoint where stale_best says so (its save wrote the

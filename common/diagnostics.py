@@ -144,8 +144,9 @@ class Diagnostics:
         schedule = ResSchedule.parse(self.config.res_schedule)
         return schedule.size(epoch) if schedule else self.config.train_crop_size
 
-    def describe(self, launch_steps):
-        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked (of `launch_steps`)."""
+    def describe(self, epoch_ends):
+        """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked; `epoch_ends`: the
+        steps of this launch at which its epochs end (where a trace's window ends too)."""
         if self.flops_problem:
             lines = [f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
                      "log.csv's tflops_per_device and mfu_pct stay empty"]
@@ -159,11 +160,11 @@ class Diagnostics:
             lines.append(f"NCCL Flight Recorder: a collective that times out dumps each rank's last collectives to "
                          f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
         if self.config.profile:
-            start, steps = profile_steps(self.config.profile)
-            lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch_steps} training steps (0 "
-                         f"to {launch_steps - 1}): no trace will be written; give a START below {launch_steps}"
-                         if start >= launch_steps else f"profile: steps {start} to {min(start + steps, launch_steps) - 1} "
-                         f"of this launch, one Chrome trace per rank in {self.trace_dir()}")
+            (start, steps), launch = profile_steps(self.config.profile), epoch_ends[-1]
+            lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch} training steps (0 to "
+                         f"{launch - 1}): no trace will be written; give a START below {launch}" if start >= launch else
+                         f"profile: steps {start} to {min(start + steps, *(end for end in epoch_ends if end > start)) - 1}"
+                         f" of this launch, one Chrome trace per rank in {self.trace_dir()}")
         return lines
 
     @staticmethod
@@ -315,8 +316,7 @@ class DeviceIdle:
 
     def __init__(self, device, say):
         self.device, self.say, self.on = device, say, True
-        self.begin = self.pending = self.last = None
-        self.gaps, self.idle_ms = [], 0.0
+        self.gaps, self.idle_ms, self.begin, self.pending, self.last = [], 0.0, None, None, None
 
     def start_epoch(self):
         self.gaps, self.idle_ms = [], 0.0

@@ -90,8 +90,8 @@ def training_lines(trainer):
         lines.append(f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
                      f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
                      f"{config.model_ema_steps} steps, {config.epochs} epochs)")
-    launch_steps = (config.epochs - trainer.start_epoch) * trainer.steps_per_epoch - trainer.start_step
-    lines += trainer.diagnostics.describe(launch_steps)
+    first, steps = trainer.steps_per_epoch - trainer.start_step, trainer.steps_per_epoch  # (a resumed epoch: its rest)
+    lines += trainer.diagnostics.describe([first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)])
     lines.append(f"output: {config.output_dir}")
     return lines
 
@@ -121,27 +121,37 @@ def run_summary(trainer, seconds, train, val, ema_val):
 
 
 def trained_already(trainer, eval_model):
-    """A relaunch of a run trained to --epochs: nothing to do, but for a final summary.json that a failed write lost (a
-    full disk): the final weights (and the EMA's) validated again and it written, log.csv's last training rate in it."""
+    """A relaunch of a run trained to --epochs: nothing to do, but for a final summary.json that is missing (a write a
+    full disk failed, a kill just before it): the final weights (and the EMA's) validated again and it written, with
+    log.csv's last epoch's training rate, TFLOP/s, utilisation and memory."""
     config, log = trainer.config, trainer.log
     log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
     path = Path(config.output_dir) / "summary.json"
     if not distributed.computed_by_rank_0(lambda: log.writes and not path.exists()):
         return None
-    log.print(f"{path} is missing (its write failed): the final weights are validated to write it again")
-    start = time.time()
+    log.print(f"{path} is missing: the final weights are validated to write it again")
+    start, last = time.time(), _last_row(path.parent)
     val = trainer.evaluate(eval_model)
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
-    summary = run_summary(trainer, time.time() - start, {"images_per_second": _last_rate(path.parent)}, val, ema_val)
+    trainer.diagnostics.last = {name: last.get(name) for name in ("tflops_per_device", "mfu_pct")}
+    trainer.diagnostics.run_peak = max(trainer.diagnostics.run_peak, last.get("gpu_peak_allocated_mib") or 0)
+    summary = run_summary(trainer, time.time() - start, {"images_per_second": last.get("images_per_second")}, val, ema_val)
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary
 
 
-def _last_rate(output_dir):
-    """The training images/s of log.csv's last epoch, or None."""
+def _last_row(output_dir):
+    """log.csv's last row, its numbers as floats (an empty cell: None); {} where there is none."""
     try:
         with open(output_dir / "log.csv", newline="") as file:
-            return float(list(csv.DictReader(file))[-1]["images_per_second"])
-    except (OSError, LookupError, ValueError):
-        return None
+            row = list(csv.DictReader(file))[-1]
+    except (OSError, IndexError):
+        return {}
+    numbers = {}
+    for name, value in row.items():
+        try:
+            numbers[name] = float(value)
+        except (TypeError, ValueError):
+            numbers[name] = None
+    return numbers

@@ -72,11 +72,26 @@ def _checksum(path):
 
 
 def _checksums(directory):
-    """{name: (size, CRC-32)} of DCP's files in the just-written `directory`, each rank reading a share (a collective)."""
-    names = sorted(path.name for path in Path(directory).iterdir() if path.name != STATE)
-    share = names[distributed.get_rank()::distributed.get_world_size()]
-    return {name: value for part in distributed.all_gather_object({name: _checksum(Path(directory) / name) for name in share})
-            for name, value in part.items()}
+    """{name: (size, CRC-32)} of DCP's files in the just-written `directory` (as rank 0 lists them), each rank reading a
+    share (a collective): a rank that cannot read its share fails the save on every rank, in one line."""
+    def listing():
+        try:
+            return sorted(path.name for path in Path(directory).iterdir() if path.name != STATE)
+        except OSError as error:
+            raise UsageError(error.strerror) from None
+    error, mine = None, {}
+    try:
+        names = distributed.computed_by_rank_0(listing)
+        mine = {name: _checksum(Path(directory) / name)
+                for name in names[distributed.get_rank()::distributed.get_world_size()]}
+    except (OSError, UsageError) as failure:
+        error = getattr(failure, "strerror", None) or str(failure)
+    parts = distributed.all_gather_object((mine, error))
+    errors = [error for _, error in parts if error]
+    if errors:
+        raise CheckpointWriteError(f"could not read back the sharded checkpoint {directory} ({errors[0]}); the "
+                                   "checkpoints already there are intact")
+    return {name: value for part, _ in parts for name, value in part.items()}
 
 
 def _check_files(directory, files, share=slice(None)):
@@ -110,6 +125,7 @@ class ShardedCheckpoints:
         self.output_dir = Path(config.output_dir)
         self.group = dist.new_group(backend="gloo") if config.async_checkpoint else None
         self.pending = None  # (future, directory, state, writes) of the asynchronous save under way
+        self.fell_back_to = None  # the checkpoint --resume auto took where the latest was damaged (load_resume)
 
     # ---------------------------------------------------------------- finding and reading
     def existing(self, output_dir):
@@ -125,14 +141,18 @@ class ShardedCheckpoints:
         if not resume:
             return None, None
         if resume == "auto":
-            # (a link whose directory is gone is tried too: it is said, and the one before taken)
+            # (a link whose directory is gone is tried too, said, and the one before taken; both gone: no checkpoint,
+            # and run.refuse_to_replace_a_run says what is left)
             found = [Path(output_dir) / name for name in (LATEST, PREVIOUS)
                      if is_sharded(Path(output_dir) / name) or (Path(output_dir) / name).is_symlink()]
+            found = found if any(is_sharded(path) for path in found) else []
             if not found and (Path(output_dir) / CHECKPOINT).is_file():
                 raise UsageError(f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
                                  "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
                                  "or choose another --output-dir")
             path, checkpoint = first_readable(found, self._verified, warn)
+            # Taken instead of a damaged latest: the next save keeps it as checkpoint_prev (not the damaged one).
+            self.fell_back_to = path.resolve() if path is not None and path != found[0] else None
             return (path and path.resolve()), checkpoint
         path = Path(resume)
         if path.is_dir():
@@ -156,6 +176,8 @@ class ShardedCheckpoints:
             _check_files(path, state.get("files", {}), share)
         except UsageError as failure:
             error = str(failure)
+        except OSError as failure:  # (an I/O error reading state.pth: said by every rank, not a hang of the others)
+            error = f"cannot read checkpoint {path}: {failure.strerror or failure}"
         errors = [error for error in distributed.all_gather_object(error) if error]
         if errors:
             raise UsageError(errors[0])
@@ -232,13 +254,13 @@ class ShardedCheckpoints:
         try:
             if self.group is None:
                 dcp.save(sharded, checkpoint_id=str(directory))
-                state["files"] = _checksums(directory)
             else:
                 future = dcp.async_save(sharded, checkpoint_id=str(directory), process_group=self.group)
                 self.pending = (future, directory, state, is_best, writes)
                 return
         except _failures() as error:
             raise _not_written(directory, error) from None
+        state["files"] = _checksums(directory)
         self._complete(directory, state, is_best, writes)
 
     def repair_best(self, checkpoint, path, output_dir, say):
@@ -272,14 +294,16 @@ class ShardedCheckpoints:
         latest, previous, switched = self.output_dir / LATEST, self.output_dir / PREVIOUS, False
         try:
             atomic_write(directory / STATE, lambda file: torch.save(state, file))
-            if latest.is_symlink():
+            if self.fell_back_to is not None:  # the damaged latest goes with the older ones
+                _link(previous, Path(FOLDER) / self.fell_back_to.name)
+            elif latest.is_symlink():
                 _link(previous, latest.readlink())
             _link(latest, Path(FOLDER) / directory.name)
             keep = {directory.name, previous.readlink().name if previous.is_symlink() else None}
             for other in (self.output_dir / FOLDER).iterdir():
                 if other.name not in keep:
                     shutil.rmtree(other, ignore_errors=True)
-            switched = True
+            switched, self.fell_back_to = True, None
             if is_best:
                 export(directory, self.output_dir / BEST, check=False)  # (its files just checksummed)
         except _failures() as error:  # a full disk, a shard unreadable for the export

@@ -36,7 +36,7 @@ from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
 from common.shards import (CLASSES, IMAGE_EXTENSIONS, MANIFEST, index_tar, read_index, shard_stamp,  # noqa: E402
                            write_index)
-from prepare_imagenet import (Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals,  # noqa: E402
+from prepare_imagenet import (WORKER_START, Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals,  # noqa: E402
                              stop_workers, whole)
 
 
@@ -177,7 +177,7 @@ def written(jobs, args):
     if workers <= 1:
         yield from (write_shard(shard, part, args.resize, args.quality) for shard, part in jobs)
         return
-    pool = ProcessPoolExecutor(workers, initializer=ignore_interrupts)
+    pool = ProcessPoolExecutor(workers, mp_context=WORKER_START, initializer=ignore_interrupts)
     try:
         yield from pool.map(write_shard, *zip(*jobs), [args.resize] * len(jobs), [args.quality] * len(jobs))
     except BaseException:

@@ -35,6 +35,7 @@ import csv
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -487,6 +488,11 @@ def open_output(out_dir, resize, quality):
     return state
 
 
+# The pools' workers are forked (Linux's default before Python 3.14, whose forkserver would make them the children of
+# a server, not of this process: ignore_interrupts ties each worker's life to its parent's).
+WORKER_START = multiprocessing.get_context("fork")
+
+
 def ignore_interrupts():
     """A pool worker's start. Ctrl-C reaches the whole process group: the main process alone handles it, stopping the
     pool. A main process that ends without stopping it (SIGKILL, the OOM killer) ends its workers too: SIGTERM from the
@@ -508,7 +514,7 @@ def run_pool(jobs, redo, out_dir, args):
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(jobs))
     progress, images = Progress(f"preparing (workers: {workers})", len(jobs)), 0
     work = partial(run_job, out_dir=out_dir, resize=args.resize, quality=args.quality)
-    pool = ProcessPoolExecutor(workers, initializer=ignore_interrupts)
+    pool = ProcessPoolExecutor(workers, mp_context=WORKER_START, initializer=ignore_interrupts)
     try:
         for future in as_completed([pool.submit(work, job, redo=job.marker in redo) for job in jobs]):
             count, undecodable = future.result()

@@ -259,3 +259,20 @@ def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):
     with pytest.raises(UsageError, match=r"^--resume \S+: a sharded checkpoint of train_fsdp.py; resume it with "
                                          r"train_fsdp.py, or write its weights as one file \(python tools/export_checkpoint"):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from(tmp_path):
+    """checkpoint.pth damaged, --resume auto took checkpoint_prev.pth: the next save replaces the damaged one and keeps
+    checkpoint_prev.pth (it moved the damaged one there, over the good one); the save after rotates as before."""
+    files = checkpoint.SingleFile()
+    for epoch in (1, 2):
+        files.write({"epoch": epoch, "state_dict": small_resnet().state_dict()}, tmp_path, False, writes=True)
+    good = (tmp_path / "checkpoint_prev.pth").read_bytes()
+    (tmp_path / "checkpoint.pth").write_bytes(b"cut short")
+    path, _ = files.load_resume("auto", tmp_path, warn=lambda line: None)
+    assert path.name == "checkpoint_prev.pth"
+    files.write({"epoch": 2, "state_dict": small_resnet().state_dict()}, tmp_path, False, writes=True)
+    assert (tmp_path / "checkpoint_prev.pth").read_bytes() == good
+    assert checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")["epoch"] == 2
+    files.write({"epoch": 3, "state_dict": small_resnet().state_dict()}, tmp_path, False, writes=True)
+    assert checkpoint.load_checkpoint(tmp_path / "checkpoint_prev.pth")["epoch"] == 2

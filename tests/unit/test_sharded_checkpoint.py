@@ -261,3 +261,36 @@ def test_a_full_disk_during_a_sharded_save_says_so_and_leaves_the_checkpoints_th
         assert checkpoint["epoch"] == 1
     finally:
         subprocess.run(["umount", "-l", disk], timeout=30)
+
+
+def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from_and_drops_the_damaged_one(group_of_one, tmp_path):
+    """The latest damaged, --resume auto took the one before: the next save makes that one checkpoint_prev (it made the
+    damaged one checkpoint_prev and removed the good one)."""
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    trainer.save(2)
+    good, damaged = (tmp_path / PREVIOUS).resolve(), (tmp_path / LATEST).resolve()
+    damage(tmp_path / LATEST, "16 flipped bytes")
+    path, _ = trainer.checkpoints.load_resume("auto", tmp_path, warn=lambda line: None)
+    assert path == good
+    trainer.save(2, 1)
+    assert (tmp_path / PREVIOUS).resolve() == good and not damaged.exists()
+    trainer.save(2, 2)  # and then as before
+    assert (tmp_path / PREVIOUS).resolve() != good and not good.exists()
+
+
+def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the_save_in_one_line(group_of_one, tmp_path):
+    """sharded/ deleted: --resume auto finds no checkpoint (run.refuse_to_replace_a_run then says what is left), not
+    an error about the link before. A file of the new checkpoint that cannot be read back fails the save on every
+    rank in one line (a rank's OSError left the others waiting in the gather)."""
+    from common.sharded_checkpoint import _checksums
+    trainer = trained(tmp_path)
+    trainer.save(1)
+    trainer.save(2)
+    shutil.rmtree(tmp_path / "sharded")
+    assert trainer.checkpoints.load_resume("auto", tmp_path, warn=pytest.fail) == (None, None)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "__0_0.distcp").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(CheckpointWriteError, match=r"^could not read back the sharded checkpoint \S+new \(No such file "
+                                                   r"or directory\); the checkpoints already there are intact$"):
+        _checksums(tmp_path / "new")
