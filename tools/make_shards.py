@@ -25,7 +25,6 @@ import os
 import signal
 import sys
 import tarfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,8 +35,8 @@ from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
 from common.shards import (CLASSES, IMAGE_EXTENSIONS, MANIFEST, index_tar, read_index, shard_stamp,  # noqa: E402
                            write_index)
-from prepare_imagenet import (WORKER_START, Parser, Stopped, ignore_interrupts, resize_jpeg, stop_on_signals,  # noqa: E402
-                             stop_workers, whole)
+from prepare_imagenet import (Parser, Stopped, resize_jpeg, stop_on_signals, stop_workers, whole,  # noqa: E402
+                             worker_pool)
 
 
 
@@ -177,7 +176,7 @@ def written(jobs, args):
     if workers <= 1:
         yield from (write_shard(shard, part, args.resize, args.quality) for shard, part in jobs)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=WORKER_START, initializer=ignore_interrupts)
+    pool = worker_pool(workers)
     try:
         yield from pool.map(write_shard, *zip(*jobs), [args.resize] * len(jobs), [args.quality] * len(jobs))
     except BaseException:

@@ -488,9 +488,11 @@ def open_output(out_dir, resize, quality):
     return state
 
 
-# The pools' workers are forked (Linux's default before Python 3.14, whose forkserver would make them the children of
-# a server, not of this process: ignore_interrupts ties each worker's life to its parent's).
-WORKER_START = multiprocessing.get_context("fork")
+def worker_pool(workers):
+    """The pool of `workers` processes of this script and tools/make_shards.py: forked (Linux's default before Python
+    3.14, whose forkserver would make them the children of a server, not of this process: ignore_interrupts ties each
+    worker's life to its parent's), each started by ignore_interrupts."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=ignore_interrupts)
 
 
 def ignore_interrupts():
@@ -514,7 +516,7 @@ def run_pool(jobs, redo, out_dir, args):
     workers = min(args.workers or len(os.sched_getaffinity(0)), len(jobs))
     progress, images = Progress(f"preparing (workers: {workers})", len(jobs)), 0
     work = partial(run_job, out_dir=out_dir, resize=args.resize, quality=args.quality)
-    pool = ProcessPoolExecutor(workers, mp_context=WORKER_START, initializer=ignore_interrupts)
+    pool = worker_pool(workers)
     try:
         for future in as_completed([pool.submit(work, job, redo=job.marker in redo) for job in jobs]):
             count, undecodable = future.result()
