@@ -1,7 +1,6 @@
 """The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
 which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here,
 whoever built it (a registry that hides where a part comes from is not what we want: style.md)."""
-import csv
 import os
 import platform
 import time
@@ -130,7 +129,7 @@ def trained_already(trainer, eval_model):
     if not distributed.computed_by_rank_0(lambda: log.writes and not path.exists()):
         return None
     log.print(f"{path} is missing: the final weights are validated to write it again")
-    start, last = time.time(), _last_row(path.parent)
+    start, last = time.time(), log.last_row()
     val = trainer.evaluate(eval_model)
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
     trainer.diagnostics.last = {name: last.get(name) for name in ("tflops_per_device", "mfu_pct")}
@@ -139,19 +138,3 @@ def trained_already(trainer, eval_model):
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary
-
-
-def _last_row(output_dir):
-    """log.csv's last row, its numbers as floats (an empty cell: None); {} where there is none."""
-    try:
-        with open(output_dir / "log.csv", newline="") as file:
-            row = list(csv.DictReader(file))[-1]
-    except (OSError, IndexError):
-        return {}
-    numbers = {}
-    for name, value in row.items():
-        try:
-            numbers[name] = float(value)
-        except (TypeError, ValueError):
-            numbers[name] = None
-    return numbers

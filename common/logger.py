@@ -112,6 +112,21 @@ class RunLogger:
         csv.writer(text).writerows([self.fields, *([row.get(field, "") for field in self.fields] for row in rows)])
         write_text(self.output_dir / "log.csv", text.getvalue())
 
+    def last_row(self):
+        """log.csv's last row, its numbers as floats (an empty cell: None); {} where there is none."""
+        try:
+            with open(self.output_dir / "log.csv", newline="") as file:
+                row = list(csv.DictReader(file))[-1]
+        except (OSError, IndexError):
+            return {}
+        numbers = {}
+        for name, value in row.items():
+            try:
+                numbers[name] = float(value)
+            except (TypeError, ValueError):
+                numbers[name] = None
+        return numbers
+
     def log_epoch(self, row):
         """One row of log.csv and its numbers in TensorBoard. A value this log has no column for yet (a
         named value of Trainer.train_step / evaluate_step) gets a new last column: the file is rewritten
