@@ -10,7 +10,7 @@ from common.meters import ProgressMeter
 from conftest import PYTHON, REPO, assert_ok, clean_env, run
 
 sys.path.insert(0, str(REPO / "tools"))
-from benchmark_gpu import progress_points, steady, steady_start, trace_summary, window_figures  # noqa: E402
+from benchmark_gpu import gpu_rows, progress_points, selected, steady, steady_start, trace_summary, window_figures  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -96,6 +96,14 @@ def test_the_trace_summary_counts_steps_busy_time_waits_and_kernel_kinds(tmp_pat
     assert summary["gpu_ms_by_family_per_step"] == {"convolution (cuDNN)": 0.02, "batch norm": 0.02, "attention": 0.01,
                                                     "memory copy": 0.005, "pooling": 0.002, "optimizer": 0.002,
                                                     "compiled (Triton)": 0.001}
+
+
+def test_rows_on_request_run_only_where_only_names_them():
+    rows = gpu_rows("jpegs")
+    by_default = {bench.name for bench in selected(rows, None)}
+    assert "vit_b_16 bf16 --compile" in by_default and "vit_b_16 bf16, bare PyTorch loop" not in by_default
+    assert {bench.name for bench in selected(rows, "^vit_b_16 bf16($|, bare)")} == {
+        "vit_b_16 bf16", "vit_b_16 bf16, bare PyTorch loop"}
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():

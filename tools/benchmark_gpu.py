@@ -2,6 +2,7 @@
 
     python tools/benchmark_gpu.py                    # every row, on the first GPU (about 7 min on one H100)
     python tools/benchmark_gpu.py --only resnet50    # the rows whose name matches a regular expression
+    python tools/benchmark_gpu.py --only '^vit_b_16 bf16($|, bare| --compile($|, ))'  # with rows run on request only
     python tools/benchmark_gpu.py --repo DIR         # the scripts of another checkout (a "before" of a change)
     python tools/benchmark_gpu.py --cpu              # the same harness on the CPU (a tiny model): a self-test
 
@@ -123,6 +124,7 @@ class Bench:
     share: float = None  # (that share)
     data: str = "synthetic"  # or "jpeg"
     profile: str = None  # --profile START:STEPS: the row's trace, summarised (it then measures no speed)
+    on_request: bool = False  # run only where --only names it (a diagnosis, not part of the 8-minute table)
     result: dict = field(default_factory=dict)
 
 
@@ -149,6 +151,17 @@ def gpu_rows(jpegs):
         Bench("resnet50 float32, bare PyTorch loop", "bare", ("resnet50", "none", "contiguous"), 256, 45, "(a reference)"),
         Bench("vit_b_16 bf16 --compile", "dp", (*vit, "--compile"), 256, 50, "MFU >= 35%"),
         Bench("vit_b_16 bf16, profile", "dp", vit, 256, 24, "(the trace)", profile="20:3"),
+        Bench("vit_b_16 bf16, bare PyTorch loop", "bare", ("vit_b_16", "bf16", "contiguous"), 256, 45, "(a reference)",
+              on_request=True),
+        Bench("vit_b_16 bf16 --compile, profile", "dp", (*vit, "--compile"), 256, 24, "(the trace)", profile="20:3",
+              on_request=True),
+        Bench("vit_b_16 bf16 --channels-last on", "dp", (*vit, "--channels-last", "on"), 256, 50, "MFU >= 35%",
+              on_request=True),
+        Bench("vit_b_16 bf16 --channels-last on, profile", "dp", (*vit, "--channels-last", "on"), 256, 24, "(the trace)",
+              profile="20:3", on_request=True),
+        Bench("vit_b_16 bf16 --compile --channels-last on", "dp", (*vit, "--compile", "--channels-last", "on"), 256, 50,
+              "MFU >= 35%", on_request=True),
+        Bench("vit_b_16 bf16 --compile, -b 512", "dp", (*vit, "--compile"), 512, 40, "MFU >= 35%", on_request=True),
         Bench(f"{base}, JPEGs, -j 8", "dp", (*r50, *bf16, "--data", jpegs, "-j", "8"), 256, 64,
               "(-j auto's most before)", base, data="jpeg"),
     ]
@@ -162,6 +175,11 @@ def cpu_rows(jpegs):
             Bench("tiny, bare loop", "bare", ("tiny", "none", "contiguous"), 8, 12, "(a reference)"),
             Bench("tiny, profile", "dp", tiny, 8, 6, "(the trace)", profile="3:2"),
             Bench("tiny, JPEGs", "dp", (*tiny, "--data", jpegs), 8, 8, ">= 90% of synthetic", "tiny", 0.9, data="jpeg")]
+
+
+def selected(rows, only):
+    """The rows whose name matches the regular expression `only`; without one, every row not run on request only."""
+    return [bench for bench in rows if (re.search(only, bench.name) if only else not bench.on_request)]
 
 
 def dummy_size(steps, batch, compiled):
@@ -486,8 +504,7 @@ def main(argv=None):
     workdir = Path(tempfile.mkdtemp(prefix="benchmark-gpu-"))
     facts = environment(args.cpu)
     rows = (cpu_rows if args.cpu else gpu_rows)(str(workdir / "jpegs"))
-    if args.only:
-        rows = [bench for bench in rows if re.search(args.only, bench.name)]
+    rows = selected(rows, args.only)
     print(f"benchmark-gpu: {len(rows)} rows, runs in {workdir}, table to {out}", flush=True)
     for bench in rows:
         if args.deadline is not None and time.monotonic() - started > args.deadline:
