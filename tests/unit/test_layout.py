@@ -1,4 +1,4 @@
-"""The library's shape, which every later change keeps: no module of common/ over 400 lines, no function over 60, one
+"""The library's shape, which every later change keeps: no module of common/ over 600 lines, no function over 80, one
 concern per module with a unit file of its own, no import circle, and the command line imported by the scripts
 alone."""
 import ast
@@ -12,11 +12,11 @@ SCRIPTS = sorted(COMMON.parent.glob("train_*.py"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
-def test_a_module_holds_at_most_400_lines_and_a_function_at_most_60(path):
+def test_a_module_holds_at_most_600_lines_and_a_function_at_most_80(path):
     lines = path.read_text().splitlines()
-    assert len(lines) <= 400, f"{path.name}: {len(lines)} lines; split its concerns"
+    assert len(lines) <= 600, f"{path.name}: {len(lines)} lines; split its concerns"
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
     assert not long, f"{path.name}: {', '.join(long)}"
 
 
