@@ -284,6 +284,20 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def average_gradients(parameters):
+    """Average the gradients of `parameters` over all ranks, in one all-reduce: for parameters outside DDP's
+    buckets (a criterion's), whose gradients are each rank's own. Those without a gradient (on every rank alike)
+    are left as they are."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    if not grads or not is_initialized():
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= get_world_size()
+    for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(part.view_as(grad))
+
+
 def max_over_ranks(value, device):
     """The largest of the ranks' integer `value`s (a collective, through `device`: NCCL reduces GPU tensors)."""
     if not is_initialized():

@@ -17,8 +17,12 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
   train_totals     the partial epoch's metric sums over all ranks (MetricSums.state_dict()), or None
   rng_states       every rank's random streams, in rank order (RandomStreams.state_dict())
   bad_images       the epoch's unreadable files, over all ranks (BadImageLog.state_dict())
+  criterion        the criterion's state_dict() (its parameters: a learned temperature), rank 0's
+  trainer_state    what a Trainer subclass's state_dict() returns, rank 0's
 The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and the epoch.
 """
+import copy
+
 from . import distributed
 from .config import flag
 from .errors import UsageError
@@ -68,7 +72,9 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
             "epoch_lr": trainer.epoch_lr,
             "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
             "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
-            "bad_images": trainer.bad_images.state_dict(), **ema}
+            "bad_images": trainer.bad_images.state_dict(), # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
+            "criterion": copy.deepcopy(trainer.criterion.state_dict()),
+            "trainer_state": copy.deepcopy(trainer.state_dict()), **ema}
 
 
 def restore(trainer, checkpoint, path):
@@ -113,6 +119,13 @@ def restore(trainer, checkpoint, path):
     if len(states) == trainer.runtime.world_size:  # else: another world size, fresh streams
         trainer.rng.load_state_dict(states[trainer.runtime.rank])
     trainer.bad_images.load_state_dict(checkpoint["bad_images"])
+    if "criterion" in checkpoint:  # (both: since checkpoints had them)
+        try:
+            trainer.criterion.load_state_dict(checkpoint["criterion"])
+        except RuntimeError as error:
+            raise UsageError(f"{path}: its criterion's state does not fit this run's build_criterion: "
+                             f"{' '.join(str(error).split())[:300]}") from None
+        trainer.load_state_dict(checkpoint["trainer_state"])
 
 
 def _check_run(trainer, checkpoint, path):

@@ -100,7 +100,9 @@ class Trainer:
 
     def build_criterion(self):
         """The loss on (logits, labels) that train_step and evaluate_step take; labels may be class indices
-        or (with --mixup-alpha / --cutmix-alpha) class probabilities."""
+        or (with --mixup-alpha / --cutmix-alpha) class probabilities. Its parameters (a learned temperature) are
+        trained with the model's (a parameter group of their own: --lr, no weight decay, unless build_optimizer
+        puts them in one), their gradients averaged over the ranks; its state_dict is saved in every checkpoint."""
         return nn.CrossEntropyLoss(label_smoothing=self.config.label_smoothing)
 
     def build_optimizer(self, model):
@@ -119,6 +121,15 @@ class Trainer:
         ConfusionMatrix), their numbers shown and logged as SPLIT_NAME, their tensors written to
         metrics/SPLIT_epochE.json, a partial training epoch's state checkpointed and resumed. The default: none."""
         return {}
+
+    def state_dict(self):
+        """Your subclass's own state (a step counter, a teacher's running average): a dict of plain data and
+        tensors (torch.load(..., weights_only=True) reads it), rank 0's, saved in every checkpoint, a stop
+        mid-epoch's too. The default: none."""
+        return {}
+
+    def load_state_dict(self, state):
+        """Given on every rank what state_dict returned, when a run resumes (after build, before training)."""
 
     def after_validation(self, epoch, results, label=""):
         """Called on every rank after each validation (label "EMA": of the EMA's weights) with its results summed over
@@ -163,6 +174,7 @@ class Trainer:
         self.criterion = self.build_criterion().to(device)
         self.metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
         self.optimizer = self.build_optimizer(self.model)
+        self._criterion_parameters = self._train_criterion(self.optimizer)
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
@@ -190,6 +202,19 @@ class Trainer:
         # FSDP: parameters contiguous (no channels_last), and fully_shard moves each unit to the device as it shards it.
         self.channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
         return model if self.shard else model.to(device, memory_format=torch.channels_last if self.channels_last else None)
+
+    def _train_criterion(self, optimizer):
+        """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
+        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's."""
+        parameters = [parameter for parameter in self.criterion.parameters() if parameter.requires_grad]
+        if parameters and self.shard is not None:
+            raise UsageError("train_fsdp.py: the criterion (build_criterion) has parameters, which FSDP neither shards "
+                             "nor checkpoints with its optimizer: make them the model's (build_model)")
+        held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        missing = [parameter for parameter in parameters if id(parameter) not in held]
+        if missing:
+            optimizer.add_param_group({"params": missing, "weight_decay": 0.0})
+        return parameters
 
     def _sharded(self, model):  # train_fsdp.py: sharded in place, unit by unit
         return model if self.shard is None else self.shard(model, self.shard_units(model))
@@ -284,10 +309,11 @@ class Trainer:
                 loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step")
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()  # the scaler is a no-op unless --amp fp16
+            distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
             if config.clip_grad_norm:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                 # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
-                nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
+                nn.utils.clip_grad_norm_([*self.model.parameters(), *self._criterion_parameters], config.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.scheduler.step()

@@ -194,7 +194,7 @@ def group_of_one():
         dist.destroy_process_group()
 
 
-def sharded_trainer(*argv, datasets=None):
+def sharded_trainer(*argv, datasets=None, trainer=None):
     """A Trainer of train_fsdp.py built in-process on tiny in-memory data (inside group_of_one)."""
     from common.fsdp import Sharding
     from common.sharded_checkpoint import ShardedCheckpoints
@@ -202,8 +202,8 @@ def sharded_trainer(*argv, datasets=None):
     config = parse("--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4",
                    "--seed", "1", *argv, mode="fsdp")
     runtime = cpu_runtime(mode="fsdp")
-    trainer = Trainer(config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config))
-    return trainer.build(datasets or tensor_datasets(), 1)
+    made = (trainer or Trainer)(config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config))
+    return made.build(datasets or tensor_datasets(), 1)
 
 
 def tensor_datasets(size=16, train=12, val=6, channels=3):

@@ -1,6 +1,6 @@
 """examples/: the changes a researcher makes (own model with an auxiliary head, own dataset, distillation, another
 optimizer and schedule with clipping, an extra metric, layer-wise learning rates, own augmentation, a metric with a
-state: a confusion matrix), each one file of theirs, run with the real
+state: a confusion matrix; a loss with a parameter and a trainer with state of its own), each one file of theirs, run with the real
 launchers: torchrun with 2 processes against one process (the same losses and named values, 1e-5), a SIGKILL
 of the whole job mid-epoch then --resume auto (bitwise the weights, exactly the logged values of the run that
 was never stopped), and validation counting each image once."""
@@ -46,15 +46,18 @@ def example_arguments(name, data, teacher):
             "layerwise_lr": [*TINY_NET, "--data", data, "--trainer", "examples.layerwise_lr:LayerwiseLr"],
             "own_augmentation": [*TINY_NET, "--data", data, "--trainer", "examples.own_augmentation:Rotation",
                                  "--rotation", "30"],
-            "confusion_matrix": [*TINY_NET, "--data", data, "--trainer", "examples.confusion_matrix:PerClass"]}[name]
+            "confusion_matrix": [*TINY_NET, "--data", data, "--trainer", "examples.confusion_matrix:PerClass"],
+            "learned_temperature": [*TINY_NET, "--data", data, "--trainer",
+                                    "examples.learned_temperature:LearnedTemperature"]}[name]
 
 
 EXAMPLES = ["aux_model", "csv_dataset", "distillation", "adamw_onecycle", "extra_metric", "layerwise_lr",
-            "own_augmentation", "confusion_matrix"]
+            "own_augmentation", "confusion_matrix", "learned_temperature"]
 # The named values each example logs (log.csv columns beyond the run's own).
 NAMED = {"distillation": ["train_ce_loss", "train_distill_loss"],
          "extra_metric": ["train_top5_error", "train_confidence", "val_top5_error", "val_confidence"],
-         "layerwise_lr": ["lr_group1"], "confusion_matrix": ["train_balanced_acc", "val_balanced_acc"]}
+         "layerwise_lr": ["lr_group1"], "confusion_matrix": ["train_balanced_acc", "val_balanced_acc"],
+         "learned_temperature": ["train_temperature"]}
 
 
 def tables(folder):
@@ -169,7 +172,8 @@ def test_an_example_validates_every_image_once(example_runs, name):
 def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
     """layerwise_lr: the header lists both groups' lrs and log.csv the backbone's at a tenth of the head's;
     confusion_matrix: the per-class line after each validation and a matrix per epoch that counts every val image
-    once; own_augmentation: a rotation changes the training (its loss differs from the same run's without it)."""
+    once; own_augmentation: a rotation changes the training (its loss differs from the same run's without it);
+    learned_temperature: the temperature learned, and it and the step counter resumed."""
     outputs, folder = example_runs["layerwise_lr"]
     assert "optimizer: SGD, lr by parameter group 0.02, 0.002, momentum 0.9" in outputs["ddp"]
     assert all(float(row["lr_group1"]) == pytest.approx(float(row["lr"]) / 10) for row in log_rows(folder / "ddp"))
@@ -177,6 +181,11 @@ def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
     assert re.search(r"^ \* per-class acc@1 [\d.]+, [\d.]+, [\d.]+; lowest: \w+$", outputs["ddp"], re.MULTILINE)
     matrices = [json.loads(text)["confusion"] for name, text in tables(folder / "ddp").items() if name.startswith("val")]
     assert len(matrices) == 2 and all(sum(map(sum, matrix)) == VAL_IMAGES for matrix in matrices)
+    _, folder = example_runs["learned_temperature"]  # the criterion's parameter and the trainer's counter: resumed
+    final = [torch.load(folder / run / "checkpoint.pth", weights_only=True) for run in ("ddp", "killed")]
+    temperatures = [end["criterion"]["log_temperature"] for end in final]
+    assert temperatures[0] != 0 and torch.equal(*temperatures)
+    assert final[0]["trainer_state"] == final[1]["trainer_state"] == {"steps_taken": 12}
     rotated = log_rows(example_runs["own_augmentation"][1] / "ddp")
     plain = log_rows(example_runs["extra_metric"][1] / "ddp")  # the same flags but --trainer's, no rotation
     assert rotated[0]["train_loss"] != plain[0]["train_loss"]

@@ -60,6 +60,14 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(flags, says):
     parse(*flags[:1], *(flags[1:] if flags[0] != "--channels-last" else ["on"]), mode="ddp")  # DDP takes them
 
 
+def test_a_criterion_with_parameters_is_refused_in_one_line(group_of_one):
+    from examples.learned_temperature import LearnedTemperature
+    with pytest.raises(UsageError, match=r"^train_fsdp.py: the criterion \(build_criterion\) has parameters, which FSDP "
+                                         r"neither shards nor checkpoints with its optimizer: make them the model's"):
+        sharded_trainer("-a", "tests.tiny_models:BlockNet", "--trainer", "examples.learned_temperature:LearnedTemperature",
+                        trainer=LearnedTemperature)
+
+
 def test_cpu_offload_is_refused_on_the_cpu():
     with pytest.raises(UsageError, match="^--cpu-offload keeps parameters and optimizer state in host memory"):
         Sharding(parse("--cpu-offload", mode="fsdp"), cpu_runtime(mode="fsdp"))

@@ -13,6 +13,7 @@ from common.logger import MEASURED
 from common.run import start_run
 from common.trainer import Trainer
 from conftest import built_trainer, cpu_runtime, parse
+from examples.learned_temperature import LearnedTemperature
 from tests.tiny_models import TinyNet
 
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
@@ -73,6 +74,37 @@ def test_a_run_stopped_mid_epoch_goes_on_bitwise_as_one_that_never_stopped(tmp_p
     assert log_rows(tmp_path / "whole") == log_rows(tmp_path / "crashed")
 
 
+class TemperatureCrashes(LearnedTemperature):
+    """examples/learned_temperature.py's trainer, crashing (as a SIGKILL would) before its step `crash_at`."""
+    crash_at = 5
+
+    def train_step(self, model, images, labels):
+        if self.steps_taken == self.crash_at:
+            raise Crash()
+        return super().train_step(model, images, labels)
+
+
+def test_a_criterion_s_parameters_and_a_trainer_s_own_state_resume_bitwise(tmp_path):
+    """The learned temperature (the criterion's parameter, trained in an optimizer group of its own) and the trainer's
+    step counter (state_dict) are saved mid-epoch and given back: the resumed run ends as the one never stopped."""
+    flags = [*SMALL, *TINY_NET, "--epochs", "2", "--checkpoint-interval", "2", "--trainer",
+             "examples.learned_temperature:LearnedTemperature", "--temperature-warmup", "2"]
+    whole = started(*flags, "--output-dir", tmp_path / "whole", trainer=LearnedTemperature)
+    whole.fit(whole.model, whole.model)
+    crashed = started(*flags, "--output-dir", tmp_path / "crashed", trainer=TemperatureCrashes)
+    with pytest.raises(Crash):
+        crashed.fit(crashed.model, crashed.model)
+    resumed = started(*flags, "--output-dir", tmp_path / "crashed", "--resume", "auto", trainer=LearnedTemperature)
+    assert (resumed.start_epoch, resumed.start_step, resumed.steps_taken) == (1, 1, 4)
+    resumed.fit(resumed.model, resumed.model)
+    ends = [torch.load(tmp_path / name / "checkpoint.pth", weights_only=True) for name in ("whole", "crashed")]
+    assert ends[0]["trainer_state"] == ends[1]["trainer_state"] == {"steps_taken": 6}
+    assert ends[0]["criterion"]["log_temperature"] != 0  # learned
+    for key in ("state_dict", "criterion"):
+        assert all(torch.equal(ends[0][key][name], ends[1][key][name]) for name in ends[0][key]), key
+    assert log_rows(tmp_path / "whole") == log_rows(tmp_path / "crashed")
+
+
 def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_weights_only(tmp_path):
     trainer = built_trainer(*SMALL, *TINY_NET, "--model-ema", "--output-dir", tmp_path)
     saved = state.assemble(trainer, epoch=1, step_in_epoch=0)
@@ -81,7 +113,8 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
     assert loaded["format_version"] == state.FORMAT_VERSION == 1
     assert {"epoch", "step_in_epoch", "arch", "num_classes", "classes", "seed", "world_size", "deterministic", "args",
             "samples", "state_dict", "optimizer", "scheduler", "scheduler_type", "scaler", "model_ema", "best_acc1",
-            "best_ema_acc1", "best_epoch", "epoch_lr", "train_totals", "rng_states", "bad_images"} == set(loaded) - {"format_version"}
+            "best_ema_acc1", "best_epoch", "epoch_lr", "train_totals", "rng_states", "bad_images", "criterion",
+            "trainer_state"} == set(loaded) - {"format_version"}
     assert loaded["scheduler"] == {"last_epoch": 0, "steps_per_epoch": 3} and loaded["samples"] == {"train": 12, "val": 6, "steps": 3}
     for key in ("state_dict", "model_ema"):
         plain = TinyNet(num_classes=3)

@@ -71,6 +71,30 @@ def test_each_hook_gets_what_it_uses_as_arguments():
     assert trainer.given["steps_per_epoch"] == 3  # 10 images, batch 4
 
 
+class OwnGroups(Trainer):
+    """An optimizer of the researcher's own that holds the criterion's parameters already."""
+    def build_criterion(self):
+        from examples.learned_temperature import TemperatureLoss
+        return TemperatureLoss()
+
+    def build_optimizer(self, model):
+        return torch.optim.SGD([{"params": model.parameters()}, {"params": self.criterion.parameters(), "lr": 0.5}], lr=0.1)
+
+
+def test_a_criterion_s_parameters_are_trained_in_a_group_of_their_own_unless_build_optimizer_holds_them():
+    from examples.learned_temperature import LearnedTemperature
+    trainer = built_trainer(*SMALL, *TINY_NET, "--trainer", "examples.learned_temperature:LearnedTemperature",
+                            "--temperature-warmup", "0", "--wd", "0.01", trainer=LearnedTemperature)
+    temperature = trainer.criterion.log_temperature
+    group = trainer.optimizer.param_groups[-1]
+    assert group["params"] == [temperature] and group["weight_decay"] == 0.0 and group["lr"] == trainer.config.lr
+    assert all(group["weight_decay"] == 0.01 for group in trainer.optimizer.param_groups[:-1])  # (--wd: the model's)
+    trainer.train_one_epoch(trainer.model, epoch=0)
+    assert temperature.item() != 0.0  # trained
+    own = built_trainer(*SMALL, *TINY_NET, trainer=OwnGroups)
+    assert [group["lr"] for group in own.optimizer.param_groups] == [0.1, 0.5]  # no group added
+
+
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
         trainer_class("tests.tiny_models:TinyNet")
