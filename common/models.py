@@ -120,10 +120,11 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
     return model
 
 
-def check_input_size(model, arch, train_sizes, val_size, channels=3):
+def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=None):
     """Refuse in one line an image size that `model` (--arch `arch`) cannot take (a crop smaller than its
-    layers allow, a vision transformer's fixed size), before any process trains: one forward of two images at
-    each training size and one at the validation crop, on the meta device (no memory, no arithmetic). Only
+    layers allow, a vision transformer's fixed size), and logits of another width than `classes`, before any
+    process trains: one forward of two images at each training size and one at the validation crop, on the meta
+    device (no memory, no arithmetic). Only
     torchvision's models are checked: a forward of your own may do more than compute (print, count, write),
     and it runs first in training; nor is a model the meta device cannot run."""
     if custom_builder(arch) is not None:
@@ -135,7 +136,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3):
             model.train(training)
             try:
                 with torch.no_grad():
-                    torch.func.functional_call(model, meta, (torch.empty(2, channels, size, size, device="meta"),))
+                    output = torch.func.functional_call(model, meta, (torch.empty(2, channels, size, size, device="meta"),))
             except NotImplementedError:
                 return
             except Exception as error:  # the layers' own shape checks: RuntimeError, AssertionError, ValueError
@@ -146,6 +147,15 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3):
                                  f"{_size_hint(arch)}") from None
     finally:
         model.train(was_training)
+    check_logits(split_output(output)[0], classes, "the model (build_model)")
+
+
+def check_logits(logits, classes, source):
+    """Refuse in one line logits of another shape than (batch, `classes`) (None: not checked): a head of another
+    width would train on silently (cross-entropy takes any width above the labels) or fail in a metric."""
+    if classes is not None and isinstance(logits, torch.Tensor) and (logits.ndim != 2 or logits.shape[1] != classes):
+        raise UsageError(f"{source} gives logits of shape {tuple(logits.shape)}; the data has {classes} classes: "
+                         f"expected (batch, {classes}) (a model's head of len(classes) outputs)")
 
 
 def _size_hint(arch):
@@ -293,12 +303,13 @@ def tf32_convolutions(device):
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-def step_result(result, method):
+def step_result(result, method, classes=None):
     """(loss, output, values) of what train_step / evaluate_step returned: (loss, output) or (loss, output,
-    {name: scalar})."""
+    {name: scalar}); output of shape (batch, `classes`)."""
     if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], torch.Tensor):
         loss, output, values = (*result, {}) if len(result) == 2 else result
         if isinstance(output, torch.Tensor) and isinstance(values, dict):
+            check_logits(output, classes, method)  # (a shape: no wait for the device)
             return loss, output, values
     raise UsageError(f"{method} returned {type(result).__name__}"
                      + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")

@@ -195,7 +195,7 @@ class Trainer:
         self.model_changes = [*getattr(model, "adaptations", []),
                               *models.adapt_first_conv(model, config.arch, self.channels, config.pretrained)]
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
-        models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels)
+        models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self.aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -306,7 +306,8 @@ class Trainer:
             if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, step, rank) alone
                 images, labels = self.batch_mix(images, target, batch_mix_key(self.seed, epoch, step, rank))
             with models.autocast(device, config.amp):
-                loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step")
+                loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step",
+                                                          len(self.classes))
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()  # the scaler is a no-op unless --amp fp16
             distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
@@ -365,7 +366,8 @@ class Trainer:
             batches = validation_batches(self.val_batches, self.shard is not None, shape)
             for step, (images, target, counted) in enumerate(batches):
                 with models.autocast(device, config.amp):
-                    loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step")
+                    loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step",
+                                                              len(self.classes))
                 if counted:
                     metrics.update(loss, output.float(), target, values)
                 if (step + 1) % config.print_freq == 0:

@@ -95,6 +95,28 @@ def test_a_criterion_s_parameters_are_trained_in_a_group_of_their_own_unless_bui
     assert [group["lr"] for group in own.optimizer.param_groups] == [0.1, 0.5]  # no group added
 
 
+class WideHead(Trainer):
+    """A model whose head has 1000 outputs, for data of 3 classes."""
+    def build_model(self, classes):
+        if self.config.arch == "resnet18":
+            return torchvision.models.resnet18(num_classes=1000)
+        from tests.tiny_models import TinyNet
+        return TinyNet(num_classes=5)
+
+
+def test_a_head_of_another_width_than_the_classes_is_refused_in_one_line():
+    """A torchvision model at build (the meta device's forward); a model of your own at its first step (cross-entropy
+    would take 1000 logits for 3 classes and train on, silently)."""
+    with pytest.raises(UsageError, match=r"^the model \(build_model\) gives logits of shape \(2, 1000\); the data has 3 "
+                                         r"classes: expected \(batch, 3\)"):
+        built_trainer(*SMALL, "-a", "resnet18", trainer=WideHead, datasets=tensor_datasets())
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=WideHead, datasets=tensor_datasets())
+    with pytest.raises(UsageError, match=r"^train_step gives logits of shape \(4, 5\); the data has 3 classes"):
+        trainer.train_one_epoch(trainer.model, epoch=0)
+    with pytest.raises(UsageError, match=r"^evaluate_step gives logits of shape \(4, 5\)"):
+        trainer.evaluate(trainer.model)
+
+
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
         trainer_class("tests.tiny_models:TinyNet")
