@@ -360,7 +360,8 @@ class Trainer:
         config, device = self.config, self.runtime.device
         model.eval()
         metrics = MetricSums(device, self.metrics["val"])
-        progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip(), self.log.print)
+        share = " (rank 0's share)" if self.runtime.world_size > 1 else ""  # (training's lines: all ranks')
+        progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip() + share, self.log.print)
         with torch.inference_mode() if self.shard is None else torch.no_grad():  # (FSDP's gather buffers: reused)
             shape = (self.channels, config.val_crop_size, config.val_crop_size)  # a sharded model's placeholder's
             batches = validation_batches(self.val_batches, self.shard is not None, shape)

@@ -167,6 +167,9 @@ def test_an_example_validates_every_image_once(example_runs, name):
     for run, output in outputs.items():
         counts = re.findall(r"^ \* Acc@1 .*\((\d+) images\)$", output, re.MULTILINE)
         assert counts and set(counts) == {str(VAL_IMAGES)}, (run, output[-2000:])
+        # Validation's progress lines are rank 0's share of the images, and say so where there are others.
+        shown = re.findall(r"^Test( \(rank 0's share\))? \[", output, re.MULTILINE)
+        assert shown and set(shown) == {"" if run == "single" else " (rank 0's share)"}, (run, output[-2000:])
 
 
 def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
