@@ -155,6 +155,9 @@ def _training_flags(add):
         help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
              "train.py (default under --preset tv-v2)")
     add("--lr-min", type=float, default=0.0, metavar="LR", help="where the cosine schedule ends (%(default)s)")
+    add("--grad-accum-steps", type=int, default=1, metavar="N",
+        help="each optimizer step sums the gradients of N micro-batches; -b stays the global batch of one step "
+             "(%(default)s)")
     add("--clip-grad-norm", type=float, default=None, metavar="N",
         help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping")
     add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")

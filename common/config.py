@@ -186,7 +186,7 @@ def _within(values, name, low, high, what, high_open=False, low_open=False):
 def _check(values):
     """The values' own rules, each broken one a UsageError naming the flag."""
     _positive(values, ["epochs", "batch_size", "lr", "print_freq", "train_crop_size", "val_resize_size",
-                       "val_crop_size", "dummy_size", "lr_step_size", "dist_timeout"])
+                       "val_crop_size", "dummy_size", "lr_step_size", "dist_timeout", "grad_accum_steps"])
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
     if values["warmup_epochs"] < 0 or (values["warmup_epochs"] > 0 and values["warmup_epochs"] >= values["epochs"]):

@@ -80,6 +80,11 @@ def training_lines(trainer):
     """What a training run says before its first step: optimizer, scheduler, EMA, outputs."""
     config = trainer.config
     lines = [schedule.describe_optimizer(trainer.optimizer, config)]
+    if config.grad_accum_steps > 1:
+        lines.append(f"gradient accumulation: each optimizer step of global batch {config.batch_size} sums "
+                     f"{config.grad_accum_steps} micro-batches of {trainer.data.train_loader.batch_size} per process "
+                     "(the gradients synced over the ranks at the last); steps, the schedule, the EMA and checkpoints "
+                     "count optimizer steps")
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
         lines += trainer.shard.describe(trainer.model, trainer.optimizer)
     if not isinstance(trainer.scheduler, schedule.LrSchedule):

@@ -303,6 +303,29 @@ def tf32_convolutions(device):
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
+def gradient_sync(model, enabled):
+    """A context for a forward and its backward that sync the gradients over the ranks (`enabled`) or only sum them
+    into .grad (a micro-batch before the last of an optimizer step): DDP's no_sync() (which its forward reads),
+    FSDP2's set_requires_gradient_sync(False); nothing to change for one process (DataParallel, one device)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+    module = model
+    while module is not None and not isinstance(module, (DistributedDataParallel, FSDPModule)):
+        module = getattr(module, "_orig_mod", None)  # (torch.compile's wrapper)
+    if enabled or module is None:
+        return contextlib.nullcontext()
+    return module.no_sync() if isinstance(module, DistributedDataParallel) else _fsdp_no_sync(module)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
 def step_result(result, method, classes=None):
     """(loss, output, values) of what train_step / evaluate_step returned: (loss, output) or (loss, output,
     {name: scalar}); output of shape (batch, `classes`)."""

@@ -140,8 +140,28 @@ class Trainer:
         """One batch's forward, under autocast: returns (loss, logits) or (loss, logits, {name: value}), each
         value a scalar (the batch's mean) that is summed over ranks exactly, shown, logged in log.csv as
         train_NAME and in TensorBoard, and resumed by name. The loop does backward, clipping, the optimizer
-        and scheduler steps; the accuracy counts the logits against the unmixed labels."""
+        and scheduler steps; the accuracy counts the logits against the unmixed labels. With --grad-accum-steps
+        N the batch is one of N micro-batches of an optimizer step; the loss, the batch's mean, is weighted by
+        its share of the step's images for the backward."""
         return models.loss_with_aux(self.criterion, model(images), labels, self.aux_weight)
+
+    def optimizer_step(self, model, closure):
+        """The optimizer step, once the step's gradients are summed over its micro-batches and averaged over the
+        ranks: by default the fp16 scaler's unscaling and --clip-grad-norm (clip_gradients), then the optimizer
+        through the scaler. `closure()` zeroes the gradients, runs the step's forwards and backwards again (its
+        micro-batches, mixed alike) and returns the step's loss: a second gradient (SAM), two optimizers, a
+        step of your own go here. The scheduler steps after it, once."""
+        self.clip_gradients()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def clip_gradients(self):
+        """--clip-grad-norm: the gradients' total norm (the model's and the criterion's, unscaled first under --amp
+        fp16) clipped to it. Nothing without the flag."""
+        if self.config.clip_grad_norm:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
+            nn.utils.clip_grad_norm_([*self.model.parameters(), *self._criterion_parameters], self.config.clip_grad_norm)
 
     def evaluate_step(self, model, images, target):
         """One validation batch's forward (eval mode, no grad, autocast): (loss, logits) or (loss, logits,
@@ -157,7 +177,9 @@ class Trainer:
         self.seed = seed
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
         self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
-        self.classes, self.steps_per_epoch = self.data.classes, len(self.data.train_loader)
+        # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
+        self.classes = self.data.classes
+        self.steps_per_epoch = math.ceil(len(self.data.train_loader) / config.grad_accum_steps)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         self.channels = self.data.first_image[0] if self.data.first_image else 3  # (of the images)
         self.diagnostics = Diagnostics(config, runtime, self.log.print)
@@ -301,24 +323,12 @@ class Trainer:
         model.train()
         start = time.perf_counter()
         self.diagnostics.start_epoch()
-        for step, (images, target) in enumerate(self.diagnostics.timed(self.train_batches), start=first_step):
-            labels = target
-            if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, step, rank) alone
-                images, labels = self.batch_mix(images, target, batch_mix_key(self.seed, epoch, step, rank))
-            with models.autocast(device, config.amp):
-                loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step",
-                                                          len(self.classes))
+        for step, micro_batches in enumerate(self._optimizer_steps(self.diagnostics.timed(self.train_batches)),
+                                             start=first_step):
             self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.scale(loss).backward()  # the scaler is a no-op unless --amp fp16
-            distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
-            if config.clip_grad_norm:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-                # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
-                nn.utils.clip_grad_norm_([*self.model.parameters(), *self._criterion_parameters], config.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
+            self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
             self.scheduler.step()
-            metrics.update(loss, output, target, values)  # sums on the device: no host sync
             done = step + 1
             if done % config.print_freq == 0 or done == self.steps_per_epoch:
                 self._progress_line(progress, metrics, epoch, step)
@@ -342,6 +352,41 @@ class Trainer:
         if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
             summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2 ** -20
         return summary
+
+    def _optimizer_steps(self, batches):
+        """Lists of the --grad-accum-steps micro-batches of each optimizer step (the epoch's last: what is left)."""
+        batches, count = iter(batches), self.config.grad_accum_steps
+        while micro_batches := [batch for _, batch in zip(range(count), batches)]:
+            yield micro_batches
+
+    def _forward_backward(self, model, micro_batches, epoch, step, metrics=None, zero=False):
+        """The forwards (train_step) and backwards of one optimizer step's micro-batches, each loss weighted by its
+        share of the step's images, the gradients summed and synced over the ranks at the last backward alone; the
+        criterion's averaged. Each micro-batch's metrics into `metrics` (None: not counted again). With `zero` (the
+        closure of optimizer_step), from zeroed gradients, returning the step's loss."""
+        config, device, rank = self.config, self.runtime.device, self.runtime.rank
+        if zero:
+            self.optimizer.zero_grad(set_to_none=True)
+        total, step_loss = sum(target.size(0) for _, target in micro_batches), 0.0
+        accumulate = self.config.grad_accum_steps
+        for index, (images, target) in enumerate(micro_batches):
+            labels = target
+            if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, batch, rank) alone
+                key = batch_mix_key(self.seed, epoch, step * accumulate + index, rank)
+                images, labels = self.batch_mix(images, target, key)
+            share = target.size(0) / total if total else 1.0
+            # (DDP decides at the forward whether the backward syncs: both inside)
+            with models.gradient_sync(model, enabled=index == len(micro_batches) - 1):
+                with models.autocast(device, config.amp):
+                    loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step",
+                                                              len(self.classes))
+                self.scaler.scale(loss * share if share != 1.0 else loss).backward()  # (the scaler: --amp fp16)
+            if metrics is not None:
+                metrics.update(loss, output, target, values)
+            if zero:  # (the closure's)
+                step_loss = step_loss + loss.detach() * share
+        distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
+        return step_loss
 
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""

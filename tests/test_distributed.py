@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, free_port,
-                      log_rows, once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
+from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, exact_run,
+                      free_port, log_rows, once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
                       torchrun_command, worker_command)
 from common.logger import DIAGNOSTICS
 from tests.tiny_models import TinyNet
@@ -57,6 +57,9 @@ def runs_to_their_end(tmp_path_factory):
                                     others / "batch-9"),
         "nccl": script_command("train_ddp.py", *TINY, "--data", exact_data, "--dist-backend", "nccl", "--output-dir",
                                others / "nccl"),
+        # The dp trajectory's global batch of 8 as 2 processes x 2 micro-batches of 2, summed before each step.
+        "accumulated": torchrun_command("train_ddp.py", 2, *exact_run(exact_data, others / "accumulated",
+                                                                      "--grad-accum-steps", "2")),
     }
     results = {**results, **dict(zip(commands, run_together(list(commands.values()))))}
     return out, results, others
@@ -117,6 +120,17 @@ def test_ddp_and_spawn_end_with_the_weights_and_the_ema_of_dataparallel(trajecto
             difference = max_difference(reference, weights(out / mode, key))
             print(f"{mode} {key}: max abs difference to dp = {difference:.3g}")
             assert difference <= 1e-5
+
+
+def test_gradient_accumulation_under_torchrun_follows_the_trajectory_of_dataparallel(launches, trajectories):
+    """--grad-accum-steps 2 on 2 processes (micro-batches of 2, DDP's all-reduce at the second backward alone) ends
+    with dp's weights and EMA: -b 8 is the global batch of one optimizer step either way, and steps count those."""
+    out, results, others = launches
+    output = assert_ok(results["accumulated"])
+    assert "gradient accumulation: each optimizer step of global batch 8 sums 2 micro-batches of 2 per process" in output
+    assert re.search(r"^Epoch: \[3\] \[3/3\]", output, re.MULTILINE), output[-2000:]  # 12 optimizer steps
+    for key in ("state_dict", "model_ema"):
+        assert max_difference(weights(out / "dp", key), weights(others / "accumulated", key)) <= 1e-5, key
 
 
 def test_ddp_and_spawn_print_the_val_metrics_of_dataparallel_each_image_counted_once(trajectories):

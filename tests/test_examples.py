@@ -1,6 +1,7 @@
 """examples/: the changes a researcher makes (own model with an auxiliary head, own dataset, distillation, another
 optimizer and schedule with clipping, an extra metric, layer-wise learning rates, own augmentation, a metric with a
-state: a confusion matrix; a loss with a parameter and a trainer with state of its own), each one file of theirs, run with the real
+state: a confusion matrix; a loss with a parameter and a trainer with state of its own; SAM's optimizer step), each one
+file of theirs, run with the real
 launchers: torchrun with 2 processes against one process (the same losses and named values, 1e-5), a SIGKILL
 of the whole job mid-epoch then --resume auto (bitwise the weights, exactly the logged values of the run that
 was never stopped), and validation counting each image once."""
@@ -28,6 +29,9 @@ PAUSING = {"tests.tiny_models:TinyNet": "tests.tiny_models:TinyNetThatPauses",
            "examples.aux_model:build": "tests.tiny_models:AuxNetThatPauses"}
 
 
+FORWARDS_PER_STEP = {"sam": 2}  # (SAM's closure: a second forward of each step's batch)
+
+
 def pausing(flags):
     """`flags` with the model's arch swapped for the same model with the pause."""
     at = flags.index("-a") + 1
@@ -48,11 +52,12 @@ def example_arguments(name, data, teacher):
                                  "--rotation", "30"],
             "confusion_matrix": [*TINY_NET, "--data", data, "--trainer", "examples.confusion_matrix:PerClass"],
             "learned_temperature": [*TINY_NET, "--data", data, "--trainer",
-                                    "examples.learned_temperature:LearnedTemperature"]}[name]
+                                    "examples.learned_temperature:LearnedTemperature"],
+            "sam": [*TINY_NET, "--data", data, "--trainer", "examples.sam:SAM", "--sam-rho", "0.5"]}[name]
 
 
 EXAMPLES = ["aux_model", "csv_dataset", "distillation", "adamw_onecycle", "extra_metric", "layerwise_lr",
-            "own_augmentation", "confusion_matrix", "learned_temperature"]
+            "own_augmentation", "confusion_matrix", "learned_temperature", "sam"]
 # The named values each example logs (log.csv columns beyond the run's own).
 NAMED = {"distillation": ["train_ce_loss", "train_distill_loss"],
          "extra_metric": ["train_top5_error", "train_confidence", "val_top5_error", "val_confidence"],
@@ -84,7 +89,7 @@ def runs_of(name, data, teacher, out):
     ddp = Job(torchrun(*flags, "--output-dir", out / "ddp"))
     outputs = {"single": finished(single), "ddp": finished(ddp)}
     killed = Job(torchrun(*pausing(flags), "--output-dir", out / "killed", "--resume", "auto"),
-                 env=clean_env(PAUSE_AT_TRAINING_FORWARD="10"))
+                 env=clean_env(PAUSE_AT_TRAINING_FORWARD=str(10 * FORWARDS_PER_STEP.get(name, 1))))
     killed.wait_for(KILL_AT, timeout=300)
     killed.kill()
     outputs["resumed"] = finished(Job(torchrun(*pausing(flags), "--output-dir", out / "killed", "--resume", "auto")))
@@ -176,7 +181,8 @@ def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
     """layerwise_lr: the header lists both groups' lrs and log.csv the backbone's at a tenth of the head's;
     confusion_matrix: the per-class line after each validation and a matrix per epoch that counts every val image
     once; own_augmentation: a rotation changes the training (its loss differs from the same run's without it);
-    learned_temperature: the temperature learned, and it and the step counter resumed."""
+    learned_temperature: the temperature learned, and it and the step counter resumed; sam: its step changes the
+    training."""
     outputs, folder = example_runs["layerwise_lr"]
     assert "optimizer: SGD, lr by parameter group 0.02, 0.002, momentum 0.9" in outputs["ddp"]
     assert all(float(row["lr_group1"]) == pytest.approx(float(row["lr"]) / 10) for row in log_rows(folder / "ddp"))
@@ -192,3 +198,5 @@ def test_the_new_hooks_examples_do_what_their_docstrings_say(example_runs):
     rotated = log_rows(example_runs["own_augmentation"][1] / "ddp")
     plain = log_rows(example_runs["extra_metric"][1] / "ddp")  # the same flags but --trainer's, no rotation
     assert rotated[0]["train_loss"] != plain[0]["train_loss"]
+    sam = log_rows(example_runs["sam"][1] / "ddp")  # likewise: SAM's second gradient changes the training
+    assert sam[1]["train_loss"] != plain[1]["train_loss"]

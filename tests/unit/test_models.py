@@ -10,7 +10,7 @@ import torch.nn as nn
 import torchvision
 
 from common.errors import UsageError
-from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, compiled,
+from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, compiled, gradient_sync,
                            loss_with_aux, replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
 from conftest import FAMILIES
 
@@ -118,6 +118,30 @@ def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_spli
     assert asked == [None, {"layout_optimization": False}, {"layout_optimization": False}]
     assert config.layout_optimization  # Inductor's default, untouched
     assert all(name in config.__dict__ or hasattr(config, name) for name in asked[1])  # a real option of Inductor's
+
+
+def test_gradient_sync_is_off_for_the_micro_batches_before_an_optimizer_step_s_last(group_of_one):
+    """DDP's no_sync() (through torch.compile's wrapper too) and FSDP2's gradient sync: off, a backward only sums into
+    the unsharded gradients; the next backward with it on reduces the sum. One process: nothing to turn off."""
+    from torch.distributed.fsdp import fully_shard
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    for model in (ddp, torch.compile(ddp)):
+        with gradient_sync(model, enabled=False):
+            assert not ddp.require_backward_grad_sync
+        with gradient_sync(model, enabled=True):
+            assert ddp.require_backward_grad_sync
+    with gradient_sync(nn.DataParallel(nn.Linear(2, 2)), enabled=False):
+        pass
+    torch.manual_seed(0)
+    plain, inputs = nn.Linear(2, 2), torch.randn(4, 2)
+    sharded = fully_shard(copy.deepcopy(plain))
+    with gradient_sync(sharded, enabled=False):
+        sharded(inputs).sum().backward()
+    assert all(parameter.grad is None for parameter in sharded.parameters())  # not reduced yet
+    sharded(inputs).sum().backward()
+    plain(inputs).sum().backward()
+    for mine, reference in zip(sharded.parameters(), plain.parameters()):
+        assert torch.allclose(mine.grad.full_tensor(), 2 * reference.grad)  # both backwards, summed
 
 
 def test_channels_last_auto_is_on_where_it_was_measured_faster(monkeypatch):

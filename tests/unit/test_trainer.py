@@ -117,6 +117,44 @@ def test_a_head_of_another_width_than_the_classes_is_refused_in_one_line():
         trainer.evaluate(trainer.model)
 
 
+def test_micro_batches_summed_into_one_step_train_as_the_whole_batch():
+    """--grad-accum-steps 4 on 11 images, -b 8: a step of 4 micro-batches of 2, then one of 2 and one of 1, each
+    loss weighted by its share: the weights, losses and accuracy of -b 8 in one piece, within float rounding."""
+    flags = [*SMALL, *TINY_NET, "-b", "8", "--dropout", "0", "--lr", "0.2"]
+    runs = {accumulate: built_trainer(*flags, "--grad-accum-steps", str(accumulate), datasets=tensor_datasets(train=11))
+            for accumulate in (1, 4)}
+    assert runs[1].steps_per_epoch == runs[4].steps_per_epoch == 2 and runs[4].data.train_loader.batch_size == 2
+    initial = {name: tensor.clone() for name, tensor in runs[1].model.state_dict().items()}
+    results = {accumulate: [trainer.train_one_epoch(trainer.model, epoch) for epoch in range(3)]
+               for accumulate, trainer in runs.items()}
+    for whole, accumulated in zip(results[1], results[4]):
+        assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-6) and accumulated["acc1"] == whole["acc1"]
+    weights = [trainer.model.state_dict() for trainer in runs.values()]
+    assert all(torch.allclose(weights[0][name], weights[1][name], atol=1e-6) for name in weights[0])
+    assert max((weights[0][name] - initial[name]).abs().max() for name in initial) > 1e-3  # (it trained)
+    with pytest.raises(UsageError, match=r"^--grad-accum-steps 3 must divide each process's share of the global batch "
+                                         r"\(-b 8 over 1 process\(es\): 8\)$"):
+        built_trainer(*flags, "--grad-accum-steps", "3", datasets=tensor_datasets(train=10))
+
+
+def test_ddp_syncs_the_gradients_at_each_optimizer_step_s_last_micro_batch_alone(group_of_one):
+    """--grad-accum-steps 3: DDP's all-reduce, counted by a communication hook, runs once per optimizer step (its
+    no_sync() must hold the forward too: DDP decides there whether the backward syncs)."""
+    from torch.nn.parallel import DistributedDataParallel
+    trainer = built_trainer(*SMALL, *TINY_NET, "-b", "6", "--grad-accum-steps", "3", datasets=tensor_datasets(train=12))
+    model, reduced = DistributedDataParallel(trainer.model), []
+
+    def count(state, bucket):
+        reduced.append(bucket.index())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    model.register_comm_hook(None, count)
+    trainer.train_one_epoch(model, epoch=0)
+    buckets = max(reduced) + 1
+    assert trainer.steps_per_epoch == 2 and len(reduced) == 2 * buckets, reduced  # not 6 x buckets
+
+
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
         trainer_class("tests.tiny_models:TinyNet")

@@ -1,0 +1,39 @@
+"""Sharpness-aware minimisation (SAM, Foret et al., 2021) in the optimizer_step hook: `--trainer examples.sam:SAM`.
+
+    torchrun --standalone --nproc-per-node 2 train_ddp.py --trainer examples.sam:SAM --sam-rho 0.05
+
+optimizer_step runs once the step's gradients are summed over its micro-batches (--grad-accum-steps) and averaged over
+the ranks. SAM moves the weights by --sam-rho along the normalised gradient, takes the gradient there (closure(): the
+step's forwards and backwards again, from zeroed gradients), moves the weights back, and lets the optimizer step with
+that gradient (the base class's optimizer_step: clipping, then the optimizer). Two forwards per step: twice the cost.
+Not with --amp fp16 (its scaler's gradients are scaled; bf16 needs none) or train_fsdp.py (sharded gradients).
+"""
+import torch
+
+from common.errors import UsageError
+from common.trainer import Trainer
+
+
+class SAM(Trainer):
+    @classmethod
+    def add_arguments(cls, parser):
+        parser.add_argument("--sam-rho", type=float, default=0.05, metavar="RHO",
+                            help="the radius of SAM's step up the gradient (%(default)s)")
+
+    def build_optimizer(self, model):
+        if self.config.amp == "fp16" or self.shard is not None:
+            raise UsageError("examples.sam: not with --amp fp16 (use bf16) or train_fsdp.py")
+        return super().build_optimizer(model)
+
+    def optimizer_step(self, model, closure):
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in parameters]))
+        with torch.no_grad():
+            moves = [p.grad * (self.config.sam_rho / (norm + 1e-12)) for p in parameters]
+            for parameter, move in zip(parameters, moves):
+                parameter.add_(move)
+        closure()  # the gradient at the moved weights
+        with torch.no_grad():
+            for parameter, move in zip(parameters, moves):
+                parameter.sub_(move)
+        super().optimizer_step(model, closure)
