@@ -38,6 +38,10 @@ def start_lines(trainer):
     lines += describe_preset(config, data.first_image)
     if config.trainer:
         lines.append(f"trainer: {config.trainer}")
+    hook = type(trainer).build_batch_transform
+    if hook.__qualname__ != "Trainer.build_batch_transform":  # (the default's: the preset's and the flags' lines)
+        lines.append(f"batch transform: {hook.__qualname__} (build_batch_transform), "
+                     f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}")
     lines.append(f"model: {config.arch}" + (f" from {config.weights}" if config.weights else "")
                  + f", {'channels_last' if trainer.channels_last else 'default'} memory format "
                  f"(--channels-last {config.channels_last}), --amp {config.amp}"

@@ -122,6 +122,15 @@ class Trainer:
         metrics/SPLIT_epochE.json, a partial training epoch's state checkpointed and resumed. The default: none."""
         return {}
 
+    def build_batch_transform(self, classes):
+        """The transform of each training batch (micro-batch) before train_step, or None: called as
+        transform(images, labels, key) -> (images, labels), labels the class indices in, class indices or
+        probabilities (soft labels) out; `key`, an int of (seed, epoch, batch, rank) alone, seeds its draws
+        (`with common.augment.seeded(key):`), so a resumed run and DP = DDP hold. The accuracy counts the logits
+        against the labels before it. The default: --mixup-alpha / --cutmix-alpha's MixUp or CutMix
+        (common.augment.BatchMix), else None."""
+        return build_batch_mix(self.config, len(classes), self.runtime.world_size)
+
     def state_dict(self):
         """Your subclass's own state (a step counter, a teacher's running average): a dict of plain data and
         tensors (torch.load(..., weights_only=True) reads it), rank 0's, saved in every checkpoint, a stop
@@ -199,7 +208,7 @@ class Trainer:
         self._criterion_parameters = self._train_criterion(self.optimizer)
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
-        self.batch_mix = build_batch_mix(config, len(self.classes), runtime.world_size)
+        self._batch_transform = self.build_batch_transform(self.classes)
         self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
         on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
         self.train_batches, self.val_batches = (device_batches(loader, device, self.channels_last, report, on_device,
@@ -371,9 +380,9 @@ class Trainer:
         accumulate = self.config.grad_accum_steps
         for index, (images, target) in enumerate(micro_batches):
             labels = target
-            if self.batch_mix is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, batch, rank) alone
+            if self._batch_transform is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, batch, rank)
                 key = batch_mix_key(self.seed, epoch, step * accumulate + index, rank)
-                images, labels = self.batch_mix(images, target, key)
+                images, labels = self._batch_transform(images, target, key)
             share = target.size(0) / total if total else 1.0
             # (DDP decides at the forward whether the backward syncs: both inside)
             with models.gradient_sync(model, enabled=index == len(micro_batches) - 1):

@@ -183,21 +183,25 @@ class OneHot(nn.Module):
 
 
 class WithMix(Trainer):
+    """A batch transform of its own: every image given the next class's label, the keys it is called with kept."""
     def build_model(self, classes):
         return OneHot(len(classes))
+
+    def build_batch_transform(self, classes):
+        self.keys = []
+
+        def mix(images, target, key):
+            self.keys.append(key)
+            return images, F.one_hot((target + 1) % len(classes), len(classes)).float()
+        return mix
 
 
 def test_the_loss_is_taken_on_the_mixed_targets_and_the_accuracy_on_each_image_s_own_label():
     """A model that always names the right class, and a mix that gives every image the next class's label: the loss
-    is that of the soft targets (label smoothing applied), acc@1 100% against each image's own label; the mix is
-    called at the epoch's steps, with the key of (seed, epoch, step, rank)."""
+    is that of the soft targets (label smoothing applied), acc@1 100% against each image's own label; the mix
+    (build_batch_transform's) is called at the epoch's steps, with the key of (seed, epoch, step, rank)."""
     trainer = built_trainer(*SMALL, "--label-smoothing", "0.1", trainer=WithMix, datasets=tensor_datasets())
-    keys, classes = [], 3
-
-    def mix(images, target, key):
-        keys.append(key)
-        return images, F.one_hot((target + 1) % classes, classes).float()
-    trainer.batch_mix = mix
+    classes = 3
     summary = trainer.train_one_epoch(trainer.model, epoch=0)
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
     target = torch.arange(4) % classes
@@ -205,7 +209,9 @@ def test_the_loss_is_taken_on_the_mixed_targets_and_the_accuracy_on_each_image_s
     assert summary["acc1"] == 100.0 and summary["count"] == 12
     assert summary["loss"] == pytest.approx(expected.item(), rel=1e-5) and summary["loss"] > 5  # not the own labels'
     from common.augment import batch_mix_key
-    assert trainer.seed == 1 and keys == [batch_mix_key(1, 0, step, 0) for step in range(3)]
+    assert trainer.seed == 1 and trainer.keys == [batch_mix_key(1, 0, step, 0) for step in range(3)]
+    from common.header import start_lines
+    assert "batch transform: WithMix.build_batch_transform (build_batch_transform), seeded per batch" in start_lines(trainer)
 
 
 def test_clipping_clips_the_unscaled_gradients_under_fp16():
