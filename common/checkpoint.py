@@ -178,6 +178,8 @@ def load_checkpoint(path, mmap=False, weights=True):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
     if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
         return checkpoint
+    if isinstance(checkpoint, dict) and "state_dict" not in checkpoint and isinstance(checkpoint.get("model"), dict):
+        checkpoint["state_dict"] = checkpoint["model"]  # torchvision's references/classification writes it so
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
@@ -207,6 +209,34 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
     except RuntimeError as error:
         detail = " ".join(str(error).split())
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
+
+
+def init_from(model, path, arch, channels, num_classes):
+    """--init-from: the weights of the file at `path` loaded into the freshly built `model` in place of its init, as
+    --pretrained loads torchvision's: a classifier of another number of classes keeps its new weights; a file trained
+    on the data's `channels` gets a first convolution made for them first (else models.adapt_first_conv adapts the
+    RGB one after). Anything else that differs is refused in one line. Returns what was changed, for the header."""
+    from .models import _classifiers, adapt_first_conv
+    if not Path(path).is_file():
+        raise UsageError(f"--init-from {path}: no such file")
+    weights, changes = load_checkpoint(path)["state_dict"], []
+    first = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv2d)), None)
+    given = weights.get(f"{first}.weight")
+    if given is not None and given.ndim == 4 and given.shape[1] == channels != 3 and adapt_first_conv(
+            model, arch, channels, pretrained=False):
+        changes.append(f"{first}: 3 -> {channels} channels, as in {Path(path).name}")
+    own = model.state_dict()
+    heads = {f"{name}.{part}" for name, _ in _classifiers(model, num_classes) for part in ("weight", "bias")}
+    differ = [key for key in own if key in weights and weights[key].shape != own[key].shape]
+    problems = [f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+                for what, keys in (("missing", [key for key in own if key not in weights]),
+                                   ("not in the model", [key for key in weights if key not in own]),
+                                   ("of other shapes", [key for key in differ if key not in heads])) if keys]
+    if problems:
+        raise UsageError(f"--init-from {path} does not fit --arch {arch}: weights {'; '.join(problems)}")
+    model.load_state_dict({key: value for key, value in weights.items() if key not in differ}, strict=False)
+    return changes + [f"{key.rsplit('.', 1)[0]}: {weights[key].shape[0]} -> {num_classes} classes, new weights"
+                      for key in differ if key.endswith(".weight")]
 
 
 class SingleFile:

@@ -130,6 +130,10 @@ def _model_flags(add):
     add("--weights", default=None, metavar="NAME",
         help="--pretrained with this weight set of --arch, as torchvision names it (ResNet50_Weights.IMAGENET1K_V2 "
              "or IMAGENET1K_V2)")
+    add("--init-from", default=None, metavar="PATH",
+        help="start from the weights in PATH (a checkpoint of these scripts or of torchvision's references, or a "
+             "state dict), another number of classes' heads replaced and the first convolution adapted to the "
+             "data's channels, as --pretrained's")
     add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
 
 

@@ -209,6 +209,8 @@ def _check(values):
     if values["lr_min"] and values["lr_schedule"] != "cosine":
         raise UsageError(f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine "
                          f"(not {values['lr_schedule']})")
+    if values["init_from"] and (values["pretrained"] or values["weights"]):
+        raise UsageError("--init-from and --pretrained both give the starting weights: choose one")
     if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
         raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
     check_arch(values["arch"])

@@ -42,7 +42,8 @@ def start_lines(trainer):
     if hook.__qualname__ != "Trainer.build_batch_transform":  # (the default's: the preset's and the flags' lines)
         lines.append(f"batch transform: {hook.__qualname__} (build_batch_transform), "
                      f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}")
-    lines.append(f"model: {config.arch}" + (f" from {config.weights}" if config.weights else "")
+    source = config.weights or (config.init_from and f"--init-from {config.init_from}")
+    lines.append(f"model: {config.arch}" + (f" from {source}" if source else "")
                  + f", {'channels_last' if trainer.channels_last else 'default'} memory format "
                  f"(--channels-last {config.channels_last}), --amp {config.amp}"
                  + (f"; changed for this data: {'; '.join(trainer.model_changes)}" if trainer.model_changes else ""))

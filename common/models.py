@@ -93,6 +93,14 @@ def pretrained_weights(arch, name=None):
         raise UsageError(f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}") from None
 
 
+def offline_message(weights, error):
+    """The line for torchvision's `weights` that could not be read or downloaded: the file, and where it goes."""
+    name = weights.url.rsplit("/", 1)[-1]
+    folder = f"{torch.hub.get_dir()}/checkpoints"
+    return (f"cannot get pretrained weights {weights} ({' '.join(str(error).split())[:200]}): put {name} (from "
+            f"{weights.url}) into {folder}, or train without --pretrained")
+
+
 def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None):
     kwargs = {} if dropout is None else {"dropout": dropout}
     builder = custom_builder(arch)
@@ -109,8 +117,7 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
         try:
             model = torchvision.models.get_model(arch, weights=weights, **kwargs)
         except (OSError, RuntimeError) as error:  # URLError is an OSError
-            raise UsageError(f"cannot get pretrained weights {weights} ({error}): download them "
-                             "into $TORCH_HOME/hub/checkpoints or train without --pretrained")
+            raise UsageError(offline_message(weights, error))
     except TypeError as error:
         if "dropout" in str(error):
             raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")

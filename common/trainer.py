@@ -20,7 +20,7 @@ import torch.nn as nn
 from . import data, distributed, fsdp, models, schedule, seeding, state
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
-from .checkpoint import SingleFile
+from .checkpoint import SingleFile, init_from
 from .config import ResSchedule
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
@@ -222,9 +222,11 @@ class Trainer:
         config, device = self.config, self.runtime.device
         model = self.build_model(self.classes)
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
-        # replaced for these classes (build_model), the first convolution adapted to the images' channels.
-        self.model_changes = [*getattr(model, "adaptations", []),
-                              *models.adapt_first_conv(model, config.arch, self.channels, config.pretrained)]
+        # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
+        loaded = [] if not config.init_from else init_from(model, config.init_from, config.arch, self.channels,
+                                                           len(self.classes))
+        self.model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
+            model, config.arch, self.channels, config.pretrained or bool(config.init_from))]
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self.aux_weight = getattr(model, "aux_loss_weight", None)

@@ -276,3 +276,55 @@ def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from(tmp_pa
     assert checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")["epoch"] == 2
     files.write({"epoch": 3, "state_dict": small_resnet().state_dict()}, tmp_path, False, writes=True)
     assert checkpoint.load_checkpoint(tmp_path / "checkpoint_prev.pth")["epoch"] == 2
+
+
+def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_channels_adapted(tmp_path):
+    """--init-from: torchvision's references' checkpoint ("model", DDP's module. prefix) of resnet18 on 5 classes,
+    into a run on 3 classes of 1-channel images: every weight loaded but the head (new, 5 -> 3 classes), conv1's RGB
+    filters summed as --pretrained's are; the header names the file and the changes."""
+    from common.header import start_lines
+    from conftest import built_trainer, tensor_datasets
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=5)
+    path = tmp_path / "theirs.pth"
+    torch.save({"model": {f"module.{key}": value for key, value in source.state_dict().items()}, "epoch": 7}, path)
+    trainer = built_trainer("-a", "resnet18", "--init-from", str(path), "--train-crop-size", "16", "--val-resize-size",
+                            "16", "--val-crop-size", "16", "-j", "0", "-b", "4", "--mean", "0.5", "--std", "0.25",
+                            datasets=tensor_datasets(channels=1))
+    model = trainer.model
+    assert torch.equal(model.layer1[0].conv1.weight, source.layer1[0].conv1.weight)
+    assert torch.equal(model.bn1.running_mean, source.bn1.running_mean)
+    assert torch.allclose(model.conv1.weight, source.conv1.weight.sum(dim=1, keepdim=True))
+    assert model.fc.weight.shape == (3, 512)
+    assert trainer.model_changes == ["fc: 5 -> 3 classes, new weights", "conv1: 3 -> 1 channels, RGB filters summed"]
+    assert any(line.startswith(f"model: resnet18 from --init-from {path}, ") for line in start_lines(trainer))
+
+
+def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_another_arch_in_one_line(tmp_path):
+    from conftest import built_trainer, tensor_datasets
+    flags = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4", "--mean",
+             "0.5", "--std", "0.25"]
+    own = built_trainer("-a", "resnet18", *flags, datasets=tensor_datasets(channels=1))  # 1 channel, 3 classes
+    path = tmp_path / "ours.pth"
+    torch.save({"state_dict": own.model.state_dict()}, path)
+    again = built_trainer("-a", "resnet18", "--init-from", str(path), *flags, datasets=tensor_datasets(channels=1))
+    assert again.model_changes == ["conv1: 3 -> 1 channels, as in ours.pth"]
+    assert all(torch.equal(value, own.model.state_dict()[key]) for key, value in again.model.state_dict().items())
+    with pytest.raises(UsageError, match=rf"^--init-from {re.escape(str(path))} does not fit --arch resnet34: weights "
+                                         r"missing layer1\.2\.conv1\.weight, layer1\.2\.bn1\.weight, .* and \d+ more$"):
+        built_trainer("-a", "resnet34", "--init-from", str(path), *flags, datasets=tensor_datasets(channels=1))
+    with pytest.raises(UsageError, match=r"^--init-from \S+missing\.pth: no such file$"):
+        built_trainer("-a", "resnet18", "--init-from", str(tmp_path / "missing.pth"), *flags,
+                      datasets=tensor_datasets(channels=1))
+    with pytest.raises(UsageError, match=r"^--init-from and --pretrained both give the starting weights: choose one$"):
+        built_trainer("-a", "resnet18", "--init-from", str(path), "--pretrained", *flags,
+                      datasets=tensor_datasets(channels=1))
+
+
+def test_the_offline_pretrained_line_names_the_file_and_the_folder_it_goes_in(monkeypatch, tmp_path):
+    from common.models import offline_message
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
+    line = offline_message(torchvision.models.ResNet18_Weights.IMAGENET1K_V1, OSError("no network"))
+    assert line == (f"cannot get pretrained weights ResNet18_Weights.IMAGENET1K_V1 (no network): put "
+                    f"resnet18-f37072fd.pth (from https://download.pytorch.org/models/resnet18-f37072fd.pth) into "
+                    f"{tmp_path}/home/hub/checkpoints, or train without --pretrained")
