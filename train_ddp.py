@@ -37,7 +37,7 @@ def parse_args(argv=None):
 def setup(config, mode="ddp"):
     """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT). train_fsdp.py's processes
     are started and join alike (mode "fsdp")."""
-    from common.data import per_process_batch
+    from common.data import micro_batch
     from common.distributed import (Runtime, choose_backend, init_process_group, local_world_size_from_env,
                                     select_device, world_info_from_env)
     rank, local_rank, world_size = world_info_from_env()
@@ -48,7 +48,7 @@ def setup(config, mode="ddp"):
                          "or export them in the job script when srun starts it")
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
-    per_process_batch(config.batch_size, world_size)  # fail before the rendezvous, not after
+    micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after
     local_world_size = local_world_size_from_env(world_size)
     init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size,
                        config.output_dir)

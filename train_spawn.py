@@ -47,7 +47,7 @@ def parse_args(argv=None):
 def setup(config):
     """Check the launch before starting anything; returns the init_method URL and the processes on this node."""
     import torch
-    from common.data import per_process_batch
+    from common.data import micro_batch
     from common.distributed import check_port_free, check_sync_bn, choose_backend, select_device
     gpus = torch.cuda.device_count() if config.device != "cpu" else 0
     nproc = config.nproc_per_node
@@ -61,7 +61,7 @@ def setup(config):
         raise UsageError(f"--nproc-per-node {nproc} needs one GPU per process, but {gpus} are visible")
     if not 0 <= config.node_rank < config.nnodes:
         raise UsageError(f"--node-rank {config.node_rank} must be in 0..{config.nnodes - 1} (--nnodes {config.nnodes})")
-    per_process_batch(config.batch_size, config.nnodes * nproc)
+    micro_batch(config.batch_size, config.nnodes * nproc, config.grad_accum_steps)
     device = select_device(config.device)
     choose_backend(config.dist_backend, device)
     check_sync_bn(config.sync_bn, device)

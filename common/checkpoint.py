@@ -5,6 +5,7 @@ model_best.pth a copy of the one with the best validation acc@1. What a checkpoi
 Weights from elsewhere load too: pytorch/examples' checkpoints and DataParallel's (`module.` keys), a bare
 state_dict.
 """
+import argparse
 import pickle
 import re
 import shutil
@@ -178,8 +179,6 @@ def load_checkpoint(path, mmap=False, weights=True):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
     if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
         return checkpoint
-    if isinstance(checkpoint, dict) and "state_dict" not in checkpoint and isinstance(checkpoint.get("model"), dict):
-        checkpoint["state_dict"] = checkpoint["model"]  # torchvision's references/classification writes it so
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
@@ -211,6 +210,18 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
 
 
+def _foreign_weights(path):
+    """The state dict of a file of weights: load_checkpoint's, or the "model" of torchvision's references' checkpoints."""
+    check_crcs(path)
+    try:
+        found = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # (load_checkpoint says what is wrong with it, in one line)
+        return load_checkpoint(path)["state_dict"]
+    if isinstance(found, dict) and "state_dict" not in found and isinstance(found.get("model"), dict):
+        return strip_prefixes(found["model"])
+    return load_checkpoint(path)["state_dict"]
+
+
 def init_from(model, path, arch, channels, num_classes):
     """--init-from: the weights of the file at `path` loaded into the freshly built `model` in place of its init, as
     --pretrained loads torchvision's: a classifier of another number of classes keeps its new weights; a file trained
@@ -219,7 +230,8 @@ def init_from(model, path, arch, channels, num_classes):
     from .models import _classifiers, adapt_first_conv
     if not Path(path).is_file():
         raise UsageError(f"--init-from {path}: no such file")
-    weights, changes = load_checkpoint(path)["state_dict"], []
+    with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
+        weights, changes = _foreign_weights(path), []
     first = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv2d)), None)
     given = weights.get(f"{first}.weight")
     if given is not None and given.ndim == 4 and given.shape[1] == channels != 3 and adapt_first_conv(
@@ -228,8 +240,10 @@ def init_from(model, path, arch, channels, num_classes):
     own = model.state_dict()
     heads = {f"{name}.{part}" for name, _ in _classifiers(model, num_classes) for part in ("weight", "bias")}
     differ = [key for key in own if key in weights and weights[key].shape != own[key].shape]
+    # (BatchNorm's counter, absent from older files: torch's strict load takes them without it too)
+    missing = [key for key in own if key not in weights and not key.endswith("num_batches_tracked")]
     problems = [f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-                for what, keys in (("missing", [key for key in own if key not in weights]),
+                for what, keys in (("missing", missing),
                                    ("not in the model", [key for key in weights if key not in own]),
                                    ("of other shapes", [key for key in differ if key not in heads])) if keys]
     if problems:

@@ -22,6 +22,11 @@ A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=T
 The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and the epoch.
 """
 import copy
+import io
+import pickle
+import re
+
+import torch
 
 from . import distributed
 from .config import flag
@@ -74,7 +79,7 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
             "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
             "bad_images": trainer.bad_images.state_dict(), # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
             "criterion": copy.deepcopy(trainer.criterion.state_dict()),
-            "trainer_state": copy.deepcopy(trainer.state_dict()), **ema}
+            "trainer_state": _own_state(trainer), **ema}
 
 
 def restore(trainer, checkpoint, path):
@@ -83,6 +88,8 @@ def restore(trainer, checkpoint, path):
     the checkpoint can go on as this run. Weights from elsewhere give their epoch, optimizer and best acc@1."""
     config, checkpoints = trainer.config, trainer.checkpoints
     checkpoints.load_weights(trainer.model, checkpoint, config.arch, trainer.classes, path)
+    if "criterion" in checkpoint:  # (its parameters: -e's loss too)
+        _load_criterion(trainer, checkpoint["criterion"], path)
     if config.evaluate:
         if (is_ours(checkpoint) or "exported_from" in checkpoint) and "model_ema" in checkpoint:
             trainer.ema = trainer.ema_for_evaluation()
@@ -119,13 +126,33 @@ def restore(trainer, checkpoint, path):
     if len(states) == trainer.runtime.world_size:  # else: another world size, fresh streams
         trainer.rng.load_state_dict(states[trainer.runtime.rank])
     trainer.bad_images.load_state_dict(checkpoint["bad_images"])
-    if "criterion" in checkpoint:  # (both: since checkpoints had them)
-        try:
-            trainer.criterion.load_state_dict(checkpoint["criterion"])
-        except RuntimeError as error:
-            raise UsageError(f"{path}: its criterion's state does not fit this run's build_criterion: "
-                             f"{' '.join(str(error).split())[:300]}") from None
+    if "trainer_state" in checkpoint:  # (since checkpoints had it)
         trainer.load_state_dict(checkpoint["trainer_state"])
+
+
+def _load_criterion(trainer, state, path):
+    try:
+        trainer.criterion.load_state_dict(state)
+    except RuntimeError as error:
+        raise UsageError(f"{path}: its criterion's state does not fit this run's build_criterion: "
+                         f"{' '.join(str(error).split())[:300]}") from None
+
+
+def _own_state(trainer):
+    """A copy of the subclass's state_dict() (a sharded checkpoint's state.pth may be written after the next steps),
+    refused in one line, at the first save, where torch.load(weights_only=True) could not read it back at a resume."""
+    own = copy.deepcopy(trainer.state_dict())
+    if own and not getattr(trainer, "_own_state_checked", False):
+        buffer = io.BytesIO()
+        torch.save(own, buffer)
+        try:
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        except pickle.UnpicklingError as error:
+            found = re.search(r"GLOBAL (\S+)", str(error))
+            raise UsageError(f"{type(trainer).__name__}.state_dict() returned {found[1] if found else 'an object'}, "
+                             "which a resume cannot load (weights_only): return plain data and tensors") from None
+        trainer._own_state_checked = True
+    return own
 
 
 def _check_run(trainer, checkpoint, path):

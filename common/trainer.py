@@ -64,6 +64,7 @@ class Trainer:
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
         self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
+        self._resuming = False  # a checkpoint's weights will be loaded (common/run.py)
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -159,7 +160,8 @@ class Trainer:
         ranks: by default the fp16 scaler's unscaling and --clip-grad-norm (clip_gradients), then the optimizer
         through the scaler. `closure()` zeroes the gradients, runs the step's forwards and backwards again (its
         micro-batches, mixed alike) and returns the step's loss: a second gradient (SAM), two optimizers, a
-        step of your own go here. The scheduler steps after it, once."""
+        step of your own go here; under --amp fp16 call it before clip_gradients (which unscales the gradients
+        once a step). The scheduler steps after it, once."""
         self.clip_gradients()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -223,8 +225,8 @@ class Trainer:
         model = self.build_model(self.classes)
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
-        loaded = [] if not config.init_from else init_from(model, config.init_from, config.arch, self.channels,
-                                                           len(self.classes))
+        loaded = [] if not config.init_from or self._resuming else init_from(
+            model, config.init_from, config.arch, self.channels, len(self.classes))
         self.model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
             model, config.arch, self.channels, config.pretrained or bool(config.init_from))]
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]

@@ -39,9 +39,12 @@ class LearnedTemperature(Trainer):
 
     def train_step(self, model, images, labels):
         self.criterion.frozen = self.steps_taken < self.config.temperature_warmup
-        self.steps_taken += 1
         loss, logits = super().train_step(model, images, labels)
         return loss, logits, {"temperature": self.criterion.log_temperature.detach().exp()}
+
+    def optimizer_step(self, model, closure):
+        super().optimizer_step(model, closure)
+        self.steps_taken += 1  # optimizer steps (train_step runs once per micro-batch with --grad-accum-steps)
 
     def state_dict(self):
         return {"steps_taken": self.steps_taken}

@@ -5,8 +5,9 @@
 optimizer_step runs once the step's gradients are summed over its micro-batches (--grad-accum-steps) and averaged over
 the ranks. SAM moves the weights by --sam-rho along the normalised gradient, takes the gradient there (closure(): the
 step's forwards and backwards again, from zeroed gradients), moves the weights back, and lets the optimizer step with
-that gradient (the base class's optimizer_step: clipping, then the optimizer). Two forwards per step: twice the cost.
-Not with --amp fp16 (its scaler's gradients are scaled; bf16 needs none) or train_fsdp.py (sharded gradients).
+that gradient (the base class's optimizer_step: clipping, then the optimizer). Two forwards per step: twice the cost,
+and BatchNorm's running statistics updated at the moved weights too. Not with --amp fp16 (a scaled gradient that
+overflowed would move the weights by inf before the scaler skips the step) or train_fsdp.py (sharded gradients).
 """
 import torch
 
@@ -27,13 +28,14 @@ class SAM(Trainer):
 
     def optimizer_step(self, model, closure):
         parameters = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in parameters]))
-        with torch.no_grad():
-            moves = [p.grad * (self.config.sam_rho / (norm + 1e-12)) for p in parameters]
-            for parameter, move in zip(parameters, moves):
-                parameter.add_(move)
-        closure()  # the gradient at the moved weights
-        with torch.no_grad():
-            for parameter, move in zip(parameters, moves):
-                parameter.sub_(move)
+        if parameters:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in parameters]))
+            with torch.no_grad():
+                weights = [p.detach().clone() for p in parameters]
+                for parameter in parameters:
+                    parameter.add_(parameter.grad * (self.config.sam_rho / (norm + 1e-12)))
+            closure()  # the gradient at the moved weights
+            with torch.no_grad():
+                for parameter, weight in zip(parameters, weights):
+                    parameter.copy_(weight)  # (exactly back: p + m - m rounds)
         super().optimizer_step(model, closure)

@@ -279,7 +279,7 @@ def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from(tmp_pa
 
 
 def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_channels_adapted(tmp_path):
-    """--init-from: torchvision's references' checkpoint ("model", DDP's module. prefix) of resnet18 on 5 classes,
+    """--init-from: torchvision's references' checkpoint ("model", DDP's module. prefix, "args") of resnet18 on 5 classes,
     into a run on 3 classes of 1-channel images: every weight loaded but the head (new, 5 -> 3 classes), conv1's RGB
     filters summed as --pretrained's are; the header names the file and the changes."""
     from common.header import start_lines
@@ -287,7 +287,10 @@ def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_chan
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=5)
     path = tmp_path / "theirs.pth"
-    torch.save({"model": {f"module.{key}": value for key, value in source.state_dict().items()}, "epoch": 7}, path)
+    import argparse  # (the references save their flags as a Namespace; older weights lack num_batches_tracked)
+    torch.save({"model": {f"module.{key}": value for key, value in source.state_dict().items()
+                          if not key.endswith("num_batches_tracked")}, "epoch": 7, "args": argparse.Namespace(lr=0.5)},
+               path)
     trainer = built_trainer("-a", "resnet18", "--init-from", str(path), "--train-crop-size", "16", "--val-resize-size",
                             "16", "--val-crop-size", "16", "-j", "0", "-b", "4", "--mean", "0.5", "--std", "0.25",
                             datasets=tensor_datasets(channels=1))

@@ -103,6 +103,22 @@ def test_a_criterion_s_parameters_and_a_trainer_s_own_state_resume_bitwise(tmp_p
     for key in ("state_dict", "criterion"):
         assert all(torch.equal(ends[0][key][name], ends[1][key][name]) for name in ends[0][key]), key
     assert log_rows(tmp_path / "whole") == log_rows(tmp_path / "crashed")
+    evaluated = started(*flags, "-e", "--resume", tmp_path / "whole" / "checkpoint.pth", "--output-dir", tmp_path / "e",
+                        trainer=LearnedTemperature)  # -e's loss is the learned temperature's
+    assert torch.equal(evaluated.criterion.log_temperature.detach(), ends[0]["criterion"]["log_temperature"])
+
+
+class NumpyState(Trainer):
+    def state_dict(self):
+        import numpy
+        return {"seen": numpy.float64(1.0)}
+
+
+def test_a_trainer_state_that_a_resume_could_not_load_is_refused_at_the_first_save(tmp_path):
+    trainer = built_trainer(*SMALL, *TINY_NET, "--output-dir", tmp_path, trainer=NumpyState)
+    with pytest.raises(UsageError, match=r"^NumpyState.state_dict\(\) returned numpy\.\S+, which a resume cannot load "
+                                         r"\(weights_only\): return plain data and tensors$"):
+        state.assemble(trainer, epoch=1, step_in_epoch=0)
 
 
 def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_weights_only(tmp_path):
