@@ -156,19 +156,26 @@ def check_crcs(path):
                 return
 
 
-def load_checkpoint(path, mmap=False, weights=True):
+def unsafe_global(error):
+    """The Python object that torch.load(weights_only=True) refused to build, as its UnpicklingError names it."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return found[1] if found else None
+
+
+def load_checkpoint(path, mmap=False, weights=True, foreign=False):
     """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed) once every record
     matches its CRC-32; a bare state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap=True maps the tensors
     instead of reading them, unchecked (to look at the metadata alone). weights=False: a sharded checkpoint's
-    state.pth, whose weights are apart."""
+    state.pth, whose weights are apart. foreign=True (--init-from): torchvision's references' checkpoints too, whose
+    weights are their "model"."""
     if not mmap:
         check_crcs(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        unsafe = "Unsupported global" in str(error) and unsafe_global(error)
         if unsafe:
-            raise UsageError(f"refusing to load {path}: it holds a Python object ({unsafe.group(1)}), "
+            raise UsageError(f"refusing to load {path}: it holds a Python object ({unsafe}), "
                              "not only tensors and plain data; nothing in it was run")
         raise UsageError(f"cannot read checkpoint {path}: not a PyTorch checkpoint")
     except Exception as error:  # truncated zip, text, random bytes: the unpickler raises many kinds
@@ -179,6 +186,9 @@ def load_checkpoint(path, mmap=False, weights=True):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
     if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
         return checkpoint
+    if foreign and isinstance(checkpoint, dict) and "state_dict" not in checkpoint and isinstance(
+            checkpoint.get("model"), dict):
+        checkpoint["state_dict"] = checkpoint["model"]
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
@@ -210,18 +220,6 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
 
 
-def _foreign_weights(path):
-    """The state dict of a file of weights: load_checkpoint's, or the "model" of torchvision's references' checkpoints."""
-    check_crcs(path)
-    try:
-        found = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # (load_checkpoint says what is wrong with it, in one line)
-        return load_checkpoint(path)["state_dict"]
-    if isinstance(found, dict) and "state_dict" not in found and isinstance(found.get("model"), dict):
-        return strip_prefixes(found["model"])
-    return load_checkpoint(path)["state_dict"]
-
-
 def init_from(model, path, arch, channels, num_classes):
     """--init-from: the weights of the file at `path` loaded into the freshly built `model` in place of its init, as
     --pretrained loads torchvision's: a classifier of another number of classes keeps its new weights; a file trained
@@ -231,7 +229,7 @@ def init_from(model, path, arch, channels, num_classes):
     if not Path(path).is_file():
         raise UsageError(f"--init-from {path}: no such file")
     with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
-        weights, changes = _foreign_weights(path), []
+        weights, changes = load_checkpoint(path, foreign=True)["state_dict"], []
     first = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv2d)), None)
     given = weights.get(f"{first}.weight")
     if given is not None and given.ndim == 4 and given.shape[1] == channels != 3 and adapt_first_conv(

@@ -115,8 +115,7 @@ def start_run(trainer):
         seed = choose_seed(trainer, path, checkpoint)
         datasets = trainer.build_datasets()
         refuse_to_replace_a_run(config, list(datasets[0]), trainer.checkpoints, resumed=checkpoint is not None)
-        trainer._resuming = checkpoint is not None  # (--init-from's file: not read when a checkpoint's weights come)
-        trainer.build(datasets, seed)
+        trainer.build(datasets, seed, resuming=checkpoint is not None)
         if checkpoint is not None:
             state.restore(trainer, checkpoint, path)
             trainer.resumed_from = path

@@ -24,11 +24,11 @@ The sampler's position is (epoch, step_in_epoch): the data order is a function o
 import copy
 import io
 import pickle
-import re
 
 import torch
 
 from . import distributed
+from .checkpoint import unsafe_global
 from .config import flag
 from .errors import UsageError
 
@@ -77,7 +77,8 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
             "epoch_lr": trainer.epoch_lr,
             "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
             "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
-            "bad_images": trainer.bad_images.state_dict(), # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
+            "bad_images": trainer.bad_images.state_dict(),
+            # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
             "criterion": copy.deepcopy(trainer.criterion.state_dict()),
             "trainer_state": _own_state(trainer), **ema}
 
@@ -148,8 +149,7 @@ def _own_state(trainer):
         try:
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except pickle.UnpicklingError as error:
-            found = re.search(r"GLOBAL (\S+)", str(error))
-            raise UsageError(f"{type(trainer).__name__}.state_dict() returned {found[1] if found else 'an object'}, "
+            raise UsageError(f"{type(trainer).__name__}.state_dict() returned {unsafe_global(error) or 'an object'}, "
                              "which a resume cannot load (weights_only): return plain data and tensors") from None
         trainer._own_state_checked = True
     return own

@@ -64,7 +64,6 @@ class Trainer:
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
         self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
-        self._resuming = False  # a checkpoint's weights will be loaded (common/run.py)
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -181,11 +180,12 @@ class Trainer:
         return self.criterion(output, target), output
 
     # ---------------------------------------------------------------- building
-    def build(self, datasets, seed):
+    def build(self, datasets, seed, resuming=False):
         """The run's parts from `datasets` ((classes, train set, val set), as build_datasets gives them) and `seed`,
-        through the hooks above; no lock, no collective, no file read but the datasets' first items. Returns self."""
+        through the hooks above; no lock, no collective, no file read but the datasets' first items (`resuming`: nor
+        --init-from's file, a checkpoint's weights being loaded after). Returns self."""
         config, runtime, device = self.config, self.runtime, self.runtime.device
-        self.seed = seed
+        self.seed, self._resuming = seed, resuming
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
         self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
@@ -319,7 +319,7 @@ class Trainer:
         """Train `epoch` from `first_step` (a resumed epoch starts part-way, with the metric sums it had), each step
         in the order it runs; returns the epoch's metrics over all ranks. No value is read back from the device but
         at progress lines. A stop signal ends it after a step all ranks agree on, with a checkpoint (Preempted)."""
-        config, device, rank = self.config, self.runtime.device, self.runtime.rank
+        config, device = self.config, self.runtime.device
         # A new shuffle every epoch, the same on every rank (a resumed epoch skips the batches it had done);
         # the augmentation's seeds follow the epoch too.
         self.data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
@@ -381,11 +381,10 @@ class Trainer:
         if zero:
             self.optimizer.zero_grad(set_to_none=True)
         total, step_loss = sum(target.size(0) for _, target in micro_batches), 0.0
-        accumulate = self.config.grad_accum_steps
         for index, (images, target) in enumerate(micro_batches):
             labels = target
             if self._batch_transform is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, batch, rank)
-                key = batch_mix_key(self.seed, epoch, step * accumulate + index, rank)
+                key = batch_mix_key(self.seed, epoch, step * config.grad_accum_steps + index, rank)
                 images, labels = self._batch_transform(images, target, key)
             share = target.size(0) / total if total else 1.0
             # (DDP decides at the forward whether the backward syncs: both inside)
