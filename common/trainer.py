@@ -229,6 +229,7 @@ class Trainer:
             model, config.init_from, config.arch, self.channels, len(self.classes))
         self.model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
             model, config.arch, self.channels, config.pretrained or bool(config.init_from))]
+        models.patch_embedding_as_matmul(model, config.arch)
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self.aux_weight = getattr(model, "aux_loss_weight", None)

@@ -8,7 +8,8 @@
 Each row is one real run, started as a user starts it, for a few dozen steps: train_dp.py on one
 GPU and on all of them (nn.DataParallel), train_ddp.py under torchrun, train_spawn.py, train_fsdp.py, all
 with NCCL; in float32, with `--amp bf16 --channels-last` (FSDP: `--amp bf16`, its mixed-precision policy),
-with `--compile`, with `--sync-bn` for DDP, with `--cpu-offload` and `--activation-checkpointing` for FSDP;
+with `--compile`, with `--sync-bn` for DDP, with `--grad-accum-steps 2 --compile` for DDP and FSDP, with
+`--cpu-offload` and `--activation-checkpointing` for FSDP;
 on synthetic data (--dummy, ResNet-50 at 224 px: the speed) and on JPEGs (the built-in demo set:
 the learning). Every row must:
   - exit 0, with a finite training loss, that falls by 2% or more from the first epoch to the last
@@ -371,6 +372,10 @@ def rows_for(setup, quick):
                 # A metric whose state is summed on the GPU (index_add_ in float64) and over the ranks by NCCL.
                 rows.append(Row(f"{mode} {data} confusion-matrix", mode, data,
                                 ("--trainer", "examples.confusion_matrix:PerClass")))
+            if mode in ("ddp", "fsdp") and data == "jpeg" and not setup.cpu:  # (the CPU's: make test)
+                # Accumulation skips the sync on all but each step's last micro-batch: DDP's no_sync around a compiled
+                # model, FSDP2's set_requires_gradient_sync.
+                rows.append(Row(f"{mode} {data} grad-accum", mode, data, ("--grad-accum-steps", "2", "--compile")))
             if mode == "fsdp":
                 if setup.cpu:
                     rows.append(Row(f"{mode} {data} bf16", mode, data, ("--amp", "bf16")))

@@ -1,6 +1,6 @@
 """common/models.py: torchvision's models by name (or your own), the sizes each takes (refused in one line before any
 process trains), auxiliary heads' losses, autocast in DataParallel's replica threads, the memory format measured
-faster, and the bare model inside its wrappers."""
+faster, a patch embedding computed as a matrix product, and the bare model inside its wrappers."""
 import copy
 import threading
 
@@ -10,8 +10,9 @@ import torch.nn as nn
 import torchvision
 
 from common.errors import UsageError
-from common.models import (AutocastForward, adapt_first_conv, build_model, check_input_size, compiled, gradient_sync,
-                           loss_with_aux, replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
+from common.models import (AutocastForward, PatchConv2d, adapt_first_conv, build_model, check_input_size, compiled,
+                           gradient_sync, loss_with_aux, patch_embedding_as_matmul, replace_heads, split_output, unwrap,
+                           use_channels_last, warn_slow_amp)
 from conftest import FAMILIES
 
 
@@ -221,3 +222,44 @@ def test_an_adapted_first_convolution_sees_a_grey_image_as_the_rgb_one_saw_it_gr
     with pytest.raises(UsageError, match=r"^--arch mlp takes RGB images and the data's are 1-channel, and its first "
                                          r"layer is no RGB convolution to adapt: convert the images in your dataset"):
         adapt_first_conv(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 3)), "mlp", 1, False)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("channels, kernel, size", [(3, 16, 32), (3, 4, 30), (5, (2, 3), 13)])
+def test_a_patch_embedding_as_a_matrix_product_is_the_convolution(layout, channels, kernel, size):
+    """PatchConv2d: nn.Conv2d's output and gradients (weights, bias, input), a size that leaves a remainder included,
+    and its state dict."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(channels, 8, kernel, stride=kernel).to(memory_format=layout)
+    patch = copy.deepcopy(conv)
+    assert PatchConv2d.fits(patch)
+    patch.__class__ = PatchConv2d
+    x = torch.randn(3, channels, size, size + 1).to(memory_format=layout)
+    inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outputs = [module(inputs[i]) for i, module in enumerate((conv, patch))]
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for output in outputs:
+        (output * torch.arange(output.numel()).reshape(output.shape).sin()).sum().backward()
+    for a, b in [(conv.weight.grad, patch.weight.grad), (conv.bias.grad, patch.bias.grad),
+                 (inputs[0].grad, inputs[1].grad)]:
+        torch.testing.assert_close(b, a)
+    assert patch.state_dict().keys() == conv.state_dict().keys()
+    torch.testing.assert_close(patch(x[0]), conv(x[0]))  # an unbatched image: nn.Conv2d's own path
+
+
+def test_only_a_torchvision_model_s_first_convolution_becomes_a_patch_embedding_where_it_is_one():
+    """ViT's conv_proj and ConvNeXt's stem (not its 2x2 downsampling layers, measured slower so), not ResNet's 7x7
+    stride-2 conv1 nor a model of yours; the state dict stays torchvision's."""
+    vit = torchvision.models.vit_b_16(num_classes=3)
+    keys = vit.state_dict().keys()
+    patch_embedding_as_matmul(vit, "vit_b_16")
+    assert type(vit.conv_proj) is PatchConv2d and vit.state_dict().keys() == keys
+    convnext = torchvision.models.convnext_tiny(num_classes=3)
+    patch_embedding_as_matmul(convnext, "convnext_tiny")
+    assert [name for name, module in convnext.named_modules() if type(module) is PatchConv2d] == ["features.0.0"]
+    resnet = torchvision.models.resnet18(num_classes=3)
+    patch_embedding_as_matmul(resnet, "resnet18")
+    assert not any(type(module) is PatchConv2d for module in resnet.modules())
+    yours = nn.Sequential(nn.Conv2d(3, 4, 4, stride=4))
+    patch_embedding_as_matmul(yours, "tests.tiny_models:TinyNet")
+    assert type(yours[0]) is nn.Conv2d

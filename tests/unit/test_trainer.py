@@ -296,3 +296,12 @@ def test_channels_last_and_bf16_change_the_kernels_and_the_rounding_not_the_trai
     assert nhwc_losses == pytest.approx(nchw_losses, abs=1e-5)
     _, bf16_losses, _ = weights_after("--amp", "bf16")
     assert bf16_losses != nhwc_losses and bf16_losses == pytest.approx(nhwc_losses, abs=0.02)
+
+
+def test_a_torchvision_model_s_patch_embedding_is_built_as_a_matrix_product():
+    """The Trainer's model: ConvNeXt's stem a PatchConv2d (common/models.py), its state dict torchvision's."""
+    from common.models import PatchConv2d
+    sizes = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32"]
+    trainer = built_trainer(*SMALL, *sizes, "-a", "convnext_tiny", datasets=tensor_datasets(size=32))
+    assert type(trainer.model.features[0][0]) is PatchConv2d
+    assert trainer.model.state_dict().keys() == torchvision.models.convnext_tiny(num_classes=3).state_dict().keys()
