@@ -341,6 +341,41 @@ def tf32_convolutions(device):
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
+class BareModelGuard:
+    """`with guard:` around train_step: a forward of the bare model with gradients, not through the
+    DistributedDataParallel `wrapper` around it, is refused in one line. Its gradients would skip DDP's all-reduce, and
+    each rank would step on its own gradients. Python hooks, so eager only (a compiled model has none)."""
+
+    def __init__(self, wrapper, bare):
+        self.active = self.inside = False
+        wrapper.register_forward_pre_hook(self._enter)
+        wrapper.register_forward_hook(self._leave, always_call=True)
+        bare.register_forward_pre_hook(self._check)
+
+    @classmethod
+    def around(cls, model, bare):
+        """A guard where `model` is DDP (eager), else a context that does nothing."""
+        from torch.nn.parallel import DistributedDataParallel
+        return cls(model, bare) if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+    def _enter(self, module, args):
+        self.inside = True
+
+    def _leave(self, module, args, output):
+        self.inside = False
+
+    def _check(self, module, args):
+        if self.active and not self.inside and torch.is_grad_enabled():
+            raise UsageError("train_step called the bare model (self.model), not the DistributedDataParallel `model` "
+                             "it is given: its gradients would skip the all-reduce over the ranks; call `model`")
+
+    def __enter__(self):
+        self.active = True
+
+    def __exit__(self, *exc):
+        self.active = False
+
+
 def gradient_sync(model, enabled):
     """A context for a forward and its backward that sync the gradients over the ranks (`enabled`) or only sum them
     into .grad (a micro-batch before the last of an optimizer step): DDP's no_sync() (which its forward reads),

@@ -64,6 +64,7 @@ class Trainer:
         self.epoch_lr = self.resumed_totals = self.resumed_from = None
         self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
         self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
+        self._bare_model_guard = None
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -335,6 +336,8 @@ class Trainer:
         counted_before = metrics.base.get("count", 0)
         progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
         model.train()
+        if self._bare_model_guard is None:  # (train_step given DDP: its bare model refused)
+            self._bare_model_guard = models.BareModelGuard.around(model, self.model)
         start = time.perf_counter()
         self.diagnostics.start_epoch()
         for step, micro_batches in enumerate(self._optimizer_steps(self.diagnostics.timed(self.train_batches)),
@@ -390,7 +393,7 @@ class Trainer:
             share = target.size(0) / total if total else 1.0
             # (DDP decides at the forward whether the backward syncs: both inside)
             with models.gradient_sync(model, enabled=index == len(micro_batches) - 1):
-                with models.autocast(device, config.amp):
+                with models.autocast(device, config.amp), self._bare_model_guard:
                     loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step",
                                                               len(self.classes))
                 self.scaler.scale(loss * share if share != 1.0 else loss).backward()  # (the scaler: --amp fp16)

@@ -155,6 +155,34 @@ def test_ddp_syncs_the_gradients_at_each_optimizer_step_s_last_micro_batch_alone
     assert trainer.steps_per_epoch == 2 and len(reduced) == 2 * buckets, reduced  # not 6 x buckets
 
 
+class BareStep(Trainer):
+    """A train_step that calls the bare model, its gradients then skipping DDP's all-reduce; `no_grad` only for it."""
+    no_grad = False
+
+    def train_step(self, model, images, labels):
+        if self.no_grad:
+            with torch.no_grad():
+                self.model(images)  # (a forward without gradients: nothing to all-reduce)
+            return super().train_step(model, images, labels)
+        return super().train_step(self.model, images, labels)
+
+
+def test_train_step_that_calls_the_bare_model_inside_ddp_is_refused_in_one_line(group_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
+    with pytest.raises(UsageError, match=r"^train_step called the bare model \(self.model\), not the "
+                                         r"DistributedDataParallel `model` it is given: its gradients would skip the "
+                                         r"all-reduce over the ranks; call `model`$"):
+        trainer.train_one_epoch(DistributedDataParallel(trainer.model), 0)
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
+    trainer.no_grad = True
+    assert trainer.train_one_epoch(DistributedDataParallel(trainer.model), 0)["count"] == 12
+    with torch.no_grad():  # outside train_step: evaluation, the EMA, a researcher's own code
+        trainer.model(torch.zeros(1, 3, 16, 16))
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
+    trainer.train_one_epoch(trainer.model, 0)  # one process without DDP: the bare model is the model
+
+
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
         trainer_class("tests.tiny_models:TinyNet")
