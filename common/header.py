@@ -27,11 +27,11 @@ def describe_environment(device, num_devices):
 
 def start_lines(trainer):
     """What every run says first, -e too: environment, data, presets, model, validation, recipe, resume."""
-    config, runtime, data = trainer.config, trainer.runtime, trainer.data
+    config, runtime, data = trainer.config, trainer.runtime, trainer._data
     lines = [f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
              f"{describe_environment(runtime.device, runtime.num_devices)}"]
     source = (f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data) or "synthetic (--dummy)"
-    made = ("batches made on the GPU, no loader" if isinstance(trainer.train_batches, SyntheticOnDevice)
+    made = ("batches made on the GPU, no loader" if isinstance(trainer._train_batches, SyntheticOnDevice)
             else f"{data.train_loader.num_workers} loader worker(s) per process")
     lines.append(f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
                  f"{len(data.val_loader.dataset)} val images, {made}), normalised with {data.normalisation}")
@@ -44,9 +44,9 @@ def start_lines(trainer):
                      f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}")
     source = config.weights or (config.init_from and f"--init-from {config.init_from}")
     lines.append(f"model: {config.arch}" + (f" from {source}" if source else "")
-                 + f", {'channels_last' if trainer.channels_last else 'default'} memory format "
+                 + f", {'channels_last' if trainer._channels_last else 'default'} memory format "
                  f"(--channels-last {config.channels_last}), --amp {config.amp}"
-                 + (f"; changed for this data: {'; '.join(trainer.model_changes)}" if trainer.model_changes else ""))
+                 + (f"; changed for this data: {'; '.join(trainer._model_changes)}" if trainer._model_changes else ""))
     if config.val_preprocessing:
         lines.append(f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
                      f"{config.val_interpolation} (from {config.val_preprocessing}; --val-resize-size, "
@@ -87,7 +87,7 @@ def training_lines(trainer):
     lines = [schedule.describe_optimizer(trainer.optimizer, config)]
     if config.grad_accum_steps > 1:
         lines.append(f"gradient accumulation: each optimizer step of global batch {config.batch_size} sums "
-                     f"{config.grad_accum_steps} micro-batches of {trainer.data.train_loader.batch_size} per process "
+                     f"{config.grad_accum_steps} micro-batches of {trainer._data.train_loader.batch_size} per process "
                      "(the gradients synced over the ranks at the last); steps, the schedule, the EMA and checkpoints "
                      "count optimizer steps")
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
@@ -100,7 +100,7 @@ def training_lines(trainer):
                      f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
                      f"{config.model_ema_steps} steps, {config.epochs} epochs)")
     first, steps = trainer.steps_per_epoch - trainer.start_step, trainer.steps_per_epoch  # (a resumed epoch: its rest)
-    lines += trainer.diagnostics.describe([first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)])
+    lines += trainer._diagnostics.describe([first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)])
     lines.append(f"output: {config.output_dir}")
     return lines
 
@@ -110,16 +110,16 @@ def run_summary(trainer, seconds, train, val, ema_val):
     config, runtime = trainer.config, trainer.runtime
     summary = {"mode": runtime.mode, "arch": config.arch, "epochs": config.epochs, "world_size": runtime.world_size,
                "devices_per_process": runtime.num_devices, "device": str(runtime.device),
-               "best_acc1": trainer.best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
+               "best_acc1": trainer._best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
                "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
                "wall_seconds": round(seconds, 2), "torch": torch.__version__,
-               "bad_images": len(trainer.bad_images.found)}
+               "bad_images": len(trainer._bad_images.found)}
     if trainer.ema is not None:
-        summary.update(best_ema_acc1=trainer.best_ema_acc1, final_ema_acc1=ema_val["acc1"],
+        summary.update(best_ema_acc1=trainer._best_ema_acc1, final_ema_acc1=ema_val["acc1"],
                        final_ema_acc5=ema_val["acc5"], ema_decay=trainer.ema.decay)
-    summary.update(trainer.diagnostics.summary())  # (which reads the last validation's GPU peak too)
+    summary.update(trainer._diagnostics.summary())  # (which reads the last validation's GPU peak too)
     if runtime.device.type == "cuda":  # the most rank 0's devices held in the run, validations included
-        summary["peak_memory_gib"] = round(trainer.diagnostics.run_peak / 2**10, 3)
+        summary["peak_memory_gib"] = round(trainer._diagnostics.run_peak / 2**10, 3)
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
         summary.update(zip(("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
                            state_bytes(trainer.model, trainer.optimizer)))
@@ -142,9 +142,9 @@ def trained_already(trainer, eval_model):
     start, last = time.time(), log.last_row()
     val = trainer.evaluate(eval_model)
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
-    trainer.diagnostics.last = {name: last.get(name) for name in ("tflops_per_device", "mfu_pct")}
-    trainer.diagnostics.run_peak = max(trainer.diagnostics.run_peak, last.get("gpu_peak_allocated_mib") or 0)
+    trainer._diagnostics.last = {name: last.get(name) for name in ("tflops_per_device", "mfu_pct")}
+    trainer._diagnostics.run_peak = max(trainer._diagnostics.run_peak, last.get("gpu_peak_allocated_mib") or 0)
     summary = run_summary(trainer, time.time() - start, {"images_per_second": last.get("images_per_second")}, val, ema_val)
     log.finish(summary)
-    log.print(f"done: best acc@1 {trainer.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
+    log.print(f"done: best acc@1 {trainer._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary

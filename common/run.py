@@ -35,7 +35,7 @@ def load_agreed_checkpoint(trainer):
     this load. A checkpoint of these scripts in another format is refused, but for -e, which needs its weights."""
     config, error, path, checkpoint = trainer.config, None, None, None
     try:
-        path, checkpoint = trainer.checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
+        path, checkpoint = trainer._checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
         if checkpoint is not None and not config.evaluate:
             state.check_format(checkpoint, path)
     except UsageError as failure:
@@ -100,7 +100,7 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
 
 def start_run(trainer):
     """Start `trainer`'s run (see the module's docstring). The writer rank holds the output directory's lock
-    (trainer.output_lock) for the process's life: the kernel drops it when the process ends. Returns `trainer`."""
+    (trainer._output_lock) for the process's life: the kernel drops it when the process ends. Returns `trainer`."""
     config = trainer.config
     distributed.check_sync_bn(config.sync_bn, trainer.runtime.device)
     lock, error = take_output_dir(trainer)
@@ -110,16 +110,16 @@ def start_run(trainer):
             say(lock.warning)
         path, checkpoint = load_agreed_checkpoint(trainer)
         # A resumed run keeps the determinism it was started with.
-        trainer.deterministic = config.deterministic or bool((checkpoint or {}).get("deterministic"))
-        seeding.set_determinism(trainer.deterministic)
+        trainer._deterministic = config.deterministic or bool((checkpoint or {}).get("deterministic"))
+        seeding.set_determinism(trainer._deterministic)
         seed = choose_seed(trainer, path, checkpoint)
         datasets = trainer.build_datasets()
-        refuse_to_replace_a_run(config, list(datasets[0]), trainer.checkpoints, resumed=checkpoint is not None)
+        refuse_to_replace_a_run(config, list(datasets[0]), trainer._checkpoints, resumed=checkpoint is not None)
         trainer.build(datasets, seed, resuming=checkpoint is not None)
         if checkpoint is not None:
             state.restore(trainer, checkpoint, path)
             trainer.resumed_from = path
-        trainer.output_lock = lock
+        trainer._output_lock = lock
         return trainer
     except BaseException:
         if lock is not None:

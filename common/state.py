@@ -58,7 +58,7 @@ def check_format(checkpoint, path):
 
 
 def samples(trainer):
-    return {"train": len(trainer.data.train_loader.dataset), "val": len(trainer.data.val_loader.dataset),
+    return {"train": len(trainer._data.train_loader.dataset), "val": len(trainer._data.val_loader.dataset),
             "steps": trainer.steps_per_epoch}
 
 
@@ -66,18 +66,18 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
     """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), with
     the partial epoch's `metrics`. A collective (every rank calls it: it gathers the ranks' random streams, their
     unreadable files and metric sums); the writer rank saves what it returns."""
-    ema = {"best_ema_acc1": trainer.best_ema_acc1} if trainer.ema else {}
+    ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
     return {"format_version": FORMAT_VERSION, "epoch": epoch, "step_in_epoch": step_in_epoch,
             "arch": trainer.config.arch, "num_classes": len(trainer.classes), "classes": list(trainer.classes),
-            "seed": trainer.seed, "world_size": trainer.runtime.world_size, "deterministic": trainer.deterministic,
+            "seed": trainer.seed, "world_size": trainer.runtime.world_size, "deterministic": trainer._deterministic,
             "args": dict(vars(trainer.config)), "samples": samples(trainer),
-            **trainer.checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
+            **trainer._checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
             "scheduler": trainer.scheduler.state_dict(), "scheduler_type": type(trainer.scheduler).__name__,
-            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer.best_acc1, "best_epoch": trainer.best_epoch,
-            "epoch_lr": trainer.epoch_lr,
+            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer._best_acc1, "best_epoch": trainer._best_epoch,
+            "epoch_lr": trainer._epoch_lr,
             "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
-            "rng_states": distributed.all_gather_object(trainer.rng.state_dict()),
-            "bad_images": trainer.bad_images.state_dict(),
+            "rng_states": distributed.all_gather_object(trainer._rng.state_dict()),
+            "bad_images": trainer._bad_images.state_dict(),
             # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
             "criterion": copy.deepcopy(trainer.criterion.state_dict()),
             "trainer_state": _own_state(trainer), **ema}
@@ -87,7 +87,7 @@ def restore(trainer, checkpoint, path):
     """Load `checkpoint` (read from `path`) into the built `trainer`: the weights always (-e evaluates them, with
     the EMA a checkpoint of ours holds); to train on, each part's state and the position, after the checks that
     the checkpoint can go on as this run. Weights from elsewhere give their epoch, optimizer and best acc@1."""
-    config, checkpoints = trainer.config, trainer.checkpoints
+    config, checkpoints = trainer.config, trainer._checkpoints
     checkpoints.load_weights(trainer.model, checkpoint, config.arch, trainer.classes, path)
     if "criterion" in checkpoint:  # (its parameters: -e's loss too)
         _load_criterion(trainer, checkpoint["criterion"], path)
@@ -97,14 +97,14 @@ def restore(trainer, checkpoint, path):
             checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
         return
     trainer.start_epoch = int(checkpoint.get("epoch", 0))
-    trainer.best_acc1 = float(checkpoint.get("best_acc1", 0.0))
+    trainer._best_acc1 = float(checkpoint.get("best_acc1", 0.0))
     if not is_ours(checkpoint):
         if "optimizer" in checkpoint:
             _load_optimizer(trainer, checkpoint, path)
         _restore_scheduler(trainer, checkpoint, path)
         return
     _check_run(trainer, checkpoint, path)
-    trainer.best_epoch = checkpoint.get("best_epoch")
+    trainer._best_epoch = checkpoint.get("best_epoch")
     if trainer.log.writes:  # a save that wrote this checkpoint, the best, but not model_best.pth: written now
         try:
             checkpoints.repair_best(checkpoint, path, config.output_dir, trainer.log.print)
@@ -122,11 +122,11 @@ def restore(trainer, checkpoint, path):
         else:
             trainer.ema.restart(0)
             trainer.log.print(f"model EMA: {path} holds none; it starts from the checkpoint's weights")
-    trainer.best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
+    trainer._best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
     states = checkpoint["rng_states"]
     if len(states) == trainer.runtime.world_size:  # else: another world size, fresh streams
-        trainer.rng.load_state_dict(states[trainer.runtime.rank])
-    trainer.bad_images.load_state_dict(checkpoint["bad_images"])
+        trainer._rng.load_state_dict(states[trainer.runtime.rank])
+    trainer._bad_images.load_state_dict(checkpoint["bad_images"])
     if "trainer_state" in checkpoint:  # (since checkpoints had it)
         trainer.load_state_dict(checkpoint["trainer_state"])
 
@@ -188,13 +188,13 @@ def _restore_position(trainer, checkpoint, path):
                          f"resume it with -b {saved_batch}")
     trainer.start_step = trainer.steps_per_epoch if trained else step
     if step:
-        trainer.resumed_totals = checkpoint["train_totals"]
-        trainer.epoch_lr = checkpoint["epoch_lr"]  # log.csv's lr: the epoch's first, not the resumed step's
+        trainer._resumed_totals = checkpoint["train_totals"]
+        trainer._epoch_lr = checkpoint["epoch_lr"]  # log.csv's lr: the epoch's first, not the resumed step's
 
 
 def _load_optimizer(trainer, checkpoint, path):
     try:
-        trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
+        trainer._checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
     except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
         saved = checkpoint.get("args", {})
         names = ("norm_weight_decay", "bias_weight_decay")

@@ -12,6 +12,7 @@ position in the epoch, the partial epoch's metric sums and every rank's random s
 data order and augmentation are functions of (seed, epoch, index) alone.
 """
 import math
+import sys
 import time
 
 import torch
@@ -34,6 +35,19 @@ from .named import import_named
 from .preemption import StopSignal
 
 
+# What a Trainer holds for the library. A subclass may read the public ones (docs/adapting.md lists them, and when each
+# is there) and assigns none of these: a hook that does is refused in one line (Trainer.__setattr__).
+PUBLIC_ATTRIBUTES = ("config", "runtime", "log", "shard", "start_epoch", "start_step", "resumed_from", "seed",
+                     "classes", "channels", "steps_per_epoch", "per_process_batch", "model", "ema", "criterion",
+                     "optimizer", "scheduler", "scaler")
+PRIVATE_ATTRIBUTES = ("_checkpoints", "_best_acc1", "_best_ema_acc1", "_best_epoch", "_epoch_lr", "_resumed_totals",
+                      "_stop_signal", "_output_lock", "_deterministic", "_bare_model_guard", "_resuming", "_data",
+                      "_diagnostics", "_model_changes", "_aux_weight", "_channels_last", "_metrics",
+                      "_criterion_parameters", "_batch_transform", "_rng", "_bad_images", "_train_batches",
+                      "_val_batches", "_own_state_checked")
+OWNED = frozenset(PUBLIC_ATTRIBUTES + PRIVATE_ATTRIBUTES)
+
+
 def trainer_class(name):
     """Trainer, or the subclass that --trainer package.module:Class names."""
     found = import_named(name or "", "--trainer") or Trainer
@@ -53,17 +67,25 @@ class Trainer:
     build one on tiny in-memory data); common/run.py's start_run does both for a script, with the lock, the ranks'
     agreement and the resume around them."""
 
+    def __setattr__(self, name, value):
+        if name in OWNED:  # assigned by a method of a subclass (not of common/): refused
+            caller = sys._getframe(1)
+            if not caller.f_globals.get("__name__", "").startswith("common.") and caller.f_locals.get("self") is self:
+                raise UsageError(f"{type(self).__name__} assigns self.{name}, which the Trainer holds for itself "
+                                 "(docs/adapting.md lists its attributes): give yours another name")
+        object.__setattr__(self, name, value)
+
     def __init__(self, config, runtime, shard=None, checkpoints=None):
         self.config, self.runtime = config, runtime
         # train_fsdp.py's shard (common/fsdp.py) and sharded checkpoints; else whole models and single-file checkpoints.
-        self.shard, self.checkpoints = shard, checkpoints or SingleFile()
+        self.shard, self._checkpoints = shard, checkpoints or SingleFile()
         self.log = RunLogger(config.output_dir, prints=runtime.is_main,
                              writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate)
         # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/state.py).
-        self.start_epoch, self.start_step, self.best_acc1, self.best_ema_acc1, self.best_epoch = 0, 0, 0.0, 0.0, None
-        self.epoch_lr = self.resumed_totals = self.resumed_from = None
-        self.stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
-        self.output_lock, self.deterministic = None, config.deterministic  # the writer rank's lock, once started
+        self.start_epoch, self.start_step, self._best_acc1, self._best_ema_acc1, self._best_epoch = 0, 0, 0.0, 0.0, None
+        self._epoch_lr = self._resumed_totals = self.resumed_from = None
+        self._stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
+        self._output_lock, self._deterministic = None, config.deterministic  # the writer rank's lock, once started
         self._bare_model_guard = None
 
     # ---------------------------------------------------------------- the parts a researcher changes
@@ -153,7 +175,7 @@ class Trainer:
         and scheduler steps; the accuracy counts the logits against the unmixed labels. With --grad-accum-steps
         N the batch is one of N micro-batches of an optimizer step; the loss, the batch's mean, is weighted by
         its share of the step's images for the backward."""
-        return models.loss_with_aux(self.criterion, model(images), labels, self.aux_weight)
+        return models.loss_with_aux(self.criterion, model(images), labels, self._aux_weight)
 
     def optimizer_step(self, model, closure):
         """The optimizer step, once the step's gradients are summed over its micro-batches and averaged over the
@@ -188,15 +210,15 @@ class Trainer:
         config, runtime, device = self.config, self.runtime, self.runtime.device
         self.seed, self._resuming = seed, resuming
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
-        self.data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
+        self._data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
-        self.classes = self.data.classes
-        self.steps_per_epoch = math.ceil(len(self.data.train_loader) / config.grad_accum_steps)
+        self.classes = self._data.classes
+        self.steps_per_epoch = math.ceil(len(self._data.train_loader) / config.grad_accum_steps)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
-        self.channels = self.data.first_image[0] if self.data.first_image else 3  # (of the images)
-        self.diagnostics = Diagnostics(config, runtime, self.log.print)
+        self.channels = self._data.first_image[0] if self._data.first_image else 3  # (of the images)
+        self._diagnostics = Diagnostics(config, runtime, self.log.print)
         model = self._model_on_device()
-        self.diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
+        self._diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
             decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
@@ -206,18 +228,18 @@ class Trainer:
             self._sharded(self.ema.module)
         seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
         self.criterion = self.build_criterion().to(device)
-        self.metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
+        self._metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
         self.optimizer = self.build_optimizer(self.model)
         self._criterion_parameters = self._train_criterion(self.optimizer)
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         self._batch_transform = self.build_batch_transform(self.classes)
-        self.rng, self.bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
-        on_device = self.data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
-        self.train_batches, self.val_batches = (device_batches(loader, device, self.channels_last, report, on_device,
+        self._rng, self._bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
+        on_device = self._data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
+        self._train_batches, self._val_batches = (device_batches(loader, device, self._channels_last, report, on_device,
                                                                keep_empty=self.shard is not None)
-                                                for loader, report in ((self.data.train_loader, self.bad_images.report),
-                                                                       (self.data.val_loader, self.bad_images.report_validation)))
+                                                for loader, report in ((self._data.train_loader, self._bad_images.report),
+                                                                       (self._data.val_loader, self._bad_images.report_validation)))
         return self
 
     def _model_on_device(self):
@@ -228,17 +250,17 @@ class Trainer:
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
         loaded = [] if not config.init_from or self._resuming else init_from(
             model, config.init_from, config.arch, self.channels, len(self.classes))
-        self.model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
+        self._model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
             model, config.arch, self.channels, config.pretrained or bool(config.init_from))]
         models.patch_embedding_as_matmul(model, config.arch)
         sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
-        self.aux_weight = getattr(model, "aux_loss_weight", None)
+        self._aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # FSDP: parameters contiguous (no channels_last), and fully_shard moves each unit to the device as it shards it.
-        self.channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
-        return model if self.shard else model.to(device, memory_format=torch.channels_last if self.channels_last else None)
+        self._channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
+        return model if self.shard else model.to(device, memory_format=torch.channels_last if self._channels_last else None)
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
@@ -282,14 +304,14 @@ class Trainer:
             return trained_already(self, eval_model)
         for line in training_lines(self):
             log.print(line)
-        log.start(config, self.resumed_from is not None, ema=self.ema is not None, checkpoints=self.checkpoints.names,
+        log.start(config, self.resumed_from is not None, ema=self.ema is not None, checkpoints=self._checkpoints.names,
                   global_step=self.start_epoch * self.steps_per_epoch + self.start_step, epochs_done=self.start_epoch)
-        self.stop_signal = StopSignal(config.stop_grace)
-        if self.output_lock is not None:  # a run started meanwhile waits for this one to stop
-            self.stop_signal.on_first = self.output_lock.mark_stopping
-        with self.diagnostics.watching():  # --profile's trace; out of memory: the allocator's snapshot
+        self._stop_signal = StopSignal(config.stop_grace)
+        if self._output_lock is not None:  # a run started meanwhile waits for this one to stop
+            self._stop_signal.on_first = self._output_lock.mark_stopping
+        with self._diagnostics.watching():  # --profile's trace; out of memory: the allocator's snapshot
             summary = self._epochs(train_model, eval_model)
-        self.stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
+        self._stop_signal.close()  # (a run that stops or fails keeps its handlers to its process's end)
         return summary
 
     def _epochs(self, train_model, eval_model):
@@ -306,11 +328,11 @@ class Trainer:
             if self.ema is not None:  # its BatchNorm statistics average each rank's own: rank 0's too
                 distributed.broadcast_buffers(self.ema.module)
                 ema_val = self.evaluate(self.ema.module, label="EMA", epoch=epoch)
-                self.best_ema_acc1 = max(ema_val["acc1"], self.best_ema_acc1)
-            is_best = val["acc1"] > self.best_acc1
-            self.best_acc1, self.best_epoch = max(val["acc1"], self.best_acc1), epoch + 1 if is_best else self.best_epoch
+                self._best_ema_acc1 = max(ema_val["acc1"], self._best_ema_acc1)
+            is_best = val["acc1"] > self._best_acc1
+            self._best_acc1, self._best_epoch = max(val["acc1"], self._best_acc1), epoch + 1 if is_best else self._best_epoch
             bad_images = self.save(epoch + 1, is_best=is_best)
-            self.log.log_epoch(epoch_row(epoch, epoch_start, self.epoch_lr, train, val,
+            self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val,
                                          ema_val if self.ema is not None else None, bad_images))
             self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
             if epoch + 1 < config.epochs and self._stop_agreed(now=True):
@@ -324,23 +346,23 @@ class Trainer:
         config, device = self.config, self.runtime.device
         # A new shuffle every epoch, the same on every rank (a resumed epoch skips the batches it had done);
         # the augmentation's seeds follow the epoch too.
-        self.data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
-        self.data.train_loader.dataset.set_epoch(epoch)
-        metrics = MetricSums(device, self.metrics["train"])
+        self._data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
+        self._data.train_loader.dataset.set_epoch(epoch)
+        metrics = MetricSums(device, self._metrics["train"])
         if first_step:
-            metrics.load_state_dict(self.resumed_totals)
+            metrics.load_state_dict(self._resumed_totals)
         else:
-            self.bad_images.next_epoch()
-        if not first_step or self.epoch_lr is None:  # log.csv's lr: each group's at the epoch's first step
-            self.epoch_lr = [group["lr"] for group in self.optimizer.param_groups]
+            self._bad_images.next_epoch()
+        if not first_step or self._epoch_lr is None:  # log.csv's lr: each group's at the epoch's first step
+            self._epoch_lr = [group["lr"] for group in self.optimizer.param_groups]
         counted_before = metrics.base.get("count", 0)
         progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
         model.train()
         if self._bare_model_guard is None:  # (train_step given DDP: its bare model refused)
             self._bare_model_guard = models.BareModelGuard.around(model, self.model)
         start = time.perf_counter()
-        self.diagnostics.start_epoch()
-        for step, micro_batches in enumerate(self._optimizer_steps(self.diagnostics.timed(self.train_batches)),
+        self._diagnostics.start_epoch()
+        for step, micro_batches in enumerate(self._optimizer_steps(self._diagnostics.timed(self._train_batches)),
                                              start=first_step):
             self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
@@ -351,7 +373,7 @@ class Trainer:
                 self._progress_line(progress, metrics, epoch, step)
             if self.ema is not None:
                 self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
-            self.diagnostics.after_step()  # (--profile)
+            self._diagnostics.after_step()  # (--profile)
             stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
             every = config.checkpoint_interval
             if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):
@@ -365,7 +387,7 @@ class Trainer:
             self._stopped(epoch, self.steps_per_epoch)
         seconds, summary = time.perf_counter() - start, metrics.summary()
         summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
-        summary["diagnostics"] = self.diagnostics.epoch_figures(epoch, summary["images_per_second"])
+        summary["diagnostics"] = self._diagnostics.epoch_figures(epoch, summary["images_per_second"])
         if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
             summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2 ** -20
         return summary
@@ -407,7 +429,7 @@ class Trainer:
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
         summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
-        lr, speed, (wait, said) = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary), self.diagnostics.input_wait()
+        lr, speed, (wait, said) = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary), self._diagnostics.input_wait()
         self.log.log_step(epoch * self.steps_per_epoch + step + 1,
                           {"loss": summary["loss"], "acc1": summary["acc1"], **MetricSums.extra(summary),
                            "lr": lr, "images_per_second": speed[0], "input_wait_pct": wait})
@@ -420,12 +442,12 @@ class Trainer:
         A validation that could not read its images ends the run in one line, the files in bad_images.txt."""
         config, device = self.config, self.runtime.device
         model.eval()
-        metrics = MetricSums(device, self.metrics["val"])
+        metrics = MetricSums(device, self._metrics["val"])
         share = " (rank 0's share)" if self.runtime.world_size > 1 else ""  # (training's lines: all ranks')
-        progress = ProgressMeter(len(self.val_batches), f"Test {label}".strip() + share, self.log.print)
+        progress = ProgressMeter(len(self._val_batches), f"Test {label}".strip() + share, self.log.print)
         with torch.inference_mode() if self.shard is None else torch.no_grad():  # (FSDP's gather buffers: reused)
             shape = (self.channels, config.val_crop_size, config.val_crop_size)  # a sharded model's placeholder's
-            batches = validation_batches(self.val_batches, self.shard is not None, shape)
+            batches = validation_batches(self._val_batches, self.shard is not None, shape)
             for step, (images, target, counted) in enumerate(batches):
                 with models.autocast(device, config.amp):
                     loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step",
@@ -439,9 +461,9 @@ class Trainer:
         self.log.print(f" * {label + ' ' if label else ''}Acc@1 {summary['acc1']:.3f}  Acc@5 {summary['acc5']:.3f}  "
                        f"Loss {summary['loss']:.6f}{extra}  ({summary['count']} images)")
         try:
-            self.bad_images.check_validation(summary["count"], len(self.data.val_loader.dataset))
+            self._bad_images.check_validation(summary["count"], len(self._data.val_loader.dataset))
         except UsageError:
-            self.log.write_bad_images(self.bad_images.sync())
+            self.log.write_bad_images(self._bad_images.sync())
             raise
         self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
@@ -450,9 +472,9 @@ class Trainer:
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by
         common/state.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
-        with self.stop_signal.no_stop_now():
+        with self._stop_signal.no_stop_now():
             checkpoint = state.assemble(self, epoch, step_in_epoch, metrics)
-            self.checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
+            self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:
                 self.log.write_bad_images(checkpoint["bad_images"])
         return checkpoint["bad_images"]
@@ -460,18 +482,18 @@ class Trainer:
     def _stop_agreed(self, now=False):
         """Whether the ranks agreed to stop (StopSignal.poll); once they have, the output directory's lock says that
         its run is stopping, so that the job that replaces it waits for it rather than being refused."""
-        stop = self.stop_signal.poll(now=now)
-        if stop and self.output_lock is not None:
-            self.output_lock.mark_stopping(self._stop_reason)
+        stop = self._stop_signal.poll(now=now)
+        if stop and self._output_lock is not None:
+            self._output_lock.mark_stopping(self._stop_reason)
         return stop
 
-    _stop_reason = property(lambda self: self.stop_signal.received or "a signal to another rank")
+    _stop_reason = property(lambda self: self._stop_signal.received or "a signal to another rank")
 
     def _stopped(self, epoch, step):
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
         self.log.print(f"stopped on {self._stop_reason}: checkpoint of "
                        f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto")
-        self.checkpoints.wait()  # --async-checkpoint: its write done
+        self._checkpoints.wait()  # --async-checkpoint: its write done
         distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
         raise Preempted()
 
@@ -480,9 +502,9 @@ class Trainer:
         summary = run_summary(self, seconds, train, val, ema_val)
         if self.config.compile:
             self.log.print(f"torch.compile: {summary['compiled_graphs']} graph(s) compiled")
-        self.checkpoints.wait()
+        self._checkpoints.wait()
         self.log.finish(summary)
-        ema = f" (EMA: best {self.best_ema_acc1:.2f}, final {ema_val['acc1']:.2f})" if self.ema is not None else ""
-        self.log.print(f"done: best acc@1 {self.best_acc1:.2f}, final acc@1 {val['acc1']:.2f}{ema} "
+        ema = f" (EMA: best {self._best_ema_acc1:.2f}, final {ema_val['acc1']:.2f})" if self.ema is not None else ""
+        self.log.print(f"done: best acc@1 {self._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}{ema} "
                        f"in {summary['wall_seconds']:.0f} s; outputs in {self.config.output_dir}")
         return summary

@@ -163,7 +163,7 @@ class SlowStop(Trainer):
         return super().train_step(model, images, labels)
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
-        if self.stop_signal.received:
+        if self._stop_signal.received:
             time.sleep(float(os.environ.get("SLOW_STOP_SECONDS", 40)))
         return super().save(epoch, step_in_epoch, metrics, is_best)
 

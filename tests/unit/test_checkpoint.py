@@ -299,7 +299,7 @@ def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_chan
     assert torch.equal(model.bn1.running_mean, source.bn1.running_mean)
     assert torch.allclose(model.conv1.weight, source.conv1.weight.sum(dim=1, keepdim=True))
     assert model.fc.weight.shape == (3, 512)
-    assert trainer.model_changes == ["fc: 5 -> 3 classes, new weights", "conv1: 3 -> 1 channels, RGB filters summed"]
+    assert trainer._model_changes == ["fc: 5 -> 3 classes, new weights", "conv1: 3 -> 1 channels, RGB filters summed"]
     assert any(line.startswith(f"model: resnet18 from --init-from {path}, ") for line in start_lines(trainer))
 
 
@@ -311,7 +311,7 @@ def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_anot
     path = tmp_path / "ours.pth"
     torch.save({"state_dict": own.model.state_dict()}, path)
     again = built_trainer("-a", "resnet18", "--init-from", str(path), *flags, datasets=tensor_datasets(channels=1))
-    assert again.model_changes == ["conv1: 3 -> 1 channels, as in ours.pth"]
+    assert again._model_changes == ["conv1: 3 -> 1 channels, as in ours.pth"]
     assert all(torch.equal(value, own.model.state_dict()[key]) for key, value in again.model.state_dict().items())
     with pytest.raises(UsageError, match=rf"^--init-from {re.escape(str(path))} does not fit --arch resnet34: weights "
                                          r"missing layer1\.2\.conv1\.weight, layer1\.2\.bn1\.weight, .* and \d+ more$"):

@@ -84,8 +84,8 @@ class ReadsAValue(nn.Module):
 
 def test_a_model_that_cannot_run_on_meta_gets_n_a_said_once_and_no_rate():
     trainer = built_trainer(*SMALL, "-a", "tests.unit.test_diagnostics:ReadsAValue", datasets=tensor_datasets())
-    assert trainer.diagnostics.flops == {16: None}
-    (line,) = [line for line in trainer.diagnostics.describe([100]) if "FLOPs" in line]
+    assert trainer._diagnostics.flops == {16: None}
+    (line,) = [line for line in trainer._diagnostics.describe([100]) if "FLOPs" in line]
     assert line.startswith("FLOPs: n/a (the model's forward does not run on the meta device:")
     figures = trainer.train_one_epoch(trainer.model, 0)["diagnostics"]
     assert "tflops_per_device" not in figures and "mfu_pct" not in figures and figures["input_wait_pct"] >= 0
@@ -95,16 +95,16 @@ def test_a_built_trainer_s_epoch_reports_its_wait_rate_and_memory_and_the_header
     """The rate is 3 x the forward's FLOPs per image at the epoch's crop times the images per second, per device;
     on the CPU no peak, no utilisation, no GPU memory; the host's peak resident memory is this process's."""
     trainer = built_trainer(*SMALL, "--res-schedule", "16:32:0:1:16", "--epochs", "2", datasets=tensor_datasets(size=32))
-    assert sorted(trainer.diagnostics.flops) == [16, 32] and trainer.diagnostics.flops[32] > trainer.diagnostics.flops[16]
+    assert sorted(trainer._diagnostics.flops) == [16, 32] and trainer._diagnostics.flops[32] > trainer._diagnostics.flops[16]
     summary = trainer.train_one_epoch(trainer.model, 1)
     figures = summary["diagnostics"]
-    expected = 3 * trainer.diagnostics.flops[32] * summary["images_per_second"] / 1e12
+    expected = 3 * trainer._diagnostics.flops[32] * summary["images_per_second"] / 1e12
     assert figures["tflops_per_device"] == pytest.approx(expected, rel=1e-3, abs=1e-4)
     assert 0 <= figures["input_wait_pct"] <= figures["input_wait_pct_max"] <= 100
     assert figures["host_peak_rss_mib"] > 10 and not {"mfu_pct", "gpu_peak_allocated_mib"} & figures.keys()
-    assert trainer.diagnostics.describe([100])[0] == (
-        f"FLOPs per image: forward {trainer.diagnostics.flops[16] / 1e9:.4g} G at 16 px, "
-        f"{trainer.diagnostics.flops[32] / 1e9:.4g} G at 32 px, training 3 x that; no peak known on the CPU (no mfu_pct)")
+    assert trainer._diagnostics.describe([100])[0] == (
+        f"FLOPs per image: forward {trainer._diagnostics.flops[16] / 1e9:.4g} G at 16 px, "
+        f"{trainer._diagnostics.flops[32] / 1e9:.4g} G at 32 px, training 3 x that; no peak known on the CPU (no mfu_pct)")
 
 
 def test_the_rate_is_per_device_of_the_job_and_the_summary_counts_the_last_epoch_s_crop():
@@ -149,12 +149,12 @@ def test_the_wait_is_the_time_spent_fetching_batches_against_the_loop_s():
 def test_the_first_input_bound_epoch_says_so_once_with_the_levers():
     said = []
     trainer = built_trainer(*SMALL, datasets=tensor_datasets())
-    trainer.diagnostics.say = said.append
+    trainer._diagnostics.say = said.append
     for epoch in range(2):
-        trainer.diagnostics.start_epoch()
-        trainer.diagnostics.waited = 0.9 * (time.perf_counter() - trainer.diagnostics.started + 0.5)
+        trainer._diagnostics.start_epoch()
+        trainer._diagnostics.waited = 0.9 * (time.perf_counter() - trainer._diagnostics.started + 0.5)
         time.sleep(0.5)
-        assert trainer.diagnostics.epoch_figures(epoch, 100.0)["input_wait_pct"] > 100 * INPUT_BOUND
+        assert trainer._diagnostics.epoch_figures(epoch, 100.0)["input_wait_pct"] > 100 * INPUT_BOUND
     (line,) = said
     assert line.startswith("input-bound: the training loop waited for its batches") and "epoch 0" in line
     assert all(lever in line for lever in ("-j", "--resize", "make_shards", "--auto-augment"))
@@ -221,14 +221,14 @@ def test_the_profiler_writes_a_trace_of_the_asked_steps_and_the_run_goes_on(tmp_
 def test_running_out_of_memory_ends_the_run_in_one_line_with_the_levers(tmp_path):
     trainer = built_trainer(*SMALL, "--output-dir", tmp_path, datasets=tensor_datasets())
     with pytest.raises(OutOfMemory) as raised:
-        with trainer.diagnostics.watching():
+        with trainer._diagnostics.watching():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
     message = str(raised.value)
     assert raised.value.exit_code == 1 and "\n" not in message
     assert message.startswith("rank 0 ran out of cpu memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
     assert all(lever in message for lever in ("-b", "--amp bf16", "train_fsdp.py", "--activation-checkpointing"))
     with pytest.raises(OutOfMemory, match=r"cpu memory \(torch.OutOfMemoryError: CUDA out of memory. Tried"):
-        with trainer.diagnostics.watching():  # DataParallel's replica re-raises it with its own first line
+        with trainer._diagnostics.watching():  # DataParallel's replica re-raises it with its own first line
             raise torch.OutOfMemoryError("Caught OutOfMemoryError in replica 0 on device 0.\nOriginal Traceback:\n"
                                          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
 

@@ -1,6 +1,7 @@
 """common/run.py: starting a run in this process: a fresh start that would replace a run is refused in one line, -e
-needs weights, a resumed run keeps its seed (saying so when another is given) and its determinism, and a start that
-fails before writing leaves no directory it made."""
+needs weights, a resumed run keeps its seed (saying so when another is given) and its determinism, a start that
+fails before writing leaves no directory it made, and a Trainer holds its documented attributes alone, none of which a
+subclass may assign."""
 import re
 
 import pytest
@@ -102,7 +103,7 @@ def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
         assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["deterministic"] is True
         torch.use_deterministic_algorithms(False)
         resumed = started("--epochs", "2", "--resume", "auto", "--output-dir", tmp_path)
-        assert resumed.deterministic and torch.are_deterministic_algorithms_enabled()
+        assert resumed._deterministic and torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -111,3 +112,52 @@ def test_a_start_that_fails_before_writing_leaves_no_directory_it_made(tmp_path)
     with pytest.raises(UsageError, match="item 0 of the train set is a tuple of 3"):
         started("--dataset", "tests.custom_datasets:triples", "--output-dir", tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def documented_attributes():
+    """The attribute names of docs/adapting.md's table "The attributes you may read"."""
+    from conftest import REPO
+    text = (REPO / "docs" / "adapting.md").read_text()
+    table = text[text.index("### The attributes you may read"):].split("\n\n")[2]
+    return {name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+
+
+def test_a_trainer_holds_the_documented_attributes_and_private_ones_alone(tmp_path):
+    """After a run and its resume (--model-ema: every part), what a Trainer holds is PUBLIC_ATTRIBUTES, each in
+    docs/adapting.md's table, and PRIVATE_ATTRIBUTES: nothing else a subclass's name could collide with unseen."""
+    from common.trainer import OWNED, PUBLIC_ATTRIBUTES
+    trained("--epochs", "1", "--model-ema", "--output-dir", tmp_path)
+    trainer = trained("--epochs", "2", "--model-ema", "--resume", "auto", "--output-dir", tmp_path)
+    assert trainer.resumed_from is not None and set(vars(trainer)) <= OWNED, set(vars(trainer)) - OWNED
+    assert {name for name in vars(trainer) if not name.startswith("_")} == set(PUBLIC_ATTRIBUTES)
+    assert documented_attributes() == set(PUBLIC_ATTRIBUTES)
+
+
+class Assigns(Trainer):
+    """Assigns `name` in the hook `where` (build_model or train_step), and its own names, which are free."""
+    name, where = "log", "build_model"
+
+    def build_model(self, classes):
+        self.data, self.metrics, self.rng = "mine", {}, None  # (the library's are private)
+        if self.where == "build_model":
+            setattr(self, self.name, None)
+        return super().build_model(classes)
+
+    def train_step(self, model, images, labels):
+        if self.where == "train_step":
+            setattr(self, self.name, None)
+        return super().train_step(model, images, labels)
+
+
+@pytest.mark.parametrize("name, where", [("log", "build_model"), ("seed", "train_step"), ("_data", "build_model")])
+def test_a_subclass_that_assigns_an_attribute_the_trainer_holds_is_refused_in_one_line(tmp_path, name, where):
+    from conftest import built_trainer, tensor_datasets
+    flags = [*SMALL[:-4], "-a", "tests.tiny_models:TinyNet", "--output-dir", tmp_path, "--epochs", "1"]
+    Assigns.name, Assigns.where = name, where
+    with pytest.raises(UsageError, match=rf"^Assigns assigns self.{name}, which the Trainer holds for itself "
+                                         r"\(docs/adapting.md lists its attributes\): give yours another name$"):
+        trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
+        trainer.train_one_epoch(trainer.model, 0)
+    Assigns.where = "nowhere"
+    trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
+    assert trainer.train_one_epoch(trainer.model, 0)["count"] == 12 and trainer.data == "mine"

@@ -53,7 +53,7 @@ def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(grou
     trainer = trained(tmp_path)
     trainer.save(0, 1)
     resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
-    path, checkpoint = resumed.checkpoints.load_resume("auto", tmp_path, warn=print)
+    path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
     assert path == (tmp_path / LATEST).resolve()
     state.restore(resumed, checkpoint, path)
     for mine, theirs in ((resumed.model, trainer.model), (resumed.ema.module, trainer.ema.module)):
@@ -70,7 +70,7 @@ def test_auto_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged(g
     trainer.save(2)
     (tmp_path / LATEST / "state.pth").write_bytes(b"cut short")
     warned = []
-    path, checkpoint = trainer.checkpoints.load_resume("auto", tmp_path, warn=warned.append)
+    path, checkpoint = trainer._checkpoints.load_resume("auto", tmp_path, warn=warned.append)
     assert path == (tmp_path / PREVIOUS).resolve() and checkpoint["epoch"] == 1
     assert warned and "resuming from the previous checkpoint" in warned[0]
 
@@ -79,13 +79,13 @@ def test_what_is_no_sharded_checkpoint_is_refused_in_one_line(group_of_one, tmp_
     trainer = trained(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="^--resume .*empty: no state.pth in it: give a sharded checkpoint's"):
-        trainer.checkpoints.load_resume(str(tmp_path / "empty"), tmp_path, warn=print)
+        trainer._checkpoints.load_resume(str(tmp_path / "empty"), tmp_path, warn=print)
     with pytest.raises(UsageError, match="^--resume .*nothing: no such file or directory"):
-        trainer.checkpoints.load_resume(str(tmp_path / "nothing"), tmp_path, warn=print)
+        trainer._checkpoints.load_resume(str(tmp_path / "nothing"), tmp_path, warn=print)
     single = tmp_path / "single.pth"
     torch.save({"state_dict": whole(trainer.model), "format_version": 1}, single)
     with pytest.raises(UsageError, match="single.pth holds an optimizer state of a single-file checkpoint: train_fsdp.py"):
-        trainer.checkpoints.load_optimizer(trainer.model, trainer.optimizer, {}, single)
+        trainer._checkpoints.load_optimizer(trainer.model, trainer.optimizer, {}, single)
 
 
 def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_one, tmp_path):
@@ -104,8 +104,8 @@ def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_on
 def test_an_asynchronous_save_becomes_the_latest_once_written(group_of_one, tmp_path):
     trainer = trained(tmp_path, "--async-checkpoint")
     trainer.save(1)
-    assert not (tmp_path / LATEST).exists() and trainer.checkpoints.pending is not None
-    trainer.checkpoints.wait()
+    assert not (tmp_path / LATEST).exists() and trainer._checkpoints.pending is not None
+    trainer._checkpoints.wait()
     assert str((tmp_path / LATEST).readlink()).startswith("sharded/e0001-s000000-")
 
 
@@ -128,12 +128,12 @@ def test_a_best_epoch_whose_export_failed_is_exported_again_on_resume(group_of_o
     trainer = trained(tmp_path)  # (one step; the schedule stands where trained epochs leave it)
     for _ in range(trainer.steps_per_epoch - 1):
         trainer.scheduler.step()
-    trainer.best_acc1, trainer.best_epoch = 20.0, 1
+    trainer._best_acc1, trainer._best_epoch = 20.0, 1
     trainer.save(1, is_best=True)
     best = tmp_path / "model_best.pth"
     for _ in range(trainer.steps_per_epoch):
         trainer.scheduler.step()
-    trainer.best_acc1, trainer.best_epoch = 25.0, 2
+    trainer._best_acc1, trainer._best_epoch = 25.0, 2
     kept = best.read_bytes()
     best.unlink()
     best.mkdir()  # model_best.pth cannot be replaced: the export fails, as on a full disk
@@ -143,7 +143,7 @@ def test_a_best_epoch_whose_export_failed_is_exported_again_on_resume(group_of_o
     best.rmdir()
     best.write_bytes(kept)  # the earlier best (epoch 1), as the failed export left it
     resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
-    path, checkpoint = resumed.checkpoints.load_resume("auto", tmp_path, warn=print)
+    path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
     said = []
     resumed.log.print = said.append
     state.restore(resumed, checkpoint, path)
@@ -159,7 +159,7 @@ def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one
     (tmp_path / "ddp").mkdir()
     torch.save({"state_dict": whole(trainer.model)}, tmp_path / "ddp" / CHECKPOINT)
     with pytest.raises(UsageError, match="holds a run of train_dp.py, train_ddp.py or train_spawn.py"):
-        trainer.checkpoints.load_resume("auto", tmp_path / "ddp", warn=print)
+        trainer._checkpoints.load_resume("auto", tmp_path / "ddp", warn=print)
     trainer.save(1)
     with pytest.raises(UsageError, match="holds a run of train_fsdp.py"):
         SingleFile().load_resume("auto", tmp_path, warn=print)
@@ -201,17 +201,17 @@ def test_a_damaged_sharded_checkpoint_is_said_and_auto_resumes_from_the_one_befo
     named = tmp_path / LATEST
     damage(named, how)
     warned = []
-    path, checkpoint = trainer.checkpoints.load_resume("auto", tmp_path, warn=warned.append)
+    path, checkpoint = trainer._checkpoints.load_resume("auto", tmp_path, warn=warned.append)
     assert path == (tmp_path / PREVIOUS).resolve() and checkpoint["epoch"] == 1
     assert len(warned) == 1 and re.search(rf"^warning: cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}; resuming from "
                                           rf"the previous checkpoint \S+/{PREVIOUS}$", warned[0]), warned
     resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "resumed")
-    resumed.checkpoints.load_weights(resumed.model, checkpoint, resumed.config.arch, resumed.classes, path)
-    resumed.checkpoints.load_optimizer(resumed.model, resumed.optimizer, checkpoint, path)  # the one before: whole
+    resumed._checkpoints.load_weights(resumed.model, checkpoint, resumed.config.arch, resumed.classes, path)
+    resumed._checkpoints.load_optimizer(resumed.model, resumed.optimizer, checkpoint, path)  # the one before: whole
     assert all(torch.equal(value, whole(trainer.model)[name]) for name, value in whole(resumed.model).items())
     if how != "deleted directory":  # named, it is refused in the same words
         with pytest.raises(UsageError, match=rf"^cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}$"):
-            trainer.checkpoints.load_resume(str(named), tmp_path, warn=print)
+            trainer._checkpoints.load_resume(str(named), tmp_path, warn=print)
         with pytest.raises(UsageError, match=DAMAGE[how]):
             export(named, tmp_path / "exported.pth")
 
@@ -230,7 +230,7 @@ def test_a_dcp_failure_is_one_line_that_names_the_rank_and_the_system_s_words(gr
     trainer.save(1)
     other = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "other", "--opt", "sgd")
     with pytest.raises(UsageError) as error:
-        other.checkpoints.load_optimizer(other.model, other.optimizer, {}, tmp_path / LATEST)
+        other._checkpoints.load_optimizer(other.model, other.optimizer, {}, tmp_path / LATEST)
     assert str(error.value).startswith(f"cannot load the optimizer of {tmp_path / LATEST}: rank 0: ")
     assert "\n" not in str(error.value) and "Traceback" not in str(error.value)
 
@@ -257,7 +257,7 @@ def test_a_full_disk_during_a_sharded_save_says_so_and_leaves_the_checkpoints_th
             trainer.save(2)
         (disk / "filler").unlink()
         assert (disk / LATEST).readlink() == before
-        path, checkpoint = trainer.checkpoints.load_resume("auto", disk, warn=pytest.fail)
+        path, checkpoint = trainer._checkpoints.load_resume("auto", disk, warn=pytest.fail)
         assert checkpoint["epoch"] == 1
     finally:
         subprocess.run(["umount", "-l", disk], timeout=30)
@@ -271,7 +271,7 @@ def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from_and_dr
     trainer.save(2)
     good, damaged = (tmp_path / PREVIOUS).resolve(), (tmp_path / LATEST).resolve()
     damage(tmp_path / LATEST, "16 flipped bytes")
-    path, _ = trainer.checkpoints.load_resume("auto", tmp_path, warn=lambda line: None)
+    path, _ = trainer._checkpoints.load_resume("auto", tmp_path, warn=lambda line: None)
     assert path == good
     trainer.save(2, 1)
     assert (tmp_path / PREVIOUS).resolve() == good and not damaged.exists()
@@ -288,7 +288,7 @@ def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the
     trainer.save(1)
     trainer.save(2)
     shutil.rmtree(tmp_path / "sharded")
-    assert trainer.checkpoints.load_resume("auto", tmp_path, warn=pytest.fail) == (None, None)
+    assert trainer._checkpoints.load_resume("auto", tmp_path, warn=pytest.fail) == (None, None)
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "__0_0.distcp").symlink_to(tmp_path / "nowhere")
     with pytest.raises(CheckpointWriteError, match=r"^could not read back the sharded checkpoint \S+new \(No such file "

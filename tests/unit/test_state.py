@@ -271,13 +271,13 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     trainer.optimizer.step()  # (no gradients: nothing moves; the schedule stands where a trained epoch leaves it)
     for _ in range(trainer.steps_per_epoch):
         trainer.scheduler.step()
-    trainer.best_acc1, trainer.best_epoch = 20.0, 1
+    trainer._best_acc1, trainer._best_epoch = 20.0, 1
     trainer.save(1, is_best=True)
     best = tmp_path / "model_best.pth"
     assert torch.load(best, weights_only=True)["epoch"] == 1
     for _ in range(trainer.steps_per_epoch):
         trainer.scheduler.step()
-    trainer.best_acc1, trainer.best_epoch = 25.0, 2
+    trainer._best_acc1, trainer._best_epoch = 25.0, 2
     best.unlink()
     best.mkdir()  # model_best.pth cannot be replaced: the copy fails, as on a full disk
     with pytest.raises(CheckpointWriteError, match=rf"^could not copy {tmp_path / 'checkpoint.pth'} to model_best.pth "
@@ -292,7 +292,7 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     resumed = started(*flags, "--resume", "auto")
     assert f"warning: {best} did not hold the best epoch 2: copied again from {tmp_path / 'checkpoint.pth'}" \
         in capsys.readouterr().out
-    assert torch.load(best, weights_only=True)["checkpoint_id"] == latest["checkpoint_id"] and resumed.best_epoch == 2
+    assert torch.load(best, weights_only=True)["checkpoint_id"] == latest["checkpoint_id"] and resumed._best_epoch == 2
     started(*flags, "--resume", "auto")  # model_best.pth is the best now: left alone
     assert "did not hold the best" not in capsys.readouterr().out
     best.unlink()

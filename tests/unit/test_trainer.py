@@ -42,7 +42,7 @@ def test_a_trainer_is_made_and_built_without_a_lock_a_collective_or_a_file_writt
     assert not (tmp_path / "out").exists() and not (dist.is_available() and dist.is_initialized())
     assert not {path for path in open_files() - before if str(tmp_path) in path}
     assert trainer.classes == ["dark", "mid", "light"] and trainer.steps_per_epoch == 3 and trainer.seed == 3
-    for part in ("model", "criterion", "optimizer", "scheduler", "scaler", "train_batches", "val_batches", "rng"):
+    for part in ("model", "criterion", "optimizer", "scheduler", "scaler", "_train_batches", "_val_batches", "_rng"):
         assert getattr(trainer, part) is not None, part
     with pytest.raises(AttributeError, match="frozen"):
         trainer.config.lr = 1.0
@@ -123,7 +123,7 @@ def test_micro_batches_summed_into_one_step_train_as_the_whole_batch():
     flags = [*SMALL, *TINY_NET, "-b", "8", "--dropout", "0", "--lr", "0.2"]
     runs = {accumulate: built_trainer(*flags, "--grad-accum-steps", str(accumulate), datasets=tensor_datasets(train=11))
             for accumulate in (1, 4)}
-    assert runs[1].steps_per_epoch == runs[4].steps_per_epoch == 2 and runs[4].data.train_loader.batch_size == 2
+    assert runs[1].steps_per_epoch == runs[4].steps_per_epoch == 2 and runs[4]._data.train_loader.batch_size == 2
     initial = {name: tensor.clone() for name, tensor in runs[1].model.state_dict().items()}
     results = {accumulate: [trainer.train_one_epoch(trainer.model, epoch) for epoch in range(3)]
                for accumulate, trainer in runs.items()}
@@ -317,9 +317,9 @@ def test_channels_last_and_bf16_change_the_kernels_and_the_rounding_not_the_trai
     (autocast was on: the losses differ) and trains the same model."""
     nhwc, nhwc_losses, trainer = weights_after()
     conv = next(trainer.model.parameters())  # the first conv's weight
-    assert trainer.channels_last and conv.ndim == 4 and conv.is_contiguous(memory_format=torch.channels_last)
+    assert trainer._channels_last and conv.ndim == 4 and conv.is_contiguous(memory_format=torch.channels_last)
     nchw, nchw_losses, plain = weights_after("--channels-last", "off")
-    assert not plain.channels_last and not next(plain.model.parameters()).is_contiguous(memory_format=torch.channels_last)
+    assert not plain._channels_last and not next(plain.model.parameters()).is_contiguous(memory_format=torch.channels_last)
     assert max((a - b).abs().max().item() for a, b in zip(nhwc, nchw)) < 1e-4
     assert nhwc_losses == pytest.approx(nchw_losses, abs=1e-5)
     _, bf16_losses, _ = weights_after("--amp", "bf16")

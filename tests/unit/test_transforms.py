@@ -185,7 +185,7 @@ def test_build_transforms_extends_the_default_pipeline_seeded_per_image_as_the_r
     flags = ("-b", "4", "--train-crop-size", "16", "--auto-augment", "ta_wide")
     plain, first, again = (built_trainer(*flags, trainer=trainer, datasets=tensor_datasets(size=16))
                            for trainer in (Trainer, Rotated, Rotated))
-    train = [made.data.train_loader.dataset for made in (plain, first, again)]
+    train = [made._data.train_loader.dataset for made in (plain, first, again)]
     assert train[1].transform.augmentation is not None and len(train[1].transform.added) == 1
     assert all(torch.equal(train[1][index][0], train[2][index][0]) for index in range(4))
     assert not all(torch.equal(train[0][index][0], train[1][index][0]) for index in range(4))
@@ -199,7 +199,7 @@ def test_a_replaced_training_transform_refuses_the_flags_it_no_longer_applies():
         def build_transforms(self, train, val):
             return (lambda image, rng: F.resize(image, [16, 16])), val
     trainer = built_trainer("-b", "4", trainer=Replaced, datasets=tensor_datasets(size=16))  # no such flag: fine
-    assert trainer.data.train_loader.dataset[0][0].shape == (3, 16, 16)
+    assert trainer._data.train_loader.dataset[0][0].shape == (3, 16, 16)
     with pytest.raises(UsageError) as refused:
         built_trainer("-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced,
                       datasets=tensor_datasets(size=16))
