@@ -153,7 +153,8 @@ def _layered_defaults(values):
     preset = presets.PRESETS[preset_name]
     values["data_preset"] = preset_name
     values["from_data_preset"] = [name for name in preset if origin.get(name) == 1 and values.get(name) is None]
-    values["val_sizes_given"] = [name for name in ("val_resize_size", "val_crop_size") if values[name] is not None]
+    values["val_sizes_given"] = [name for name in ("val_resize_size", "val_crop_size", "interpolation")
+                                 if values[name] is not None]
     warmup_given = values["warmup_epochs"] is not None
     for name, value in chosen.items():
         if values.get(name) is None:
@@ -248,7 +249,7 @@ def _pretrained(values):
     validation takes the weights' own resize, crop and interpolation unless flags give them (`val_preprocessing`
     says where they came from)."""
     values["pretrained"] = values["pretrained"] or values["weights"] is not None
-    val_interpolation = values["interpolation"]
+    values["val_interpolation"] = values["interpolation"]
     values["interpolation"] = values["interpolation"] or "bilinear"
     values["val_preprocessing"] = None
     if values["pretrained"]:
@@ -258,13 +259,36 @@ def _pretrained(values):
         if values["dataset"] != "demo":
             # As torchvision's train.py evaluates weights: with their own transforms() (what they were measured with).
             preprocessing = weights.transforms()
-            if "val_resize_size" not in values["val_sizes_given"]:
-                values["val_resize_size"] = preprocessing.resize_size[0]
-            if "val_crop_size" not in values["val_sizes_given"]:
-                values["val_crop_size"] = preprocessing.crop_size[0]
-            val_interpolation = val_interpolation or preprocessing.interpolation.value
-            values["val_preprocessing"] = f"{values['weights']}.transforms()"
-    values["val_interpolation"] = val_interpolation or "bilinear"
+            said = _take(values, {"val_resize_size": preprocessing.resize_size[0],
+                                  "val_crop_size": preprocessing.crop_size[0],
+                                  "val_interpolation": preprocessing.interpolation.value})
+            values["val_preprocessing"] = said and f"{said} from {values['weights']}.transforms()"
+            return
+    values["val_interpolation"] = values["val_interpolation"] or "bilinear"
+
+
+_PARTS = {"val_resize_size": ("resize", "val_resize_size"), "val_crop_size": ("crop", "val_crop_size"),
+          "val_interpolation": ("interpolation", "interpolation")}  # (the word, the flag's name in val_sizes_given)
+
+
+def _take(values, taken):
+    """Set each validation size of `taken` ({name: value}) that no flag gave; returns what the header says of
+    them ("resize, crop and interpolation"; None: every one given). The interpolation left: bilinear."""
+    named = [name for name in taken if _PARTS[name][1] not in values["val_sizes_given"]]
+    values.update({name: taken[name] for name in named})
+    values["val_interpolation"] = values["val_interpolation"] or "bilinear"
+    words = [_PARTS[name][0] for name in named]
+    return f"{', '.join(words[:-1])} and {words[-1]}" if len(words) > 1 else (words[0] if words else None)
+
+
+def evaluated_as_trained(config, args):
+    """-e of a checkpoint that holds its run's flags (`args`): validation at that run's resize, crop and
+    interpolation, each unless a flag gives it; val_preprocessing says which came from it."""
+    values = dict(vars(config))
+    said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})
+    if said is None:
+        return config
+    return config.replace(**{**values, "val_preprocessing": f"{said} of the checkpoint's run"})
 
 
 def check_arch(arch):

@@ -49,7 +49,7 @@ def start_lines(trainer):
                  + (f"; changed for this data: {'; '.join(trainer._model_changes)}" if trainer._model_changes else ""))
     if config.val_preprocessing:
         lines.append(f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
-                     f"{config.val_interpolation} (from {config.val_preprocessing}; --val-resize-size, "
+                     f"{config.val_interpolation} ({config.val_preprocessing}; --val-resize-size, "
                      "--val-crop-size, --interpolation override)")
     if config.preset:
         lines.append(f"recipe: {config.preset} ({RECIPES[config.preset]['name']})" + (
@@ -57,7 +57,10 @@ def start_lines(trainer):
     if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
         lines.append("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
                      "and images/s leaves out their cost (measure it with --data)")
-    if trainer.resumed_from:
+    if trainer.resumed_from and config.evaluate:
+        done = f"{trainer.start_epoch} epoch(s)" + (f" and {trainer.start_step} step(s)" if trainer.start_step else "")
+        lines.append(f"evaluating {trainer.resumed_from}" + (f": its weights after {done}" if done != "0 epoch(s)" else ""))
+    elif trainer.resumed_from:
         lines.append(f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
                      + (f", step {trainer.start_step})" if trainer.start_step else ")"))
     return lines

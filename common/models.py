@@ -4,6 +4,7 @@ memory format; the bare model inside its wrappers.
 """
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -132,7 +133,22 @@ def offline_message(weights, error):
             f"{weights.url}) into {folder}, or train without --pretrained")
 
 
+_BUILT = weakref.WeakSet()  # the torchvision models build_model made (the Trainer adapts their first convolution)
+
+
+def built_by_library(model):
+    """Whether build_model made `model` from a torchvision --arch (a subclass may have built it itself)."""
+    return model in _BUILT
+
+
 def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None):
+    model = _build_model(arch, num_classes, pretrained, dropout, weights)
+    if custom_builder(arch) is None:
+        _BUILT.add(model)
+    return model
+
+
+def _build_model(arch, num_classes, pretrained, dropout, weights):
     kwargs = {} if dropout is None else {"dropout": dropout}
     builder = custom_builder(arch)
     if builder is not None:  # called as builder(num_classes=K[, dropout=P])
@@ -181,6 +197,12 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
                     return
+                name, conv = next(((name, module) for name, module in model.named_modules()
+                                   if isinstance(module, nn.Conv2d)), (None, None))
+                if conv is not None and conv.in_channels != channels:  # (a model a subclass built: not adapted)
+                    raise UsageError(f"the model (build_model) takes {conv.in_channels}-channel images (its first "
+                                     f"convolution, {name}) and the data's are {channels}-channel: build it for "
+                                     "them") from None
                 raise UsageError(f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): "
                                  f"{_size_hint(arch)}") from None
     finally:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from . import agreement, distributed, seeding, state
+from .config import evaluated_as_trained
 from .console import say
 from .errors import UsageError
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
@@ -109,6 +110,8 @@ def start_run(trainer):
         if lock is not None and lock.warning:
             say(lock.warning)
         path, checkpoint = load_agreed_checkpoint(trainer)
+        if config.evaluate and isinstance((checkpoint or {}).get("args"), dict):  # at the sizes it was trained with
+            trainer.config = config = evaluated_as_trained(config, checkpoint["args"])
         # A resumed run keeps the determinism it was started with.
         trainer._deterministic = config.deterministic or bool((checkpoint or {}).get("deterministic"))
         seeding.set_determinism(trainer._deterministic)

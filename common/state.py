@@ -91,12 +91,13 @@ def restore(trainer, checkpoint, path):
     checkpoints.load_weights(trainer.model, checkpoint, config.arch, trainer.classes, path)
     if "criterion" in checkpoint:  # (its parameters: -e's loss too)
         _load_criterion(trainer, checkpoint["criterion"], path)
-    if config.evaluate:
+    trainer.start_epoch = int(checkpoint.get("epoch", 0))
+    if config.evaluate:  # (the header says which epoch's weights it evaluates)
+        trainer.start_step = int(checkpoint.get("step_in_epoch", 0))
         if (is_ours(checkpoint) or "exported_from" in checkpoint) and "model_ema" in checkpoint:
             trainer.ema = trainer.ema_for_evaluation()
             checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
         return
-    trainer.start_epoch = int(checkpoint.get("epoch", 0))
     trainer._best_acc1 = float(checkpoint.get("best_acc1", 0.0))
     if not is_ours(checkpoint):
         if "optimizer" in checkpoint:

@@ -250,10 +250,13 @@ class Trainer:
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
         loaded = [] if not config.init_from or self._resuming else init_from(
             model, config.init_from, config.arch, self.channels, len(self.classes))
-        self._model_changes = [*getattr(model, "adaptations", []), *loaded, *models.adapt_first_conv(
-            model, config.arch, self.channels, config.pretrained or bool(config.init_from))]
+        # (a model a subclass built itself is left as it is: its filters may be loaded, or built for the channels)
+        self._model_changes = [*getattr(model, "adaptations", []), *loaded, *(models.adapt_first_conv(
+            model, config.arch, self.channels, config.pretrained or bool(config.init_from))
+            if models.built_by_library(model) else [])]
         models.patch_embedding_as_matmul(model, config.arch)
-        sizes = ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule else [config.train_crop_size]
+        sizes = ([] if config.evaluate else ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule
+                 else [config.train_crop_size])
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self._aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:

@@ -153,7 +153,7 @@ def test_pretrained_validation_takes_the_weights_own_resize_crop_and_interpolati
     args = parse("--data", tmp_path, "-a", arch, "--pretrained", "-e")
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation) == expected
     assert args.interpolation == "bilinear"  # training keeps --interpolation's default
-    assert args.val_preprocessing == f"{args.weights}.transforms()"
+    assert args.val_preprocessing == f"resize, crop and interpolation from {args.weights}.transforms()"
     assert args.weights == f"{type(get_model_weights(arch).DEFAULT).__name__}.{get_model_weights(arch).DEFAULT.name}"
 
 
@@ -162,6 +162,14 @@ def test_flags_override_the_weights_preprocessing_and_without_weights_nothing_ch
                   "--interpolation", "nearest")
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.interpolation) == (
         300, 224, "nearest", "nearest")
+    assert args.val_preprocessing == "crop from EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()"  # (the header's)
+    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "--val-resize-size", "32",
+                 "--val-crop-size", "32")
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation) == (32, 32, "bicubic")
+    assert args.val_preprocessing == "interpolation from EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()"
+    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "--val-resize-size", "32",
+                 "--val-crop-size", "32", "--interpolation", "bilinear")
+    assert args.val_preprocessing is None and args.val_interpolation == "bilinear"
     args = parse("--data", tmp_path, "-a", "efficientnet_b0")
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.weights) == (256, 224, "bilinear", None)
     args = parse("-a", "efficientnet_b0", "--pretrained")  # the demo set keeps its own sizes

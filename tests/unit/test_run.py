@@ -161,3 +161,28 @@ def test_a_subclass_that_assigns_an_attribute_the_trainer_holds_is_refused_in_on
     Assigns.where = "nowhere"
     trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
     assert trainer.train_one_epoch(trainer.model, 0)["count"] == 12 and trainer.data == "mine"
+
+
+def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_and_says_which_epoch(tmp_path):
+    """-e --resume of a run trained at 20 px crops (resize 24): validation at those sizes, with the run's last acc@1;
+    --val-crop-size overrides the crop alone; the header names the sizes' source and the weights' epoch."""
+    import csv
+    from common.header import start_lines
+    trained("--epochs", "1", "--seed", "1", "--train-crop-size", "20", "--val-resize-size", "24", "--val-crop-size",
+            "20", "--interpolation", "bicubic", "--output-dir", tmp_path)
+    last = list(csv.DictReader(open(tmp_path / "log.csv")))[-1]
+    unsized = [flag for i, flag in enumerate(SMALL) if not {flag, SMALL[i - 1]} & {"--val-resize-size", "--val-crop-size"}]
+
+    def evaluate(*argv):
+        return start_run(Trainer(parse(*unsized, "-e", "--resume", tmp_path / "checkpoint.pth", *argv), cpu_runtime()))
+    evaluating = evaluate()
+    config = evaluating.config
+    assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 20, "bicubic")
+    lines = start_lines(evaluating)
+    assert ("validation: resize 24, crop 20, bicubic (resize, crop and interpolation of the checkpoint's run; "
+            "--val-resize-size, --val-crop-size, --interpolation override)") in lines, lines
+    assert f"evaluating {tmp_path / 'checkpoint.pth'}: its weights after 1 epoch(s)" in lines, lines
+    assert evaluating.evaluate(evaluating.model)["acc1"] == pytest.approx(float(last["val_acc1"]))
+    config = evaluate("--val-crop-size", "16").config
+    assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 16, "bicubic")
+    assert config.val_preprocessing == "resize and interpolation of the checkpoint's run"

@@ -333,3 +333,33 @@ def test_a_torchvision_model_s_patch_embedding_is_built_as_a_matrix_product():
     trainer = built_trainer(*SMALL, *sizes, "-a", "convnext_tiny", datasets=tensor_datasets(size=32))
     assert type(trainer.model.features[0][0]) is PatchConv2d
     assert trainer.model.state_dict().keys() == torchvision.models.convnext_tiny(num_classes=3).state_dict().keys()
+
+
+class OwnResNet(Trainer):
+    """build_model: a torchvision resnet18 of its own, for `built_for`-channel images (None: the library's)."""
+    built_for = 3
+
+    def build_model(self, classes):
+        if self.built_for is None:
+            return super().build_model(classes)
+        model = torchvision.models.resnet18(num_classes=len(classes))
+        model.conv1 = nn.Conv2d(self.built_for, 64, 7, 2, 3, bias=False)
+        return model
+
+
+def test_only_a_model_the_library_built_gets_its_first_convolution_adapted_to_the_data():
+    """1-channel data: a subclass's own resnet18 is left as it is, refused in one line if built for RGB, taken as it
+    is if built for one channel; the library's (super().build_model) adapted, and the header's change says so."""
+    flags = [*SMALL, "-a", "resnet18", "--mean", "0.5", "--std", "0.25"]
+    grey = tensor_datasets(channels=1)
+    OwnResNet.built_for = 3
+    with pytest.raises(UsageError, match=r"^the model \(build_model\) takes 3-channel images \(its first convolution, "
+                                         r"conv1\) and the data's are 1-channel: build it for them$"):
+        built_trainer(*flags, trainer=OwnResNet, datasets=grey)
+    OwnResNet.built_for = 1
+    torch.manual_seed(0)
+    own = built_trainer(*flags, trainer=OwnResNet, datasets=grey)
+    assert own._model_changes == [] and own.model.conv1.in_channels == 1
+    OwnResNet.built_for = None
+    library = built_trainer(*flags, trainer=OwnResNet, datasets=grey)
+    assert library._model_changes == ["conv1: 3 -> 1 channels, the fresh filters' first channel"]
