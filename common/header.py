@@ -30,7 +30,9 @@ def start_lines(trainer):
     config, runtime, data = trainer.config, trainer.runtime, trainer._data
     lines = [f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
              f"{describe_environment(runtime.device, runtime.num_devices)}"]
-    source = (f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data) or "synthetic (--dummy)"
+    hook = type(trainer).build_datasets
+    source = (hook.__qualname__ if hook.__qualname__ != "Trainer.build_datasets" else
+              f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data or "synthetic (--dummy)")
     made = ("batches made on the GPU, no loader" if isinstance(trainer._train_batches, SyntheticOnDevice)
             else f"{data.train_loader.num_workers} loader worker(s) per process")
     lines.append(f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD
 from common.trainer import Trainer
+from examples.experiment import Experiment
 
 
 def TinyNet(num_classes, dropout=0.0):
@@ -52,6 +53,13 @@ def _pauses(model):
 
 def TinyNetThatPauses(num_classes, dropout=0.0):
     return _pauses(TinyNet(num_classes, dropout))
+
+
+class ExperimentThatPauses(Experiment):
+    """examples/experiment.py's Trainer, its model pausing as TinyNetThatPauses does."""
+
+    def build_model(self, classes):
+        return _pauses(super().build_model(classes))
 
 
 def AuxNetThatPauses(num_classes, dropout=0.0):
