@@ -91,14 +91,8 @@ def stale_best(checkpoint, path, latest, best, peek):
 
 
 def resolve_resume(resume, output_dir):
-    """The checkpoint path that --resume names, or None to start fresh."""
+    """The checkpoint path that --resume names (not auto: load_resume's), or None to start fresh."""
     if not resume:
-        return None
-    if resume == "auto":
-        for name in (CHECKPOINT, PREVIOUS):
-            path = Path(output_dir) / name
-            if path.is_file():
-                return path
         return None
     if Path(resume).is_dir():
         if (Path(resume) / "state.pth").is_file():  # (sharded_checkpoint.STATE)

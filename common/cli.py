@@ -3,14 +3,13 @@
 Flag names follow pytorch/examples' imagenet/main.py where they overlap. Defaults come, in order of
 precedence, from: the command line, the platform's environment variables (EPOCHS, LR, BATCH_SIZE,
 DATASETS_PATH + DATASETS, WORKSPACE, BACKEND; train_spawn.py also WORKER_PER_NODE, MASTER_ADDR, MASTER_PORT),
-and the presets (common/presets.py). This module imports no torch: --help and usage errors are instant.
+and the presets (common/config.py). This module imports no torch: --help and usage errors are instant.
 """
 import argparse
 import math
 
-from .config import ResSchedule, env_default, profile_steps, resolve
+from .config import RECIPES, ResSchedule, env_default, profile_steps, resolve
 from .named import import_named
-from .presets import RECIPES
 
 
 class Parser(argparse.ArgumentParser):

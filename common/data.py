@@ -12,12 +12,11 @@ from torch.utils.data import DataLoader
 from . import distributed
 from .augment import image_augmentation
 from .bad_images import SkipUnreadable
-from .config import ResSchedule
+from .config import PRESETS, ResSchedule
 from .datasets import ImageFiles, ItemCheck, SyntheticImages, first_item
 from .device_loader import Collate
 from .errors import UsageError
 from .preemption import ignore_stop_signals
-from .presets import PRESETS
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation
 

@@ -66,10 +66,6 @@ class ModelEma:
         updates since it last restarted."""
         return {"state_dict": self.module.state_dict(), "n_averaged": self.n_averaged}
 
-    def load_state_dict(self, state):
-        self.module.load_state_dict(state["state_dict"])
-        self.averaged.n_averaged.fill_(int(state["n_averaged"]))
-
     def restart(self, n_averaged=0, copy=True):
         """Set the count of updates (a checkpoint's); copy=True: the weights' values first, as a new EMA has them
         (in place: a sharded model, which cannot be deep-copied, and its sharded copy alike)."""

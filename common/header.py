@@ -12,7 +12,7 @@ from . import distributed, schedule
 from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
 from .models import warn_slow_amp
-from .presets import RECIPES, describe_preset
+from .config import RECIPES, describe_preset
 
 
 def describe_environment(device, num_devices):

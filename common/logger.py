@@ -13,7 +13,7 @@ from pathlib import Path
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS
 from .console import say
 from .errors import UsageError
-from .meters import MetricSums
+from .metrics import MetricSums
 from .run_dir import atomic_write
 
 # What limits the run (common/diagnostics.py): input wait (mean and slowest rank), the GPU's idle share between steps,

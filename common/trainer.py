@@ -30,7 +30,7 @@ from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError
 from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
-from .meters import MetricSums, ProgressMeter
+from .metrics import MetricSums, ProgressMeter
 from .named import import_named
 from .preemption import StopSignal
 

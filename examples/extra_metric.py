@@ -9,7 +9,7 @@ confidence (the softmax's top probability), whose gap to the accuracy shows over
 """
 import torch
 
-from common.meters import correct_counts
+from common.metrics import correct_counts
 from common.trainer import Trainer
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.meters import ProgressMeter
+from common.metrics import ProgressMeter
 from conftest import PYTHON, REPO, assert_ok, clean_env, run
 
 sys.path.insert(0, str(REPO / "tools"))

@@ -242,12 +242,12 @@ def test_a_pytorch_file_without_weights_is_not_a_checkpoint(tmp_path):
         checkpoint.load_checkpoint(tmp_path / "no-weights.pth")
 
 
-def test_resolve_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_present(tmp_path):
-    assert checkpoint.resolve_resume("auto", tmp_path) is None
-    assert checkpoint.resolve_resume("auto", tmp_path / "not-created-yet") is None
+def test_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_present(tmp_path):
+    assert checkpoint.load_resume("auto", tmp_path, warn=print) == (None, None)
+    assert checkpoint.load_resume("auto", tmp_path / "not-created-yet", warn=print) == (None, None)
     assert checkpoint.resolve_resume("", tmp_path) is None
-    (tmp_path / "checkpoint.pth").write_bytes(b"x")
-    assert checkpoint.resolve_resume("auto", tmp_path) == tmp_path / "checkpoint.pth"
+    torch.save({"state_dict": {}, "arch": "resnet18"}, tmp_path / "checkpoint.pth")
+    assert checkpoint.load_resume("auto", tmp_path, warn=print)[0] == tmp_path / "checkpoint.pth"
 
 
 def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):

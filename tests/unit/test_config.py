@@ -1,13 +1,13 @@
-"""common/config.py and common/presets.py: the configuration resolved once (command line over the platform's
-environment over --preset over the dataset's preset), checked (one line a broken rule), then frozen; the pretrained
-weights' own validation preprocessing; the default output directory."""
+"""common/config.py: the configuration resolved once (command line over the platform's environment over --preset over
+the dataset's preset), checked (one line a broken rule), then frozen; the pretrained weights' own validation
+preprocessing; the default output directory; the dataset presets and --preset's layers in their precedence, and the
+header line that says which preset set what."""
 import pytest
 from torchvision.models import get_model_weights
 
-from common.config import ResSchedule, default_output_dir
+from common.config import PRESETS, RECIPE_DEFAULTS, ResSchedule, default_output_dir, describe_preset, preset_layers
 from common.demo_data import DEFAULT_ROOT
 from common.errors import UsageError
-from common.presets import PRESETS
 from conftest import parse
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -187,3 +187,19 @@ def test_weights_names_a_weight_set_as_torchvision_does(tmp_path):
         parse("--data", tmp_path, "-a", "resnet50", "--weights", "IMAGENET1K_V9")
     with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
         parse("--data", tmp_path, "-a", "tests.tiny_models:TinyNet", "--weights", "IMAGENET1K_V1")
+
+
+def test_the_layers_come_lowest_precedence_first_and_the_demo_set_keeps_its_own_scale():
+    names = [name for name, _ in preset_layers("imagenet", "imagenet", "tv-v2", {"lr": 0.3, "epochs": None}, 0.2)]
+    assert names == ["", "the imagenet preset's lr", "", "--preset tv-v2's lr", "LR", "--lr"]
+    assert preset_layers("imagenet", "imagenet", None, {}, None)[0][1] is RECIPE_DEFAULTS
+    assert preset_layers("demo", "demo", "tv-v2", {}, None)[3][1] == {}  # on the demo set, no ImageNet scale
+    assert preset_layers("imagenet", "imagenet", "tv-v2", {"lr": 0.3, "epochs": None}, None)[4][1] == {"lr": 0.3}
+
+
+def test_the_header_names_what_the_dataset_preset_set():
+    assert describe_preset(parse("-b", "32", "--epochs", "2")) == [
+        "preset: demo (the built-in demo set) sets lr 0.04, 32 px crops, val resize 36, val crop 32, cosine schedule; "
+        "flags, the environment and --preset override it"]
+    assert describe_preset(parse("--dummy", "-b", "8", "--epochs", "1", "--lr", "0.1", "--lr-schedule", "step",
+                                 "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16")) == []

@@ -1,16 +1,112 @@
-"""common/metrics.py: metrics whose state is summed (a confusion matrix), kept by MetricSums beside the loss: the
-results computed from the summed state, numbers logged by name, tensors written per epoch, the state of a partial
-epoch resumed so that the resumed run's metrics are those of the run that never stopped."""
+"""common/metrics.py: top-k hits, exact metric sums (named values too), progress lines; metrics whose state is summed
+(a confusion matrix), kept by MetricSums beside the loss: the results computed from the summed state, numbers logged by
+name, tensors written per epoch, the state of a partial epoch resumed so that the resumed run's metrics are those of
+the run that never stopped."""
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from common import metrics
 from common.errors import UsageError
-from common.meters import MetricSums
-from common.metrics import ConfusionMatrix
+from common.metrics import ConfusionMatrix, MetricSums, ProgressMeter, correct_counts
 from common.trainer import Trainer
 from unit.test_state import SMALL, TINY_NET, Crash, StopsAt, log_rows, started
+
+# Four samples, four classes; per row the classes ranked by score are given in the comment.
+SCORES = torch.tensor([[0.9, 0.05, 0.03, 0.02],    # 0 > 1 > 2 > 3
+                       [0.1, 0.2, 0.3, 0.4],       # 3 > 2 > 1 > 0
+                       [0.3, 0.4, 0.2, 0.1],       # 1 > 0 > 2 > 3
+                       [0.25, 0.1, 0.6, 0.05]])    # 2 > 0 > 1 > 3
+TARGETS = torch.tensor([0, 2, 3, 0])
+# top-1 hits: sample 0 only; top-2 hits: samples 0, 1, 3; top-3 hits: samples 0, 1, 3; top-4: all.
+
+
+def test_correct_counts_counts_hits_per_k():
+    counts = correct_counts(SCORES, TARGETS, topk=(1, 2, 3, 4))
+    assert [int(count) for count in counts] == [1, 3, 3, 4]
+
+
+def test_correct_counts_top5_counts_the_target_anywhere_in_the_top_5():
+    # Eight classes; scores descend with the class index, so class k is ranked k+1.
+    scores = torch.arange(8, 0, -1, dtype=torch.float32).repeat(4, 1)
+    targets = torch.tensor([0, 4, 5, 7])  # ranks 1, 5, 6, 8: the first two are in the top 5
+    assert [int(count) for count in correct_counts(scores, targets, topk=(1, 5))] == [1, 2]
+
+
+def test_correct_counts_caps_k_at_the_number_of_classes():
+    scores = torch.tensor([[0.1, 0.2, 0.7], [0.5, 0.3, 0.2]])
+    targets = torch.tensor([0, 2])  # both ranked last of three: never top-1, always "top-5"
+    hits1, hits5 = correct_counts(scores, targets, topk=(1, 5))
+    assert int(hits1) == 0 and int(hits5) == 2
+
+
+def test_metric_sums_summary_without_process_group_is_the_local_average():
+    assert not (dist.is_available() and dist.is_initialized())
+    sums = MetricSums(torch.device("cpu"))
+    # Batch 1: mean loss 1.0 over 2 samples, both right.   Batch 2: mean loss 4.0 over 2, none right at top-1,
+    # one within the top 5 of 6 classes.
+    sums.update(torch.tensor(1.0), torch.tensor([[5.0, 0, 0, 0, 0, 0], [0, 5.0, 0, 0, 0, 0]]), torch.tensor([0, 1]))
+    sums.update(torch.tensor(4.0), torch.tensor([[6.0, 5, 4, 3, 2, 1], [6.0, 5, 4, 3, 2, 1]]), torch.tensor([1, 5]))
+    summary = sums.summary()
+    assert summary["count"] == 4
+    assert summary["loss"] == pytest.approx((1.0 * 2 + 4.0 * 2) / 4)
+    assert summary["acc1"] == pytest.approx(50.0)
+    assert summary["acc5"] == pytest.approx(75.0)
+    assert sums.summary(reduce=False) == summary
+
+
+def test_metric_sums_summary_of_nothing_is_zero_not_nan():
+    summary = MetricSums(torch.device("cpu")).summary()
+    assert summary == {"loss": 0.0, "acc1": 0.0, "acc5": 0.0, "count": 0}
+
+
+def test_named_values_are_image_weighted_means_and_their_state_resumes_by_name():
+    """A named value is a batch mean: its epoch value weighs each batch by its images. The sums of a stopped epoch
+    (state_dict) carry on in a new MetricSums (load_state_dict), by name, a name first logged later included."""
+    logits, target = torch.eye(3)[[0, 1]], torch.tensor([0, 1])
+    first = MetricSums(torch.device("cpu"))
+    first.update(torch.tensor(1.0), logits, target, {"margin": torch.tensor(2.0)})
+    saved = first.state_dict()
+    assert saved == {"loss": 2.0, "hits1": 2.0, "hits5": 2.0, "margin": 4.0, "count": 2.0}
+    resumed = MetricSums(torch.device("cpu"))
+    resumed.load_state_dict(saved)
+    resumed.update(torch.tensor(3.0), torch.eye(3)[[2, 2, 2, 2]], torch.tensor([2, 2, 2, 0]),
+                   {"margin": 5.0, "new": torch.tensor([1.0])})
+    summary = resumed.summary()
+    assert summary["count"] == 6 and summary["loss"] == pytest.approx((2 + 12) / 6)
+    assert summary["margin"] == pytest.approx((4 + 20) / 6) and summary["new"] == pytest.approx(4 / 6)
+    assert MetricSums.extra(summary, "train_") == {"train_margin": summary["margin"], "train_new": summary["new"]}
+
+
+def test_a_logged_value_must_be_a_scalar_with_a_name_of_its_own():
+    sums, logits, target = MetricSums(torch.device("cpu")), torch.eye(3)[[0]], torch.tensor([0])
+    with pytest.raises(UsageError, match=r"logged value 'margin' has shape \[2\]: log a scalar"):
+        sums.update(torch.tensor(1.0), logits, target, {"margin": torch.ones(2)})
+    for name in ("loss", "hits1", "count"):
+        with pytest.raises(UsageError, match=f"may not be named '{name}'"):
+            sums.update(torch.tensor(1.0), logits, target, {name: 1.0})
+
+
+def test_progress_meter_prints_one_line_with_images_per_second_and_eta(monkeypatch):
+    # The meter's clock, injected: 2 s pass for the first 2 of 10 batches (8 s to go), however slow the machine.
+    now = [1000.0]
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    lines = []
+    progress = ProgressMeter(10, "Epoch: [3]", lines.append)
+    now[0] += 2.0
+    images_per_second = progress.display(1, {"loss": 0.5, "acc1": 75.0, "acc5": 100.0, "count": 100}, lr=0.1)
+    assert len(lines) == 1 and "\n" not in lines[0]
+    line = lines[0]
+    assert line.startswith("Epoch: [3] [ 2/10]")
+    assert "loss 0.5000" in line and "acc@1  75.00" in line and "acc@5 100.00" in line and "lr 0.1" in line
+    assert re.search(r"\d+\.\d img/s", line)
+    assert line.endswith("   50.0 img/s  eta 0:00:08")
+    assert images_per_second == 50.0
+
 
 pytestmark = pytest.mark.unit
 
