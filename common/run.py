@@ -4,12 +4,13 @@ start_run(trainer), on every rank of the job, in this order: the writer rank tak
 the ranks agree on their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is
 chosen (the checkpoint's, --seed, or one drawn by rank 0); the data is scanned (build_datasets); a fresh start
 that would replace a run's checkpoints is refused; the trainer's parts are built (Trainer.build) and take the
-checkpoint's state (common/state.py). Every refusal is one line on every rank (common/agreement.py).
+checkpoint's state (common/checkpoint.py). Every refusal is one line on every rank (common/agreement.py).
 """
 import os
 from pathlib import Path
 
-from . import agreement, distributed, seeding, state
+from . import agreement, distributed, seeding
+from .checkpoint import check_format, restore
 from .config import evaluated_as_trained
 from .console import say
 from .errors import UsageError
@@ -38,7 +39,7 @@ def load_agreed_checkpoint(trainer):
     try:
         path, checkpoint = trainer._checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
         if checkpoint is not None and not config.evaluate:
-            state.check_format(checkpoint, path)
+            check_format(checkpoint, path)
     except UsageError as failure:
         error = str(failure)
     agreement.check_resume(agreement.resume_facts(path, checkpoint), error)
@@ -120,7 +121,7 @@ def start_run(trainer):
         refuse_to_replace_a_run(config, list(datasets[0]), trainer._checkpoints, resumed=checkpoint is not None)
         trainer.build(datasets, seed, resuming=checkpoint is not None)
         if checkpoint is not None:
-            state.restore(trainer, checkpoint, path)
+            restore(trainer, checkpoint, path)
             trainer.resumed_from = path
         trainer._output_lock = lock
         return trainer

@@ -1,10 +1,10 @@
 """Sharded checkpoints for train_fsdp.py: every rank writes its shard through Distributed Checkpoint (DCP).
 
 A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's files (one __RANK_0.distcp per rank
-and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of common/state.py's
+and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of common/checkpoint.py's
 checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and read with
 weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists by
-rank, or summed over the ranks (state.assemble), so no rank's value stands in for another's (DCP keeps one copy of a
+rank, or summed over the ranks (checkpoint.assemble), so no rank's value stands in for another's (DCP keeps one copy of a
 value that every rank saves under the same key).
 
 DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
@@ -114,7 +114,7 @@ def _options(**values):
 
 class ShardedCheckpoints:
     """The checkpoints of a sharded model (the interface of checkpoint.SingleFile, which the Trainer and
-    common/state.py call). --async-checkpoint: the shards are copied to host memory at the save, written while
+    common/checkpoint.py call). --async-checkpoint: the shards are copied to host memory at the save, written while
     training goes on, on a process group of their own (on the training's, gloo hung or reset the connection), and
     the links switch at the next save, a stop or the run's end, which wait for the write."""
 
@@ -239,7 +239,7 @@ class ShardedCheckpoints:
         return states
 
     def write(self, checkpoint, output_dir, is_best, writes):
-        """Write `checkpoint` (state.assemble's) as a new directory, every rank its shards (a collective), and make
+        """Write `checkpoint` (checkpoint.assemble's) as a new directory, every rank its shards (a collective), and make
         it the latest once complete (at once, or with --async-checkpoint once its write is done)."""
         import torch.distributed.checkpoint as dcp
         self.wait()
@@ -308,7 +308,7 @@ class ShardedCheckpoints:
                 export(directory, self.output_dir / BEST, check=False)  # (its files just checksummed)
         except _failures() as error:  # a full disk, a shard unreadable for the export
             reason = _reason(error)
-            if switched:  # (the latest is this best epoch: a resume exports it, state.restore's repair_best)
+            if switched:  # (the latest is this best epoch: a resume exports it, checkpoint.restore's repair_best)
                 raise CheckpointWriteError(f"could not export {directory} to {BEST} ({reason}); the checkpoint itself "
                                            f"is complete and --resume auto exports {BEST} again from it") from None
             raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({reason}); "

@@ -8,7 +8,7 @@ the Trainer a `shard` that Trainer.build applies, and sharded checkpoints) and c
 eval_model)`.
 
 A run can stop at any step and go on from its last checkpoint as if it had not stopped: checkpoints hold the
-position in the epoch, the partial epoch's metric sums and every rank's random streams (common/state.py); the
+position in the epoch, the partial epoch's metric sums and every rank's random streams (common/checkpoint.py); the
 data order and augmentation are functions of (seed, epoch, index) alone.
 """
 import math
@@ -18,10 +18,10 @@ import time
 import torch
 import torch.nn as nn
 
-from . import data, distributed, fsdp, models, schedule, seeding, state
+from . import data, distributed, fsdp, models, schedule, seeding
 from .augment import batch_mix_key, build_batch_mix
 from .bad_images import BadImageLog
-from .checkpoint import SingleFile, init_from
+from .checkpoint import SingleFile, assemble, init_from
 from .config import ResSchedule
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
@@ -81,7 +81,7 @@ class Trainer:
         self.shard, self._checkpoints = shard, checkpoints or SingleFile()
         self.log = RunLogger(config.output_dir, prints=runtime.is_main,
                              writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate)
-        # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/state.py).
+        # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/checkpoint.py).
         self.start_epoch, self.start_step, self._best_acc1, self._best_ema_acc1, self._best_epoch = 0, 0, 0.0, 0.0, None
         self._epoch_lr = self._resumed_totals = self.resumed_from = None
         self._stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
@@ -473,10 +473,10 @@ class Trainer:
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by
-        common/state.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
+        common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
         with self._stop_signal.no_stop_now():
-            checkpoint = state.assemble(self, epoch, step_in_epoch, metrics)
+            checkpoint = assemble(self, epoch, step_in_epoch, metrics)
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:
                 self.log.write_bad_images(checkpoint["bad_images"])

@@ -87,7 +87,7 @@ def test_an_ema_saved_and_loaded_mid_run_goes_on_as_one_that_was_not():
     train(model, first, range(3))
     saved = copy.deepcopy(first.state_dict())
     second = ModelEma(model, decay=0.7, every=2)  # made from the weights: loading must replace them
-    second.module.load_state_dict(saved["state_dict"])  # as common/state.py restores it
+    second.module.load_state_dict(saved["state_dict"])  # as common/checkpoint.py restores it
     second.restart(saved["n_averaged"], copy=False)
     train(model, second, range(3, 6))
     assert second.n_averaged == uninterrupted.n_averaged == 3

@@ -11,7 +11,7 @@ from common.logger import CSV_FIELDS, DIAGNOSTICS, EMA_FIELDS, STEP_TAGS, RunLog
 from common.run import start_run
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
-from unit.test_state import Crash, StopsAt
+from unit.test_checkpoint import Crash, StopsAt
 
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "2",
          "-b", "2", "--seed", "1", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a",

@@ -14,7 +14,7 @@ from common import metrics
 from common.errors import UsageError
 from common.metrics import ConfusionMatrix, MetricSums, ProgressMeter, correct_counts
 from common.trainer import Trainer
-from unit.test_state import SMALL, TINY_NET, Crash, StopsAt, log_rows, started
+from unit.test_checkpoint import SMALL, TINY_NET, Crash, StopsAt, log_rows, started
 
 # Four samples, four classes; per row the classes ranked by score are given in the comment.
 SCORES = torch.tensor([[0.9, 0.05, 0.03, 0.02],    # 0 > 1 > 2 > 3

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from common import state
+from common.checkpoint import restore
 from common.errors import CheckpointWriteError, UsageError
 from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
 from tests.conftest import sharded_trainer
@@ -55,7 +55,7 @@ def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(grou
     resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
     path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
     assert path == (tmp_path / LATEST).resolve()
-    state.restore(resumed, checkpoint, path)
+    restore(resumed, checkpoint, path)
     for mine, theirs in ((resumed.model, trainer.model), (resumed.ema.module, trainer.ema.module)):
         assert all(torch.equal(value, whole(theirs)[name]) for name, value in whole(mine).items())
     moments = [[value.full_tensor() for value in entry.values() if value.dim()] for entry in trainer.optimizer.state.values()]
@@ -146,7 +146,7 @@ def test_a_best_epoch_whose_export_failed_is_exported_again_on_resume(group_of_o
     path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
     said = []
     resumed.log.print = said.append
-    state.restore(resumed, checkpoint, path)
+    restore(resumed, checkpoint, path)
     assert torch.load(best, weights_only=True)["epoch"] == 2
     assert said == [f"warning: {best} did not hold the best epoch 2: exported again from {path}"]
 
