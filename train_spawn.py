@@ -21,8 +21,7 @@ from pathlib import Path
 
 from common import cli, launch  # torch is imported after the arguments are parsed: --help is instant
 from common.config import env_default
-from common.console import say
-from common.errors import PREEMPTED_EXIT_CODE, UsageError
+from common.errors import PREEMPTED_EXIT_CODE, UsageError, say
 
 
 CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node

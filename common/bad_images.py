@@ -15,8 +15,7 @@ import re
 from torch.utils.data import Dataset
 
 from . import distributed
-from .errors import BadItem, Preempted, UnreadableImage, UsageError
-from .console import say
+from .errors import BadItem, Preempted, UnreadableImage, UsageError, say
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)
 MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but an unreadable set

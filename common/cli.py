@@ -9,7 +9,7 @@ import argparse
 import math
 
 from .config import RECIPES, ResSchedule, env_default, profile_steps, resolve
-from .named import import_named
+from .errors import import_named
 
 
 class Parser(argparse.ArgumentParser):

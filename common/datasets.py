@@ -22,10 +22,9 @@ from torchvision.transforms.v2 import functional as F
 from . import agreement, distributed
 from .config import ResSchedule
 from .demo_data import ensure_demo_dataset
-from .errors import BadItem, Preempted, UsageError
+from .errors import BadItem, Preempted, UsageError, import_named
 from .folder_index import FolderIndex, scan_image_folder
 from .hf_data import has_hf_dataset, load_splits
-from .named import import_named
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 

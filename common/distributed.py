@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
-from .console import say
+from .errors import UsageError, say
 
 
 @dataclass

@@ -1,9 +1,17 @@
-"""The exceptions that end a run with one line instead of a traceback (common/launch.py reports them).
+"""The exceptions that end a run with one line instead of a traceback (common/launch.py reports them); that line,
+written whole (say); and `package.module:name` on the command line (--arch, --dataset, --trainer name code of your
+own this way), imported or refused in one line.
 
-A module of their own, importing nothing of this repository (nor torch): every part of common/ raises them,
-and none needs the command line for it.
+A module of its own, importing nothing of this repository (nor torch): every part of common/ raises them, and none
+needs the command line for it.
+
+say: print() writes a line's text and its newline in two writes. The processes of a job share one terminal or pipe
+(ranks, loader workers, torchrun, libraries printing warnings), and another process's output landing between the two
+writes glues itself onto the end of our line, or our next line onto it. A line written at once (under the pipe's
+4 KiB atomic size) arrives whole.
 """
 import ctypes
+import importlib
 import multiprocessing
 import os
 import signal
@@ -102,3 +110,21 @@ def launcher_ended(wait=0.0):
             break
         time.sleep(0.01)
     return False
+
+
+def say(message, file=None):
+    """print(message, file=file, flush=True), in one write."""
+    stream = sys.stdout if file is None else file
+    stream.write(f"{message}\n")
+    stream.flush()
+
+
+def import_named(text, flag):
+    """The object that `package.module:name` names (None for a text without a colon: a built-in name)."""
+    if ":" not in text:
+        return None
+    module_name, _, name = text.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"{flag} {text}: cannot import {name} from {module_name} ({error})") from None

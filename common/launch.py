@@ -10,8 +10,7 @@ import signal
 import sys
 import traceback
 
-from .console import say
-from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, end_with_launcher, stop_at_once_until_training
+from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, end_with_launcher, say, stop_at_once_until_training
 
 
 # A write the file system refused: full, over quota, read-only, or over the process's file size limit (RLIMIT_FSIZE).

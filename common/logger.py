@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS
-from .console import say
-from .errors import UsageError
+from .errors import UsageError, say
 from .metrics import MetricSums
 from .run_dir import atomic_write
 

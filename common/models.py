@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from .errors import UsageError
-from .named import import_named
+from .errors import UsageError, import_named
 
 
 def _classifiers(model, outputs):

@@ -12,8 +12,7 @@ from pathlib import Path
 from . import agreement, distributed, seeding
 from .checkpoint import check_format, restore
 from .config import evaluated_as_trained
-from .console import say
-from .errors import UsageError
+from .errors import UsageError, say
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
 
 

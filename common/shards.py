@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .console import say
-from .errors import UsageError
+from .errors import UsageError, say
 
 INDEX_VERSION = 1
 CLASSES = "classes.txt"

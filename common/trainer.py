@@ -27,11 +27,10 @@ from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
 from .ema import ModelEma, adjusted_decay
-from .errors import Preempted, UsageError
+from .errors import Preempted, UsageError, import_named
 from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
 from .metrics import MetricSums, ProgressMeter
-from .named import import_named
 from .preemption import StopSignal
 
 

@@ -619,7 +619,7 @@ OUR_LINE_STARTS = re.compile(r"(?<=\S)(?=done: best acc@1 |error: |warning: |Epo
 
 def our_lines_apart(line):
     """`line` as read from a job's output, with each of our lines on a line of its own: the scripts write a
-    line whole (common/console.py), but a library in another process of the job may write a line of its own
+    line whole (common/errors.py: say), but a library in another process of the job may write a line of its own
     in two parts (text, then newline), and ours then lands between them, right after the other's text (a
     start of ours after a space is left alone: it is inside a line)."""
     parts = OUR_LINE_STARTS.split(line)
