@@ -292,7 +292,8 @@ def evaluated_as_trained(config, args):
     said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})
     if said is None:
         return config
-    return config.replace(**{**values, "val_preprocessing": f"{said} of the checkpoint's run"})
+    return config.replace(**{**values, "val_preprocessing": f"{said} of the checkpoint's run",  # (not the preset's)
+                              "from_data_preset": [name for name in config.from_data_preset if name not in _PARTS]})
 
 
 def check_arch(arch):

@@ -87,8 +87,8 @@ class PatchConv2d(nn.Conv2d):
                 and module.padding in ((0, 0), "valid") and module.dilation == (1, 1) and module.groups == 1)
 
     def forward(self, x):
-        if x.ndim != 4:
-            return super().forward(x)
+        if x.ndim != 4 or x.shape[-2] < self.kernel_size[0] or x.shape[-1] < self.kernel_size[1]:
+            return super().forward(x)  # (an image smaller than a patch: nn.Conv2d's error)
         (kh, kw), (n, c, h, w) = self.kernel_size, x.shape
         rows, cols = h // kh, w // kw
         patches = (x[:, :, :rows * kh, :cols * kw].reshape(n, c, rows, kh, cols, kw)
@@ -97,12 +97,12 @@ class PatchConv2d(nn.Conv2d):
         return y.reshape(n, rows, cols, self.out_channels).permute(0, 3, 1, 2)
 
 
-def patch_embedding_as_matmul(model, arch):
-    """Make the first convolution of a torchvision model a PatchConv2d where it is a patch embedding (PatchConv2d.fits),
-    in place, its parameters kept. Only the first: ConvNeXt's 2x2 downsampling layers were slower so (3.1 ms against
-    cuDNN's 2.8 at 56 px); a model of yours (--arch package.module:build) is left as it is."""
+def patch_embedding_as_matmul(model):
+    """Make the first convolution of a torchvision model build_model made a PatchConv2d where it is a patch embedding
+    (PatchConv2d.fits), in place, its parameters kept. Only the first: ConvNeXt's 2x2 downsampling layers were slower
+    so (3.1 ms against cuDNN's 2.8 at 56 px); a model of yours is left as you built it."""
     first = next((module for module in model.modules() if isinstance(module, nn.Conv2d)), None)
-    if custom_builder(arch) is None and first is not None and PatchConv2d.fits(first):
+    if built_by_library(model) and first is not None and PatchConv2d.fits(first):
         first.__class__ = PatchConv2d
 
 
@@ -369,6 +369,7 @@ class BareModelGuard:
 
     def __init__(self, wrapper, bare):
         self.active = self.inside = False
+        self.bare = weakref.ref(bare)  # (a deepcopy of the model copies its hook: the copy is not checked)
         wrapper.register_forward_pre_hook(self._enter)
         wrapper.register_forward_hook(self._leave, always_call=True)
         bare.register_forward_pre_hook(self._check)
@@ -386,7 +387,7 @@ class BareModelGuard:
         self.inside = False
 
     def _check(self, module, args):
-        if self.active and not self.inside and torch.is_grad_enabled():
+        if self.active and not self.inside and torch.is_grad_enabled() and module is self.bare():
             raise UsageError("train_step called the bare model (self.model), not the DistributedDataParallel `model` "
                              "it is given: its gradients would skip the all-reduce over the ranks; call `model`")
 

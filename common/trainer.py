@@ -69,6 +69,8 @@ class Trainer:
     def __setattr__(self, name, value):
         if name in OWNED:  # assigned by a method of a subclass (not of common/): refused
             caller = sys._getframe(1)
+            while caller.f_code.co_name == "__setattr__":  # (a subclass's own __setattr__ calling this one)
+                caller = caller.f_back
             if not caller.f_globals.get("__name__", "").startswith("common.") and caller.f_locals.get("self") is self:
                 raise UsageError(f"{type(self).__name__} assigns self.{name}, which the Trainer holds for itself "
                                  "(docs/adapting.md lists its attributes): give yours another name")
@@ -253,7 +255,7 @@ class Trainer:
         self._model_changes = [*getattr(model, "adaptations", []), *loaded, *(models.adapt_first_conv(
             model, config.arch, self.channels, config.pretrained or bool(config.init_from))
             if models.built_by_library(model) else [])]
-        models.patch_embedding_as_matmul(model, config.arch)
+        models.patch_embedding_as_matmul(model)
         sizes = ([] if config.evaluate else ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule
                  else [config.train_crop_size])
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))

@@ -249,17 +249,20 @@ def test_a_patch_embedding_as_a_matrix_product_is_the_convolution(layout, channe
 
 def test_only_a_torchvision_model_s_first_convolution_becomes_a_patch_embedding_where_it_is_one():
     """ViT's conv_proj and ConvNeXt's stem (not its 2x2 downsampling layers, measured slower so), not ResNet's 7x7
-    stride-2 conv1 nor a model of yours; the state dict stays torchvision's."""
-    vit = torchvision.models.vit_b_16(num_classes=3)
+    stride-2 conv1, nor a model build_model did not make (a subclass's own, yours); the state dict stays torchvision's;
+    an image smaller than a patch is refused as nn.Conv2d refuses it."""
+    vit = build_model("vit_b_16", 3)
     keys = vit.state_dict().keys()
-    patch_embedding_as_matmul(vit, "vit_b_16")
+    patch_embedding_as_matmul(vit)
     assert type(vit.conv_proj) is PatchConv2d and vit.state_dict().keys() == keys
-    convnext = torchvision.models.convnext_tiny(num_classes=3)
-    patch_embedding_as_matmul(convnext, "convnext_tiny")
+    with pytest.raises(RuntimeError, match="Kernel size can't be greater than actual input size"):
+        vit.conv_proj(torch.zeros(1, 3, 8, 200))
+    convnext = build_model("convnext_tiny", 3)
+    patch_embedding_as_matmul(convnext)
     assert [name for name, module in convnext.named_modules() if type(module) is PatchConv2d] == ["features.0.0"]
-    resnet = torchvision.models.resnet18(num_classes=3)
-    patch_embedding_as_matmul(resnet, "resnet18")
+    resnet = build_model("resnet18", 3)
+    patch_embedding_as_matmul(resnet)
     assert not any(type(module) is PatchConv2d for module in resnet.modules())
-    yours = nn.Sequential(nn.Conv2d(3, 4, 4, stride=4))
-    patch_embedding_as_matmul(yours, "tests.tiny_models:TinyNet")
-    assert type(yours[0]) is nn.Conv2d
+    for yours in (torchvision.models.vit_b_16(num_classes=3), build_model("tests.tiny_models:TinyNet", 3)):
+        patch_embedding_as_matmul(yours)
+        assert not any(type(module) is PatchConv2d for module in yours.modules())

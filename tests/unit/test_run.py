@@ -161,6 +161,14 @@ def test_a_subclass_that_assigns_an_attribute_the_trainer_holds_is_refused_in_on
     Assigns.where = "nowhere"
     trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
     assert trainer.train_one_epoch(trainer.model, 0)["count"] == 12 and trainer.data == "mine"
+    Assigns.where = "build_model"  # through a __setattr__ of its own: still refused, and the library's own assignments not
+    with pytest.raises(UsageError, match=rf"^OwnSetattr assigns self.{name}, "):
+        built_trainer(*flags, trainer=OwnSetattr, datasets=tensor_datasets())
+
+
+class OwnSetattr(Assigns):
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
 
 
 def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_and_says_which_epoch(tmp_path):
@@ -182,6 +190,7 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     assert ("validation: resize 24, crop 20, bicubic (resize, crop and interpolation of the checkpoint's run; "
             "--val-resize-size, --val-crop-size, --interpolation override)") in lines, lines
     assert f"evaluating {tmp_path / 'checkpoint.pth'}: its weights after 1 epoch(s)" in lines, lines
+    assert not any(line.startswith("preset:") and "val " in line for line in lines), lines  # (not the preset's sizes)
     assert evaluating.evaluate(evaluating.model)["acc1"] == pytest.approx(float(last["val_acc1"]))
     config = evaluate("--val-crop-size", "16").config
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 16, "bicubic")

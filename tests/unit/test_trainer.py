@@ -1,6 +1,7 @@
 """common/trainer.py: a Trainer made and built in-process from its parts, with no side effects; its hooks get what
 they use as arguments; one step of the loop, in the order it runs (mixing, loss, clipping after unscaling, the
 optimizer and scheduler steps, the sums, the progress line), for the smallest model of every torchvision family."""
+import copy
 import os
 
 import pytest
@@ -181,6 +182,22 @@ def test_train_step_that_calls_the_bare_model_inside_ddp_is_refused_in_one_line(
         trainer.model(torch.zeros(1, 3, 16, 16))
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
     trainer.train_one_epoch(trainer.model, 0)  # one process without DDP: the bare model is the model
+
+
+class Teacher(Trainer):
+    """A teacher copied from the model in train_step, frozen by requires_grad_(False) (no no_grad): not the bare model."""
+
+    def train_step(self, model, images, labels):
+        if not hasattr(self, "teacher"):
+            self.teacher = copy.deepcopy(self.model).requires_grad_(False)
+        self.teacher(images)
+        return super().train_step(model, images, labels)
+
+
+def test_a_copy_of_the_model_made_in_train_step_is_no_bare_model(group_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=Teacher, datasets=tensor_datasets())
+    assert trainer.train_one_epoch(DistributedDataParallel(trainer.model), 0)["count"] == 12
 
 
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
