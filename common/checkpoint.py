@@ -244,12 +244,12 @@ def init_from(model, path, arch, channels, num_classes):
     --pretrained loads torchvision's: a classifier of another number of classes keeps its new weights; a file trained
     on the data's `channels` gets a first convolution made for them first (else models.adapt_first_conv adapts the
     RGB one after). Anything else that differs is refused in one line. Returns what was changed, for the header."""
-    from .models import _classifiers, adapt_first_conv
+    from .models import _classifiers, adapt_first_conv, first_conv
     if not Path(path).is_file():
         raise UsageError(f"--init-from {path}: no such file")
     with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
         weights, changes = load_checkpoint(path, foreign=True)["state_dict"], []
-    first = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv2d)), None)
+    first, _ = first_conv(model)
     given = weights.get(f"{first}.weight")
     if given is not None and given.ndim == 4 and given.shape[1] == channels != 3 and adapt_first_conv(
             model, arch, channels, pretrained=False):

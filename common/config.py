@@ -267,7 +267,6 @@ def _pretrained(values):
                                   "val_crop_size": preprocessing.crop_size[0],
                                   "val_interpolation": preprocessing.interpolation.value})
             values["val_preprocessing"] = said and f"{said} from {values['weights']}.transforms()"
-            return
     values["val_interpolation"] = values["val_interpolation"] or "bilinear"
 
 
@@ -277,10 +276,9 @@ _PARTS = {"val_resize_size": ("resize", "val_resize_size"), "val_crop_size": ("c
 
 def _take(values, taken):
     """Set each validation size of `taken` ({name: value}) that no flag gave; returns what the header says of
-    them ("resize, crop and interpolation"; None: every one given). The interpolation left: bilinear."""
+    them ("resize, crop and interpolation"; None: every one given)."""
     named = [name for name in taken if _PARTS[name][1] not in values["val_sizes_given"]]
     values.update({name: taken[name] for name in named})
-    values["val_interpolation"] = values["val_interpolation"] or "bilinear"
     words = [_PARTS[name][0] for name in named]
     return f"{', '.join(words[:-1])} and {words[-1]}" if len(words) > 1 else (words[0] if words else None)
 

@@ -61,7 +61,8 @@ def start_lines(trainer):
                      "and images/s leaves out their cost (measure it with --data)")
     if trainer.resumed_from and config.evaluate:
         done = f"{trainer.start_epoch} epoch(s)" + (f" and {trainer.start_step} step(s)" if trainer.start_step else "")
-        lines.append(f"evaluating {trainer.resumed_from}" + (f": its weights after {done}" if done != "0 epoch(s)" else ""))
+        lines.append(f"evaluating {trainer.resumed_from}"
+                     + (f": its weights after {done}" if trainer.start_epoch or trainer.start_step else ""))
     elif trainer.resumed_from:
         lines.append(f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
                      + (f", step {trainer.start_step})" if trainer.start_step else ")"))

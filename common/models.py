@@ -21,6 +21,11 @@ def _classifiers(model, outputs):
             or (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.out_channels == outputs)]
 
 
+def first_conv(model):
+    """(name, module) of the first nn.Conv2d of `model` (the layer that takes the images), or (None, None)."""
+    return next(((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)), (None, None))
+
+
 def replace_heads(model, categories, num_classes):
     """Swap every classifier of a pretrained model for `categories` classes (its head and its auxiliary heads) for
     a new one of `num_classes` outputs, with new weights. Returns what it did, for the run's header."""
@@ -46,8 +51,7 @@ def adapt_first_conv(model, arch, channels, pretrained):
     package.module:build), or one already built for these channels, is left as it is."""
     if channels == 3 or custom_builder(arch) is not None:
         return []
-    name, conv = next(((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)),
-                      (None, None))
+    name, conv = first_conv(model)
     if conv is not None and conv.in_channels == channels:
         return []  # a model built for these channels
     if conv is None or conv.in_channels != 3 or conv.groups != 1:
@@ -101,7 +105,7 @@ def patch_embedding_as_matmul(model):
     """Make the first convolution of a torchvision model build_model made a PatchConv2d where it is a patch embedding
     (PatchConv2d.fits), in place, its parameters kept. Only the first: ConvNeXt's 2x2 downsampling layers were slower
     so (3.1 ms against cuDNN's 2.8 at 56 px); a model of yours is left as you built it."""
-    first = next((module for module in model.modules() if isinstance(module, nn.Conv2d)), None)
+    _, first = first_conv(model)
     if built_by_library(model) and first is not None and PatchConv2d.fits(first):
         first.__class__ = PatchConv2d
 
@@ -196,8 +200,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
                     return
-                name, conv = next(((name, module) for name, module in model.named_modules()
-                                   if isinstance(module, nn.Conv2d)), (None, None))
+                name, conv = first_conv(model)
                 if conv is not None and conv.in_channels != channels:  # (a model a subclass built: not adapted)
                     raise UsageError(f"the model (build_model) takes {conv.in_channels}-channel images (its first "
                                      f"convolution, {name}) and the data's are {channels}-channel: build it for "
