@@ -666,15 +666,19 @@ def parse_args():
 
 
 def stop_on_signals():
-    """From now on, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in this process. In a worker of the pool
-    forked before its initializer ran (a fork inherits the handlers), they do nothing: the main process, which got
-    the signal too, stops the workers (else the worker printed a traceback from threading's after-fork hook).
+    """From now on, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in this process. A worker of the pool forked
+    before its initializer ran inherits this handler: there SIGTERM ends it at once, as after its initializer (an
+    exception would print a traceback from threading's after-fork hook; ignored, the worker ran the queued jobs while
+    the main process waited for it), and SIGINT does nothing (the main process stops the workers with SIGTERM).
     Returns the handlers they replace."""
     main_pid = os.getpid()
 
     def stop(signum, frame):
         if os.getpid() == main_pid:
             raise Stopped() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if signum == signal.SIGTERM:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
 
 
