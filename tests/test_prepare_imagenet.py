@@ -233,9 +233,8 @@ def group_gone(process):
 
 
 def output_once_ended(process, timeout):
-    """What `process` printed, once its group has ended. Where it has not within `timeout` s (seen once under a full
-    suite's load, not reproduced in 78 runs since), the failure lists the group's processes and every Python thread's
-    stack in each (started with PYTHONFAULTHANDLER=1: SIGABRT dumps them)."""
+    """What `process` printed, once its group has ended. Where it has not within `timeout` s, the failure lists the
+    group's processes and every Python thread's stack in each (started with PYTHONFAULTHANDLER=1: SIGABRT dumps them)."""
     try:
         return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
