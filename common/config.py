@@ -15,7 +15,7 @@ from typing import NamedTuple
 from .errors import UsageError
 
 
-# Arguments that may differ between nodes (every other one must be alike on every rank: common/agreement.py):
+# Arguments that may differ between nodes (every other one must be alike on every rank: common/run.py):
 # loader workers, where a node holds its copy of the data (the same files: checked on their own), where it
 # writes (only the writer ranks write), the process's own place in the job, and how a node names node 0.
 PER_NODE = ("workers", "data", "output_dir", "local_rank", "node_rank", "master_addr", "dist_url")

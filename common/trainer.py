@@ -20,13 +20,11 @@ import torch.nn as nn
 
 from . import data, distributed, fsdp, models, schedule, seeding
 from .augment import batch_mix_key, build_batch_mix
-from .bad_images import BadImageLog
 from .checkpoint import SingleFile, assemble, init_from
 from .config import ResSchedule
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
-from .ema import ModelEma, adjusted_decay
 from .errors import Preempted, UsageError, import_named
 from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
@@ -222,8 +220,8 @@ class Trainer:
         self._diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
-            decay = adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
-            self.ema = ModelEma(model, decay, config.model_ema_steps, config.warmup_epochs)
+            decay = models.adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
+            self.ema = models.ModelEma(model, decay, config.model_ema_steps, config.warmup_epochs)
         self.model = self._sharded(model)
         if self.ema is not None:
             self._sharded(self.ema.module)
@@ -235,7 +233,7 @@ class Trainer:
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         self._batch_transform = self.build_batch_transform(self.classes)
-        self._rng, self._bad_images = seeding.RandomStreams(runtime.devices), BadImageLog(runtime.rank, runtime.world_size)
+        self._rng, self._bad_images = seeding.RandomStreams(runtime.devices), data.BadImageLog(runtime.rank, runtime.world_size)
         on_device = self._data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
         self._train_batches, self._val_batches = (device_batches(loader, device, self._channels_last, report, on_device,
                                                                keep_empty=self.shard is not None)
@@ -285,8 +283,8 @@ class Trainer:
     def ema_for_evaluation(self):
         """A ModelEma to load a checkpoint's EMA weights into (-e): a copy of the model, or (sharded) another one."""
         if self.shard is None:
-            return ModelEma(self.model, 0.0)
-        ema = ModelEma(self._model_on_device(), 0.0)  # its own copy, sharded alike
+            return models.ModelEma(self.model, 0.0)
+        ema = models.ModelEma(self._model_on_device(), 0.0)  # its own copy, sharded alike
         self._sharded(ema.module)
         return ema
 

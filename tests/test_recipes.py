@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from common.ema import adjusted_decay
+from common.models import adjusted_decay
 from common.logger import CSV_FIELDS, EMA_FIELDS
 from conftest import PYTHON, REPO, TINY, Job, make_image_folder, torchrun_command
 

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.augment import image_augmentation  # noqa: E402
-from common.bad_images import SkipUnreadable  # noqa: E402
+from common.data import SkipUnreadable  # noqa: E402
 from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402

@@ -1,16 +1,19 @@
 """common/run.py: starting a run in this process: a fresh start that would replace a run is refused in one line, -e
 needs weights, a resumed run keeps its seed (saying so when another is given) and its determinism, a start that
 fails before writing leaves no directory it made, and a Trainer holds its documented attributes alone, none of which a
-subclass may assign."""
+subclass may assign; what the ranks of one job compare before they train (arguments, checkpoints) and the one line
+that names the first difference."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.errors import UsageError
-from common.run import start_run
+from common.run import argument_difference, comparable_args, ranks_text, resume_difference, resume_facts, start_run
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
+
 
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
          "-b", "4", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a", "tests.tiny_models:TinyNet"]
@@ -195,3 +198,28 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     config = evaluate("--val-crop-size", "16").config
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 16, "bicubic")
     assert config.val_preprocessing == "resize and interpolation of the checkpoint's run"
+
+
+def test_the_ranks_text_and_the_first_difference():
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8"
+    same = {"batch_size": 8, "lr": 0.1, "output_dir": "x"}
+    assert argument_difference([same, dict(same)]) is None
+    line = argument_difference([same, same, {**same, "lr": 0.2}, {**same, "lr": None}])
+    assert "--lr is 0.1 on ranks 0-1, 0.2 on rank 2, unset on rank 3;" in line
+    fresh = resume_facts(None, None)
+    loaded = resume_facts(Path("a/checkpoint.pth"), {"epoch": 2, "seed": 1, "checkpoint_id": "x"})
+    assert resume_difference([loaded, dict(loaded)]) is None
+    assert resume_difference([fresh, fresh]) is None
+    assert ("a/checkpoint.pth (epoch 2, seed 1) on rank 0, no checkpoint (a fresh start) on rank 1"
+            in resume_difference([loaded, fresh]))
+    assert resume_difference([loaded, {**loaded, "id": "y"}]) is not None  # same place, other bytes
+
+
+def test_the_per_node_arguments_may_differ(no_platform_env):
+    node = [parse("--data", f"/d{k}", "--output-dir", f"/n{k}", "-j", k) for k in (0, 1)]
+    assert argument_difference([comparable_args(config) for config in node]) is None
+    node[1] = node[1].replace(lr=0.2)
+    assert ("--lr is 0.1 on rank 0, 0.2 on rank 1; every process takes the same ones (only --workers, --data and "
+            "--output-dir may differ between nodes)") in argument_difference(
+        [comparable_args(config) for config in node])
