@@ -509,7 +509,7 @@ def one_error_line(capsys, *args):
         signal.signal(signal.SIGTERM, stop_handler)
     out, err = capsys.readouterr()
     lines = (out + err).strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), out + err
+    assert code == 2 and len(lines) == 1 and re.match(r"(prepare_imagenet\.py: )?error: ", lines[0]), out + err  # argparse's
     return lines[0]
 
 

@@ -201,7 +201,7 @@ def resize_compare(jpeg_dir, images, batch=64):
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
     sys.path.insert(0, str(REPO / "tools"))
-    from prepare_imagenet import resize_jpeg
+    from shared import resize_jpeg
 
     originals = sorted(path for path in Path(jpeg_dir, "train").rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))
     sets, making = {"original": originals}, {}
@@ -372,7 +372,7 @@ def wait_compare(jpeg_dir, crop, epochs=2):
     training process (-j 0) and by one loader worker (-j 1): the last epoch's figures from log.csv, and whether the
     run said it was input-bound."""
     sys.path.insert(0, str(REPO / "tools"))
-    from prepare_imagenet import resize_jpeg
+    from shared import resize_jpeg
     workdir = Path(tempfile.mkdtemp(prefix="bench-wait-"))
     resized = workdir / "resized"
     for path in Path(jpeg_dir).rglob("*.jpg"):

@@ -35,8 +35,8 @@ from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
 from common.shards import (CLASSES, IMAGE_EXTENSIONS, MANIFEST, index_tar, read_index, shard_stamp,  # noqa: E402
                            write_index)
-from prepare_imagenet import (Parser, Stopped, resize_jpeg, stop_on_signals, stop_workers, whole,  # noqa: E402
-                             worker_pool)
+from common.cli import Parser  # noqa: E402
+from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
 
 
 

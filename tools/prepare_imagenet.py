@@ -35,14 +35,12 @@ import csv
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tarfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
@@ -52,9 +50,10 @@ from torchvision.datasets import imagenet
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.errors import end_with_launcher  # noqa: E402
+from common.cli import Parser  # noqa: E402
 from common.run_dir import atomic_write, fsync as sync, link_or_copy  # noqa: E402  (written whole or not at all)
 from common.shards import MANIFEST  # noqa: E402
+from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
 
 TRAIN_TAR, VAL_TAR, DEVKIT = (imagenet.ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
 OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
@@ -66,10 +65,6 @@ VAL_CHUNK = 500     # val images per task of the worker pool
 
 class Failure(Exception):
     """Bad input: one line on stderr and exit code 2."""
-
-
-class Stopped(BaseException):  # not an Exception, as KeyboardInterrupt: no `except Exception` takes it
-    """SIGTERM: exit code 143 (128 + 15, as a shell reports it) once the workers are stopped."""
 
 
 class Job(NamedTuple):
@@ -119,29 +114,6 @@ def write_atomically(path, data, sync_folder=True):
     """A final path never holds half a file, even after a power loss (common/run_dir.py). Images pass
     sync_folder=False: run_job syncs their folder once, before the marker."""
     atomic_write(path, lambda file: file.write(data), sync_folder)
-
-
-def resize_jpeg(data, size, quality=90):
-    """`data` (any image Pillow reads) as RGB JPEG bytes with the shorter side at most `size`, never
-    upscaled. Raises OSError (or SyntaxError, ValueError) for a file it cannot decode."""
-    from PIL import Image
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-        scale = min(1.0, size / min(width, height))
-        target = (max(1, round(width * scale)), max(1, round(height * scale)))
-        if scale == 1.0 and image.format == "JPEG" and image.mode == "RGB":
-            image.load()  # it decodes, and is small already: re-encoding would only lose detail
-            return data
-        # The JPEG decoder scales by 1/2, 1/4 or 1/8 in the DCT (to no less than the target), so
-        # the costly full-size decode is skipped: measured 3.9x faster on 2000x1500 photos at
-        # --resize 256, 1.65x on 500x375 at --resize 160 (docs/benchmarks.md).
-        image.draft("RGB", target)
-        image = image.convert("RGB")
-        if image.size != target:
-            image = image.resize(target, Image.Resampling.LANCZOS)
-        output = io.BytesIO()
-        image.save(output, "JPEG", quality=quality)
-        return output.getvalue()
 
 
 def class_tar(archive, wnid, offset, size):
@@ -488,28 +460,6 @@ def open_output(out_dir, resize, quality):
     return state
 
 
-def worker_pool(workers):
-    """The pool of `workers` processes of this script and tools/make_shards.py: forked (Linux's default before Python
-    3.14, whose forkserver would make them the children of a server, not of this process: ignore_interrupts ties each
-    worker's life to its parent's), each started by ignore_interrupts."""
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=ignore_interrupts)
-
-
-def ignore_interrupts():
-    """A pool worker's start. Ctrl-C reaches the whole process group: the main process alone handles it, stopping the
-    pool. A main process that ends without stopping it (SIGKILL, the OOM killer) ends its workers too: SIGTERM from the
-    kernel (end_with_launcher), where they would wait on the pool's pipe forever."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    end_with_launcher()
-
-
-def stop_workers(pool):
-    """Terminate the worker processes of a ProcessPoolExecutor now, mid-task (Python 3.14 has pool.terminate_workers())."""
-    for process in list((pool._processes or {}).values()):
-        process.terminate()
-
-
 def run_pool(jobs, redo, out_dir, args):
     """A worker's death (the OOM killer's SIGKILL) raises BrokenProcessPool, where a
     multiprocessing.Pool would wait for its task forever."""
@@ -632,21 +582,6 @@ def summary(out_dir, jobs, seconds):
             + ": is this a partial or different set?")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")  # one line, not argparse's usage block
-
-
-def whole(low, high=None):
-    """An argparse type: a whole number from low to high."""
-    def parse(text):
-        if not text.isdigit() or int(text) < low or (high and int(text) > high):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number "
-                                             + (f"from {low} to {high}" if high else f"of at least {low}"))
-        return int(text)
-    return parse
-
-
 def parse_args():
     parser = Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -663,23 +598,6 @@ def parse_args():
     parser.add_argument("--shard-size", type=whole(1), default=2500, metavar="N",
                         help="images per shard with --shards (%(default)s)")
     return parser.parse_args()
-
-
-def stop_on_signals():
-    """From now on, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in this process. A worker of the pool forked
-    before its initializer ran inherits this handler: there SIGTERM ends it at once, as after its initializer (an
-    exception would print a traceback from threading's after-fork hook; ignored, the worker ran the queued jobs while
-    the main process waited for it), and SIGINT does nothing (the main process stops the workers with SIGTERM).
-    Returns the handlers they replace."""
-    main_pid = os.getpid()
-
-    def stop(signum, frame):
-        if os.getpid() == main_pid:
-            raise Stopped() if signum == signal.SIGTERM else KeyboardInterrupt()
-        if signum == signal.SIGTERM:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-    return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
 
 
 def main():

@@ -1,6 +1,6 @@
 """The library's shape, which every later change keeps: no module of common/ over 600 lines, no function over 80, one
-concern per module with a unit file of its own, no import circle, and the command line imported by the scripts
-alone."""
+concern per module with a unit file of its own, no import circle (in tools/ either), and the command line imported by
+the scripts and tools alone."""
 import ast
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import pytest
 COMMON = Path(__file__).resolve().parents[2] / "common"
 MODULES = sorted(path for path in COMMON.glob("*.py") if path.name != "__init__.py")
 SCRIPTS = sorted(COMMON.parent.glob("train_*.py"))
+TOOLS = sorted((COMMON.parent / "tools").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
@@ -38,17 +39,36 @@ def imports(path):
     return {name.split(".")[0] for name in found}
 
 
+def circles(graph):
+    """The names of `graph` ({name: names it imports}) that reach themselves."""
+    def reaches(start, goal, seen=()):
+        return any(name == goal or (name not in seen and reaches(name, goal, (*seen, name)))
+                   for name in graph.get(start, ()))
+    return {name: sorted(graph[name]) for name in graph if reaches(name, name)}
+
+
 def test_common_has_no_import_circle():
     """A module never imports, directly or through others, one that imports it: each can be read, and copied, on
     its own."""
     graph = {path.stem: imports(path) for path in MODULES}
     assert "demo_data" in graph["config"]  # the walk finds function-level imports too
+    assert not circles(graph)
 
-    def reaches(start, goal, seen=()):
-        return any(name == goal or (name not in seen and reaches(name, goal, (*seen, name)))
-                   for name in graph.get(start, ()))
-    circles = sorted(name for name in graph if reaches(name, name))
-    assert not circles, {name: sorted(graph[name]) for name in circles}
+
+def test_the_tools_have_no_import_circle():
+    """tools/ imports its own modules by name (each puts tools/ first on sys.path, as a script's folder is): what
+    two tools share lives in a module both import (tools/shared.py), never in one tool the other imports back."""
+    names = {path.stem for path in TOOLS}
+    graph = {}
+    for path in TOOLS:
+        graph[path.stem] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in names:
+                graph[path.stem].add(node.module)
+            elif isinstance(node, ast.Import):
+                graph[path.stem] |= {alias.name for alias in node.names if alias.name in names}
+    assert "make_shards" in graph["prepare_imagenet"]  # the walk finds function-level imports too
+    assert not circles(graph)
 
 
 def test_the_library_never_imports_the_command_line_or_a_script():
