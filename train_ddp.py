@@ -18,6 +18,7 @@ DistributedSampler (ResumableSampler, common/samplers.py) and its set_epoch in T
 (common/trainer.py), as is the optimizer step; the save by rank 0 alone in Trainer.save; destroy_process_group
 in main(). Your own model, data, loss or optimizer: docs/adapting.md.
 """
+
 import argparse
 import os
 import sys
@@ -38,28 +39,40 @@ def setup(config, mode="ddp"):
     """Join the process group that the launcher set up (env:// reads MASTER_ADDR/PORT). train_fsdp.py's processes
     are started and join alike (mode "fsdp")."""
     from common.data import micro_batch
-    from common.distributed import (Runtime, choose_backend, init_process_group, local_world_size_from_env,
-                                    select_device, world_info_from_env)
+    from common.distributed import (
+        Runtime,
+        choose_backend,
+        init_process_group,
+        local_world_size_from_env,
+        select_device,
+        world_info_from_env,
+    )
+
     rank, local_rank, world_size = world_info_from_env()
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise UsageError("MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
-                         "or export them in the job script when srun starts it")
+        raise UsageError(
+            "MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
+            "or export them in the job script when srun starts it"
+        )
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after
     local_world_size = local_world_size_from_env(world_size)
-    init_process_group(backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size,
-                       config.output_dir)
+    init_process_group(
+        backend, "env://", rank, world_size, device, config.dist_timeout, local_world_size, config.output_dir
+    )
     return Runtime(mode, device, rank, local_rank, world_size, local_world_size)
 
 
 def main(config):
     from torch.nn.parallel import DistributedDataParallel
+
     from common.distributed import destroy_process_group
     from common.run import start_run
     from common.trainer import trainer_class
+
     runtime = setup(config)
     model, finished = None, False
     try:
@@ -68,8 +81,12 @@ def main(config):
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
         # find_unused_parameters: for models whose forward leaves some parameters out (--find-unused-parameters).
-        model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                        find_unused_parameters=config.find_unused_parameters)
+        model = DistributedDataParallel(
+            trainer.model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=config.find_unused_parameters,
+        )
         # Evaluate the bare model: ranks hold shards of different sizes, and DDP's
         # forward would wait for the others.
         trainer.fit(train_model=model, eval_model=trainer.model)

@@ -15,6 +15,7 @@ over the shards; the blocks: Trainer.shard_units); the sharded checkpoints, ever
 Distributed Checkpoint, in common/sharded_checkpoint.py; the rest is the Trainer's (common/trainer.py), as under DDP.
 Your own model, data, loss or optimizer: docs/adapting.md.
 """
+
 import argparse
 import sys
 
@@ -36,13 +37,17 @@ def main(config):
     from common.run import start_run
     from common.sharded_checkpoint import ShardedCheckpoints
     from common.trainer import trainer_class
+
     runtime = setup(config, mode="fsdp")
     finished = False
     try:
         # The Trainer shards the model as it builds it, before its optimizer is made over the shards; every rank
         # writes its shard of each checkpoint.
-        trainer = start_run(trainer_class(config.trainer)(config, runtime, shard=Sharding(config, runtime),
-                                                          checkpoints=ShardedCheckpoints(config)))
+        trainer = start_run(
+            trainer_class(config.trainer)(
+                config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config)
+            )
+        )
         # The sharded model trains and validates as it is: its forward is a collective, so every rank validates
         # as many batches as the others (the Trainer adds uncounted ones where a rank's shard is shorter).
         trainer.fit(train_model=trainer.model, eval_model=trainer.model)

@@ -11,8 +11,7 @@ node_rank * nproc_per_node + local_rank. Everything else is as in train_ddp.py:
 each process holds a replica, trains on its shard of each batch, and DDP
 averages the gradients during backward().
 """
-import errno
-import fcntl
+
 import logging
 import os
 import signal
@@ -23,31 +22,45 @@ from common import cli, launch  # torch is imported after the arguments are pars
 from common.config import env_default
 from common.errors import PREEMPTED_EXIT_CODE, UsageError, say
 
-
 CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node
 
 
 def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
-    parser.add_argument("--nproc-per-node", type=int, default=env_default("WORKER_PER_NODE", int),
-                        help=f"processes on this node (default: one per visible GPU, {CPU_PROCESSES} without a GPU; "
-                             "env WORKER_PER_NODE)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=env_default("WORKER_PER_NODE", int),
+        help=f"processes on this node (default: one per visible GPU, {CPU_PROCESSES} without a GPU; "
+        "env WORKER_PER_NODE)",
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 .. nnodes-1")
-    parser.add_argument("--master-addr", default=env_default("MASTER_ADDR") or "127.0.0.1",
-                        help="address of node 0 (env MASTER_ADDR)")
-    parser.add_argument("--master-port", type=int, default=env_default("MASTER_PORT", int) or 29500,
-                        help="free port on node 0 (env MASTER_PORT)")
-    parser.add_argument("--dist-url", default=None,
-                        help="tcp://HOST:PORT, file:///shared/path or env:// (default: tcp://MASTER_ADDR:MASTER_PORT)")
+    parser.add_argument(
+        "--master-addr", default=env_default("MASTER_ADDR") or "127.0.0.1", help="address of node 0 (env MASTER_ADDR)"
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=env_default("MASTER_PORT", int) or 29500,
+        help="free port on node 0 (env MASTER_PORT)",
+    )
+    parser.add_argument(
+        "--dist-url",
+        default=None,
+        help="tcp://HOST:PORT, file:///shared/path or env:// (default: tcp://MASTER_ADDR:MASTER_PORT)",
+    )
     return cli.parse_args(parser, argv, mode="spawn")
 
 
 def setup(config):
     """Check the launch before starting anything; returns the init_method URL and the processes on this node."""
     import torch
+
     from common.data import micro_batch
     from common.distributed import check_port_free, check_sync_bn, choose_backend, select_device
+    from common.run_dir import claim_rendezvous_file
+
     gpus = torch.cuda.device_count() if config.device != "cpu" else 0
     nproc = config.nproc_per_node
     if nproc is None:
@@ -66,54 +79,16 @@ def setup(config):
     check_sync_bn(config.sync_bn, device)
     url = config.dist_url or f"tcp://{config.master_addr}:{config.master_port}"
     if url.startswith("tcp://") and config.node_rank == 0:
-        host, _, port = url[len("tcp://"):].rpartition(":")
+        host, _, port = url[len("tcp://") :].rpartition(":")
         check_port_free(host, int(port))  # rank 0 will listen there
     elif url.startswith("file://"):
-        claim_rendezvous_file(Path(url[len("file://"):]), config.node_rank)
+        claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", config.master_addr)
         os.environ.setdefault("MASTER_PORT", str(config.master_port))
     elif not url.startswith("tcp://"):
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
     return url, nproc
-
-
-_rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life
-
-
-def claim_rendezvous_file(path, node_rank):
-    """Every node of a file:// rendezvous holds a shared POSIX lock on PATH.owner for the job's life. Node 0 first
-    tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's (SIGKILL,
-    a lost node: nothing removed it), which would hand this job the dead one's addresses, so it is removed (said
-    in a note). Held by others (this job's nodes that started first), the file is left as it is. On a file system
-    that does not lock, a non-empty file is refused as before."""
-    global _rendezvous_owner
-    from common.run_dir import NO_LOCKING
-    try:
-        owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except OSError as error:
-        raise UsageError(f"--dist-url file://{path}: cannot create {path}.owner ({error.strerror})") from None
-    try:
-        if node_rank == 0:
-            try:
-                fcntl.lockf(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                if error.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise
-            else:
-                if path.exists() and path.stat().st_size:
-                    path.unlink()
-                    say(f"note: removed {path}, the rendezvous file of a job that ended without removing it (killed)")
-        fcntl.lockf(owner, fcntl.LOCK_SH)  # (node 0: from exclusive to shared; others wait out node 0's check)
-    except OSError as error:
-        os.close(owner)
-        if error.errno not in NO_LOCKING:
-            raise UsageError(f"cannot lock {path}.owner ({error.strerror})") from None
-        if node_rank == 0 and path.exists() and path.stat().st_size:
-            raise UsageError(f"rendezvous file {path} is left from an earlier run (or a running job's: this file "
-                                 "system does not lock files to tell): delete it first if no job uses it") from None
-        return
-    _rendezvous_owner = owner
 
 
 def worker(local_rank, config, init_method, nproc, usage_errors):
@@ -126,10 +101,18 @@ def worker(local_rank, config, init_method, nproc, usage_errors):
 def train(config, init_method, nproc, local_rank, rank):
     import torch
     from torch.nn.parallel import DistributedDataParallel
-    from common.distributed import (Runtime, choose_backend, destroy_process_group, init_process_group, select_device,
-                                    usable_cores)
+
+    from common.distributed import (
+        Runtime,
+        choose_backend,
+        destroy_process_group,
+        init_process_group,
+        select_device,
+        usable_cores,
+    )
     from common.run import start_run
     from common.trainer import trainer_class
+
     world_size = config.nnodes * nproc
     device = select_device(config.device, local_rank)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -141,8 +124,12 @@ def train(config, init_method, nproc, local_rank, rank):
     trainer = start_run(trainer_class(config.trainer)(config, runtime))
     device_ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy per step.
-    model = DistributedDataParallel(trainer.model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                    find_unused_parameters=config.find_unused_parameters)
+    model = DistributedDataParallel(
+        trainer.model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=config.find_unused_parameters,
+    )
     trainer.fit(train_model=model, eval_model=trainer.model)
     model = None  # DDP's reducer holds the process group: freed first (see train_ddp.py)
     destroy_process_group(finished=True)
@@ -150,6 +137,7 @@ def train(config, init_method, nproc, local_rank, rank):
 
 def main(config):
     import torch.multiprocessing as mp
+
     init_method, nproc = setup(config)
     # When a worker fails, spawn stops the others and logs each; our error line says what failed.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -164,12 +152,14 @@ def main(config):
         for process in processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
+
     stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     for signum in stops:
         signal.signal(signum, pass_on)
     usage_errors = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(worker, args=(config, init_method, nproc, usage_errors), nprocs=nproc,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        worker, args=(config, init_method, nproc, usage_errors), nprocs=nproc, join=False, start_method="spawn"
+    )
     processes.extend(context.processes)
     for signum in early:
         pass_on(signum, None)
@@ -188,8 +178,11 @@ def main(config):
             say(line, file=sys.stderr)
             raise SystemExit(code) from None
         if error.exit_code not in (PREEMPTED_EXIT_CODE, 130):  # stopped on request
-            say(f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
-                "see the errors above", file=sys.stderr)
+            say(
+                f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
+                "see the errors above",
+                file=sys.stderr,
+            )
         # A worker killed by a signal: 128 + its number, as a shell reports it (a negative code would exit 256 - N).
         raise SystemExit(128 - error.exit_code if error.exit_code < 0 else error.exit_code or 1) from None
 

@@ -9,6 +9,7 @@ torchvision's v2 transforms draw from torch's global RNG. Here every draw happen
 - per batch (MixUp / CutMix): the key is (seed, epoch, step, rank), so a resumed run mixes as an
   uninterrupted one did, and dropout's RNG stream is left alone.
 """
+
 import contextlib
 import random
 
@@ -31,8 +32,14 @@ def seeded(key):
         yield
 
 
-def image_augmentation(auto_augment="none", ra_magnitude=9, random_erase=0.0, interpolation="bilinear",
-                       augmix_severity=3, fill=IMAGENET_MEAN_UINT8):
+def image_augmentation(
+    auto_augment="none",
+    ra_magnitude=9,
+    random_erase=0.0,
+    interpolation="bilinear",
+    augmix_severity=3,
+    fill=IMAGENET_MEAN_UINT8,
+):
     """The per-image v2 transforms after crop and flip, on a CHW tensor (uint8, or float in 0-1), or None for
     none: those of torchvision's presets.ClassificationPresetTrain, with its names (aa is AutoAugment's imagenet
     policy). Random erasing fills with `fill`, the mean pixel on the images' scale (0 after normalisation).

@@ -5,26 +5,12 @@ checkpoint.pth is the latest; checkpoint_prev.pth the one before it, kept in cas
 model_best.pth a copy of the one with the best validation acc@1. Weights from elsewhere load too: pytorch/examples'
 checkpoints and DataParallel's (`module.` keys), torchvision's references' (`model`), a bare state_dict.
 
-A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=True) reads it):
-  format_version   FORMAT_VERSION: a checkpoint of these scripts in another format is refused (WRITTEN_BY)
-  checkpoint_id    new at every save: the ranks of a resumed job check that they all loaded the same one
-  epoch            epochs completed; step_in_epoch: steps done of the next one (0 at an epoch's end)
-  arch, num_classes, classes, seed, world_size, deterministic, args (the run's Config as a plain dict)
-  samples          {train, val, steps}: the data's image counts and an epoch's steps when it was saved
-  state_dict       the bare model's: loads into torchvision.models.<arch>(num_classes=K) as it is (images of other
-                   channels than 3: after models.adapt_first_conv)
-  optimizer, scheduler, scaler   their own state_dict(); scheduler_type: the scheduler's class
-  model_ema        with --model-ema, ModelEma.state_dict(): {"state_dict": the EMA's weights, which load into the
-                   same plain model, "n_averaged": its updates since it last restarted}
-  best_acc1, best_ema_acc1, epoch_lr (each parameter group's lr at the start of the epoch in progress: log.csv's)
-  best_epoch       the `epoch` of the checkpoint that model_best.pth holds (None: no best yet, or an older checkpoint)
-  train_totals     the partial epoch's metric sums over all ranks (MetricSums.state_dict()), or None
-  rng_states       every rank's random streams, in rank order (RandomStreams.state_dict())
-  bad_images       the epoch's unreadable files, over all ranks (BadImageLog.state_dict())
-  criterion        the criterion's state_dict() (its parameters: a learned temperature), rank 0's
-  trainer_state    what a Trainer subclass's state_dict() returns, rank 0's
-The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and the epoch.
+A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=True) reads it); docs/reference.md,
+"Checkpoint format", says what each key holds. FORMAT_VERSION: a checkpoint of these scripts in another format is
+refused (WRITTEN_BY). The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and
+the epoch.
 """
+
 import argparse
 import copy
 import io
@@ -43,7 +29,6 @@ from .errors import CheckpointWriteError, UsageError
 from .models import unwrap
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
-
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in case the latest is damaged
 BEST = "model_best.pth"
@@ -60,7 +45,7 @@ def strip_prefixes(state_dict):
             stripped = False
             for prefix in WRAPPER_PREFIXES:
                 if name.startswith(prefix):
-                    name, stripped = name[len(prefix):], True
+                    name, stripped = name[len(prefix) :], True
         clean[name] = value
     return clean
 
@@ -87,10 +72,13 @@ def save_checkpoint(state, output_dir, is_best, keep_previous=False):
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         if written:  # (the latest is this best epoch: a resume copies it, checkpoint.restore's repair_best)
-            raise CheckpointWriteError(f"could not copy {latest} to {BEST} ({reason}); the checkpoint itself is written "
-                                       f"and --resume auto writes {BEST} again from it") from None
-        raise CheckpointWriteError(f"could not write a checkpoint to {output_dir} ({reason}); "
-                                   "the checkpoints already there are intact") from None
+            raise CheckpointWriteError(
+                f"could not copy {latest} to {BEST} ({reason}); the checkpoint itself is written "
+                f"and --resume auto writes {BEST} again from it"
+            ) from None
+        raise CheckpointWriteError(
+            f"could not write a checkpoint to {output_dir} ({reason}); the checkpoints already there are intact"
+        ) from None
     finally:  # Ctrl-C, a full disk: no full-size temporary left behind
         if new is not None:
             new.unlink(missing_ok=True)
@@ -103,11 +91,15 @@ def copy_to_best(path, output_dir):
 
 
 def stale_best(checkpoint, path, latest, best, peek):
-    """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: that checkpoint is the latest
-    (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or another
+    """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: that checkpoint is the
+    latest (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or another
     checkpoint's (an earlier one's; or, after a resume from checkpoint_prev, the same epoch of the lost leg)."""
     epoch = checkpoint.get("epoch")
-    if checkpoint.get("best_epoch") != epoch or checkpoint.get("step_in_epoch") or Path(path).resolve() != latest.resolve():
+    if (
+        checkpoint.get("best_epoch") != epoch
+        or checkpoint.get("step_in_epoch")
+        or Path(path).resolve() != latest.resolve()
+    ):
         return False
     try:  # (model_best.pth is the checkpoint's copy, or its export: the same checkpoint_id)
         return not best.exists() or peek(best).get("checkpoint_id") != checkpoint.get("checkpoint_id")
@@ -121,10 +113,14 @@ def resolve_resume(resume, output_dir):
         return None
     if Path(resume).is_dir():
         if (Path(resume) / "state.pth").is_file():  # (sharded_checkpoint.STATE)
-            raise UsageError(f"--resume {resume}: a sharded checkpoint of train_fsdp.py; resume it with train_fsdp.py, "
-                             "or write its weights as one file (python tools/export_checkpoint.py DIR model.pth) to "
-                             "evaluate or fine-tune here")
-        raise UsageError(f"--resume {resume}: a directory; give a checkpoint file (OUTPUT/checkpoint.pth), or --resume auto")
+            raise UsageError(
+                f"--resume {resume}: a sharded checkpoint of train_fsdp.py; resume it with train_fsdp.py, "
+                "or write its weights as one file (python tools/export_checkpoint.py DIR model.pth) to "
+                "evaluate or fine-tune here"
+            )
+        raise UsageError(
+            f"--resume {resume}: a directory; give a checkpoint file (OUTPUT/checkpoint.pth), or --resume auto"
+        )
     if not Path(resume).is_file():
         raise UsageError(f"--resume {resume}: no such file (give a checkpoint.pth, or --resume auto)")
     return Path(resume)
@@ -169,8 +165,9 @@ def check_crcs(path):
                     while record.read(1 << 24):
                         pass
             except zipfile.BadZipFile:
-                raise UsageError(f"cannot read checkpoint {path}: corrupt (its record {info.filename} fails its "
-                                 "CRC-32 check)") from None
+                raise UsageError(
+                    f"cannot read checkpoint {path}: corrupt (its record {info.filename} fails its CRC-32 check)"
+                ) from None
             except (OSError, EOFError):  # cut short: torch.load says
                 return
 
@@ -194,19 +191,30 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
     except pickle.UnpicklingError as error:
         unsafe = "Unsupported global" in str(error) and unsafe_global(error)
         if unsafe:
-            raise UsageError(f"refusing to load {path}: it holds a Python object ({unsafe}), "
-                             "not only tensors and plain data; nothing in it was run")
+            raise UsageError(
+                f"refusing to load {path}: it holds a Python object ({unsafe}), "
+                "not only tensors and plain data; nothing in it was run"
+            )
         raise UsageError(f"cannot read checkpoint {path}: not a PyTorch checkpoint")
     except Exception as error:  # truncated zip, text, random bytes: the unpickler raises many kinds
-        raise UsageError(f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint "
-                         f"({type(error).__name__})")
-    if isinstance(checkpoint, dict) and "state_dict" not in checkpoint and checkpoint and all(
-            isinstance(value, torch.Tensor) for value in checkpoint.values()):
+        raise UsageError(
+            f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint ({type(error).__name__})"
+        )
+    if (
+        isinstance(checkpoint, dict)
+        and "state_dict" not in checkpoint
+        and checkpoint
+        and all(isinstance(value, torch.Tensor) for value in checkpoint.values())
+    ):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
     if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
         return checkpoint
-    if foreign and isinstance(checkpoint, dict) and "state_dict" not in checkpoint and isinstance(
-            checkpoint.get("model"), dict):
+    if (
+        foreign
+        and isinstance(checkpoint, dict)
+        and "state_dict" not in checkpoint
+        and isinstance(checkpoint.get("model"), dict)
+    ):
         checkpoint["state_dict"] = checkpoint["model"]
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
@@ -224,8 +232,10 @@ def check_weights(checkpoint, arch, classes, path):
         raise UsageError(f"{path} was trained on {len(saved_classes)} classes, the data has {len(classes)}")
     if saved_classes != classes and saved_classes:
         index = next(index for index, (a, b) in enumerate(zip(saved_classes, classes)) if a != b)
-        raise UsageError(f"{path} was trained on other classes than the data's: its class {index} is "
-                         f"{saved_classes[index]}, the data's {classes[index]}")
+        raise UsageError(
+            f"{path} was trained on other classes than the data's: its class {index} is "
+            f"{saved_classes[index]}, the data's {classes[index]}"
+        )
 
 
 def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
@@ -245,29 +255,42 @@ def init_from(model, path, arch, channels, num_classes):
     on the data's `channels` gets a first convolution made for them first (else models.adapt_first_conv adapts the
     RGB one after). Anything else that differs is refused in one line. Returns what was changed, for the header."""
     from .models import _classifiers, adapt_first_conv, first_conv
+
     if not Path(path).is_file():
         raise UsageError(f"--init-from {path}: no such file")
     with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
         weights, changes = load_checkpoint(path, foreign=True)["state_dict"], []
     first, _ = first_conv(model)
     given = weights.get(f"{first}.weight")
-    if given is not None and given.ndim == 4 and given.shape[1] == channels != 3 and adapt_first_conv(
-            model, arch, channels, pretrained=False):
+    if (
+        given is not None
+        and given.ndim == 4
+        and given.shape[1] == channels != 3
+        and adapt_first_conv(model, arch, channels, pretrained=False)
+    ):
         changes.append(f"{first}: 3 -> {channels} channels, as in {Path(path).name}")
     own = model.state_dict()
     heads = {f"{name}.{part}" for name, _ in _classifiers(model, num_classes) for part in ("weight", "bias")}
     differ = [key for key in own if key in weights and weights[key].shape != own[key].shape]
     # (BatchNorm's counter, absent from older files: torch's strict load takes them without it too)
     missing = [key for key in own if key not in weights and not key.endswith("num_batches_tracked")]
-    problems = [f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-                for what, keys in (("missing", missing),
-                                   ("not in the model", [key for key in weights if key not in own]),
-                                   ("of other shapes", [key for key in differ if key not in heads])) if keys]
+    problems = [
+        f"{what} {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        for what, keys in (
+            ("missing", missing),
+            ("not in the model", [key for key in weights if key not in own]),
+            ("of other shapes", [key for key in differ if key not in heads]),
+        )
+        if keys
+    ]
     if problems:
         raise UsageError(f"--init-from {path} does not fit --arch {arch}: weights {'; '.join(problems)}")
     model.load_state_dict({key: value for key, value in weights.items() if key not in differ}, strict=False)
-    return changes + [f"{key.rsplit('.', 1)[0]}: {weights[key].shape[0]} -> {num_classes} classes, new weights"
-                      for key in differ if key.endswith(".weight")]
+    return changes + [
+        f"{key.rsplit('.', 1)[0]}: {weights[key].shape[0]} -> {num_classes} classes, new weights"
+        for key in differ
+        if key.endswith(".weight")
+    ]
 
 
 class SingleFile:
@@ -285,9 +308,15 @@ class SingleFile:
         return load_checkpoint(path, mmap=True)
 
     def load_resume(self, resume, output_dir, warn):
-        if resume == "auto" and not (Path(output_dir) / CHECKPOINT).is_file() and (Path(output_dir) / "checkpoint").is_dir():
-            raise UsageError(f"{output_dir} holds a run of train_fsdp.py (sharded checkpoints in checkpoint/): continue "
-                             "it with train_fsdp.py, or choose another --output-dir")
+        if (
+            resume == "auto"
+            and not (Path(output_dir) / CHECKPOINT).is_file()
+            and (Path(output_dir) / "checkpoint").is_dir()
+        ):
+            raise UsageError(
+                f"{output_dir} holds a run of train_fsdp.py (sharded checkpoints in checkpoint/): continue "
+                "it with train_fsdp.py, or choose another --output-dir"
+            )
         path, checkpoint = load_resume(resume, output_dir, warn)
         self.fell_back = resume == "auto" and path is not None and path.name == PREVIOUS
         return path, checkpoint
@@ -316,7 +345,10 @@ class SingleFile:
         output_dir = Path(output_dir)
         if stale_best(checkpoint, path, output_dir / CHECKPOINT, output_dir / BEST, self.peek):
             copy_to_best(path, output_dir)
-            say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: copied again from {path}")
+            say(
+                f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: "
+                f"copied again from {path}"
+            )
 
     def wait(self):
         """Nothing to wait for: a single file is written when write() returns."""
@@ -339,17 +371,24 @@ def check_format(checkpoint, path):
     if not is_ours(checkpoint) or version == FORMAT_VERSION:
         return
     if version in WRITTEN_BY:
-        raise UsageError(f"{path} was written by an earlier version of these scripts (checkpoint format "
-                         f"{version or 'without a version'}; this one resumes format {FORMAT_VERSION}): finish that "
-                         f"run with the version that wrote it (git checkout {WRITTEN_BY[version]}), or start afresh "
-                         "with --overwrite (its weights still load: -e, or --resume for a fresh start elsewhere)")
-    raise UsageError(f"{path} was written by a newer version of these scripts (checkpoint format {version}; this one "
-                     f"resumes format {FORMAT_VERSION}): resume it with that version")
+        raise UsageError(
+            f"{path} was written by an earlier version of these scripts (checkpoint format "
+            f"{version or 'without a version'}; this one resumes format {FORMAT_VERSION}): finish that "
+            f"run with the version that wrote it (git checkout {WRITTEN_BY[version]}), or start afresh "
+            "with --overwrite (its weights still load: -e, or --resume for a fresh start elsewhere)"
+        )
+    raise UsageError(
+        f"{path} was written by a newer version of these scripts (checkpoint format {version}; this one "
+        f"resumes format {FORMAT_VERSION}): resume it with that version"
+    )
 
 
 def samples(trainer):
-    return {"train": len(trainer._data.train_loader.dataset), "val": len(trainer._data.val_loader.dataset),
-            "steps": trainer.steps_per_epoch}
+    return {
+        "train": len(trainer._data.train_loader.dataset),
+        "val": len(trainer._data.val_loader.dataset),
+        "steps": trainer.steps_per_epoch,
+    }
 
 
 def assemble(trainer, epoch, step_in_epoch, metrics=None):
@@ -357,20 +396,33 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
     the partial epoch's `metrics`. A collective (every rank calls it: it gathers the ranks' random streams, their
     unreadable files and metric sums); the writer rank saves what it returns."""
     ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
-    return {"format_version": FORMAT_VERSION, "epoch": epoch, "step_in_epoch": step_in_epoch,
-            "arch": trainer.config.arch, "num_classes": len(trainer.classes), "classes": list(trainer.classes),
-            "seed": trainer.seed, "world_size": trainer.runtime.world_size, "deterministic": trainer._deterministic,
-            "args": dict(vars(trainer.config)), "samples": samples(trainer),
-            **trainer._checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
-            "scheduler": trainer.scheduler.state_dict(), "scheduler_type": type(trainer.scheduler).__name__,
-            "scaler": trainer.scaler.state_dict(), "best_acc1": trainer._best_acc1, "best_epoch": trainer._best_epoch,
-            "epoch_lr": trainer._epoch_lr,
-            "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
-            "rng_states": distributed.all_gather_object(trainer._rng.state_dict()),
-            "bad_images": trainer._bad_images.state_dict(),
-            # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
-            "criterion": copy.deepcopy(trainer.criterion.state_dict()),
-            "trainer_state": _own_state(trainer), **ema}
+    return {
+        "format_version": FORMAT_VERSION,
+        "epoch": epoch,
+        "step_in_epoch": step_in_epoch,
+        "arch": trainer.config.arch,
+        "num_classes": len(trainer.classes),
+        "classes": list(trainer.classes),
+        "seed": trainer.seed,
+        "world_size": trainer.runtime.world_size,
+        "deterministic": trainer._deterministic,
+        "args": dict(vars(trainer.config)),
+        "samples": samples(trainer),
+        **trainer._checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
+        "scheduler": trainer.scheduler.state_dict(),
+        "scheduler_type": type(trainer.scheduler).__name__,
+        "scaler": trainer.scaler.state_dict(),
+        "best_acc1": trainer._best_acc1,
+        "best_epoch": trainer._best_epoch,
+        "epoch_lr": trainer._epoch_lr,
+        "train_totals": metrics.state_dict() if metrics is not None and step_in_epoch else None,
+        "rng_states": distributed.all_gather_object(trainer._rng.state_dict()),
+        "bad_images": trainer._bad_images.state_dict(),
+        # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
+        "criterion": copy.deepcopy(trainer.criterion.state_dict()),
+        "trainer_state": _own_state(trainer),
+        **ema,
+    }
 
 
 def restore(trainer, checkpoint, path):
@@ -386,7 +438,9 @@ def restore(trainer, checkpoint, path):
         trainer.start_step = int(checkpoint.get("step_in_epoch", 0))
         if (is_ours(checkpoint) or "exported_from" in checkpoint) and "model_ema" in checkpoint:
             trainer.ema = trainer.ema_for_evaluation()
-            checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
+            checkpoints.load_weights(
+                trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema"
+            )
         return
     trainer._best_acc1 = float(checkpoint.get("best_acc1", 0.0))
     if not is_ours(checkpoint):
@@ -400,15 +454,19 @@ def restore(trainer, checkpoint, path):
         try:
             checkpoints.repair_best(checkpoint, path, config.output_dir, trainer.log.print)
         except (OSError, UsageError) as error:  # (still a full disk, a shard it cannot read): training goes on
-            trainer.log.print(f"warning: could not write model_best.pth again from {path} ({' '.join(str(error).split())[:200]}); "
-                              "it holds an earlier epoch until a better one is saved")
+            trainer.log.print(
+                f"warning: could not write model_best.pth again from {path} ({' '.join(str(error).split())[:200]}); "
+                "it holds an earlier epoch until a better one is saved"
+            )
     _restore_position(trainer, checkpoint, path)
     _load_optimizer(trainer, checkpoint, path)
     _restore_scheduler(trainer, checkpoint, path)
     trainer.scaler.load_state_dict(checkpoint["scaler"])
     if trainer.ema is not None:
         if "model_ema" in checkpoint:
-            checkpoints.load_weights(trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema")
+            checkpoints.load_weights(
+                trainer.ema.module, checkpoint, config.arch, trainer.classes, path, key="model_ema"
+            )
             trainer.ema.restart(int(checkpoint["model_ema"]["n_averaged"]), copy=False)
         else:
             trainer.ema.restart(0)
@@ -426,8 +484,10 @@ def _load_criterion(trainer, state, path):
     try:
         trainer.criterion.load_state_dict(state)
     except RuntimeError as error:
-        raise UsageError(f"{path}: its criterion's state does not fit this run's build_criterion: "
-                         f"{' '.join(str(error).split())[:300]}") from None
+        raise UsageError(
+            f"{path}: its criterion's state does not fit this run's build_criterion: "
+            f"{' '.join(str(error).split())[:300]}"
+        ) from None
 
 
 def _own_state(trainer):
@@ -440,8 +500,10 @@ def _own_state(trainer):
         try:
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except pickle.UnpicklingError as error:
-            raise UsageError(f"{type(trainer).__name__}.state_dict() returned {unsafe_global(error) or 'an object'}, "
-                             "which a resume cannot load (weights_only): return plain data and tensors") from None
+            raise UsageError(
+                f"{type(trainer).__name__}.state_dict() returned {unsafe_global(error) or 'an object'}, "
+                "which a resume cannot load (weights_only): return plain data and tensors"
+            ) from None
         trainer._own_state_checked = True
     return own
 
@@ -453,8 +515,10 @@ def _check_run(trainer, checkpoint, path):
         with_it = f"with --trainer {saved['trainer']}" if saved["trainer"] else "without --trainer"
         raise UsageError(f"{path} was trained {with_it}: resume it so (a trainer's state and steps are its own)")
     if saved["opt"] != trainer.config.opt:
-        raise UsageError(f"{path} was trained with --opt {saved['opt']}: resume it with --opt {saved['opt']} "
-                         "(its optimizer state is that optimizer's)")
+        raise UsageError(
+            f"{path} was trained with --opt {saved['opt']}: resume it with --opt {saved['opt']} "
+            "(its optimizer state is that optimizer's)"
+        )
 
 
 def _restore_position(trainer, checkpoint, path):
@@ -467,16 +531,21 @@ def _restore_position(trainer, checkpoint, path):
     trained = step >= saved["steps"]
     changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val") if saved[split] != now[split]]
     if step and not trained and saved["train"] != now["train"]:
-        raise UsageError(f"{path} stopped part-way through an epoch of {saved['train']} training images; "
-                         f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
-                         "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end")
+        raise UsageError(
+            f"{path} stopped part-way through an epoch of {saved['train']} training images; "
+            f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
+            "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end"
+        )
     if changed:
-        trainer.log.print(f"warning: the data changed since {path} (images: {', '.join(changed)}): the run goes "
-                          "on with the data as it is now (its epochs, lr schedule and accuracy follow the new counts)")
+        trainer.log.print(
+            f"warning: the data changed since {path} (images: {', '.join(changed)}): the run goes "
+            "on with the data as it is now (its epochs, lr schedule and accuracy follow the new counts)"
+        )
     saved_batch = checkpoint["args"]["batch_size"]
     if step and not trained and saved_batch != trainer.config.batch_size:
-        raise UsageError(f"{path} stopped part-way through an epoch with global batch {saved_batch}: "
-                         f"resume it with -b {saved_batch}")
+        raise UsageError(
+            f"{path} stopped part-way through an epoch with global batch {saved_batch}: resume it with -b {saved_batch}"
+        )
     trainer.start_step = trainer.steps_per_epoch if trained else step
     if step:
         trainer._resumed_totals = checkpoint["train_totals"]
@@ -490,8 +559,10 @@ def _load_optimizer(trainer, checkpoint, path):
         saved = checkpoint.get("args", {})
         names = ("norm_weight_decay", "bias_weight_decay")
         flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}" for name in names]
-        raise UsageError(f"{path} holds an optimizer with other parameter groups than this run's: resume it as it "
-                         f"was started, with {' and '.join(flags)} (and the same build_optimizer)") from None
+        raise UsageError(
+            f"{path} holds an optimizer with other parameter groups than this run's: resume it as it "
+            f"was started, with {' and '.join(flags)} (and the same build_optimizer)"
+        ) from None
 
 
 def _restore_scheduler(trainer, checkpoint, path):
@@ -501,11 +572,18 @@ def _restore_scheduler(trainer, checkpoint, path):
     done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
     scheduler, kind = trainer.scheduler, type(trainer.scheduler).__name__
     if not is_ours(checkpoint):
-        checkpoint = {"scheduler": {"last_epoch": done, "steps_per_epoch": trainer.steps_per_epoch}, "scheduler_type": kind}
+        checkpoint = {
+            "scheduler": {"last_epoch": done, "steps_per_epoch": trainer.steps_per_epoch},
+            "scheduler_type": kind,
+        }
     if checkpoint["scheduler_type"] != kind:
-        raise UsageError(f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
-                         "with the scheduler it was trained with")
+        raise UsageError(
+            f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
+            "with the scheduler it was trained with"
+        )
     scheduler.load_state_dict(checkpoint["scheduler"])
     if scheduler.last_epoch != done:
-        raise UsageError(f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
-                         "stepped once per optimizer step, by the trainer alone")
+        raise UsageError(
+            f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
+            "stepped once per optimizer step, by the trainer alone"
+        )

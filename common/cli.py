@@ -5,6 +5,7 @@ precedence, from: the command line, the platform's environment variables (EPOCHS
 DATASETS_PATH + DATASETS, WORKSPACE, BACKEND; train_spawn.py also WORKER_PER_NODE, MASTER_ADDR, MASTER_PORT),
 and the presets (common/config.py). This module imports no torch: --help and usage errors are instant.
 """
+
 import argparse
 import math
 
@@ -91,182 +92,416 @@ def parse_args(parser, argv=None, mode="dp"):
 
 def _fsdp_flags(add):
     """The sharding's options (common/fsdp.py, common/sharded_checkpoint.py)."""
-    add("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+    add(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="free each unit's gathered parameters after its forward and gather them again for backward (ZeRO-3: "
-             "least memory); --no-reshard-after-forward keeps them until backward (one all-gather less per unit)")
-    add("--activation-checkpointing", action="store_true",
+        "least memory); --no-reshard-after-forward keeps them until backward (one all-gather less per unit)",
+    )
+    add(
+        "--activation-checkpointing",
+        action="store_true",
         help="recompute each unit's activations in backward instead of keeping them: less memory, about a third "
-             "more compute")
-    add("--cpu-offload", action="store_true",
-        help="keep parameters, gradients and optimizer state in host memory, the optimizer step on the CPU (GPU only)")
-    add("--async-checkpoint", action="store_true",
-        help="write checkpoints while training goes on (copied to host memory first); a stop and the end wait for it")
+        "more compute",
+    )
+    add(
+        "--cpu-offload",
+        action="store_true",
+        help="keep parameters, gradients and optimizer state in host memory, the optimizer step on the CPU (GPU only)",
+    )
+    add(
+        "--async-checkpoint",
+        action="store_true",
+        help="write checkpoints while training goes on (copied to host memory first); a stop and the end wait for it",
+    )
 
 
 def _data_flags(add):
     """The data and how it is read."""
     add("data_positional", nargs="?", metavar="DIR", help="same as --data")
-    add("--data", metavar="DIR", help="ImageFolder root with train/<class>/* and val/<class>/*, or a folder with "
-        "train.csv and val.csv (or .tsv) of path,label lines (default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)")
-    add("--dataset", dest="dataset_fn", default=None, metavar="PKG.MOD:FN",
-        help="your own data: FN(args) returns (classes, train_set, val_set) of (image, label) items (docs/adapting.md)")
-    add("--mean", type=floats, default=None, metavar="M,M,M",
-        help="per-channel mean of the images, 0-1 scale (default: the dataset's .mean, else ImageNet's)")
-    add("--std", type=floats, default=None, metavar="S,S,S",
-        help="per-channel std of the images, 0-1 scale (default: the dataset's .std, else ImageNet's)")
-    add("--trainer", default=None, metavar="PKG.MOD:CLASS",
-        help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)")
+    add(
+        "--data",
+        metavar="DIR",
+        help="ImageFolder root with train/<class>/* and val/<class>/*, or a folder with train.csv and val.csv (or "
+        ".tsv) of path,label lines (default: $DATASETS_PATH/<first of $DATASETS>, else the built-in demo set)",
+    )
+    add(
+        "--dataset",
+        dest="dataset_fn",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="your own data: FN(args) returns (classes, train_set, val_set) of (image, label) items (docs/adapting.md)",
+    )
+    add(
+        "--mean",
+        type=floats,
+        default=None,
+        metavar="M,M,M",
+        help="per-channel mean of the images, 0-1 scale (default: the dataset's .mean, else ImageNet's)",
+    )
+    add(
+        "--std",
+        type=floats,
+        default=None,
+        metavar="S,S,S",
+        help="per-channel std of the images, 0-1 scale (default: the dataset's .std, else ImageNet's)",
+    )
+    add(
+        "--trainer",
+        default=None,
+        metavar="PKG.MOD:CLASS",
+        help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)",
+    )
     add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
     add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
 
 
 def _model_flags(add):
     """The model."""
-    add("-a", "--arch", default="resnet18",
-        help="any torchvision classification model, or package.module:callable for your own (%(default)s)")
-    add("--pretrained", action="store_true", help="start from torchvision's default weights for --arch; on "
-        "ImageNet-style data and --dummy, validation takes the weights' resize, crop and interpolation")
-    add("--weights", default=None, metavar="NAME",
+    add(
+        "-a",
+        "--arch",
+        default="resnet18",
+        help="any torchvision classification model, or package.module:callable for your own (%(default)s)",
+    )
+    add(
+        "--pretrained",
+        action="store_true",
+        help="start from torchvision's default weights for --arch; on "
+        "ImageNet-style data and --dummy, validation takes the weights' resize, crop and interpolation",
+    )
+    add(
+        "--weights",
+        default=None,
+        metavar="NAME",
         help="--pretrained with this weight set of --arch, as torchvision names it (ResNet50_Weights.IMAGENET1K_V2 "
-             "or IMAGENET1K_V2)")
-    add("--init-from", default=None, metavar="PATH",
+        "or IMAGENET1K_V2)",
+    )
+    add(
+        "--init-from",
+        default=None,
+        metavar="PATH",
         help="start from the weights in PATH (a checkpoint of these scripts or of torchvision's references, or a "
-             "state dict), another number of classes' heads replaced and the first convolution adapted to the "
-             "data's channels, as --pretrained's")
+        "state dict), another number of classes' heads replaced and the first convolution adapted to the "
+        "data's channels, as --pretrained's",
+    )
     add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
 
 
 def _training_flags(add):
     """The optimizer, its schedule and the loop."""
-    add("-j", "--workers", type=workers_count, default="auto", metavar="N|auto",
+    add(
+        "-j",
+        "--workers",
+        type=workers_count,
+        default="auto",
+        metavar="N|auto",
         help="data loading workers per process; auto: this node's usable cores shared among its processes, "
-             "one core left to each process, at most 16 each (%(default)s)")
+        "one core left to each process, at most 16 each (%(default)s)",
+    )
     add("--epochs", type=int, default=None, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
-    add("-b", "--batch-size", type=int, default=None, metavar="N",
-        help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)")
-    add("--lr", "--learning-rate", type=float, default=None, dest="lr", metavar="LR",
-        help="learning rate for the global batch (env LR; 0.1; demo 0.04)")
-    add("--opt", choices=["sgd", "sgd-nesterov", "adamw", "rmsprop"], default="sgd",
-        help="optimizer, as torchvision's train.py builds it (%(default)s)")
+    add(
+        "-b",
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)",
+    )
+    add(
+        "--lr",
+        "--learning-rate",
+        type=float,
+        default=None,
+        dest="lr",
+        metavar="LR",
+        help="learning rate for the global batch (env LR; 0.1; demo 0.04)",
+    )
+    add(
+        "--opt",
+        choices=["sgd", "sgd-nesterov", "adamw", "rmsprop"],
+        default="sgd",
+        help="optimizer, as torchvision's train.py builds it (%(default)s)",
+    )
     add("--momentum", type=float, default=None, metavar="M", help="momentum of sgd and rmsprop (0.9)")
-    add("--wd", "--weight-decay", type=float, default=None, dest="weight_decay", metavar="W",
-        help="weight decay (1e-4; tv-v2 2e-5)")
+    add(
+        "--wd",
+        "--weight-decay",
+        type=float,
+        default=None,
+        dest="weight_decay",
+        metavar="W",
+        help="weight decay (1e-4; tv-v2 2e-5)",
+    )
     add("--label-smoothing", type=float, default=None, metavar="E", help="label smoothing (0; tv-v2 0.1)")
-    add("--lr-schedule", choices=["step", "cosine", "constant"], default=None,
-        help="step: x gamma every --lr-step-size epochs (default; demo: cosine)")
-    add("--lr-step-unit", choices=["step", "epoch"], default=None,
+    add(
+        "--lr-schedule",
+        choices=["step", "cosine", "constant"],
+        default=None,
+        help="step: x gamma every --lr-step-size epochs (default; demo: cosine)",
+    )
+    add(
+        "--lr-step-unit",
+        choices=["step", "epoch"],
+        default=None,
         help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
-             "train.py (default under --preset tv-v2)")
+        "train.py (default under --preset tv-v2)",
+    )
     add("--lr-min", type=float, default=0.0, metavar="LR", help="where the cosine schedule ends (%(default)s)")
-    add("--grad-accum-steps", type=int, default=1, metavar="N",
+    add(
+        "--grad-accum-steps",
+        type=int,
+        default=1,
+        metavar="N",
         help="each optimizer step sums the gradients of N micro-batches; -b stays the global batch of one step "
-             "(%(default)s)")
-    add("--clip-grad-norm", type=float, default=None, metavar="N",
-        help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping")
+        "(%(default)s)",
+    )
+    add(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        metavar="N",
+        help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping",
+    )
     add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
     add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
-    add("--warmup-epochs", type=float, default=None, metavar="N",
-        help="linear warmup from 1%% of --lr (0; demo 1)")
+    add("--warmup-epochs", type=float, default=None, metavar="N", help="linear warmup from 1%% of --lr (0; demo 1)")
     add("-p", "--print-freq", type=int, default=None, metavar="N", help="steps between progress lines (10; demo 20)")
+    _image_size_flags(add)
+
+
+def _image_size_flags(add):
+    """The training crop and flip, and validation's resize and crop."""
     add("--train-crop-size", type=int, default=None, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
     add("--val-resize-size", type=int, default=None, metavar="PX", help="validation resize (256; demo 36)")
     add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
-    add("--min-crop-scale", type=float, default=None, metavar="S",
-        help="RandomResizedCrop's smallest share of the image's area (0.08; demo 0.7)")
+    add(
+        "--min-crop-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help="RandomResizedCrop's smallest share of the image's area (0.08; demo 0.7)",
+    )
     add("--hflip-prob", type=float, default=0.5, metavar="P", help="horizontal flip probability (%(default)s)")
-    add("--interpolation", choices=["bilinear", "bicubic", "nearest"], default=None,
-        help="image resizing in training and validation (bilinear; validation with --pretrained: the weights')")
+    add(
+        "--interpolation",
+        choices=["bilinear", "bicubic", "nearest"],
+        default=None,
+        help="image resizing in training and validation (bilinear; validation with --pretrained: the weights')",
+    )
 
 
 def _run_flags(add):
     """Checkpoints, outputs, stops and repeatability."""
-    add("--resume", metavar="PATH|auto", default="",
-        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh")
-    add("--overwrite", action="store_true",
-        help="start afresh in an --output-dir that holds a run, deleting its checkpoints (else refused)")
-    add("--strict-data", action="store_true",
-        help="stop at the first image that cannot be decoded (default: skip it, list it in bad_images.txt)")
-    add("--checkpoint-interval", type=int, default=0, metavar="STEPS",
-        help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)")
+    add(
+        "--resume",
+        metavar="PATH|auto",
+        default="",
+        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh",
+    )
+    add(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --output-dir that holds a run, deleting its checkpoints (else refused)",
+    )
+    add(
+        "--strict-data",
+        action="store_true",
+        help="stop at the first image that cannot be decoded (default: skip it, list it in bad_images.txt)",
+    )
+    add(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)",
+    )
     add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
-    add("--seed", type=int, default=None,
-        help="seed everything: the same seed gives the same run on the CPU (on GPUs see --deterministic)")
-    add("--deterministic", action="store_true",
-        help="deterministic GPU kernels, no cuDNN autotuning: with --seed, bitwise repeatable GPU runs (slower)")
-    add("--output-dir", default=None, metavar="DIR",
-        help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)")
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed everything: the same seed gives the same run on the CPU (on GPUs see --deterministic)",
+    )
+    add(
+        "--deterministic",
+        action="store_true",
+        help="deterministic GPU kernels, no cuDNN autotuning: with --seed, bitwise repeatable GPU runs (slower)",
+    )
+    add(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)",
+    )
 
 
 def _device_flags(add):
     """Devices, processes and speed."""
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
     add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
-    add("--stop-grace", type=float, default=env_default("STOP_GRACE", float) or 30, metavar="SECONDS",
+    add(
+        "--stop-grace",
+        type=float,
+        default=env_default("STOP_GRACE", float) or 30,
+        metavar="SECONDS",
         help="how long the launcher lets a stop signal's clean stop take before it kills (torchrun's "
-             "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
-             "third of it for a batch (default: %(default)s, torchrun's own)")
-    add("--dist-timeout", type=float, default=1800, metavar="SECONDS",
-        help="a collective waiting this long for a stalled rank fails the job (%(default)s)")
+        "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
+        "third of it for a batch (default: %(default)s, torchrun's own)",
+    )
+    add(
+        "--dist-timeout",
+        type=float,
+        default=1800,
+        metavar="SECONDS",
+        help="a collective waiting this long for a stalled rank fails the job (%(default)s)",
+    )
     add("--sync-bn", action="store_true", help="SyncBatchNorm: BatchNorm statistics over the global batch (GPU only)")
-    add("--save-on", choices=["global", "node"], default="global",
-        help="global: rank 0 writes; node: local rank 0 of every node writes (no shared file system)")
+    add(
+        "--save-on",
+        choices=["global", "node"],
+        default="global",
+        help="global: rank 0 writes; node: local rank 0 of every node writes (no shared file system)",
+    )
     add("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision (%(default)s)")
-    add("--channels-last", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+    add(
+        "--channels-last",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
         help="NHWC memory format for model and images (alone: on); auto: on for convolutional networks on the "
-             "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)")
+        "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)",
+    )
     add("--compile", action="store_true", help="torch.compile the model")
-    add("--find-unused-parameters", action="store_true",
-        help="DDP: for models whose forward leaves parameters unused (else DDP stops with an error naming them); slower")
+    add(
+        "--find-unused-parameters",
+        action="store_true",
+        help="DDP: for models whose forward leaves parameters unused (else DDP stops with an error naming them); "
+        "slower",
+    )
 
 
 def _diagnostics_flags(add):
     """What limits the run (common/diagnostics.py; docs/benchmarks.md, "Why is my run slow?")."""
-    add("--profile", type=profile_spec, default=None, metavar="START:STEPS",
+    add(
+        "--profile",
+        type=profile_spec,
+        default=None,
+        metavar="START:STEPS",
         help="record torch.profiler over STEPS training steps from step START of this launch (its first is 0): "
-             "one Chrome trace per rank in OUTPUT_DIR/profile/ (off)")
-    add("--peak-tflops", type=positive, default=None, metavar="TFLOPS",
+        "one Chrome trace per rank in OUTPUT_DIR/profile/ (off)",
+    )
+    add(
+        "--peak-tflops",
+        type=positive,
+        default=None,
+        metavar="TFLOPS",
         help="one device's peak TFLOP/s at this run's precision, for the utilisation (mfu_pct) of a GPU whose peak "
-             "common/diagnostics.py does not know")
-    add("--memory-history", action="store_true",
+        "common/diagnostics.py does not know",
+    )
+    add(
+        "--memory-history",
+        action="store_true",
         help="GPU: record the allocator's history, so that the snapshot written on out-of-memory holds each "
-             "allocation's stack (slower)")
+        "allocation's stack (slower)",
+    )
 
 
 def _recipe_flags(parser):
-    r = parser.add_argument_group("recipe", "today's ImageNet training recipe, from torchvision's own parts "
-                                  "(flag names as in torchvision's references/classification/train.py)")
+    r = parser.add_argument_group(
+        "recipe",
+        "today's ImageNet training recipe, from torchvision's own parts "
+        "(flag names as in torchvision's references/classification/train.py)",
+    )
     add = r.add_argument
-    add("--preset", choices=sorted(RECIPES), default=None,
+    add(
+        "--preset",
+        choices=sorted(RECIPES),
+        default=None,
         help="tv-v2: torchvision's ResNet-50 V2 recipe (published 80.86%% acc@1, not measured here); "
-             "on the demo set only its augmentation and regularisation, with the demo's epochs, batch, lr "
-             "and sizes")
+        "on the demo set only its augmentation and regularisation, with the demo's epochs, batch, lr "
+        "and sizes",
+    )
     add("--mixup-alpha", type=float, default=None, metavar="A", help="MixUp, per batch on the device (0: off)")
-    add("--cutmix-alpha", type=float, default=None, metavar="A",
-        help="CutMix, per batch on the device (0: off); with --mixup-alpha, one of the two per batch")
-    add("--auto-augment", choices=["none", "ta_wide", "ra", "aa", "imagenet", "augmix"], default=None,
+    add(
+        "--cutmix-alpha",
+        type=float,
+        default=None,
+        metavar="A",
+        help="CutMix, per batch on the device (0: off); with --mixup-alpha, one of the two per batch",
+    )
+    add(
+        "--auto-augment",
+        choices=["none", "ta_wide", "ra", "aa", "imagenet", "augmix"],
+        default=None,
         help="TrivialAugmentWide, RandAugment, AutoAugment's ImageNet policy (aa, or torchvision's name imagenet) "
-             "or AugMix, per image (none)")
+        "or AugMix, per image (none)",
+    )
     add("--ra-magnitude", type=int, default=None, metavar="M", help="RandAugment magnitude (9)")
     add("--augmix-severity", type=int, default=3, metavar="S", help="AugMix severity, 1 to 10 (%(default)s)")
-    add("--random-erase", type=float, default=None, metavar="P",
-        help="RandomErasing probability, per image, filling with the mean pixel (0)")
-    add("--model-ema", action="store_const", const=True, default=None,
-        help="keep an exponential moving average of the weights, evaluated and checkpointed beside them")
-    add("--model-ema-decay", type=float, default=None, metavar="D",
-        help="EMA decay, as torchvision's train.py adjusts it for batch, --model-ema-steps and epochs "
-             "(0.99998)")
+    add(
+        "--random-erase",
+        type=float,
+        default=None,
+        metavar="P",
+        help="RandomErasing probability, per image, filling with the mean pixel (0)",
+    )
+    add(
+        "--model-ema",
+        action="store_const",
+        const=True,
+        default=None,
+        help="keep an exponential moving average of the weights, evaluated and checkpointed beside them",
+    )
+    add(
+        "--model-ema-decay",
+        type=float,
+        default=None,
+        metavar="D",
+        help="EMA decay, as torchvision's train.py adjusts it for batch, --model-ema-steps and epochs (0.99998)",
+    )
     add("--model-ema-steps", type=int, default=None, metavar="N", help="optimizer steps between EMA updates (32)")
-    add("--norm-weight-decay", type=float, default=None, metavar="W",
-        help="weight decay of normalisation layers' weights and biases (default: --wd)")
-    add("--bias-weight-decay", type=float, default=None, metavar="W",
-        help="weight decay of the other layers' biases (default: --wd)")
-    add("--ra-sampler", action="store_const", const=True, default=None,
-        help="repeated augmentation: each image --ra-reps times per epoch, differently augmented, "
-             "on different ranks")
+    _recipe_schedule_flags(add)
+
+
+def _recipe_schedule_flags(add):
+    """The recipe's weight decay by kind of parameter, repeated augmentation, progressive resizing, lr scaling."""
+    add(
+        "--norm-weight-decay",
+        type=float,
+        default=None,
+        metavar="W",
+        help="weight decay of normalisation layers' weights and biases (default: --wd)",
+    )
+    add(
+        "--bias-weight-decay",
+        type=float,
+        default=None,
+        metavar="W",
+        help="weight decay of the other layers' biases (default: --wd)",
+    )
+    add(
+        "--ra-sampler",
+        action="store_const",
+        const=True,
+        default=None,
+        help="repeated augmentation: each image --ra-reps times per epoch, differently augmented, on different ranks",
+    )
     add("--ra-reps", type=int, default=None, metavar="K", help="repetitions of --ra-sampler (3; tv-v2 4)")
-    add("--res-schedule", default=None, metavar="START:END:FIRST:LAST[:STEP]", type=res_schedule,
+    add(
+        "--res-schedule",
+        default=None,
+        metavar="START:END:FIRST:LAST[:STEP]",
+        type=res_schedule,
         help="progressive resizing: the training crop grows from START px at epoch FIRST to END px at epoch "
-             "LAST, linearly, rounded to a multiple of STEP px (32); overrides --train-crop-size")
-    add("--lr-scaling", choices=["none", "linear"], default=None,
+        "LAST, linearly, rounded to a multiple of STEP px (32); overrides --train-crop-size",
+    )
+    add(
+        "--lr-scaling",
+        choices=["none", "linear"],
+        default=None,
         help="linear: --lr (or LR) is for a global batch of 256 and is scaled by -b/256; a preset's lr by -b over "
-             "the preset's batch (none)")
+        "the preset's batch (none)",
+    )

@@ -6,6 +6,7 @@ The presets: defaults that depend on the data (the dataset presets) and publishe
 Precedence, highest first: the command line, the platform's environment (EPOCHS, LR, BATCH_SIZE, BACKEND),
 --preset (its "scale" part on ImageNet-style data and --dummy only), the dataset's preset, RECIPE_DEFAULTS.
 """
+
 import argparse
 import difflib
 import os
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import UsageError
-
 
 # Arguments that may differ between nodes (every other one must be alike on every rank: common/run.py):
 # loader workers, where a node holds its copy of the data (the same files: checked on their own), where it
@@ -28,8 +28,10 @@ class Config(argparse.Namespace):
         self.__dict__.update(values)
 
     def __setattr__(self, name, _value=None):
-        raise AttributeError(f"the run's configuration is frozen: {name} cannot change after it is resolved "
-                             "(config.replace(name=value) makes a changed copy)")
+        raise AttributeError(
+            f"the run's configuration is frozen: {name} cannot change after it is resolved "
+            "(config.replace(name=value) makes a changed copy)"
+        )
 
     __delattr__ = __setattr__
 
@@ -55,6 +57,7 @@ def env_default(name, kind=str):
 
 class ResSchedule(NamedTuple):
     """--res-schedule: the training crop size of each epoch (FFCV's progressive resizing)."""
+
     start: int
     end: int
     first_epoch: int
@@ -85,8 +88,9 @@ class ResSchedule(NamedTuple):
         except ValueError:
             values = []
         if len(values) not in (4, 5) or any(value < 0 for value in values):
-            raise argparse.ArgumentTypeError(f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], "
-                                             f"whole numbers, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], whole numbers, got {text!r}"
+            )
         schedule = ResSchedule(*values)
         if min(schedule.start, schedule.end, schedule.step) <= 0 or schedule.first_epoch > schedule.last_epoch:
             raise argparse.ArgumentTypeError(f"{text!r}: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH")
@@ -131,10 +135,12 @@ def _data_source(values):
         root, names = env_default("DATASETS_PATH"), env_default("DATASETS")
         if root:
             values["data"] = os.path.join(root, names.split(",")[0]) if names else root
-    values["dataset"] = ("dummy" if values["dummy"] else "custom" if values["dataset_fn"]
-                         else "imagenet" if values["data"] else "demo")
+    values["dataset"] = (
+        "dummy" if values["dummy"] else "custom" if values["dataset_fn"] else "imagenet" if values["data"] else "demo"
+    )
     if values["dataset"] == "demo":
         from .demo_data import DEFAULT_ROOT
+
         values["data"] = str(DEFAULT_ROOT)
 
 
@@ -143,13 +149,20 @@ def _layered_defaults(values):
     `from_data_preset` say which dataset preset gave what (the header names them), `lr_source` and
     `lr_reference_batch` where the lr came from and for which batch (--lr-scaling linear)."""
     preset_name = "demo" if values["dataset"] == "demo" else "imagenet"
-    from_env = {"epochs": env_default("EPOCHS", int), "batch_size": env_default("BATCH_SIZE", int),
-                "lr": env_default("LR", float), "dist_backend": env_default("BACKEND")}
+    from_env = {
+        "epochs": env_default("EPOCHS", int),
+        "batch_size": env_default("BATCH_SIZE", int),
+        "lr": env_default("LR", float),
+        "dist_backend": env_default("BACKEND"),
+    }
     layers = preset_layers(values["dataset"], preset_name, values["preset"], from_env, values["lr"])
     # --lr-scaling linear scales an lr from the batch it was given for: the user's (--lr, LR) for 256 images,
     # a preset's for that preset's batch.
     values["lr_source"], values["lr_reference_batch"] = next(
-        (name, 256 if name in ("--lr", "LR") else layer["batch_size"]) for name, layer in reversed(layers) if "lr" in layer)
+        (name, 256 if name in ("--lr", "LR") else layer["batch_size"])
+        for name, layer in reversed(layers)
+        if "lr" in layer
+    )
     chosen, origin = {}, {}
     for position, (_, layer) in enumerate(layers):
         chosen.update(layer)
@@ -157,8 +170,9 @@ def _layered_defaults(values):
     preset = PRESETS[preset_name]
     values["data_preset"] = preset_name
     values["from_data_preset"] = [name for name in preset if origin.get(name) == 1 and values.get(name) is None]
-    values["val_sizes_given"] = [name for name in ("val_resize_size", "val_crop_size", "interpolation")
-                                 if values[name] is not None]
+    values["val_sizes_given"] = [
+        name for name in ("val_resize_size", "val_crop_size", "interpolation") if values[name] is not None
+    ]
     warmup_given = values["warmup_epochs"] is not None
     for name, value in chosen.items():
         if values.get(name) is None:
@@ -190,8 +204,22 @@ def _within(values, name, low, high, what, high_open=False, low_open=False):
 
 def _check(values):
     """The values' own rules, each broken one a UsageError naming the flag."""
-    _positive(values, ["epochs", "batch_size", "lr", "print_freq", "train_crop_size", "val_resize_size",
-                       "val_crop_size", "dummy_size", "lr_step_size", "dist_timeout", "grad_accum_steps"])
+    _positive(
+        values,
+        [
+            "epochs",
+            "batch_size",
+            "lr",
+            "print_freq",
+            "train_crop_size",
+            "val_resize_size",
+            "val_crop_size",
+            "dummy_size",
+            "lr_step_size",
+            "dist_timeout",
+            "grad_accum_steps",
+        ],
+    )
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
     if values["warmup_epochs"] < 0 or (values["warmup_epochs"] > 0 and values["warmup_epochs"] >= values["epochs"]):
@@ -212,8 +240,9 @@ def _check(values):
     if values["clip_grad_norm"] is not None and values["clip_grad_norm"] <= 0:
         raise UsageError(f"--clip-grad-norm must be positive, got {values['clip_grad_norm']}")
     if values["lr_min"] and values["lr_schedule"] != "cosine":
-        raise UsageError(f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine "
-                         f"(not {values['lr_schedule']})")
+        raise UsageError(
+            f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine (not {values['lr_schedule']})"
+        )
     if values["init_from"] and (values["pretrained"] or values["weights"]):
         raise UsageError("--init-from and --pretrained both give the starting weights: choose one")
     if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
@@ -224,17 +253,25 @@ def _check(values):
 def _check_fsdp(values):
     """What train_fsdp.py cannot do, refused in one line each."""
     if values["save_on"] == "node":
-        raise UsageError("--save-on node: every rank writes its shard of a sharded checkpoint, so all ranks need "
-                         "one shared file system (leave --save-on out)")
+        raise UsageError(
+            "--save-on node: every rank writes its shard of a sharded checkpoint, so all ranks need "
+            "one shared file system (leave --save-on out)"
+        )
     if values["amp"] == "fp16":
-        raise UsageError("--amp fp16 needs loss scaling, which the sharded gradients do not have here: use --amp bf16 "
-                         "(FSDP's mixed precision: bf16 compute, float32 gradient reduction, no scaling)")
+        raise UsageError(
+            "--amp fp16 needs loss scaling, which the sharded gradients do not have here: use --amp bf16 "
+            "(FSDP's mixed precision: bf16 compute, float32 gradient reduction, no scaling)"
+        )
     if values["channels_last"] == "on":
-        raise UsageError("--channels-last on: FSDP shards contiguous parameters only, and channels-last weights are "
-                         "not (leave it out: the default is off under FSDP)")
+        raise UsageError(
+            "--channels-last on: FSDP shards contiguous parameters only, and channels-last weights are "
+            "not (leave it out: the default is off under FSDP)"
+        )
     if values["cpu_offload"] and values["clip_grad_norm"]:
-        raise UsageError("--cpu-offload with --clip-grad-norm: the gradient norm over shards kept in host memory needs a "
-                         "CPU backend beside NCCL, which this script does not start (leave one of them out)")
+        raise UsageError(
+            "--cpu-offload with --clip-grad-norm: the gradient norm over shards kept in host memory needs a "
+            "CPU backend beside NCCL, which this script does not start (leave one of them out)"
+        )
     if values["find_unused_parameters"]:
         raise UsageError("--find-unused-parameters is DDP's: FSDP needs no such flag (leave it out)")
 
@@ -258,20 +295,29 @@ def _pretrained(values):
     values["val_preprocessing"] = None
     if values["pretrained"]:
         from .models import pretrained_weights
+
         weights = pretrained_weights(values["arch"], values["weights"])
         values["weights"] = f"{type(weights).__name__}.{weights.name}"
         if values["dataset"] != "demo":
             # As torchvision's train.py evaluates weights: with their own transforms() (what they were measured with).
             preprocessing = weights.transforms()
-            said = _take(values, {"val_resize_size": preprocessing.resize_size[0],
-                                  "val_crop_size": preprocessing.crop_size[0],
-                                  "val_interpolation": preprocessing.interpolation.value})
+            said = _take(
+                values,
+                {
+                    "val_resize_size": preprocessing.resize_size[0],
+                    "val_crop_size": preprocessing.crop_size[0],
+                    "val_interpolation": preprocessing.interpolation.value,
+                },
+            )
             values["val_preprocessing"] = said and f"{said} from {values['weights']}.transforms()"
     values["val_interpolation"] = values["val_interpolation"] or "bilinear"
 
 
-_PARTS = {"val_resize_size": ("resize", "val_resize_size"), "val_crop_size": ("crop", "val_crop_size"),
-          "val_interpolation": ("interpolation", "interpolation")}  # (the word, the flag's name in val_sizes_given)
+_PARTS = {
+    "val_resize_size": ("resize", "val_resize_size"),
+    "val_crop_size": ("crop", "val_crop_size"),
+    "val_interpolation": ("interpolation", "interpolation"),
+}  # (the word, the flag's name in val_sizes_given)
 
 
 def _take(values, taken):
@@ -290,17 +336,24 @@ def evaluated_as_trained(config, args):
     said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})
     if said is None:
         return config
-    return config.replace(**{**values, "val_preprocessing": f"{said} of the checkpoint's run",  # (not the preset's)
-                              "from_data_preset": [name for name in config.from_data_preset if name not in _PARTS]})
+    return config.replace(
+        **{
+            **values,
+            "val_preprocessing": f"{said} of the checkpoint's run",  # (not the preset's)
+            "from_data_preset": [name for name in config.from_data_preset if name not in _PARTS],
+        }
+    )
 
 
 def check_arch(arch):
     """A torchvision classification model's name (a typo gets "did you mean"), or package.module:callable."""
     if ":" in arch:
         from .models import custom_builder
+
         custom_builder(arch)
         return
     import torchvision.models
+
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
         close = difflib.get_close_matches(arch, names, n=3, cutoff=0.5)
@@ -325,21 +378,53 @@ def default_output_dir(values, mode):
 # Defaults that depend on the data. The demo preset is sized so that a small
 # model learns the built-in set in minutes on two CPU cores.
 PRESETS = {
-    "imagenet": dict(epochs=90, batch_size=256, lr=0.1, print_freq=10,
-                     train_crop_size=224, val_resize_size=256, val_crop_size=224,
-                     lr_schedule="step", warmup_epochs=0.0, min_crop_scale=0.08),
+    "imagenet": dict(
+        epochs=90,
+        batch_size=256,
+        lr=0.1,
+        print_freq=10,
+        train_crop_size=224,
+        val_resize_size=256,
+        val_crop_size=224,
+        lr_schedule="step",
+        warmup_epochs=0.0,
+        min_crop_scale=0.08,
+    ),
     # Measured: resnet18 reaches about 99% val acc@1 in under 2 minutes on two idle CPU cores (README).
-    "demo": dict(epochs=10, batch_size=64, lr=0.04, print_freq=20,
-                 train_crop_size=32, val_resize_size=36, val_crop_size=32,
-                 lr_schedule="cosine", warmup_epochs=1.0, min_crop_scale=0.7),
+    "demo": dict(
+        epochs=10,
+        batch_size=64,
+        lr=0.04,
+        print_freq=20,
+        train_crop_size=32,
+        val_resize_size=36,
+        val_crop_size=32,
+        lr_schedule="cosine",
+        warmup_epochs=1.0,
+        min_crop_scale=0.7,
+    ),
 }
 
 # The defaults of the flags a recipe may set (below the dataset's preset in precedence).
-RECIPE_DEFAULTS = dict(momentum=0.9, weight_decay=1e-4, norm_weight_decay=None, bias_weight_decay=None,
-                       label_smoothing=0.0, mixup_alpha=0.0, cutmix_alpha=0.0, auto_augment="none",
-                       ra_magnitude=9, random_erase=0.0, model_ema=False, model_ema_decay=0.99998,
-                       model_ema_steps=32, ra_sampler=False, ra_reps=3, lr_scaling="none",
-                       lr_step_unit="step")
+RECIPE_DEFAULTS = dict(
+    momentum=0.9,
+    weight_decay=1e-4,
+    norm_weight_decay=None,
+    bias_weight_decay=None,
+    label_smoothing=0.0,
+    mixup_alpha=0.0,
+    cutmix_alpha=0.0,
+    auto_augment="none",
+    ra_magnitude=9,
+    random_erase=0.0,
+    model_ema=False,
+    model_ema_decay=0.99998,
+    model_ema_steps=32,
+    ra_sampler=False,
+    ra_reps=3,
+    lr_scaling="none",
+    lr_step_unit="step",
+)
 
 # --preset: a published recipe in one flag. "name" is what the run's header says of it; "training" holds
 # what applies to any data (augmentation, regularisation); "scale" what fits ImageNet only (epochs, batch,
@@ -353,40 +438,77 @@ RECIPES = {
     # --val-resize-size 232 --ra-sampler --ra-reps 4
     "tv-v2": dict(
         name="torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here",
-        training=dict(label_smoothing=0.1, mixup_alpha=0.2, cutmix_alpha=1.0, auto_augment="ta_wide",
-                      random_erase=0.1, weight_decay=2e-5, norm_weight_decay=0.0, model_ema=True,
-                      model_ema_decay=0.99998, model_ema_steps=32, ra_sampler=True, ra_reps=4, lr_step_unit="epoch"),
-        scale=dict(epochs=600, batch_size=1024, lr=0.5, lr_schedule="cosine", warmup_epochs=5.0,
-                   train_crop_size=176, val_resize_size=232, val_crop_size=224)),
+        training=dict(
+            label_smoothing=0.1,
+            mixup_alpha=0.2,
+            cutmix_alpha=1.0,
+            auto_augment="ta_wide",
+            random_erase=0.1,
+            weight_decay=2e-5,
+            norm_weight_decay=0.0,
+            model_ema=True,
+            model_ema_decay=0.99998,
+            model_ema_steps=32,
+            ra_sampler=True,
+            ra_reps=4,
+            lr_step_unit="epoch",
+        ),
+        scale=dict(
+            epochs=600,
+            batch_size=1024,
+            lr=0.5,
+            lr_schedule="cosine",
+            warmup_epochs=5.0,
+            train_crop_size=176,
+            val_resize_size=232,
+            val_crop_size=224,
+        ),
+    ),
 }
 
 
 def preset_layers(dataset, preset_name, recipe_name, from_env, lr_flag):
     """The layers of defaults, lowest precedence first, as (name of the lr it may give, {flag: value})."""
     recipe = RECIPES.get(recipe_name, {})
-    return [("", RECIPE_DEFAULTS), (f"the {preset_name} preset's lr", PRESETS[preset_name]),
-            ("", recipe.get("training", {})),
-            (f"--preset {recipe_name}'s lr", recipe.get("scale", {}) if dataset != "demo" else {}),
-            ("LR", {name: value for name, value in from_env.items() if value is not None}),
-            ("--lr", {"lr": lr_flag} if lr_flag is not None else {})]
+    return [
+        ("", RECIPE_DEFAULTS),
+        (f"the {preset_name} preset's lr", PRESETS[preset_name]),
+        ("", recipe.get("training", {})),
+        (f"--preset {recipe_name}'s lr", recipe.get("scale", {}) if dataset != "demo" else {}),
+        ("LR", {name: value for name, value in from_env.items() if value is not None}),
+        ("--lr", {"lr": lr_flag} if lr_flag is not None else {}),
+    ]
 
 
 def describe_preset(config, first_image=None):
     """Header lines: which dataset preset set which defaults of this run, and why; a warning where the
     ImageNet preset's crop is far larger than the images (first_image: (channels, height, width, dtype))."""
-    names = {"epochs": "{} epochs", "batch_size": "-b {}", "lr": "lr {:g}", "train_crop_size": "{} px crops",
-             "val_resize_size": "val resize {}", "val_crop_size": "val crop {}", "lr_schedule": "{} schedule"}
+    names = {
+        "epochs": "{} epochs",
+        "batch_size": "-b {}",
+        "lr": "lr {:g}",
+        "train_crop_size": "{} px crops",
+        "val_resize_size": "val resize {}",
+        "val_crop_size": "val crop {}",
+        "lr_schedule": "{} schedule",
+    }
     given = [text.format(getattr(config, name)) for name, text in names.items() if name in config.from_data_preset]
     if not given:
         return []
-    why = ("the built-in demo set" if config.data_preset == "demo"
-           else "the default for --data, --dataset and --dummy, made for ImageNet-sized images")
-    lines = [f"preset: {config.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset "
-             "override it"]
+    why = (
+        "the built-in demo set"
+        if config.data_preset == "demo"
+        else "the default for --data, --dataset and --dummy, made for ImageNet-sized images"
+    )
+    lines = [
+        f"preset: {config.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset override it"
+    ]
     crop = config.train_crop_size
     if first_image and "train_crop_size" in config.from_data_preset and 2 * min(first_image[1:3]) <= crop:
         height, width = first_image[1:3]
-        lines.append(f"warning: the first training image is {width}x{height} px, the {config.data_preset} preset crops "
-                     f"{crop} px: for images this small give --train-crop-size, --val-resize-size and "
-                     f"--val-crop-size near {min(height, width)} (and --epochs, -b, --lr for your data)")
+        lines.append(
+            f"warning: the first training image is {width}x{height} px, the {config.data_preset} preset crops "
+            f"{crop} px: for images this small give --train-crop-size, --val-resize-size and "
+            f"--val-crop-size near {min(height, width)} (and --epochs, -b, --lr for your data)"
+        )
     return lines

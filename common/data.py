@@ -10,6 +10,7 @@ what they found into OUTPUT/bad_images.txt, and log.csv / summary.json carry the
 again each time it comes up (the list is the epoch's). A validation that cannot read more than MAX_UNREADABLE_SHARE
 of its images ends the run: its accuracy would mean nothing.
 """
+
 import multiprocessing
 import re
 from typing import NamedTuple
@@ -31,8 +32,10 @@ from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, cho
 def per_process_batch(batch_size, world_size):
     """-b is the global batch: each of the world_size processes takes an equal share."""
     if batch_size % world_size:
-        raise UsageError(f"--batch-size {batch_size} is the global batch and must divide evenly "
-                         f"over {world_size} processes: use a multiple of {world_size}")
+        raise UsageError(
+            f"--batch-size {batch_size} is the global batch and must divide evenly "
+            f"over {world_size} processes: use a multiple of {world_size}"
+        )
     return batch_size // world_size
 
 
@@ -41,13 +44,16 @@ def micro_batch(batch_size, world_size, accumulate):
     (--grad-accum-steps) micro-batches of one optimizer step."""
     share = per_process_batch(batch_size, world_size)
     if share % accumulate:
-        raise UsageError(f"--grad-accum-steps {accumulate} must divide each process's share of the global batch "
-                         f"(-b {batch_size} over {world_size} process(es): {share})")
+        raise UsageError(
+            f"--grad-accum-steps {accumulate} must divide each process's share of the global batch "
+            f"(-b {batch_size} over {world_size} process(es): {share})"
+        )
     return share // accumulate
 
 
 # -j auto's most workers per process. One H100 trains ResNet-50 in bf16 at about 3,900 images/s; 8 workers decoding
-# ImageNet-sized JPEGs fell behind it (1,903 images/s by the epoch's end, and falling), 15 fed it all (docs/benchmarks.md).
+# ImageNet-sized JPEGs fell behind it (1,903 images/s by the epoch's end, and falling), 15 fed it all
+# (docs/benchmarks.md).
 MAX_AUTO_WORKERS = 16
 
 
@@ -77,11 +83,22 @@ def default_transforms(config, floating, mean):
     """(train, val) transforms of the flags: crop, flip and the recipe's augmentation; resize and centre crop.
     Random erasing fills with the mean pixel on the images' scale (`floating`: 0-1, else 0-255)."""
     fill = tuple(mean) if floating else tuple(round(255 * m) for m in mean)
-    augmentation = image_augmentation(config.auto_augment, config.ra_magnitude, config.random_erase,
-                                      config.interpolation, config.augmix_severity, fill=fill)
-    train = TrainPreset(config.train_crop_size, config.min_crop_scale, augmentation=augmentation,
-                        res_schedule=ResSchedule.parse(config.res_schedule), interpolation=config.interpolation,
-                        hflip_prob=config.hflip_prob)
+    augmentation = image_augmentation(
+        config.auto_augment,
+        config.ra_magnitude,
+        config.random_erase,
+        config.interpolation,
+        config.augmix_severity,
+        fill=fill,
+    )
+    train = TrainPreset(
+        config.train_crop_size,
+        config.min_crop_scale,
+        augmentation=augmentation,
+        res_schedule=ResSchedule.parse(config.res_schedule),
+        interpolation=config.interpolation,
+        hflip_prob=config.hflip_prob,
+    )
     return train, EvalPreset(config.val_resize_size, config.val_crop_size, config.val_interpolation)
 
 
@@ -91,16 +108,23 @@ def check_replaced(config, train):
     if isinstance(train, TrainPreset):
         return
     default_scale = PRESETS[config.data_preset]["min_crop_scale"]
-    unapplied = [text for text, given in [
-        (f"--auto-augment {config.auto_augment}", config.auto_augment != "none"),
-        (f"--random-erase {config.random_erase:g}", config.random_erase > 0),
-        (f"--res-schedule {config.res_schedule}", bool(config.res_schedule)),
-        (f"--hflip-prob {config.hflip_prob:g}", config.hflip_prob != 0.5),
-        (f"--min-crop-scale {config.min_crop_scale:g}", config.min_crop_scale != default_scale)] if given]
+    unapplied = [
+        text
+        for text, given in [
+            (f"--auto-augment {config.auto_augment}", config.auto_augment != "none"),
+            (f"--random-erase {config.random_erase:g}", config.random_erase > 0),
+            (f"--res-schedule {config.res_schedule}", bool(config.res_schedule)),
+            (f"--hflip-prob {config.hflip_prob:g}", config.hflip_prob != 0.5),
+            (f"--min-crop-scale {config.min_crop_scale:g}", config.min_crop_scale != default_scale),
+        ]
+        if given
+    ]
     if unapplied:
-        raise UsageError(f"build_transforms replaced the training transform, which does not apply {', '.join(unapplied)}"
-                         f"{' (some from --preset ' + config.preset + ')' if config.preset else ''}: extend the default "
-                         "one instead (train.then(...)), or leave those flags out")
+        raise UsageError(
+            f"build_transforms replaced the training transform, which does not apply {', '.join(unapplied)}"
+            f"{' (some from --preset ' + config.preset + ')' if config.preset else ''}: extend the default "
+            "one instead (train.then(...)), or leave those flags out"
+        )
 
 
 def _wrapped(config, datasets, first, mean, seed, build_transforms):
@@ -113,10 +137,15 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
     check_replaced(config, train_transform)
 
     def skipping(dataset, split, replace):
-        check = None if isinstance(dataset, ImageFiles) else ItemCheck(len(classes), split, first and first[0], floating)
+        check = (
+            None if isinstance(dataset, ImageFiles) else ItemCheck(len(classes), split, first and first[0], floating)
+        )
         return SkipUnreadable(dataset, replace, config.strict_data, check)
-    return (SeededTransform(skipping(train_set, "train", True), train_transform, seed),
-            SeededTransform(skipping(val_set, "val", False), val_transform, seed))
+
+    return (
+        SeededTransform(skipping(train_set, "train", True), train_transform, seed),
+        SeededTransform(skipping(val_set, "val", False), val_transform, seed),
+    )
 
 
 def build_data(config, datasets, seed, runtime, build_transforms=lambda train, val: (train, val)):
@@ -143,19 +172,32 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
     workers = loader_workers(config.workers, runtime.local_world_size)
     # The loaders draw their worker seeds from generators of their own, not from the global RNG
     # (which dropout uses), so a resumed run's RNG stream stays that of an uninterrupted one.
-    options = dict(num_workers=workers, pin_memory=gpu, worker_init_fn=ignore_stop_signals,
-                   # On the CPU the workers also normalise; on a GPU the batch goes there as it is.
-                   collate_fn=Collate(normalise=None if gpu else normalise),
-                   batch_size=micro_batch(config.batch_size, world_size, config.grad_accum_steps))
+    options = dict(
+        num_workers=workers,
+        pin_memory=gpu,
+        worker_init_fn=ignore_stop_signals,
+        # On the CPU the workers also normalise; on a GPU the batch goes there as it is.
+        collate_fn=Collate(normalise=None if gpu else normalise),
+        batch_size=micro_batch(config.batch_size, world_size, config.grad_accum_steps),
+    )
     if workers and "fork" in multiprocessing.get_all_start_methods():
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.
         options["multiprocessing_context"] = "fork"
     # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped.
-    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=config.compile,
-                              generator=torch.Generator().manual_seed(seed), **options)
-    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size),
-                            generator=torch.Generator().manual_seed(seed), **options)
+    train_loader = DataLoader(
+        train_set,
+        sampler=train_sampler,
+        drop_last=config.compile,
+        generator=torch.Generator().manual_seed(seed),
+        **options,
+    )
+    val_loader = DataLoader(
+        val_set,
+        sampler=ShardSampler(len(val_set), rank, world_size),
+        generator=torch.Generator().manual_seed(seed),
+        **options,
+    )
     text = f"mean {', '.join(f'{m:.4g}' for m in mean)}, std {', '.join(f'{s:.4g}' for s in std)} ({source})"
     return Data(classes, train_loader, val_loader, train_sampler, normalise, first, text)
 
@@ -219,13 +261,17 @@ class SkipUnreadable(Dataset):
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
                 path = self._name(position)
                 if self.strict:
-                    raise UnreadableImage(f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
-                                          "such files are skipped and listed in bad_images.txt") from None
+                    raise UnreadableImage(
+                        f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
+                        "such files are skipped and listed in bad_images.txt"
+                    ) from None
                 bad.append((path, describe(error)))
                 if not self.replace:
                     return None, None, bad
-        raise UnreadableImage(f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {printable(bad[0][0])} on "
-                              f"({bad[0][1]}): is the data set readable?")
+        raise UnreadableImage(
+            f"{MAX_IN_A_ROW} files in a row cannot be decoded, from {printable(bad[0][0])} on "
+            f"({bad[0][1]}): is the data set readable?"
+        )
 
 
 class BadImageLog:
@@ -277,8 +323,12 @@ class BadImageLog:
         if total and (counted == 0 or unread > MAX_UNREADABLE_SHARE * total):
             # one of validation's own unread files (the epoch's training found others), of any rank: a collective,
             # here where every rank raises
-            example = next(filter(None, distributed.all_gather_object(next(iter(self.in_validation.items()), None))), None)
-            raise UsageError(f"validation could not read {unread} of its {total} images"
-                             + (f" (e.g. {printable(example[0])}: {example[1]})" if example else "")
-                             + f", more than {MAX_UNREADABLE_SHARE:.0%}: its accuracy would mean nothing; is the data "
-                               "set readable? (after a transient outage, --resume auto goes on from the last checkpoint)")
+            example = next(
+                filter(None, distributed.all_gather_object(next(iter(self.in_validation.items()), None))), None
+            )
+            raise UsageError(
+                f"validation could not read {unread} of its {total} images"
+                + (f" (e.g. {printable(example[0])}: {example[1]})" if example else "")
+                + f", more than {MAX_UNREADABLE_SHARE:.0%}: its accuracy would mean nothing; is the data "
+                "set readable? (after a transient outage, --resume auto goes on from the last checkpoint)"
+            )

@@ -8,6 +8,7 @@ validation/), or the parquet files the Hub distributes (data/train-00000-of-0029
 images and one of class labels; `datasets` is optional (requirements-hf.txt). Parquet is converted once into arrow
 files in `datasets`' cache (HF_DATASETS_CACHE), on rank 0 first; the rows keep their order on disk.
 """
+
 import csv
 import io
 import math
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+
 try:  # deprecated since torchvision 0.29 (TorchCodec takes over); PIL decodes when it is gone
     from torchvision.io import ImageReadMode, decode_image, read_file
 except ImportError:
@@ -180,7 +182,9 @@ def read_split_file(path, root):
                 if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
                     continue
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
-                    raise UsageError(f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}")
+                    raise UsageError(
+                        f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}"
+                    )
                 rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
@@ -196,8 +200,10 @@ def split_files(root):
         if any(path.is_file() for path in found.values()):
             missing = [path.name for path in found.values() if not path.is_file()]
             if missing:
-                raise UsageError(f"--data {root} has {'train' if 'val' in missing[0] else 'val'}{suffix} but no "
-                                 f"{missing[0]}: give both splits")
+                raise UsageError(
+                    f"--data {root} has {'train' if 'val' in missing[0] else 'val'}{suffix} but no "
+                    f"{missing[0]}: give both splits"
+                )
             return found
     return None
 
@@ -222,14 +228,21 @@ def build_datasets(config):
     Rank 0 lists a folder (1.33 M files on ImageNet) or reads the split files, once for the job: a collective."""
     if config.dummy:
         val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
-        train_set = SyntheticImages(config.dummy_size, config.train_crop_size, res_schedule=ResSchedule.parse(config.res_schedule))
-        return [str(i) for i in range(train_set.num_classes)], train_set, SyntheticImages(val_length, config.val_crop_size)
+        train_set = SyntheticImages(
+            config.dummy_size, config.train_crop_size, res_schedule=ResSchedule.parse(config.res_schedule)
+        )
+        return (
+            [str(i) for i in range(train_set.num_classes)],
+            train_set,
+            SyntheticImages(val_length, config.val_crop_size),
+        )
     function = import_named(config.dataset_fn or "", "--dataset")
     if function is not None:
         result = function(config)
         if not (isinstance(result, (tuple, list)) and len(result) == 3):
-            raise UsageError(f"--dataset {config.dataset_fn} returned {type(result).__name__}: return "
-                             "(classes, train_set, val_set)")
+            raise UsageError(
+                f"--dataset {config.dataset_fn} returned {type(result).__name__}: return (classes, train_set, val_set)"
+            )
         return tuple(result)
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
     try:
@@ -242,8 +255,13 @@ def build_datasets(config):
         classes, train_rows, val_rows = load_splits(root)
         return classes, HFImages(train_rows), HFImages(val_rows)
     output = Path(config.output_dir) if config.output_dir else None  # (where a read-only folder's shard indexes go)
-    scan = (partial(scan_shards, cache=output) if has_shards(root) else scan_split_files
-            if root.is_dir() and split_files(root) else scan_image_folder)
+    scan = (
+        partial(scan_shards, cache=output)
+        if has_shards(root)
+        else scan_split_files
+        if root.is_dir() and split_files(root)
+        else scan_image_folder
+    )
     classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
     train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
     files = ShardedImages if isinstance(train_files, ShardIndex) else ImageFiles
@@ -273,18 +291,26 @@ def this_node_s_copy(root, classes, train_files, val_files):
         where = f"--data {root} (rank 0: {roots[0]})"
         scan = {FolderIndex: scan_image_folder, ShardIndex: scan_shards}.get(type(train_files))
         if scan is None:
-            error = (f"{where}: with train.csv / val.csv every node gives the same --data path (the files' paths are read "
-                     "from them); copies at other paths are for image folders and shards")
+            error = (
+                f"{where}: with train.csv / val.csv every node gives the same --data path (the files' paths are read "
+                "from them); copies at other paths are for image folders and shards"
+            )
         else:
             try:
                 own_classes, own_train, own_val = scan(root)
-                difference = (f"classes {', '.join(own_classes[:3])}, ... here" if own_classes != classes else
-                              _first_difference("train", classes, own_train, train_files)
-                              or _first_difference("val", classes, own_val, val_files))
+                difference = (
+                    f"classes {', '.join(own_classes[:3])}, ... here"
+                    if own_classes != classes
+                    else _first_difference("train", classes, own_train, train_files)
+                    or _first_difference("val", classes, own_val, val_files)
+                )
             except UsageError as failure:
                 difference = str(failure)
             if difference:
-                error = f"{where} holds other files than rank 0's ({difference}): every node's copy must hold the same files"
+                error = (
+                    f"{where} holds other files than rank 0's ({difference}): "
+                    "every node's copy must hold the same files"
+                )
             else:
                 train_files, val_files = own_train, own_val
     run.raise_any(error)
@@ -292,7 +318,7 @@ def this_node_s_copy(root, classes, train_files, val_files):
 
 
 def describe_item(item):
-    return (f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}")
+    return f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
 
 
 class ItemCheck:
@@ -312,20 +338,29 @@ class ItemCheck:
             image = F.pil_to_tensor(image.convert("RGB"))
         elif isinstance(image, torch.Tensor):
             if image.ndim != 3 or not 1 <= image.shape[0] <= 4:
-                raise BadItem(f"{where}: an image of shape {list(image.shape)}; expected channels x height x width "
-                              "(CHW, 1 to 4 channels): permute an HWC image with image.permute(2, 0, 1)")
+                raise BadItem(
+                    f"{where}: an image of shape {list(image.shape)}; expected channels x height x width "
+                    "(CHW, 1 to 4 channels): permute an HWC image with image.permute(2, 0, 1)"
+                )
             if image.is_floating_point():
                 image = image.float()
             elif image.dtype != torch.uint8:
                 raise BadItem(f"{where}: an image of dtype {image.dtype}; expected uint8 (0-255) or float (0-1)")
         else:
-            raise BadItem(f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor"
-                          + (" (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)"
-                             if type(image).__name__ == "ndarray" else ""))
+            raise BadItem(
+                f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor"
+                + (
+                    " (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)"
+                    if type(image).__name__ == "ndarray"
+                    else ""
+                )
+            )
         if self.channels is not None and (image.shape[0], image.is_floating_point()) != (self.channels, self.floating):
-            raise BadItem(f"{where}: a {'float' if image.is_floating_point() else 'uint8'} image of {image.shape[0]} "
-                          f"channel(s), after {'float' if self.floating else 'uint8'} images of {self.channels}: "
-                          "give every image the same channels and dtype")
+            raise BadItem(
+                f"{where}: a {'float' if image.is_floating_point() else 'uint8'} image of {image.shape[0]} "
+                f"channel(s), after {'float' if self.floating else 'uint8'} images of {self.channels}: "
+                "give every image the same channels and dtype"
+            )
         if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
             label = label.item()
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < self.num_classes:
@@ -337,8 +372,10 @@ def first_item(dataset, split, num_classes):
     """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked: one line (BadItem) naming
     what is wrong with it. None for image files (--data's), which the loader workers read and check."""
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise UsageError(f"the {split} set is a {type(dataset).__name__}: give a map-style dataset (len() and [i]); "
-                         "the samplers index it, for shards, resume and exact validation")
+        raise UsageError(
+            f"the {split} set is a {type(dataset).__name__}: give a map-style dataset (len() and [i]); "
+            "the samplers index it, for shards, resume and exact validation"
+        )
     if len(dataset) == 0:
         raise UsageError(f"the {split} set is empty")
     if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
@@ -376,13 +413,17 @@ def _load(root):
     try:
         import datasets
     except ImportError:
-        raise UsageError(f"--data {root} is a Hugging Face dataset, which needs the datasets package: "
-                         "pip install -r requirements-hf.txt") from None
+        raise UsageError(
+            f"--data {root} is a Hugging Face dataset, which needs the datasets package: "
+            "pip install -r requirements-hf.txt"
+        ) from None
     datasets.disable_progress_bars()
     if (Path(root) / "dataset_dict.json").is_file():
         return datasets.load_from_disk(str(root))
     # (its cache read now: datasets reads HF_DATASETS_CACHE once, when imported)
-    return datasets.load_dataset("parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE"))
+    return datasets.load_dataset(
+        "parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE")
+    )
 
 
 def load_splits(root):
@@ -393,9 +434,14 @@ def load_splits(root):
     distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
     classes, train, val = first[0] if first else _splits(root)
     found = distributed.all_gather_object((classes, len(train), len(val)))
-    run.raise_any(None if all(other == found[0] for other in found) else (
-        f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
-        f"{[(len(c), t, v) for c, t, v in found]}): every node's copy must hold the same dataset"))
+    run.raise_any(
+        None
+        if all(other == found[0] for other in found)
+        else (
+            f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
+            f"{[(len(c), t, v) for c, t, v in found]}): every node's copy must hold the same dataset"
+        )
+    )
     return classes, train, val
 
 
@@ -405,16 +451,22 @@ def _splits(root):
     train = next((name for name in TRAIN_SPLITS if name in loaded), None)
     val = next((name for name in VAL_SPLITS if name in loaded), None)
     if train is None or val is None:
-        raise UsageError(f"--data {root}: a Hugging Face dataset needs a train and a validation split; it has "
-                         f"{', '.join(names) or 'none'}")
+        raise UsageError(
+            f"--data {root}: a Hugging Face dataset needs a train and a validation split; it has "
+            f"{', '.join(names) or 'none'}"
+        )
     features = loaded[train].features
     image = next((name for name, kind in features.items() if type(kind).__name__ == "Image"), None)
-    label = next((name for name, kind in features.items() if type(kind).__name__ == "ClassLabel"),
-                 next((name for name in LABEL_NAMES if name in features), None))
+    label = next(
+        (name for name, kind in features.items() if type(kind).__name__ == "ClassLabel"),
+        next((name for name in LABEL_NAMES if name in features), None),
+    )
     if image is None or label is None:
-        raise UsageError(f"--data {root}: its {train} split has no {'image' if image is None else 'label'} column "
-                         f"(columns: {', '.join(features)}); it needs a column of images (datasets.Image) and one of "
-                         "class indices (a ClassLabel, or integers named label)")
+        raise UsageError(
+            f"--data {root}: its {train} split has no {'image' if image is None else 'label'} column "
+            f"(columns: {', '.join(features)}); it needs a column of images (datasets.Image) and one of "
+            "class indices (a ClassLabel, or integers named label)"
+        )
     _check_validation(root, loaded, train, val, image, label)
     rows = {split: HFRows(loaded[split], image, label, f"{root}/{split}") for split in (train, val)}
     count = max(int(rows[train].labels.max(initial=-1)), int(rows[val].labels.max(initial=-1))) + 1
@@ -429,14 +481,18 @@ def _check_validation(root, loaded, train, val, image, label):
     theirs = loaded[val].features
     missing = [name for name in (image, label) if name not in theirs]
     if missing:
-        raise UsageError(f"--data {root}: its {val} split has no column {missing[0]!r}, which its {train} split has "
-                         f"(columns: {', '.join(theirs)}): the splits need the same image and label columns")
+        raise UsageError(
+            f"--data {root}: its {val} split has no column {missing[0]!r}, which its {train} split has "
+            f"(columns: {', '.join(theirs)}): the splits need the same image and label columns"
+        )
     names = [getattr(loaded[split].features[label], "names", None) for split in (train, val)]
-    if None not in names and names[0][:len(names[1])] != names[1]:  # (train's first classes alone: the same labels)
+    if None not in names and names[0][: len(names[1])] != names[1]:  # (train's first classes alone: the same labels)
         k = next((k for k, pair in enumerate(zip(*names)) if pair[0] != pair[1]), min(map(len, names)))
         said = [repr(split_names[k]) if k < len(split_names) else "none" for split_names in names]
-        raise UsageError(f"--data {root}: its {val} split's class {k} is {said[1]}, its {train} split's {said[0]} "
-                         f"({len(names[1])} and {len(names[0])} classes): a label must name the same class in both")
+        raise UsageError(
+            f"--data {root}: its {val} split's class {k} is {said[1]}, its {train} split's {said[0]} "
+            f"({len(names[1])} and {len(names[0])} classes): a label must name the same class in both"
+        )
 
 
 class HFRows:
@@ -446,18 +502,23 @@ class HFRows:
     def __init__(self, split, image, label, where):
         import datasets
         import pyarrow  # (datasets' own dependency)
+
         self.where, self.image = where, image
         column = split.data.column(label)
         if not pyarrow.types.is_integer(column.type):
-            raise UsageError(f"--data {where}: its label column {label!r} holds {column.type}, not class indices: make it "
-                             "a ClassLabel (dataset.class_encode_column) or integers")
+            raise UsageError(
+                f"--data {where}: its label column {label!r} holds {column.type}, not class indices: make it "
+                "a ClassLabel (dataset.class_encode_column) or integers"
+            )
         self.labels = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int64)
         if len(self.labels) == 0:
             raise UsageError(f"--data {where}: the split has no rows")
         missing = np.flatnonzero(self.labels < 0)
         if len(missing):
-            raise UsageError(f"--data {where}: row {missing[0]} has no label ({len(missing)} of {len(self.labels)} rows "
-                             "lack one, as a test split does): train and validate on labelled splits")
+            raise UsageError(
+                f"--data {where}: row {missing[0]} has no label ({len(missing)} of {len(self.labels)} rows "
+                "lack one, as a test split does): train and validate on labelled splits"
+            )
         self.rows = split.select_columns([image]).cast_column(image, datasets.Image(decode=False))
 
     def __len__(self):

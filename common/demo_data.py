@@ -5,6 +5,7 @@ horizontal and vertical stripes), each drawn at a random position, size,
 rotation and colour on a random, noisy background. Generated on first use,
 deterministically, and cached (default: data/demo-shapes-v2 in the repository).
 """
+
 import contextlib
 import fcntl
 import math
@@ -17,8 +18,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 DEFAULT_ROOT = Path(__file__).resolve().parents[1] / "data" / "demo-shapes-v2"
-CLASSES = ["circle", "ring", "square", "diamond", "triangle", "star", "plus", "cross",
-           "hstripes", "vstripes"]
+CLASSES = ["circle", "ring", "square", "diamond", "triangle", "star", "plus", "cross", "hstripes", "vstripes"]
 IMAGE_SIZE = 40
 
 
@@ -37,8 +37,10 @@ def _bar(cx, cy, length, width, angle):
     """A rectangle of the given length and width centred at (cx, cy), rotated by `angle`."""
     dx, dy = math.cos(angle), math.sin(angle)
     hl, hw = length / 2, width / 2
-    return [(cx + sx * hl * dx - sy * hw * dy, cy + sx * hl * dy + sy * hw * dx)
-            for sx, sy in ((-1, -1), (1, -1), (1, 1), (-1, 1))]
+    return [
+        (cx + sx * hl * dx - sy * hw * dy, cy + sx * hl * dy + sy * hw * dx)
+        for sx, sy in ((-1, -1), (1, -1), (1, 1), (-1, 1))
+    ]
 
 
 def _colours(rng):
@@ -62,8 +64,12 @@ def draw_shape(label, rng, size=IMAGE_SIZE):
     name = CLASSES[label]
     if name in ("circle", "ring"):
         box = [cx - radius, cy - radius, cx + radius, cy + radius]
-        draw.ellipse(box, fill=colour if name == "circle" else None, outline=colour,
-                     width=0 if name == "circle" else max(2, int(radius * 0.3)))
+        draw.ellipse(
+            box,
+            fill=colour if name == "circle" else None,
+            outline=colour,
+            width=0 if name == "circle" else max(2, int(radius * 0.3)),
+        )
     elif name in ("square", "diamond"):
         angle = tilt + (math.pi / 4 if name == "square" else 0.0)
         draw.polygon(_polygon(cx, cy, radius * 1.15, 4, angle), fill=colour)
@@ -80,8 +86,9 @@ def draw_shape(label, rng, size=IMAGE_SIZE):
         gap = radius * 0.75
         normal = (-math.sin(angle), math.cos(angle))
         for k in (-1, 0, 1):
-            draw.polygon(_bar(cx + k * gap * normal[0], cy + k * gap * normal[1],
-                              radius * 2.2, width * 0.7, angle), fill=colour)
+            draw.polygon(
+                _bar(cx + k * gap * normal[0], cy + k * gap * normal[1], radius * 2.2, width * 0.7, angle), fill=colour
+            )
     # Grey noise around 128 (as PIL's effect_noise makes it, which draws from a generator no seed reaches).
     pixels = np.random.default_rng(rng.getrandbits(64)).normal(128, rng.uniform(10, 30), (size, size))
     noise = Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).convert("RGB")

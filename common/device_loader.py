@@ -1,6 +1,7 @@
 """Batches from the loader workers to the device: collated (files that could not be read left out, and
 reported), normalised, moved, prefetched on a side stream on GPUs. No value is read back from the device.
 """
+
 import torch
 from torch.utils.data import default_collate
 
@@ -64,8 +65,9 @@ class DeviceLoader:
                 except (EOFError, ConnectionResetError) as error:
                     # A worker that died while handing over a batch (its tensors' shared memory can no longer
                     # be fetched from it): the fault torch reports as "DataLoader worker ... exited unexpectedly".
-                    raise RuntimeError(f"DataLoader worker exited unexpectedly while sending a batch "
-                                       f"({type(error).__name__})") from None
+                    raise RuntimeError(
+                        f"DataLoader worker exited unexpectedly while sending a batch ({type(error).__name__})"
+                    ) from None
             if batch is None:
                 return
             images, target, bad = batch
@@ -111,7 +113,7 @@ class SyntheticOnDevice(DeviceLoader):
         images = dataset.image.to(self.device).expand(self.loader.batch_size, *dataset.image.shape)
         for indices in self.loader.batch_sampler:
             target = torch.as_tensor(indices) % dataset.num_classes
-            yield self._prepare(images[:len(indices)], target)
+            yield self._prepare(images[: len(indices)], target)
 
 
 def device_batches(loader, device, *args, **kwargs):

@@ -6,6 +6,7 @@ leaves when it dies: an allocator snapshot on out-of-memory, NCCL's Flight Recor
 Nothing here reads a value back from the device per step: the wait is the host's wall clock around fetching each
 batch, and the figures are gathered over the ranks at progress lines and epoch ends, where the loop reads its
 metrics anyway."""
+
 import contextlib
 import os
 import re
@@ -18,25 +19,37 @@ import torch
 import torch.nn as nn
 
 from . import distributed
-from .distributed import flight_recorder_files
 from .config import ResSchedule, profile_steps
+from .distributed import flight_recorder_files
 from .errors import OutOfMemory, UsageError
 
-INPUT_BOUND = 1 / 3  # a training epoch that waits longer than this share of its time for batches: said once, with levers
+INPUT_BOUND = (
+    1 / 3
+)  # a training epoch that waits longer than this share of its time for batches: said once, with levers
 
 # Dense peak TFLOP/s of a GPU by (16-bit: bf16 or fp16, TF32, fp32) from NVIDIA's data sheets, found by the name
 # that torch.cuda.get_device_name gives (the first key in it, as a word: longer names first). --peak-tflops for others.
 PEAK_TFLOPS = {
-    "H100 PCIe": (756, 378, 51.2), "H100 NVL": (835, 418, 60), "H100": (989, 494, 67), "GH200": (989, 494, 67),
-    "H200 NVL": (835, 418, 60), "H200": (989, 494, 67), "A100": (312, 156, 19.5),
-    "L40S": (362, 183, 91.6), "L4": (121, 60, 30.3), "A10": (125, 62.5, 31.2),
-    "V100": (125, 15.7, 15.7), "T4": (65, 8.1, 8.1),  # no bf16 or TF32 units: fp16 tensor cores, fp32
+    "H100 PCIe": (756, 378, 51.2),
+    "H100 NVL": (835, 418, 60),
+    "H100": (989, 494, 67),
+    "GH200": (989, 494, 67),
+    "H200 NVL": (835, 418, 60),
+    "H200": (989, 494, 67),
+    "A100": (312, 156, 19.5),
+    "L40S": (362, 183, 91.6),
+    "L4": (121, 60, 30.3),
+    "A10": (125, 62.5, 31.2),
+    "V100": (125, 15.7, 15.7),
+    "T4": (65, 8.1, 8.1),  # no bf16 or TF32 units: fp16 tensor cores, fp32
 }
 TRAINING_PER_FORWARD = 3  # a training step's FLOPs: the forward, and twice it in backward (activations and weights)
-MIB = 2 ** -20
-LEVERS = ("more loader workers (-j; {workers} per process now), smaller prepared JPEGs (tools/prepare_imagenet.py "
-          "--resize), the data in shards on a shared file system (tools/make_shards.py), fewer or cheaper "
-          "augmentations (--auto-augment, --random-erase)")
+MIB = 2**-20
+LEVERS = (
+    "more loader workers (-j; {workers} per process now), smaller prepared JPEGs (tools/prepare_imagenet.py "
+    "--resize), the data in shards on a shared file system (tools/make_shards.py), fewer or cheaper "
+    "augmentations (--auto-augment, --random-erase)"
+)
 
 
 def forward_flops(model, size, channels):
@@ -44,10 +57,16 @@ def forward_flops(model, size, channels):
     a copy of it on the meta device: no weight read or copied, nothing computed, and whatever its forward keeps (a
     cache) stays with the copy. (None, why) for a model whose forward fails there."""
     from torch.utils.flop_counter import FlopCounterMode
+
     # The copy's parameters and buffers are meta tensors of the same shapes (a tied weight stays one tensor).
-    meta = {id(tensor): (nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
-                         if isinstance(tensor, nn.Parameter) else torch.empty_like(tensor, device="meta"))
-            for tensor in [*model.parameters(), *model.buffers()]}
+    meta = {
+        id(tensor): (
+            nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
+            if isinstance(tensor, nn.Parameter)
+            else torch.empty_like(tensor, device="meta")
+        )
+        for tensor in [*model.parameters(), *model.buffers()]
+    }
     try:
         copy = deepcopy(model, memo=dict(meta)).eval()  # eval: as torchvision counts (no auxiliary heads, no SyncBN)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -112,9 +131,14 @@ def input_bound(wait, slowest, world_size, epoch, workers):
     """The line of an epoch whose slowest rank (it holds up all; the others wait in their collectives, not for input)
     waited for its batches over INPUT_BOUND of its time (`wait`: the mean over the ranks, in %), else None."""
     ranks = f" (slowest rank {slowest:.0f}%)" if world_size > 1 else ""
-    return None if slowest <= 100 * INPUT_BOUND else (
-        f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, its devices "
-        "idle meanwhile; levers: " + LEVERS.format(workers=workers))
+    return (
+        None
+        if slowest <= 100 * INPUT_BOUND
+        else (
+            f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
+            "its devices idle meanwhile; levers: " + LEVERS.format(workers=workers)
+        )
+    )
 
 
 class Diagnostics:
@@ -148,23 +172,35 @@ class Diagnostics:
         """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked; `epoch_ends`: the
         steps of this launch at which its epochs end (where a trace's window ends too)."""
         if self.flops_problem:
-            lines = [f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
-                     "log.csv's tflops_per_device and mfu_pct stay empty"]
+            lines = [
+                f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
+                "log.csv's tflops_per_device and mfu_pct stay empty"
+            ]
         else:
             counted = ", ".join(f"{flops / 1e9:.4g} G at {size} px" for size, flops in self.flops.items())
-            lines = [f"FLOPs per image: forward {counted}, training {TRAINING_PER_FORWARD} x that; " + (
-                f"peak {self.peak:g} TFLOP/s ({self.peak_source}) for mfu_pct" if self.peak
-                else f"no peak {self.peak_source} (no mfu_pct)")]
+            lines = [
+                f"FLOPs per image: forward {counted}, training {TRAINING_PER_FORWARD} x that; "
+                + (
+                    f"peak {self.peak:g} TFLOP/s ({self.peak_source}) for mfu_pct"
+                    if self.peak
+                    else f"no peak {self.peak_source} (no mfu_pct)"
+                )
+            ]
         files = self._dump_files()
         if files:
-            lines.append(f"NCCL Flight Recorder: a collective that times out dumps each rank's last collectives to "
-                         f"{files}RANK (read them with: torchfrtrace {Path(files).parent})")
+            lines.append(
+                f"NCCL Flight Recorder: a collective that times out dumps each rank's last collectives to "
+                f"{files}RANK (read them with: torchfrtrace {Path(files).parent})"
+            )
         if self.config.profile:
             (start, steps), launch = profile_steps(self.config.profile), epoch_ends[-1]
-            lines.append(f"warning: --profile {self.config.profile}: this launch runs {launch} training steps (0 to "
-                         f"{launch - 1}): no trace will be written; give a START below {launch}" if start >= launch else
-                         f"profile: steps {start} to {min(start + steps, *(end for end in epoch_ends if end > start)) - 1}"
-                         f" of this launch, one Chrome trace per rank in {self.trace_dir()}")
+            lines.append(
+                f"warning: --profile {self.config.profile}: this launch runs {launch} training steps (0 to "
+                f"{launch - 1}): no trace will be written; give a START below {launch}"
+                if start >= launch
+                else f"profile: steps {start} to {min(start + steps, *(end for end in epoch_ends if end > start)) - 1}"
+                f" of this launch, one Chrome trace per rank in {self.trace_dir()}"
+            )
         return lines
 
     @staticmethod
@@ -208,8 +244,10 @@ class Diagnostics:
     def _gpu_peaks(self):
         """(allocated, reserved) bytes at their peak since the last reset, the most of this process's GPUs."""
         devices = self.runtime.devices
-        return (max(torch.cuda.max_memory_allocated(d) for d in devices),
-                max(torch.cuda.max_memory_reserved(d) for d in devices))
+        return (
+            max(torch.cuda.max_memory_allocated(d) for d in devices),
+            max(torch.cuda.max_memory_reserved(d) for d in devices),
+        )
 
     def timed(self, batches):
         """`batches`, each one's wait (the wall clock around fetching it: no device sync) added to self.waited."""
@@ -235,8 +273,11 @@ class Diagnostics:
         batches (a collective); the loader workers' peak memory is sampled meanwhile, while they live."""
         self._sample_workers()
         wait, slowest, idle, _ = self._shares()
-        return wait, (f"input wait {wait:.0f}%" + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
-                      + (f"; GPU idle {idle:.0f}%" if idle is not None else ""))
+        return wait, (
+            f"input wait {wait:.0f}%"
+            + (f", slowest rank {slowest:.0f}%" if self.runtime.world_size > 1 else "")
+            + (f"; GPU idle {idle:.0f}%" if idle is not None else "")
+        )
 
     def _sample_workers(self):
         self.worker_rss = max([self.worker_rss, *(peak_rss(pid) or 0 for pid in loader_workers())])
@@ -255,8 +296,9 @@ class Diagnostics:
         held (a collective); the first input-bound epoch says so, with the levers."""
         self._sample_workers()
         cuda = self.runtime.device.type == "cuda"  # memory: -1 where not measured
-        wait, slowest, idle, memory = self._shares(*(self._gpu_peaks() if cuda else (-1, -1)), peak_rss() or -1,
-                                                   self.worker_rss or -1)
+        wait, slowest, idle, memory = self._shares(
+            *(self._gpu_peaks() if cuda else (-1, -1)), peak_rss() or -1, self.worker_rss or -1
+        )
         flops = self.flops.get(self.crop(epoch))
         devices = self.runtime.world_size * self.runtime.num_devices
         figures = {"input_wait_pct": round(wait, 1), "input_wait_pct_max": round(slowest, 1)}
@@ -275,7 +317,9 @@ class Diagnostics:
         if self.profiler is not None and self.profiler.recording:  # its window ends with the training epoch
             self.profiler.stop()
             self.profiler = None
-        if not self.hinted and (hint := input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)):
+        if not self.hinted and (
+            hint := input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)
+        ):
             self.hinted = True
             self.say(hint)
         return figures
@@ -303,9 +347,11 @@ class Diagnostics:
                 snapshot = f"; no snapshot ({failure})"
         lines = str(error).strip().splitlines() or ["out of memory"]  # (DataParallel: "Caught ... in replica 0" first)
         first = next((line for line in lines if "out of memory" in line.lower()), lines[0])
-        return OutOfMemory(f"rank {runtime.rank} ran out of {runtime.device.type} memory ({first}){snapshot}; levers: a "
-                           "smaller -b (--lr-scaling linear scales the lr with it), --amp bf16, train_fsdp.py (shards "
-                           "weights, gradients and optimizer state) with --activation-checkpointing")
+        return OutOfMemory(
+            f"rank {runtime.rank} ran out of {runtime.device.type} memory ({first}){snapshot}; levers: a "
+            "smaller -b (--lr-scaling linear scales the lr with it), --amp bf16, train_fsdp.py (shards "
+            "weights, gradients and optimizer state) with --activation-checkpointing"
+        )
 
 
 class DeviceIdle:
@@ -366,6 +412,7 @@ class StepProfiler:
 
     def __init__(self, spec, directory, runtime, say):
         from torch.profiler import ProfilerActivity, profile, schedule
+
         (self.start, self.steps), self.done, self.written = profile_steps(spec), 0, False
         self.path, self.say = directory / f"rank{runtime.rank}.json", say
         cuda = runtime.device.type == "cuda"
@@ -375,8 +422,9 @@ class StepProfiler:
         with warnings.catch_warnings():  # (START 0: "won't be using warmup", as asked)
             warnings.simplefilter("ignore")
             steps = schedule(wait=max(self.start - 1, 0), warmup=min(self.start, 1), active=self.steps, repeat=1)
-        self.profile = profile(activities=activities, record_shapes=True, profile_memory=True, schedule=steps,
-                               on_trace_ready=self._write)
+        self.profile = profile(
+            activities=activities, record_shapes=True, profile_memory=True, schedule=steps, on_trace_ready=self._write
+        )
         self.profile.start()
 
     recording = property(lambda self: self.start < self.done and not self.written)  # a step of the window done
@@ -396,5 +444,7 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.path))
         self.written = True
-        self.say(f"profile: steps {self.start} to {min(self.done, self.start + self.steps) - 1} in {self.path.parent}/"
-                 "rank*.json (open in https://ui.perfetto.dev); training goes on")
+        self.say(
+            f"profile: steps {self.start} to {min(self.done, self.start + self.steps) - 1} in {self.path.parent}/"
+            "rank*.json (open in https://ui.perfetto.dev); training goes on"
+        )

@@ -4,6 +4,7 @@ Every helper works without a process group: then rank is 0, world size is 1
 and reductions return their input, so the training code has no
 `if distributed:` branches.
 """
+
 import datetime
 import fcntl
 import ipaddress
@@ -24,14 +25,15 @@ from .errors import UsageError, say
 @dataclass
 class Runtime:
     """Where this process runs and who it is among the others."""
-    mode: str                 # "dp", "ddp" or "spawn"
+
+    mode: str  # "dp", "ddp" or "spawn"
     device: torch.device
-    rank: int = 0             # global rank, 0 .. world_size-1
-    local_rank: int = 0       # rank on this node = which local GPU
-    world_size: int = 1       # processes in the job
+    rank: int = 0  # global rank, 0 .. world_size-1
+    local_rank: int = 0  # rank on this node = which local GPU
+    world_size: int = 1  # processes in the job
     local_world_size: int = 1  # processes on this node (they share its cores)
-    num_devices: int = 1      # devices this process drives (several under DataParallel)
-    device_ids: tuple = ()    # their indices, when several; else just `device`
+    num_devices: int = 1  # devices this process drives (several under DataParallel)
+    device_ids: tuple = ()  # their indices, when several; else just `device`
 
     @property
     def devices(self):
@@ -85,15 +87,19 @@ def select_device(choice, local_rank=0):
         return torch.device("cuda", local_rank)
     if count == 1:  # the launcher gave each process its own GPU via CUDA_VISIBLE_DEVICES
         return torch.device("cuda", 0)
-    raise UsageError(f"local rank {local_rank} needs GPU {local_rank}, but only {count} are visible: "
-                     "start at most one process per GPU")
+    raise UsageError(
+        f"local rank {local_rank} needs GPU {local_rank}, but only {count} are visible: "
+        "start at most one process per GPU"
+    )
 
 
 def choose_backend(requested, device):
     backend = requested or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
-        raise UsageError("the nccl backend needs CUDA GPUs and this process runs on the CPU: "
-                         "use --dist-backend gloo (or unset BACKEND)")
+        raise UsageError(
+            "the nccl backend needs CUDA GPUs and this process runs on the CPU: "
+            "use --dist-backend gloo (or unset BACKEND)"
+        )
     return backend
 
 
@@ -133,8 +139,10 @@ def gloo_address_problem(host, host_address, master_address, multi_node, interfa
     address is no loopback address: a name, node 0's own included, or another host's address) on a host whose
     name resolves to a loopback address (Debian's 127.0.1.1 line in /etc/hosts, Kubernetes' hostNetwork),
     without GLOO_SOCKET_IFNAME; else None."""
+
     def loopback(address):
         return address is not None and ipaddress.ip_address(address).is_loopback
+
     try:  # a loopback address given as the rendezvous: every "node" is this host (a rehearsal on one machine)
         all_here = master_address == "localhost" or ipaddress.ip_address(master_address).is_loopback
     except ValueError:  # a name: maybe node 0's own, which resolves to loopback on node 0 too
@@ -144,28 +152,43 @@ def gloo_address_problem(host, host_address, master_address, multi_node, interfa
     if interface == "lo":
         interface = None
     fix = f"export GLOO_SOCKET_IFNAME={interface or '<interface>'} on every node" + (
-        f" ({interface}: the interface that reaches {master_address} here)" if interface else
-        f" (the interface that reaches {master_address}: `ip route get {master_address}` names it)")
-    return (f"this host's name {host} resolves to {host_address}, a loopback address: gloo (the CPU group that carries "
-            "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the job "
-            f"would fail at start after a timeout: {fix}")
+        f" ({interface}: the interface that reaches {master_address} here)"
+        if interface
+        else f" (the interface that reaches {master_address}: `ip route get {master_address}` names it)"
+    )
+    return (
+        f"this host's name {host} resolves to {host_address}, a loopback address: gloo (the CPU group that carries "
+        "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the job "
+        f"would fail at start after a timeout: {fix}"
+    )
 
 
 def check_gloo_address(init_method, world_size, local_world_size):
     """gloo_address_problem for this process: raised as a UsageError before the rendezvous."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or local_world_size is None or world_size <= local_world_size:
         return
-    master = (os.environ.get("MASTER_ADDR") if init_method == "env://" else
-              init_method[len("tcp://"):].rpartition(":")[0].strip("[]") if init_method.startswith("tcp://") else None)
+    master = (
+        os.environ.get("MASTER_ADDR")
+        if init_method == "env://"
+        else init_method[len("tcp://") :].rpartition(":")[0].strip("[]")
+        if init_method.startswith("tcp://")
+        else None
+    )
     host = socket.gethostname()
-    problem = gloo_address_problem(host, _address_of(host), master, multi_node=True,
-                                   interface=_interface_towards(_address_of(master) or master) if master else None)
+    problem = gloo_address_problem(
+        host,
+        _address_of(host),
+        master,
+        multi_node=True,
+        interface=_interface_towards(_address_of(master) or master) if master else None,
+    )
     if problem:
         raise UsageError(problem)
 
 
-def init_process_group(backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None,
-                       output_dir=None):
+def init_process_group(
+    backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None, output_dir=None
+):
     """Join the group. A collective that waits longer than timeout_seconds for a stalled
     rank fails instead of hanging, and the launcher then stops the job. With local_world_size (the processes on
     this node), a host whose name resolves to a loopback address is refused first (check_gloo_address). NCCL's
@@ -185,8 +208,9 @@ def init_process_group(backend, init_method, rank, world_size, device, timeout_s
         if init_method == "env://" and attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # After torchrun restarts the workers, its store still holds the addresses that the
             # dead workers published; meet under a fresh prefix so no rank connects to those.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                  is_master=False, timeout=timeout)
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+            )
             dist.init_process_group(backend, store=dist.PrefixStore(f"/restart_{attempt}", store), **options)
         else:
             dist.init_process_group(backend, init_method=init_method, **options)
@@ -200,8 +224,10 @@ def init_process_group(backend, init_method, rank, world_size, device, timeout_s
 
 
 def _shared_gpu_message(who, device):
-    return (f"{who} both use GPU {device} of this node: start at most one process per GPU "
-            f"(--nproc_per_node <= {torch.cuda.device_count()}), or give each its own with CUDA_VISIBLE_DEVICES")
+    return (
+        f"{who} both use GPU {device} of this node: start at most one process per GPU "
+        f"(--nproc_per_node <= {torch.cuda.device_count()}), or give each its own with CUDA_VISIBLE_DEVICES"
+    )
 
 
 def shared_devices(owners):
@@ -373,12 +399,17 @@ def check_port_free(address, port):
         try:
             sock.bind((address, port))
         except OSError as error:
-            raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): "
-                             "the port is in use; choose another --master-port")
+            raise UsageError(
+                f"cannot listen on {address}:{port} ({error.strerror}): "
+                "the port is in use; choose another --master-port"
+            )
 
 
-FLIGHT_RECORDER = (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), ("TORCH_FR_DUMP_ON_TIMEOUT",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT"), ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+FLIGHT_RECORDER = (
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    ("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"),
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+)
 
 
 def flight_recorder(backend, output_dir):

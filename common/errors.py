@@ -10,6 +10,7 @@ say: print() writes a line's text and its newline in two writes. The processes o
 writes glues itself onto the end of our line, or our next line onto it. A line written at once (under the pipe's
 4 KiB atomic size) arrives whole.
 """
+
 import ctypes
 import importlib
 import multiprocessing
@@ -21,16 +22,19 @@ import time
 
 class UsageError(Exception):
     """Bad input from the user: reported as one line and exit code 2."""
+
     exit_code = 2
 
 
 class CheckpointWriteError(UsageError):
     """A checkpoint could not be written (a full disk): one line, exit code 1."""
+
     exit_code = 1
 
 
 class OutOfMemory(UsageError):
     """The device ran out of memory: one line naming the evidence and the levers (diagnostics.py), exit code 1."""
+
     exit_code = 1
 
 
@@ -62,8 +66,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a launcher's or scheduler's r
 
 
 def _stop_during_start_up(signum, _frame):
-    raise Preempted(f"stopped on {signal.Signals(signum).name} before training started: nothing was trained, nothing "
-                    "written; start it again as it was started")
+    raise Preempted(
+        f"stopped on {signal.Signals(signum).name} before training started: nothing was trained, nothing "
+        "written; start it again as it was started"
+    )
 
 
 def stop_at_once_until_training():

@@ -8,6 +8,7 @@ Here one pass lists and checks the folder, on rank 0 only (build_data gives the 
 ranks), and the samples are one bytes blob of file names with numpy offsets and labels. The
 order of the samples is ImageFolder's, so sample i is datasets.ImageFolder(root)[i].
 """
+
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -35,7 +36,7 @@ class FolderIndex:
     def __getitem__(self, index):
         start = self.ends[index - 1] + 1 if index else 0
         label = int(self.labels[index])
-        return os.path.join(self.root, self.classes[label], os.fsdecode(self.blob[start:self.ends[index]])), label
+        return os.path.join(self.root, self.classes[label], os.fsdecode(self.blob[start : self.ends[index]])), label
 
 
 def image_files(class_dir):
@@ -82,15 +83,19 @@ def scan_image_folder(root):
             files[split] = {name: image_files(folder / name) for name in classes[split]}
             empty = [name for name, found in files[split].items() if not found]
             if empty:
-                raise UsageError(f"class folder(s) {', '.join(empty)} in {folder} hold no images "
-                                 f"({', '.join(IMG_EXTENSIONS[:3])}, ...): add images or remove the folder")
+                raise UsageError(
+                    f"class folder(s) {', '.join(empty)} in {folder} hold no images "
+                    f"({', '.join(IMG_EXTENSIONS[:3])}, ...): add images or remove the folder"
+                )
     except OSError as error:
         raise UsageError(f"cannot list {error.filename}: {error.strerror}") from None
     if classes["train"] != classes["val"]:
         only_train = sorted(set(classes["train"]) - set(classes["val"]))
         only_val = sorted(set(classes["val"]) - set(classes["train"]))
-        raise UsageError(f"train/ and val/ in {root} have different classes "
-                         f"(only in train: {', '.join(only_train) or '-'}; only in val: {', '.join(only_val) or '-'})")
+        raise UsageError(
+            f"train/ and val/ in {root} have different classes "
+            f"(only in train: {', '.join(only_train) or '-'}; only in val: {', '.join(only_val) or '-'})"
+        )
 
     def index(split):
         return FolderIndex(root / split, classes[split], [files[split][name] for name in classes[split]])

@@ -8,13 +8,13 @@ the root (whatever is left: stem, head); a unit's parameters are whole only whil
 the largest unit, not of the model, is what a rank needs beyond its shard.
 
 The units of a model (default_units): the outermost modules that are items of an nn.Sequential or nn.ModuleList, hold
-parameters, are not themselves such a list, and are not one of torch.nn's layers (or a subclass of one): the repeated blocks
-of a network. ResNet's BasicBlock and Bottleneck, ViT's EncoderBlock, Swin's SwinTransformerBlock (and PatchMerging),
-ConvNeXt's CNBlock, EfficientNet's MBConv, RegNet's ResBottleneckBlock,
-MobileNet's InvertedResidual; MaxViT's and DenseNet's stages (MaxVitBlock, _DenseBlock). Small layers outside them
-(stems, heads) stay with the root. A model of your own with its blocks in such a list is sharded by them; choose
-others with the Trainer's shard_units hook (docs/adapting.md).
-"""
+parameters, are not themselves such a list, and are not one of torch.nn's layers (or a subclass of one): the repeated
+blocks of a network. ResNet's BasicBlock and Bottleneck, ViT's EncoderBlock, Swin's SwinTransformerBlock (and
+PatchMerging), ConvNeXt's CNBlock, EfficientNet's MBConv, RegNet's ResBottleneckBlock, MobileNet's InvertedResidual;
+MaxViT's and DenseNet's stages (MaxVitBlock, _DenseBlock). Small layers outside them (stems, heads) stay with the root.
+A model of your own with its blocks in such a list is sharded by them; choose others with the Trainer's shard_units hook
+(docs/adapting.md)."""
+
 from collections import Counter
 
 import torch
@@ -32,8 +32,10 @@ LISTS = (nn.Sequential, nn.ModuleList)
 
 def is_layer(module):
     """Whether `module` is one of torch.nn's layers, or a subclass of one (ConvNeXt's LayerNorm2d)."""
-    return any(base.__module__.startswith("torch.nn") and base not in (nn.Module, nn.ModuleDict, *LISTS)
-               for base in type(module).__mro__)
+    return any(
+        base.__module__.startswith("torch.nn") and base not in (nn.Module, nn.ModuleDict, *LISTS)
+        for base in type(module).__mro__
+    )
 
 
 def default_units(model):
@@ -78,9 +80,12 @@ class Sharding:
     def __init__(self, config, runtime):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
         if config.cpu_offload and runtime.device.type != "cuda":
-            raise UsageError("--cpu-offload keeps parameters and optimizer state in host memory for a GPU's "
-                             "steps: on the CPU they are there already (leave it out)")
+            raise UsageError(
+                "--cpu-offload keeps parameters and optimizer state in host memory for a GPU's "
+                "steps: on the CPU they are there already (leave it out)"
+            )
         self.mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
         self.reshard_after_forward = config.reshard_after_forward
         self.activation_checkpointing = config.activation_checkpointing
@@ -88,10 +93,14 @@ class Sharding:
         # --amp bf16: FSDP casts the gathered parameters to bf16 for compute, and reduces gradients in float32
         # (the sharded parameters and the optimizer stay float32). The trainer's autocast stays on over it, so that
         # the loss and softmax run in float32 as under DDP.
-        self.bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if config.amp == "bf16" else None
-        self.float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                            cast_forward_inputs=False)
+        self.bf16 = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if config.amp == "bf16"
+            else None
+        )
+        self.float32 = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         self.described = ""
 
     def _options(self, policy):
@@ -108,10 +117,12 @@ class Sharding:
         unit before it is sharded, as torchtitan does); under --amp bf16 the normalisation layers are units of
         their own that compute in float32."""
         from torch.distributed.fsdp import fully_shard
+
         units = list(units)
         self.described = describe_units(units)
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
             wrapped = []
             for unit in units:
                 # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
@@ -134,13 +145,15 @@ class Sharding:
         whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
         slots = optimizer_slots(optimizer)
         state = f"{slots} x" if slots is not None else "an unknown multiple of"
-        lines = [f"fsdp: units {self.described}, then the root; --reshard-after-forward "
-                 f"{'on' if self.reshard_after_forward else 'off'}, --activation-checkpointing "
-                 f"{'on' if self.activation_checkpointing else 'off'}, --cpu-offload {'on' if self.offload else 'off'}"
-                 + (", bf16 compute with float32 gradient reduction (BatchNorm in float32)" if self.bf16 else ""),
-                 f"fsdp memory per rank: parameters {_mib(local)} + gradients {_mib(local)} + optimizer state "
-                 f"{state} parameters{f' ({_mib(local * slots)})' if slots else ''}; one unsharded replica: "
-                 f"{_mib(whole)} + {_mib(whole)}" + (f" + {_mib(whole * slots)}" if slots else "")]
+        lines = [
+            f"fsdp: units {self.described}, then the root; --reshard-after-forward "
+            f"{'on' if self.reshard_after_forward else 'off'}, --activation-checkpointing "
+            f"{'on' if self.activation_checkpointing else 'off'}, --cpu-offload {'on' if self.offload else 'off'}"
+            + (", bf16 compute with float32 gradient reduction (BatchNorm in float32)" if self.bf16 else ""),
+            f"fsdp memory per rank: parameters {_mib(local)} + gradients {_mib(local)} + optimizer state "
+            f"{state} parameters{f' ({_mib(local * slots)})' if slots else ''}; one unsharded replica: "
+            f"{_mib(whole)} + {_mib(whole)}" + (f" + {_mib(whole * slots)}" if slots else ""),
+        ]
         return lines
 
 
@@ -154,18 +167,28 @@ def optimizer_slots(optimizer):
     if name == "SGD":
         return int(any(group.get("momentum", 0) for group in optimizer.param_groups))
     if name == "RMSprop":
-        return 1 + int(any(group.get("momentum", 0) for group in optimizer.param_groups)) \
+        return (
+            1
+            + int(any(group.get("momentum", 0) for group in optimizer.param_groups))
             + int(any(group.get("centered") for group in optimizer.param_groups))
+        )
     return STATE_SLOTS.get(name)
 
 
 def state_bytes(model, optimizer):
     """(parameters, gradients, optimizer state) bytes this rank holds: its shards, measured."""
     parameters = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
-    gradients = sum(_local(parameter.grad).numel() * parameter.grad.element_size() for parameter in model.parameters()
-                    if parameter.grad is not None)
-    state = sum(_local(value).numel() * value.element_size() for per_parameter in optimizer.state.values()
-                for value in per_parameter.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+    gradients = sum(
+        _local(parameter.grad).numel() * parameter.grad.element_size()
+        for parameter in model.parameters()
+        if parameter.grad is not None
+    )
+    state = sum(
+        _local(value).numel() * value.element_size()
+        for per_parameter in optimizer.state.values()
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
     return parameters, gradients, state
 
 

@@ -1,6 +1,7 @@
 """The lines a run begins with: where it runs, on what data, which model and recipe, from which checkpoint, with
 which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here,
 whoever built it (a registry that hides where a part comes from is not what we want: style.md)."""
+
 import os
 import platform
 import time
@@ -9,10 +10,10 @@ from pathlib import Path
 import torch
 
 from . import distributed, schedule
+from .config import RECIPES, describe_preset
 from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
 from .models import warn_slow_amp
-from .config import RECIPES, describe_preset
 
 
 def describe_environment(device, num_devices):
@@ -28,44 +29,75 @@ def describe_environment(device, num_devices):
 def start_lines(trainer):
     """What every run says first, -e too: environment, data, presets, model, validation, recipe, resume."""
     config, runtime, data = trainer.config, trainer.runtime, trainer._data
-    lines = [f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
-             f"{describe_environment(runtime.device, runtime.num_devices)}"]
+    lines = [
+        f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
+        f"{describe_environment(runtime.device, runtime.num_devices)}"
+    ]
     hook = type(trainer).build_datasets
-    source = (hook.__qualname__ if hook.__qualname__ != "Trainer.build_datasets" else
-              f"--dataset {config.dataset_fn}" if config.dataset_fn else config.data or "synthetic (--dummy)")
-    made = ("batches made on the GPU, no loader" if isinstance(trainer._train_batches, SyntheticOnDevice)
-            else f"{data.train_loader.num_workers} loader worker(s) per process")
-    lines.append(f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
-                 f"{len(data.val_loader.dataset)} val images, {made}), normalised with {data.normalisation}")
+    source = (
+        hook.__qualname__
+        if hook.__qualname__ != "Trainer.build_datasets"
+        else f"--dataset {config.dataset_fn}"
+        if config.dataset_fn
+        else config.data or "synthetic (--dummy)"
+    )
+    made = (
+        "batches made on the GPU, no loader"
+        if isinstance(trainer._train_batches, SyntheticOnDevice)
+        else f"{data.train_loader.num_workers} loader worker(s) per process"
+    )
+    lines.append(
+        f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
+        f"{len(data.val_loader.dataset)} val images, {made}), normalised with {data.normalisation}"
+    )
     lines += describe_preset(config, data.first_image)
     if config.trainer:
         lines.append(f"trainer: {config.trainer}")
     hook = type(trainer).build_batch_transform
     if hook.__qualname__ != "Trainer.build_batch_transform":  # (the default's: the preset's and the flags' lines)
-        lines.append(f"batch transform: {hook.__qualname__} (build_batch_transform), "
-                     f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}")
+        lines.append(
+            f"batch transform: {hook.__qualname__} (build_batch_transform), "
+            f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}"
+        )
     source = config.weights or (config.init_from and f"--init-from {config.init_from}")
-    lines.append(f"model: {config.arch}" + (f" from {source}" if source else "")
-                 + f", {'channels_last' if trainer._channels_last else 'default'} memory format "
-                 f"(--channels-last {config.channels_last}), --amp {config.amp}"
-                 + (f"; changed for this data: {'; '.join(trainer._model_changes)}" if trainer._model_changes else ""))
+    lines.append(
+        f"model: {config.arch}"
+        + (f" from {source}" if source else "")
+        + f", {'channels_last' if trainer._channels_last else 'default'} memory format "
+        f"(--channels-last {config.channels_last}), --amp {config.amp}"
+        + (f"; changed for this data: {'; '.join(trainer._model_changes)}" if trainer._model_changes else "")
+    )
     if config.val_preprocessing:
-        lines.append(f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
-                     f"{config.val_interpolation} ({config.val_preprocessing}; --val-resize-size, "
-                     "--val-crop-size, --interpolation override)")
+        lines.append(
+            f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
+            f"{config.val_interpolation} ({config.val_preprocessing}; --val-resize-size, "
+            "--val-crop-size, --interpolation override)"
+        )
     if config.preset:
-        lines.append(f"recipe: {config.preset} ({RECIPES[config.preset]['name']})" + (
-            "; on the demo set its epochs, batch, lr and image sizes stay the demo's" if config.dataset == "demo" else ""))
+        lines.append(
+            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
+            + (
+                "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
+                if config.dataset == "demo"
+                else ""
+            )
+        )
     if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
-        lines.append("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
-                     "and images/s leaves out their cost (measure it with --data)")
+        lines.append(
+            "note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
+            "and images/s leaves out their cost (measure it with --data)"
+        )
     if trainer.resumed_from and config.evaluate:
         done = f"{trainer.start_epoch} epoch(s)" + (f" and {trainer.start_step} step(s)" if trainer.start_step else "")
-        lines.append(f"evaluating {trainer.resumed_from}"
-                     + (f": its weights after {done}" if trainer.start_epoch or trainer.start_step else ""))
+        lines.append(
+            f"evaluating {trainer.resumed_from}"
+            + (f": its weights after {done}" if trainer.start_epoch or trainer.start_step else "")
+        )
     elif trainer.resumed_from:
-        lines.append(f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
-                     + (f", step {trainer.start_step})" if trainer.start_step else ")"))
+        lines.append(
+            f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
+            + (f", step {trainer.start_step})" if trainer.start_step else ")")
+        )
     return lines
 
 
@@ -74,16 +106,22 @@ def warnings(trainer):
     config, runtime, found = trainer.config, trainer.runtime, []
     warn_slow_amp(config.amp, runtime.device, found.append)
     if config.compile and config.sync_bn:
-        found.append("warning: --compile with --sync-bn: SyncBatchNorm's collectives break the compiled graph at every "
-                     "BatchNorm layer, which costs most of what compiling gains")
+        found.append(
+            "warning: --compile with --sync-bn: SyncBatchNorm's collectives break the compiled graph at every "
+            "BatchNorm layer, which costs most of what compiling gains"
+        )
     if config.compile and config.res_schedule and not config.evaluate:
-        found.append("warning: --compile with --res-schedule: each new training size compiles another graph "
-                     "(seconds to minutes each)")
+        found.append(
+            "warning: --compile with --res-schedule: each new training size compiles another graph "
+            "(seconds to minutes each)"
+        )
     if config.ra_sampler and runtime.world_size < config.ra_reps and not config.evaluate:
         # Consecutive copies go to consecutive ranks; with fewer ranks than copies some share a batch.
-        found.append(f"warning: --ra-sampler with {runtime.world_size} process(es) and --ra-reps {config.ra_reps}: "
-                     "copies of an image share a process's batch (and its BatchNorm statistics), so a step sees fewer "
-                     "different images; torchvision uses it only with several processes")
+        found.append(
+            f"warning: --ra-sampler with {runtime.world_size} process(es) and --ra-reps {config.ra_reps}: "
+            "copies of an image share a process's batch (and its BatchNorm statistics), so a step sees fewer "
+            "different images; torchvision uses it only with several processes"
+        )
     return found
 
 
@@ -92,21 +130,29 @@ def training_lines(trainer):
     config = trainer.config
     lines = [schedule.describe_optimizer(trainer.optimizer, config)]
     if config.grad_accum_steps > 1:
-        lines.append(f"gradient accumulation: each optimizer step of global batch {config.batch_size} sums "
-                     f"{config.grad_accum_steps} micro-batches of {trainer._data.train_loader.batch_size} per process "
-                     "(the gradients synced over the ranks at the last); steps, the schedule, the EMA and checkpoints "
-                     "count optimizer steps")
+        lines.append(
+            f"gradient accumulation: each optimizer step of global batch {config.batch_size} sums "
+            f"{config.grad_accum_steps} micro-batches of {trainer._data.train_loader.batch_size} per process "
+            "(the gradients synced over the ranks at the last); steps, the schedule, the EMA and checkpoints "
+            "count optimizer steps"
+        )
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
         lines += trainer.shard.describe(trainer.model, trainer.optimizer)
     if not isinstance(trainer.scheduler, schedule.LrSchedule):
-        lines.append(f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
-                     "step, saved in the checkpoints")
+        lines.append(
+            f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
+            "step, saved in the checkpoints"
+        )
     if trainer.ema is not None:
-        lines.append(f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
-                     f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
-                     f"{config.model_ema_steps} steps, {config.epochs} epochs)")
+        lines.append(
+            f"model EMA: decay {trainer.ema.decay:.8g} every {config.model_ema_steps} steps (--model-ema-decay "
+            f"{config.model_ema_decay:g} adjusted as torchvision's train.py does for batch {config.batch_size}, "
+            f"{config.model_ema_steps} steps, {config.epochs} epochs)"
+        )
     first, steps = trainer.steps_per_epoch - trainer.start_step, trainer.steps_per_epoch  # (a resumed epoch: its rest)
-    lines += trainer._diagnostics.describe([first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)])
+    lines += trainer._diagnostics.describe(
+        [first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)]
+    )
     lines.append(f"output: {config.output_dir}")
     return lines
 
@@ -114,21 +160,39 @@ def training_lines(trainer):
 def run_summary(trainer, seconds, train, val, ema_val):
     """summary.json's figures: the run's metrics, speed, where it ran, and what it held."""
     config, runtime = trainer.config, trainer.runtime
-    summary = {"mode": runtime.mode, "arch": config.arch, "epochs": config.epochs, "world_size": runtime.world_size,
-               "devices_per_process": runtime.num_devices, "device": str(runtime.device),
-               "best_acc1": trainer._best_acc1, "final_acc1": val["acc1"], "final_acc5": val["acc5"],
-               "final_val_loss": val["loss"], "train_images_per_second": train["images_per_second"],
-               "wall_seconds": round(seconds, 2), "torch": torch.__version__,
-               "bad_images": len(trainer._bad_images.found)}
+    summary = {
+        "mode": runtime.mode,
+        "arch": config.arch,
+        "epochs": config.epochs,
+        "world_size": runtime.world_size,
+        "devices_per_process": runtime.num_devices,
+        "device": str(runtime.device),
+        "best_acc1": trainer._best_acc1,
+        "final_acc1": val["acc1"],
+        "final_acc5": val["acc5"],
+        "final_val_loss": val["loss"],
+        "train_images_per_second": train["images_per_second"],
+        "wall_seconds": round(seconds, 2),
+        "torch": torch.__version__,
+        "bad_images": len(trainer._bad_images.found),
+    }
     if trainer.ema is not None:
-        summary.update(best_ema_acc1=trainer._best_ema_acc1, final_ema_acc1=ema_val["acc1"],
-                       final_ema_acc5=ema_val["acc5"], ema_decay=trainer.ema.decay)
+        summary.update(
+            best_ema_acc1=trainer._best_ema_acc1,
+            final_ema_acc1=ema_val["acc1"],
+            final_ema_acc5=ema_val["acc5"],
+            ema_decay=trainer.ema.decay,
+        )
     summary.update(trainer._diagnostics.summary())  # (which reads the last validation's GPU peak too)
     if runtime.device.type == "cuda":  # the most rank 0's devices held in the run, validations included
         summary["peak_memory_gib"] = round(trainer._diagnostics.run_peak / 2**10, 3)
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: what rank 0 holds, measured after the last step
-        summary.update(zip(("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
-                           state_bytes(trainer.model, trainer.optimizer)))
+        summary.update(
+            zip(
+                ("rank_0_parameter_bytes", "rank_0_gradient_bytes", "rank_0_optimizer_state_bytes"),
+                state_bytes(trainer.model, trainer.optimizer),
+            )
+        )
     if config.compile:
         # Recompilations cost seconds to minutes each: a count that grows with the epochs is a bug.
         summary["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -150,7 +214,9 @@ def trained_already(trainer, eval_model):
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
     trainer._diagnostics.last = {name: last.get(name) for name in ("tflops_per_device", "mfu_pct")}
     trainer._diagnostics.run_peak = max(trainer._diagnostics.run_peak, last.get("gpu_peak_allocated_mib") or 0)
-    summary = run_summary(trainer, time.time() - start, {"images_per_second": last.get("images_per_second")}, val, ema_val)
+    summary = run_summary(
+        trainer, time.time() - start, {"images_per_second": last.get("images_per_second")}, val, ema_val
+    )
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary

@@ -4,6 +4,7 @@ Bad input (UsageError) is one line on stderr and exit code 2 (a checkpoint that 
 on request (Preempted) exits 75; Ctrl-C 130; a failure that is not this process's own fault (a lost peer, a
 killed loader worker) one line and 1. Anything else is a bug, and its traceback is the report.
 """
+
 import errno
 import os
 import signal
@@ -11,7 +12,6 @@ import sys
 import traceback
 
 from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, end_with_launcher, say, stop_at_once_until_training
-
 
 # A write the file system refused: full, over quota, read-only, or over the process's file size limit (RLIMIT_FSIZE).
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
@@ -26,8 +26,10 @@ def known_failure(error):
         return f"error: {text.splitlines()[0].strip()} (out of memory? fewer --workers use less)"
     if "Expected to have finished reduction in the prior iteration" in text:
         # DDP waited for the gradient of a parameter that the forward did not use.
-        return ("error: DDP: the model has parameters that received no gradient: add --find-unused-parameters "
-                "(or use them all in forward)")
+        return (
+            "error: DDP: the model has parameters that received no gradient: add --find-unused-parameters "
+            "(or use them all in forward)"
+        )
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
@@ -44,8 +46,10 @@ def outcome(error):
         return 130, None
     if isinstance(error, OSError) and error.errno in DISK_FULL:  # log.csv, summary.json, ... (checkpoints: their own)
         where = f" ({error.filename})" if error.filename else ""  # (a write to an open file names none)
-        return 1, (f"error: a write failed: {error.strerror}{where}; the checkpoints already there are intact: make "
-                   "room, then --resume auto goes on from the last one")
+        return 1, (
+            f"error: a write failed: {error.strerror}{where}; the checkpoints already there are intact: make "
+            "room, then --resume auto goes on from the last one"
+        )
     line = known_failure(error) if isinstance(error, RuntimeError) else None
     return None if line is None else (1, line)
 
@@ -104,6 +108,10 @@ def run_worker(rank, body, usage_errors):
         if isinstance(error, UsageError):
             usage_errors.put((code, line))
         elif line:
-            say(line.replace("error: ", f"error: rank {rank}: ", 1) if line.startswith("error: ") else f"rank {rank}: {line}",
-                file=sys.stderr)
+            say(
+                line.replace("error: ", f"error: rank {rank}: ", 1)
+                if line.startswith("error: ")
+                else f"rank {rank}: {line}",
+                file=sys.stderr,
+            )
         sys.exit(code)  # spawn would report a KeyboardInterrupt as success

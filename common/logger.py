@@ -3,6 +3,7 @@
 Only the process that writes checkpoints writes files; every other process
 gets a RunLogger that prints and writes nothing.
 """
+
 import csv
 import io
 import json
@@ -18,16 +19,42 @@ from .run_dir import atomic_write
 # What limits the run (common/diagnostics.py): input wait (mean and slowest rank), the GPU's idle share between steps,
 # achieved rate and utilisation, peak memory; empty where not measured (GPU figures on the CPU, a model whose FLOPs
 # could not be counted).
-DIAGNOSTICS = ["input_wait_pct", "input_wait_pct_max", "gpu_idle_pct", "tflops_per_device", "mfu_pct",
-               "gpu_peak_allocated_mib", "gpu_peak_reserved_mib", "host_peak_rss_mib", "worker_peak_rss_mib"]
-CSV_FIELDS = ["epoch", "start_time", "seconds", "lr", "train_loss", "train_acc1", "val_loss",
-              "val_acc1", "val_acc5", "images_per_second", "bad_images", *DIAGNOSTICS]
+DIAGNOSTICS = [
+    "input_wait_pct",
+    "input_wait_pct_max",
+    "gpu_idle_pct",
+    "tflops_per_device",
+    "mfu_pct",
+    "gpu_peak_allocated_mib",
+    "gpu_peak_reserved_mib",
+    "host_peak_rss_mib",
+    "worker_peak_rss_mib",
+]
+CSV_FIELDS = [
+    "epoch",
+    "start_time",
+    "seconds",
+    "lr",
+    "train_loss",
+    "train_acc1",
+    "val_loss",
+    "val_acc1",
+    "val_acc5",
+    "images_per_second",
+    "bad_images",
+    *DIAGNOSTICS,
+]
 EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others
 MEASURED = ["start_time", "seconds", "images_per_second", *DIAGNOSTICS]  # columns that differ between equal runs
 NOT_PLOTTED = ("epoch", "start_time", "seconds", "bad_images")  # log.csv columns that are no curve in TensorBoard
 # Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them.
-STEP_TAGS = {"loss": "step/train_loss", "acc1": "step/train_acc1", "lr": "step/lr",
-             "images_per_second": "step/images_per_second", "input_wait_pct": "step/input_wait_pct"}
+STEP_TAGS = {
+    "loss": "step/train_loss",
+    "acc1": "step/train_acc1",
+    "lr": "step/lr",
+    "images_per_second": "step/images_per_second",
+    "input_wait_pct": "step/input_wait_pct",
+}
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
@@ -35,16 +62,31 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     columns (lr: the first group's; lr_group1, ...: the others', where they differ from it; DIAGNOSTICS: those in
     train["diagnostics"]), the EMA's (`ema_val`, or None without one), then each named value (train_NAME, val_NAME,
     ema_val_NAME)."""
-    row = {"epoch": epoch, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
-           "seconds": round(time.time() - start, 3), "lr": lrs[0], "train_loss": train["loss"], "train_acc1": train["acc1"],
-           "val_loss": val["loss"], "val_acc1": val["acc1"], "val_acc5": val["acc5"],
-           "images_per_second": round(train["images_per_second"], 1), "bad_images": len(bad_images),
-           **train.get("diagnostics", {})}
+    row = {
+        "epoch": epoch,
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+        "seconds": round(time.time() - start, 3),
+        "lr": lrs[0],
+        "train_loss": train["loss"],
+        "train_acc1": train["acc1"],
+        "val_loss": val["loss"],
+        "val_acc1": val["acc1"],
+        "val_acc5": val["acc5"],
+        "images_per_second": round(train["images_per_second"], 1),
+        "bad_images": len(bad_images),
+        **train.get("diagnostics", {}),
+    }
     if len(set(lrs)) > 1:
         row.update({f"lr_group{index}": lr for index, lr in enumerate(lrs) if index})
     if ema_val is not None:
-        row.update({"ema_val_loss": ema_val["loss"], "ema_val_acc1": ema_val["acc1"], "ema_val_acc5": ema_val["acc5"],
-                    **MetricSums.extra(ema_val, "ema_val_")})
+        row.update(
+            {
+                "ema_val_loss": ema_val["loss"],
+                "ema_val_acc1": ema_val["acc1"],
+                "ema_val_acc5": ema_val["acc5"],
+                **MetricSums.extra(ema_val, "ema_val_"),
+            }
+        )
     return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
 
 
@@ -61,7 +103,9 @@ class RunLogger:
         if self.prints:
             say(message)
 
-    def start(self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST), epochs_done=None):
+    def start(
+        self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST), epochs_done=None
+    ):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
         columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
         the interrupted one logged after it (they are logged again)."""
@@ -71,8 +115,10 @@ class RunLogger:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_text(self.output_dir / "args.json", json.dumps(vars(config), indent=2, default=str))
         except OSError as error:
-            raise UsageError(f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
-                             "choose a directory you can write to") from None
+            raise UsageError(
+                f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
+                "choose a directory you can write to"
+            ) from None
         log = self.output_dir / "log.csv"
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
@@ -94,16 +140,18 @@ class RunLogger:
             # Rows of epochs the checkpoint does not hold (logged while an --async-checkpoint write was under way,
             # which a kill then cut short) are trained again: they go.
             kept = rows if epochs_done is None else [row for row in rows if row and int(row[0]) < epochs_done]
-            if header[:len(self.fields)] == self.fields:
+            if header[: len(self.fields)] == self.fields:
                 self.fields = header  # as it was (the EMA's and named values' columns of earlier legs stay)
             else:  # a run begun without --model-ema: its rows lack the EMA's columns
                 self.fields += [field for field in header if field not in self.fields]
             if kept != rows or self.fields != header:
                 self._rewrite_log([dict(zip(header, row)) for row in kept])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
+
         # purge_step: TensorBoard hides the events of the steps at and after it in the earlier files.
-        self.tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),
-                                         purge_step=global_step + 1 if resumed else None)
+        self.tensorboard = SummaryWriter(
+            str(self.output_dir / "tensorboard"), purge_step=global_step + 1 if resumed else None
+        )
 
     def _rewrite_log(self, rows):
         """log.csv anew with the header self.fields and `rows` (dicts; a column a row lacks stays empty)."""
@@ -171,7 +219,9 @@ class RunLogger:
             (self.output_dir / "bad_images.txt").unlink(missing_ok=True)  # an earlier epoch's: those read again
         elif self.writes:
             lines = "".join(f"{path}\t{reason}\n" for path, reason in found)  # file names as their bytes
-            atomic_write(self.output_dir / "bad_images.txt", lambda file: file.write(lines.encode("utf-8", "surrogateescape")))
+            atomic_write(
+                self.output_dir / "bad_images.txt", lambda file: file.write(lines.encode("utf-8", "surrogateescape"))
+            )
 
     def finish(self, summary):
         if not self.writes:

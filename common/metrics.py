@@ -5,6 +5,7 @@ and over ranks exactly, turned into results once summed (Trainer.build_metrics).
 A metric is stateless itself: MetricSums holds its state (a float64 tensor of `shape`), sums it over the ranks
 with the run's other sums, saves it in a mid-epoch checkpoint and restores it, as the loss's sum.
 """
+
 import datetime
 import time
 
@@ -19,6 +20,7 @@ class SummedMetric:
     the host: no .item(), no bincount, which sizes its result from the data), compute() that turns the state summed
     over all ranks into {name: result}. A number is shown on the progress and result lines and logged (train_NAME,
     val_NAME in log.csv and TensorBoard); a tensor (a vector, a matrix) is written to metrics/SPLIT_epochE.json."""
+
     shape = ()
 
     def update(self, state, logits, target):
@@ -61,7 +63,7 @@ def correct_counts(output, target, topk=(1,)):
         maxk = min(max(topk), output.size(1))
         _, pred = output.topk(maxk, dim=1, largest=True, sorted=True)
         hits = pred.t().eq(target.view(1, -1))
-        return [hits[:min(k, maxk)].any(dim=0).sum() for k in topk]
+        return [hits[: min(k, maxk)].any(dim=0).sum() for k in topk]
 
 
 BUILT_IN = ("loss", "hits1", "hits5")  # the sums every run keeps, in this order
@@ -85,8 +87,9 @@ class MetricSums:
         self.count = 0  # known on the host: no need to read it from the device
         self.base = {}
         self.metrics = dict(metrics or {})
-        self.states = {name: torch.zeros(metric.shape, dtype=torch.float64, device=device)
-                       for name, metric in self.metrics.items()}
+        self.states = {
+            name: torch.zeros(metric.shape, dtype=torch.float64, device=device) for name, metric in self.metrics.items()
+        }
 
     def state_dict(self):
         """The totals over all ranks, by name (a collective), base included."""
@@ -105,7 +108,9 @@ class MetricSums:
                 raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise UsageError(f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)")
+                    raise UsageError(
+                        f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)"
+                    )
                 value = value.detach().reshape(()).to(self.device, torch.float64)
             else:
                 value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
@@ -127,15 +132,16 @@ class MetricSums:
         if reduce:
             names = list(dict.fromkeys(name for names in distributed.all_gather_object(self.names) for name in names))
         index = {name: i for i, name in enumerate(self.names)}
-        sums = torch.stack([self.sums[index[name]] if name in index else self.sums.new_zeros(()) for name in names]
-                           + [self.sums.new_tensor(float(self.count))])
+        sums = torch.stack(
+            [self.sums[index[name]] if name in index else self.sums.new_zeros(()) for name in names]
+            + [self.sums.new_tensor(float(self.count))]
+        )
         states = [self.states[name].flatten() for name in self.metrics]
         if reduce:  # one collective for the sums and the metrics' states
             flat = distributed.all_reduce_sum(torch.cat([sums, *states]))
-            sums, states = flat[:len(sums)], list(flat[len(sums):].split([state.numel() for state in states]))
+            sums, states = flat[: len(sums)], list(flat[len(sums) :].split([state.numel() for state in states]))
         totals = dict(zip([*names, "count"], sums.tolist()))
-        totals.update({name: state.view(self.states[name].shape).cpu()
-                       for name, state in zip(self.metrics, states)})
+        totals.update({name: state.view(self.states[name].shape).cpu() for name, state in zip(self.metrics, states)})
         if reduce:
             for name, value in self.base.items():
                 totals[name] = totals.get(name, 0.0) + value
@@ -150,8 +156,12 @@ class MetricSums:
             results.update(_results(name, metric.compute(totals.pop(name)), taken=[*BUILT_IN, *totals, *results]))
         count = totals.pop("count")
         denominator = max(count, 1.0)
-        summary = {"loss": totals.pop("loss") / denominator, "acc1": 100.0 * totals.pop("hits1") / denominator,
-                   "acc5": 100.0 * totals.pop("hits5") / denominator, "count": int(count)}
+        summary = {
+            "loss": totals.pop("loss") / denominator,
+            "acc1": 100.0 * totals.pop("hits1") / denominator,
+            "acc5": 100.0 * totals.pop("hits5") / denominator,
+            "count": int(count),
+        }
         summary.update({name: value / denominator for name, value in totals.items()})
         summary.update(results)
         return summary
@@ -160,8 +170,11 @@ class MetricSums:
     def extra(summary, prefix=""):
         """The named numbers of a summary(): all but the run's own and the metrics' tensors, each name after `prefix`
         (log.csv's train_)."""
-        return {prefix + name: value for name, value in summary.items()
-                if name not in RUN_OWN and isinstance(value, (int, float))}
+        return {
+            prefix + name: value
+            for name, value in summary.items()
+            if name not in RUN_OWN and isinstance(value, (int, float))
+        }
 
     @staticmethod
     def tables(summary):
@@ -173,7 +186,9 @@ def _results(name, results, taken):
     """The results of metric `name`'s compute(): {result: number or tensor}, a 0-dim tensor as a number; a result
     named as a value the run has already, or of another type, is a UsageError."""
     if not isinstance(results, dict):
-        raise UsageError(f"metric {name!r} returned {type(results).__name__}: compute() returns {{name: number or tensor}}")
+        raise UsageError(
+            f"metric {name!r} returned {type(results).__name__}: compute() returns {{name: number or tensor}}"
+        )
     checked = {}
     for key, value in results.items():
         if key in (*taken, *RUN_OWN):
@@ -181,8 +196,10 @@ def _results(name, results, taken):
         if isinstance(value, torch.Tensor) and value.ndim == 0:
             value = value.item()
         if not isinstance(value, (int, float, torch.Tensor)):
-            raise UsageError(f"metric {name!r} returned {type(value).__name__} for {key!r}: compute() returns "
-                             "{name: number or tensor}")
+            raise UsageError(
+                f"metric {name!r} returned {type(value).__name__} for {key!r}: compute() returns "
+                "{name: number or tensor}"
+            )
         checked[key] = value
     return checked
 
@@ -212,9 +229,12 @@ class ProgressMeter:
         images_per_second, eta = speed or self.speed(batch, metrics)
         done = batch + 1
         width = len(str(self.num_batches))
-        parts = [f"{self.prefix} [{done:>{width}}/{self.num_batches}]",
-                 f"loss {metrics['loss']:.4f}", f"acc@1 {metrics['acc1']:6.2f}",
-                 f"acc@5 {metrics['acc5']:6.2f}"]
+        parts = [
+            f"{self.prefix} [{done:>{width}}/{self.num_batches}]",
+            f"loss {metrics['loss']:.4f}",
+            f"acc@1 {metrics['acc1']:6.2f}",
+            f"acc@5 {metrics['acc5']:6.2f}",
+        ]
         parts += [f"{name} {value:.4g}" for name, value in MetricSums.extra(metrics).items()]
         if lr is not None:
             parts.append(f"lr {lr:.4g}")

@@ -7,6 +7,7 @@ over parameters and buffers, updated every --model-ema-steps optimizer steps (af
 epoch is a multiple of it, so a run resumed mid-epoch updates where an uninterrupted one did), its decay adjusted
 for the batch, the interval and the epochs, restarted from the weights during the warmup epochs.
 """
+
 import contextlib
 import math
 import weakref
@@ -22,14 +23,19 @@ from .errors import UsageError, import_named
 def _classifiers(model, outputs):
     """(name, layer) of each classifier of `model` with `outputs` outputs: the head and any auxiliary head (Inception
     v3's AuxLogits.fc, GoogLeNet's aux1/aux2.fc2), as Linear layers or 1x1 convolutions (SqueezeNet's)."""
-    return [(name, module) for name, module in model.named_modules()
-            if (isinstance(module, nn.Linear) and module.out_features == outputs)
-            or (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.out_channels == outputs)]
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if (isinstance(module, nn.Linear) and module.out_features == outputs)
+        or (isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1) and module.out_channels == outputs)
+    ]
 
 
 def first_conv(model):
     """(name, module) of the first nn.Conv2d of `model` (the layer that takes the images), or (None, None)."""
-    return next(((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)), (None, None))
+    return next(
+        ((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)), (None, None)
+    )
 
 
 def replace_heads(model, categories, num_classes):
@@ -62,19 +68,34 @@ def adapt_first_conv(model, arch, channels, pretrained):
         return []  # a model built for these channels
     if conv is None or conv.in_channels != 3 or conv.groups != 1:
         takes = f"{conv.in_channels}-channel" if conv is not None else "RGB"
-        raise UsageError(f"--arch {arch} takes {takes} images and the data's are {channels}-channel, and its first "
-                         "layer is no RGB convolution to adapt: convert the images in your dataset, or build the model "
-                         "for their channels (build_model)")
+        raise UsageError(
+            f"--arch {arch} takes {takes} images and the data's are {channels}-channel, and its first "
+            "layer is no RGB convolution to adapt: convert the images in your dataset, or build the model "
+            "for their channels (build_model)"
+        )
     weight = conv.weight.detach()
     if channels == 1:
         weight = weight.sum(dim=1, keepdim=True) if pretrained else weight[:, :1]
         how = "RGB filters summed" if pretrained else "the fresh filters' first channel"
     else:
         weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels]
-        weight, how = ((weight * (3 / channels), "RGB filters repeated, scaled by 3/channels") if pretrained
-                       else (weight, "the fresh filters repeated"))
-    new = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                    bias=conv.bias is not None, padding_mode=conv.padding_mode, device=weight.device, dtype=weight.dtype)
+        weight, how = (
+            (weight * (3 / channels), "RGB filters repeated, scaled by 3/channels")
+            if pretrained
+            else (weight, "the fresh filters repeated")
+        )
+    new = nn.Conv2d(
+        channels,
+        conv.out_channels,
+        conv.kernel_size,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        bias=conv.bias is not None,
+        padding_mode=conv.padding_mode,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         new.weight.copy_(weight)
         if conv.bias is not None:
@@ -89,20 +110,31 @@ class PatchConv2d(nn.Conv2d):
     """A convolution whose kernel is its stride, without padding (a patch embedding: ViT's conv_proj, the stems of
     ConvNeXt and Swin), computed as one matrix product of the patches by the filters: nn.Conv2d's parameters, state
     dict and result (to rounding). On an H100 in bf16, forward and backward of ViT-B/16's took 1.8 ms where cuDNN's
-    took 4.2, ConvNeXt's and Swin's stems 2.95 against 3.4 (docs/benchmarks.md). Its output is laid out channels-last."""
+    took 4.2, ConvNeXt's and Swin's stems 2.95 against 3.4 (docs/benchmarks.md). Its output is laid out channels-last.
+    """
 
     @staticmethod
     def fits(module):
-        return (type(module) is nn.Conv2d and module.kernel_size == module.stride and max(module.stride) > 1
-                and module.padding in ((0, 0), "valid") and module.dilation == (1, 1) and module.groups == 1)
+        return (
+            type(module) is nn.Conv2d
+            and module.kernel_size == module.stride
+            and max(module.stride) > 1
+            and module.padding in ((0, 0), "valid")
+            and module.dilation == (1, 1)
+            and module.groups == 1
+        )
 
     def forward(self, x):
         if x.ndim != 4 or x.shape[-2] < self.kernel_size[0] or x.shape[-1] < self.kernel_size[1]:
             return super().forward(x)  # (an image smaller than a patch: nn.Conv2d's error)
         (kh, kw), (n, c, h, w) = self.kernel_size, x.shape
         rows, cols = h // kh, w // kw
-        patches = (x[:, :, :rows * kh, :cols * kw].reshape(n, c, rows, kh, cols, kw)
-                   .permute(0, 2, 4, 1, 3, 5).reshape(n * rows * cols, c * kh * kw))
+        patches = (
+            x[:, :, : rows * kh, : cols * kw]
+            .reshape(n, c, rows, kh, cols, kw)
+            .permute(0, 2, 4, 1, 3, 5)
+            .reshape(n * rows * cols, c * kh * kw)
+        )
         y = nn.functional.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
         return y.reshape(n, rows, cols, self.out_channels).permute(0, 3, 1, 2)
 
@@ -131,15 +163,19 @@ def pretrained_weights(arch, name=None):
     try:
         return enum[key]
     except KeyError:
-        raise UsageError(f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}") from None
+        raise UsageError(
+            f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}"
+        ) from None
 
 
 def offline_message(weights, error):
     """The line for torchvision's `weights` that could not be read or downloaded: the file, and where it goes."""
     name = weights.url.rsplit("/", 1)[-1]
     folder = f"{torch.hub.get_dir()}/checkpoints"
-    return (f"cannot get pretrained weights {weights} ({' '.join(str(error).split())[:200]}): put {name} (from "
-            f"{weights.url}) into {folder}, or train without --pretrained")
+    return (
+        f"cannot get pretrained weights {weights} ({' '.join(str(error).split())[:200]}): put {name} (from "
+        f"{weights.url}) into {folder}, or train without --pretrained"
+    )
 
 
 _BUILT = weakref.WeakSet()  # the torchvision models build_model made (the Trainer adapts their first convolution)
@@ -199,7 +235,9 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
             model.train(training)
             try:
                 with torch.no_grad():
-                    output = torch.func.functional_call(model, meta, (torch.empty(2, channels, size, size, device="meta"),))
+                    output = torch.func.functional_call(
+                        model, meta, (torch.empty(2, channels, size, size, device="meta"),)
+                    )
             except NotImplementedError:
                 return
             except Exception as error:  # the layers' own shape checks: RuntimeError, AssertionError, ValueError
@@ -208,11 +246,14 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                     return
                 name, conv = first_conv(model)
                 if conv is not None and conv.in_channels != channels:  # (a model a subclass built: not adapted)
-                    raise UsageError(f"the model (build_model) takes {conv.in_channels}-channel images (its first "
-                                     f"convolution, {name}) and the data's are {channels}-channel: build it for "
-                                     "them") from None
-                raise UsageError(f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): "
-                                 f"{_size_hint(arch)}") from None
+                    raise UsageError(
+                        f"the model (build_model) takes {conv.in_channels}-channel images (its first "
+                        f"convolution, {name}) and the data's are {channels}-channel: build it for "
+                        "them"
+                    ) from None
+                raise UsageError(
+                    f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): {_size_hint(arch)}"
+                ) from None
     finally:
         model.train(was_training)
     check_logits(split_output(output)[0], classes, "the model (build_model)")
@@ -222,15 +263,19 @@ def check_logits(logits, classes, source):
     """Refuse in one line logits of another shape than (batch, `classes`) (None: not checked): a head of another
     width would train on silently (cross-entropy takes any width above the labels) or fail in a metric."""
     if classes is not None and isinstance(logits, torch.Tensor) and (logits.ndim != 2 or logits.shape[1] != classes):
-        raise UsageError(f"{source} gives logits of shape {tuple(logits.shape)}; the data has {classes} classes: "
-                         f"expected (batch, {classes}) (a model's head of len(classes) outputs)")
+        raise UsageError(
+            f"{source} gives logits of shape {tuple(logits.shape)}; the data has {classes} classes: "
+            f"expected (batch, {classes}) (a model's head of len(classes) outputs)"
+        )
 
 
 def _size_hint(arch):
     """What the crop-size flags should be for torchvision's `arch`: its minimum and trained size."""
     weights = torchvision.models.get_model_weights(arch).DEFAULT
-    return (f"choose --train-crop-size and --val-crop-size that it takes (torchvision: at least "
-            f"{weights.meta['min_size'][0]} px; its weights were trained at {weights.transforms().crop_size[0]} px)")
+    return (
+        f"choose --train-crop-size and --val-crop-size that it takes (torchvision: at least "
+        f"{weights.meta['min_size'][0]} px; its weights were trained at {weights.transforms().crop_size[0]} px)"
+    )
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -275,18 +320,24 @@ def split_output(output):
     if isinstance(output, dict):
         key = next((key for key in ("logits", "out") if key in output), None)
         if key is None:
-            raise UsageError(f"the model returned a dict without 'logits' or 'out' (keys {', '.join(map(str, output))}): "
-                             "name the main output 'logits'")
+            raise UsageError(
+                f"the model returned a dict without 'logits' or 'out' (keys {', '.join(map(str, output))}): "
+                "name the main output 'logits'"
+            )
         main, aux = output[key], [value for name, value in output.items() if name != key]
     elif isinstance(output, (tuple, list)) and output:
         main, aux = output[0], list(output[1:])
     else:
-        raise UsageError(f"the model returned a {type(output).__name__}: return the logits as a tensor, a tuple "
-                         "(logits, auxiliary logits, ...) or a dict with 'logits'")
+        raise UsageError(
+            f"the model returned a {type(output).__name__}: return the logits as a tensor, a tuple "
+            "(logits, auxiliary logits, ...) or a dict with 'logits'"
+        )
     aux = [value for value in aux if value is not None]
     if not all(isinstance(value, torch.Tensor) for value in [main, *aux]):
-        raise UsageError(f"the model's {type(output).__name__} holds {', '.join(type(v).__name__ for v in [main, *aux])}: "
-                         "each output must be a tensor of logits")
+        raise UsageError(
+            f"the model's {type(output).__name__} holds {', '.join(type(v).__name__ for v in [main, *aux])}: "
+            "each output must be a tensor of logits"
+        )
     return main, aux, AUX_WEIGHTS.get(type(output).__name__)
 
 
@@ -310,8 +361,9 @@ def compiled(model, static=False):
     # expected size 512==512, stride 9==1" in convolution_backward (torch 2.11, an H200; pytorch/pytorch#113740).
     # Torch's own message names this switch. Off for this compile only; train_dp.py (DataParallel, one GPU) keeps it.
     split = static or isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    return torch.compile(model, dynamic=False if static else None,
-                         options={"layout_optimization": False} if split else None)
+    return torch.compile(
+        model, dynamic=False if static else None, options={"layout_optimization": False} if split else None
+    )
 
 
 def unwrap(model):
@@ -332,15 +384,22 @@ def warn_slow_amp(amp, device, warn):
     if amp == "none":
         return
     if device.type == "cpu":
-        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if amp == "bf16"
-                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        native = (
+            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            if amp == "bf16"
+            else torch.ops.mkldnn._is_mkldnn_fp16_supported()
+        )
         if not native:
-            warn(f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
-                 f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here")
+            warn(
+                f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
+                f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here"
+            )
     elif amp == "bf16" and torch.cuda.get_device_capability(device) < (8, 0):
-        warn(f"warning: --amp bf16 on {torch.cuda.get_device_name(device)} (compute capability "
-             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))} < 8.0) is emulated: "
-             "use --amp fp16 on this GPU")
+        warn(
+            f"warning: --amp bf16 on {torch.cuda.get_device_name(device)} (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))} < 8.0) is emulated: "
+            "use --amp fp16 on this GPU"
+        )
 
 
 # Convolutional networks that channels_last does not make faster on the CPU (docs/benchmarks.md,
@@ -367,8 +426,9 @@ def use_channels_last(choice, device, amp, model):
 def tf32_convolutions(device):
     """Whether float32 convolutions on `device` run on tensor cores (TF32): a GPU of compute capability 8.0 or more
     with cuDNN's TF32 allowed (torch's default)."""
-    return (device.type == "cuda" and torch.backends.cudnn.allow_tf32
-            and torch.cuda.get_device_capability(device) >= (8, 0))
+    return (
+        device.type == "cuda" and torch.backends.cudnn.allow_tf32 and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
 
 
 class BareModelGuard:
@@ -387,6 +447,7 @@ class BareModelGuard:
     def around(cls, model, bare):
         """A guard where `model` is DDP (eager), else a context that does nothing."""
         from torch.nn.parallel import DistributedDataParallel
+
         return cls(model, bare) if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
     def _enter(self, module, args):
@@ -397,8 +458,10 @@ class BareModelGuard:
 
     def _check(self, module, args):
         if self.active and not self.inside and torch.is_grad_enabled() and module is self.bare():
-            raise UsageError("train_step called the bare model (self.model), not the DistributedDataParallel `model` "
-                             "it is given: its gradients would skip the all-reduce over the ranks; call `model`")
+            raise UsageError(
+                "train_step called the bare model (self.model), not the DistributedDataParallel `model` "
+                "it is given: its gradients would skip the all-reduce over the ranks; call `model`"
+            )
 
     def __enter__(self):
         self.active = True
@@ -413,6 +476,7 @@ def gradient_sync(model, enabled):
     FSDP2's set_requires_gradient_sync(False); nothing to change for one process (DataParallel, one device)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
+
     module = model
     while module is not None and not isinstance(module, (DistributedDataParallel, FSDPModule)):
         module = getattr(module, "_orig_mod", None)  # (torch.compile's wrapper)
@@ -438,12 +502,15 @@ def step_result(result, method, classes=None):
         if isinstance(output, torch.Tensor) and isinstance(values, dict):
             check_logits(output, classes, method)  # (a shape: no wait for the device)
             return loss, output, values
-    raise UsageError(f"{method} returned {type(result).__name__}"
-                     + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")
-                     + ": return (loss, logits) or (loss, logits, {name: scalar value})")
+    raise UsageError(
+        f"{method} returned {type(result).__name__}"
+        + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")
+        + ": return (loss, logits) or (loss, logits, {name: scalar value})"
+    )
 
 
 # --model-ema
+
 
 def adjusted_decay(decay, global_batch, every, epochs):
     """The decay per update, as torchvision's train.py adjusts --model-ema-decay (after pycls): the EMA
@@ -457,11 +524,13 @@ def adjusted_decay(decay, global_batch, every, epochs):
 def by_kind(update):
     """`update` (a multi_avg_fn) called apart for sharded tensors (DTensors: a sharded model's parameters) and plain
     ones (its buffers): one foreach call cannot take both."""
+
     def split(averaged, current, count):
         for sharded in (True, False):
             pairs = [(mine, theirs) for mine, theirs in zip(averaged, current) if hasattr(mine, "to_local") == sharded]
             if pairs:
                 update([mine for mine, _ in pairs], [theirs for _, theirs in pairs], count)
+
     return split
 
 
@@ -505,7 +574,8 @@ class ModelEma:
         """Set the count of updates (a checkpoint's); copy=True: the weights' values first, as a new EMA has them
         (in place: a sharded model, which cannot be deep-copied, and its sharded copy alike)."""
         if copy:
-            for mine, theirs in zip([*self.module.parameters(), *self.module.buffers()],
-                                    [*self.model.parameters(), *self.model.buffers()]):
+            for mine, theirs in zip(
+                [*self.module.parameters(), *self.module.buffers()], [*self.model.parameters(), *self.model.buffers()]
+            ):
                 mine.detach().copy_(theirs.detach())
         self.averaged.n_averaged.fill_(n_averaged)

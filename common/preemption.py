@@ -19,6 +19,7 @@ once with the same exit code, and --resume auto continues from the last
 checkpoint written; never while a checkpoint is being written. SIGINT (Ctrl-C)
 stops at once with 130.
 """
+
 import contextlib
 import multiprocessing
 import signal
@@ -118,8 +119,10 @@ class StopSignal:
                 return
         if self.received is not None:
             if time.monotonic() - self.received_at >= SECOND_SIGNAL_AFTER and not self.saving:
-                raise StopNow(f"stopped at once on a second {name}: no checkpoint of this step; "
-                              "--resume auto continues from the last checkpoint")
+                raise StopNow(
+                    f"stopped at once on a second {name}: no checkpoint of this step; "
+                    "--resume auto continues from the last checkpoint"
+                )
             return
         self.received, self.received_at = name, time.monotonic()
         if self.on_first is not None:
@@ -131,8 +134,10 @@ class StopSignal:
             return
         since = _waiting_since
         if since is not None and time.monotonic() - max(since, self.received_at) >= self.data_wait:
-            raise StopNow(f"stopped on {self.received} after waiting {self.data_wait:g} s for data: no "
-                          "checkpoint of this step; --resume auto continues from the last checkpoint")
+            raise StopNow(
+                f"stopped on {self.received} after waiting {self.data_wait:g} s for data: no "
+                "checkpoint of this step; --resume auto continues from the last checkpoint"
+            )
         signal.alarm(1)
 
     def poll(self, now=False):

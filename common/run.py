@@ -11,6 +11,7 @@ aborts, NCCL may hang), and ranks that loaded different checkpoints would train 
 and data order. So the first collective compares both, and a mismatch ends every rank with one line that names the
 first difference and the ranks on each side (exit code 2). Every refusal is one line on every rank.
 """
+
 import os
 from pathlib import Path
 
@@ -27,8 +28,9 @@ def take_output_dir(trainer):
     it replaces still held: by a lost node's file system lease, or while the old step writes its stop's checkpoint."""
     if not trainer.log.writes:
         return None, None
-    restarted = any(os.environ.get(name, "0") not in ("", "0")
-                    for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    restarted = any(
+        os.environ.get(name, "0") not in ("", "0") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+    )
     try:
         return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarted else 0, say=say), None
     except UsageError as failure:  # said by every rank, by check_start
@@ -48,8 +50,9 @@ def load_agreed_checkpoint(trainer):
         error = str(failure)
     check_resume(resume_facts(path, checkpoint), error)
     if config.evaluate and checkpoint is None and not config.pretrained:  # --resume auto found nothing
-        raise UsageError(f"-e: no checkpoint in {config.output_dir} to evaluate (--resume auto): "
-                         "give --resume PATH, or --pretrained")
+        raise UsageError(
+            f"-e: no checkpoint in {config.output_dir} to evaluate (--resume auto): give --resume PATH, or --pretrained"
+        )
     return path, checkpoint
 
 
@@ -59,8 +62,10 @@ def choose_seed(trainer, path, checkpoint):
     seed, saved = trainer.config.seed, (checkpoint or {}).get("seed")
     if saved is not None and not trainer.config.evaluate:
         if seed is not None and seed != saved:
-            trainer.log.print(f"warning: --seed {seed} ignored: {path} was trained with seed {saved}, which this run "
-                              "keeps; another seed is another run (--overwrite or another --output-dir)")
+            trainer.log.print(
+                f"warning: --seed {seed} ignored: {path} was trained with seed {saved}, which this run "
+                "keeps; another seed is another run (--overwrite or another --output-dir)"
+            )
         seed = saved
     elif seed is None:
         seed = saved
@@ -86,8 +91,10 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     if config.resume == "auto" and not resumed:
         found = trained_outputs(output_dir, there)
         if found:
-            raise UsageError(f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no checkpoint to continue "
-                             "it from: start over with --overwrite (its outputs are replaced) or another --output-dir")
+            raise UsageError(
+                f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no checkpoint to continue "
+                "it from: start over with --overwrite (its outputs are replaced) or another --output-dir"
+            )
     if not there or config.resume:
         return
     try:
@@ -96,11 +103,16 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
         other = None
     start_over = "start over with --overwrite (its checkpoints are deleted) or another --output-dir"
     if other and (other.get("arch") != config.arch or other.get("classes", classes) != classes):
-        raise UsageError(f"{output_dir} holds checkpoints of another run ({other.get('arch')}, "
-                         f"{len(other.get('classes', []))} classes): choose another --output-dir, "
-                         f"continue that run with --resume, or {start_over}")
-    where = (f"at epoch {other.get('epoch', '?')} step {other.get('step_in_epoch', 0)}" if other
-             else f"({', '.join(path.name for path in there)}; the first is damaged)")
+        raise UsageError(
+            f"{output_dir} holds checkpoints of another run ({other.get('arch')}, "
+            f"{len(other.get('classes', []))} classes): choose another --output-dir, "
+            f"continue that run with --resume, or {start_over}"
+        )
+    where = (
+        f"at epoch {other.get('epoch', '?')} step {other.get('step_in_epoch', 0)}"
+        if other
+        else f"({', '.join(path.name for path in there)}; the first is damaged)"
+    )
     raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 
 
@@ -146,8 +158,11 @@ PLAIN = (str, int, float, bool, type(None), list, tuple, dict)
 def comparable_args(config):
     """The arguments that every rank must have alike (all but config.PER_NODE's), as a plain dict (a value of
     another type, which a --trainer's own flag may hold, as its repr)."""
-    return {name: value if isinstance(value, PLAIN) else repr(value)
-            for name, value in sorted(vars(config).items()) if name not in PER_NODE}
+    return {
+        name: value if isinstance(value, PLAIN) else repr(value)
+        for name, value in sorted(vars(config).items())
+        if name not in PER_NODE
+    }
 
 
 def ranks_text(ranks):
@@ -179,8 +194,10 @@ def argument_difference(per_rank):
         if any(value != values[0] for value in values):
             shown = _grouped(values, lambda value: "unset" if value is None else str(value))
             allowed = ", ".join(flag(name) for name in ("workers", "data")) + " and --output-dir"
-            return (f"the processes of this job were started with different arguments: {flag(name)} is {shown}; "
-                    f"every process takes the same ones (only {allowed} may differ between nodes)")
+            return (
+                f"the processes of this job were started with different arguments: {flag(name)} is {shown}; "
+                f"every process takes the same ones (only {allowed} may differ between nodes)"
+            )
     return None
 
 
@@ -188,8 +205,13 @@ def resume_facts(path, checkpoint):
     """What identifies the checkpoint a rank resumes from (None: it starts afresh)."""
     if checkpoint is None:
         return None
-    return {"path": str(path), "epoch": int(checkpoint.get("epoch", 0)), "step": int(checkpoint.get("step_in_epoch", 0)),
-            "seed": checkpoint.get("seed"), "id": checkpoint.get("checkpoint_id")}
+    return {
+        "path": str(path),
+        "epoch": int(checkpoint.get("epoch", 0)),
+        "step": int(checkpoint.get("step_in_epoch", 0)),
+        "seed": checkpoint.get("seed"),
+        "id": checkpoint.get("checkpoint_id"),
+    }
 
 
 def _position(facts):
@@ -201,14 +223,18 @@ def _position(facts):
 
 def resume_difference(per_rank):
     """One line when the ranks loaded different checkpoints (or some loaded none), else None."""
-    keys = [None if facts is None else (facts["epoch"], facts["step"], facts["seed"], facts["id"]) for facts in per_rank]
+    keys = [
+        None if facts is None else (facts["epoch"], facts["step"], facts["seed"], facts["id"]) for facts in per_rank
+    ]
     if all(key == keys[0] for key in keys):
         return None
     shown = {repr(key): facts for key, facts in zip(keys, per_rank)}
-    return ("the processes of this job would resume from different checkpoints: "
-            + _grouped(keys, lambda key: _position(shown[repr(key)]))
-            + "; a job resumes from one checkpoint: give every node a copy of the same one (--save-on node), "
-              "or name it with --resume PATH")
+    return (
+        "the processes of this job would resume from different checkpoints: "
+        + _grouped(keys, lambda key: _position(shown[repr(key)]))
+        + "; a job resumes from one checkpoint: give every node a copy of the same one (--save-on node), "
+        "or name it with --resume PATH"
+    )
 
 
 def _first_error(gathered):

@@ -1,4 +1,4 @@
-"""Files that are whole or absent: atomic writes with fsync, and the output directory's lock.
+"""Files that are whole or absent: atomic writes with fsync; the output directory's lock, and a file:// rendezvous's.
 
 A file written here is never seen half-written, even after a crash or a power loss: its bytes go to a new
 temporary file beside it, are fsynced, and the temporary is renamed over the final name (atomic), then the
@@ -8,6 +8,7 @@ all write this way.
 
 One run at a time writes an output directory: OutputLock (run.lock there) refuses a second.
 """
+
 import contextlib
 import errno
 import fcntl
@@ -20,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, say
 
 LOCK = "run.lock"
 LOCK_WAIT_ON_RESTART = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
@@ -122,8 +123,10 @@ class OutputLock:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
-            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
-                             "choose a directory you can write to") from None
+            raise UsageError(
+                f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                "choose a directory you can write to"
+            ) from None
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
@@ -137,8 +140,10 @@ class OutputLock:
                 return True
             except OSError as error:
                 if error.errno in NO_LOCKING:
-                    self.warning = (f"warning: cannot lock {self.path} ({error.strerror}): this file system does not "
-                                    "lock files, so a second run started in this --output-dir would not be refused")
+                    self.warning = (
+                        f"warning: cannot lock {self.path} ({error.strerror}): this file system does not "
+                        "lock files, so a second run started in this --output-dir would not be refused"
+                    )
                     return False
                 if error.errno not in (errno.EACCES, errno.EAGAIN):
                     os.close(self.fd)
@@ -148,9 +153,11 @@ class OutputLock:
                 wait, deadline = LOCK_WAIT_ON_RESTART, time.monotonic() + LOCK_WAIT_ON_RESTART
             if time.monotonic() >= deadline:
                 os.close(self.fd)
-                raise UsageError(f"{self.directory} is in use by another run ({holder}): one run at a time writes "
-                                 "an output directory; wait for that one to end, or give this one another "
-                                 "--output-dir") from None
+                raise UsageError(
+                    f"{self.directory} is in use by another run ({holder}): one run at a time writes "
+                    "an output directory; wait for that one to end, or give this one another "
+                    "--output-dir"
+                ) from None
             if say is not None and not said:
                 say(f"waiting up to {wait:.0f} s for the run this job replaces to release {self.path} ({holder})")
                 said = True
@@ -164,8 +171,10 @@ class OutputLock:
             os.ftruncate(self.fd, len(text.encode()))
             os.fsync(self.fd)
         except OSError as error:  # a full disk, say
-            raise UsageError(f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
-                             "choose a directory you can write to") from None
+            raise UsageError(
+                f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+                "choose a directory you can write to"
+            ) from None
 
     def mark_stopping(self, reason):
         """Say in the lock that this run is stopping (on `reason`): a run started in this directory meanwhile waits
@@ -181,3 +190,42 @@ class OutputLock:
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.directory.rmdir()
+
+
+_rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life
+
+
+def claim_rendezvous_file(path, node_rank):
+    """Every node of a file:// rendezvous holds a shared POSIX lock on PATH.owner for the job's life. Node 0 first
+    tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's (SIGKILL,
+    a lost node: nothing removed it), which would hand this job the dead one's addresses, so it is removed (said
+    in a note). Held by others (this job's nodes that started first), the file is left as it is. On a file system
+    that does not lock, a non-empty file is refused as before."""
+    global _rendezvous_owner
+    try:
+        owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise UsageError(f"--dist-url file://{path}: cannot create {path}.owner ({error.strerror})") from None
+    try:
+        if node_rank == 0:
+            try:
+                fcntl.lockf(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            else:
+                if path.exists() and path.stat().st_size:
+                    path.unlink()
+                    say(f"note: removed {path}, the rendezvous file of a job that ended without removing it (killed)")
+        fcntl.lockf(owner, fcntl.LOCK_SH)  # (node 0: from exclusive to shared; others wait out node 0's check)
+    except OSError as error:
+        os.close(owner)
+        if error.errno not in NO_LOCKING:
+            raise UsageError(f"cannot lock {path}.owner ({error.strerror})") from None
+        if node_rank == 0 and path.exists() and path.stat().st_size:
+            raise UsageError(
+                f"rendezvous file {path} is left from an earlier run (or a running job's: this file "
+                "system does not lock files to tell): delete it first if no job uses it"
+            ) from None
+        return
+    _rendezvous_owner = owner

@@ -5,6 +5,7 @@ so batch k of all ranks together is batch k of a single process, whatever the wo
 skips the batches it had done (ResumableSampler). Validation: every index on exactly one rank, no padding
 (ShardSampler), so each image is counted once.
 """
+
 import math
 
 import torch
@@ -29,7 +30,7 @@ class ResumableSampler(DistributedSampler):
         return list(super().__iter__())
 
     def __iter__(self):
-        return iter(self.shard()[self.start:])
+        return iter(self.shard()[self.start :])
 
     def __len__(self):
         return self.num_samples - self.start
@@ -63,7 +64,7 @@ class RepeatedAugmentationSampler(ResumableSampler):
         order = self.global_order()
         padding = self.total_size - len(order)  # as DistributedSampler pads: the first indices again
         order += (order * math.ceil(padding / len(order)))[:padding]
-        return order[self.rank:self.total_size:self.num_replicas]
+        return order[self.rank : self.total_size : self.num_replicas]
 
 
 class ShardSampler(Sampler):

@@ -11,6 +11,7 @@ schedule decays at epochs 30, 60, ... counted from the start (pytorch/examples' 
 constant within an epoch and follows torchvision's train.py, whose schedulers step once per epoch: LinearLR
 warmup over the first W epochs, then CosineAnnealingLR(T_max = epochs - W) or StepLR counted from the warmup's end.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -20,8 +21,13 @@ import torch.nn as nn
 WARMUP_START = 0.01
 # The layers whose parameters --norm-weight-decay covers: those of torchvision's utils.set_weight_decay
 # (SyncBatchNorm is a _BatchNorm).
-NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
-               nn.LocalResponseNorm)
+NORM_LAYERS = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LocalResponseNorm,
+)
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
@@ -31,9 +37,11 @@ def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_de
     that one; every other parameter --wd. Frozen parameters (requires_grad False) are left out, as there.
     Groups "other", "norm" and "bias", in that order, each in model.parameters() order; a kind whose decay is
     --wd's stays in "other" (the same decay in one group fewer), and empty groups are left out."""
-    decay = {"other": weight_decay,
-             "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
-             "bias": weight_decay if bias_weight_decay is None else bias_weight_decay}
+    decay = {
+        "other": weight_decay,
+        "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
+        "bias": weight_decay if bias_weight_decay is None else bias_weight_decay,
+    }
     groups, seen = {kind: [] for kind in decay}, set()
     for module in model.modules():  # the order of model.parameters(): modules in order, each one's own
         for name, parameter in module.named_parameters(recurse=False):
@@ -57,8 +65,9 @@ def build_optimizer(model, config):
     groups = parameter_groups(model, config.weight_decay, config.norm_weight_decay, config.bias_weight_decay)
     lr, decay = config.lr, config.weight_decay
     if config.opt.startswith("sgd"):
-        return torch.optim.SGD(groups, lr=lr, momentum=config.momentum, weight_decay=decay,
-                               nesterov=config.opt == "sgd-nesterov")
+        return torch.optim.SGD(
+            groups, lr=lr, momentum=config.momentum, weight_decay=decay, nesterov=config.opt == "sgd-nesterov"
+        )
     if config.opt == "rmsprop":
         return torch.optim.RMSprop(groups, lr=lr, momentum=config.momentum, weight_decay=decay, eps=0.0316, alpha=0.9)
     return torch.optim.AdamW(groups, lr=lr, weight_decay=decay)
@@ -74,18 +83,26 @@ def describe_optimizer(optimizer, config):
     lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     lr = f"lr {lrs[0]:g}" if len(set(lrs)) == 1 else f"lr by parameter group {', '.join(f'{value:g}' for value in lrs)}"
     if config.lr_scaling == "linear":
-        lr += f" ({config.lr_source} {config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}, --lr-scaling linear)"
+        scaled = f"{config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}"
+        lr += f" ({config.lr_source} {scaled}, --lr-scaling linear)"
     settings = []
     for name in DESCRIBED:
         value = optimizer.defaults.get(name)
         if name == "nesterov":
             settings += ["nesterov"] if value else []
         elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
-            settings.append(f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}")
-    where = {"norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights", "bias": " on biases"}
-    decay = ", ".join(f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
-                      + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
-                      for group in optimizer.param_groups)
+            settings.append(
+                f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}"
+            )
+    where = {
+        "norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights",
+        "bias": " on biases",
+    }
+    decay = ", ".join(
+        f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
+        + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
+        for group in optimizer.param_groups
+    )
     clip = f", gradients clipped to norm {config.clip_grad_norm:g}" if config.clip_grad_norm else ""
     return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
 
@@ -94,6 +111,7 @@ def describe_optimizer(optimizer, config):
 class LrFactor:
     """The multiplier of the base lr at a given optimizer step. Plain fields only, so
     LambdaLR's state_dict (which stores them) loads with weights_only=True."""
+
     schedule: str
     steps_per_epoch: int
     epochs: int
@@ -153,6 +171,14 @@ class LrSchedule(torch.optim.lr_scheduler.LambdaLR):
 
 def build_scheduler(optimizer, config, steps_per_epoch):
     """The LrSchedule of the flags over `optimizer`, at step 0: each group's lr as the optimizer was built with it."""
-    factor = LrFactor(config.lr_schedule, steps_per_epoch, config.epochs, config.warmup_epochs, config.lr_step_size,
-                      config.lr_gamma, config.lr_step_unit, config.lr_min / config.lr)
+    factor = LrFactor(
+        config.lr_schedule,
+        steps_per_epoch,
+        config.epochs,
+        config.warmup_epochs,
+        config.lr_step_size,
+        config.lr_gamma,
+        config.lr_step_unit,
+        config.lr_min / config.lr,
+    )
     return LrSchedule(optimizer, factor)

@@ -5,6 +5,7 @@ rank's streams (dropout, stochastic depth) are seeded with seed + rank. A checkp
 (RandomStreams), so a resumed run draws what an uninterrupted one would. Data order and augmentation do not
 use these streams: they are functions of (seed, epoch, index) alone (common/samplers.py, common/transforms.py).
 """
+
 import os
 import random
 
@@ -37,8 +38,11 @@ class RandomStreams:
         self.gpus = [device for device in devices if device.type == "cuda"]
 
     def state_dict(self):
-        return {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": [torch.cuda.get_rng_state(device) for device in self.gpus]}
+        return {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "cuda": [torch.cuda.get_rng_state(device) for device in self.gpus],
+        }
 
     def load_state_dict(self, state):
         torch.set_rng_state(state["torch"])

@@ -1,11 +1,11 @@
 """Sharded checkpoints for train_fsdp.py: every rank writes its shard through Distributed Checkpoint (DCP).
 
-A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's files (one __RANK_0.distcp per rank
-and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of common/checkpoint.py's
-checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and read with
-weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists by
-rank, or summed over the ranks (checkpoint.assemble), so no rank's value stands in for another's (DCP keeps one copy of a
-value that every rank saves under the same key).
+A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's files (one __0_0.distcp per rank
+and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of
+common/checkpoint.py's checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and
+read with weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists
+by rank, or summed over the ranks (checkpoint.assemble), so no rank's value stands in for another's (DCP keeps one copy
+of a value that every rank saves under the same key).
 
 DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
 and rank 0 has written state.pth, the links OUTPUT/checkpoint (the latest) and OUTPUT/checkpoint_prev (the one
@@ -20,6 +20,7 @@ weights_only=True into the torchvision model.
 DCP reads .metadata with pickle: a sharded checkpoint runs code when loaded, so trust it as you trust code
 (docs/failures.md); state.pth and model_best.pth hold tensors and plain data only.
 """
+
 import shutil
 import uuid
 import warnings
@@ -41,6 +42,7 @@ SHARDED = ("state_dict", "optimizer", "model_ema")  # the parts DCP writes, each
 def _failures():
     """What DCP raises when a rank's read or write fails (its CheckpointException is a BaseException)."""
     from torch.distributed.checkpoint.api import CheckpointException
+
     return (Exception, CheckpointException)
 
 
@@ -74,23 +76,29 @@ def _checksum(path):
 def _checksums(directory):
     """{name: (size, CRC-32)} of DCP's files in the just-written `directory` (as rank 0 lists them), each rank reading a
     share (a collective): a rank that cannot read its share fails the save on every rank, in one line."""
+
     def listing():
         try:
             return sorted(path.name for path in Path(directory).iterdir() if path.name != STATE)
         except OSError as error:
             raise UsageError(error.strerror) from None
+
     error, mine = None, {}
     try:
         names = distributed.computed_by_rank_0(listing)
-        mine = {name: _checksum(Path(directory) / name)
-                for name in names[distributed.get_rank()::distributed.get_world_size()]}
+        mine = {
+            name: _checksum(Path(directory) / name)
+            for name in names[distributed.get_rank() :: distributed.get_world_size()]
+        }
     except (OSError, UsageError) as failure:
         error = getattr(failure, "strerror", None) or str(failure)
     parts = distributed.all_gather_object((mine, error))
     errors = [error for _, error in parts if error]
     if errors:
-        raise CheckpointWriteError(f"could not read back the sharded checkpoint {directory} ({errors[0]}); the "
-                                   "checkpoints already there are intact")
+        raise CheckpointWriteError(
+            f"could not read back the sharded checkpoint {directory} ({errors[0]}); the "
+            "checkpoints already there are intact"
+        )
     return {name: value for part, _ in parts for name, value in part.items()}
 
 
@@ -101,14 +109,21 @@ def _check_files(directory, files, share=slice(None)):
         try:
             found = _checksum(Path(directory) / name)
         except OSError as error:
-            raise UsageError(f"cannot read checkpoint {directory}: its {name} is unreadable ({error.strerror})") from None
+            raise UsageError(
+                f"cannot read checkpoint {directory}: its {name} is unreadable ({error.strerror})"
+            ) from None
         if tuple(found) != tuple(files[name]):
-            what = "fails its CRC-32 check" if found[0] == files[name][0] else f"holds {found[0]} bytes of {files[name][0]}"
+            what = (
+                "fails its CRC-32 check"
+                if found[0] == files[name][0]
+                else f"holds {found[0]} bytes of {files[name][0]}"
+            )
             raise UsageError(f"cannot read checkpoint {directory}: corrupt (its {name} {what})")
 
 
 def _options(**values):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     return StateDictOptions(**values)
 
 
@@ -122,6 +137,7 @@ class ShardedCheckpoints:
 
     def __init__(self, config):
         import torch.distributed as dist
+
         self.output_dir = Path(config.output_dir)
         self.group = dist.new_group(backend="gloo") if config.async_checkpoint else None
         self.pending = None  # (future, directory, state, writes) of the asynchronous save under way
@@ -133,7 +149,11 @@ class ShardedCheckpoints:
 
     def peek(self, path):
         path = Path(path)
-        return load_checkpoint(path / STATE, mmap=True, weights=False) if path.is_dir() else load_checkpoint(path, mmap=True)
+        return (
+            load_checkpoint(path / STATE, mmap=True, weights=False)
+            if path.is_dir()
+            else load_checkpoint(path, mmap=True)
+        )
 
     def load_resume(self, resume, output_dir, warn):
         """(path, checkpoint without the sharded parts) that --resume names: a checkpoint's directory (OUTPUT/
@@ -143,13 +163,18 @@ class ShardedCheckpoints:
         if resume == "auto":
             # (a link whose directory is gone is tried too, said, and the one before taken; both gone: no checkpoint,
             # and run.refuse_to_replace_a_run says what is left)
-            found = [Path(output_dir) / name for name in (LATEST, PREVIOUS)
-                     if is_sharded(Path(output_dir) / name) or (Path(output_dir) / name).is_symlink()]
+            found = [
+                Path(output_dir) / name
+                for name in (LATEST, PREVIOUS)
+                if is_sharded(Path(output_dir) / name) or (Path(output_dir) / name).is_symlink()
+            ]
             found = found if any(is_sharded(path) for path in found) else []
             if not found and (Path(output_dir) / CHECKPOINT).is_file():
-                raise UsageError(f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
-                                 "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
-                                 "or choose another --output-dir")
+                raise UsageError(
+                    f"{output_dir} holds a run of train_dp.py, train_ddp.py or train_spawn.py ({CHECKPOINT}): "
+                    "train_fsdp.py resumes its own sharded checkpoints; continue that run with its script, "
+                    "or choose another --output-dir"
+                )
             path, checkpoint = first_readable(found, self._verified, warn)
             # Taken instead of a damaged latest: the next save keeps it as checkpoint_prev (not the damaged one).
             self.fell_back_to = path.resolve() if path is not None and path != found[0] else None
@@ -157,8 +182,10 @@ class ShardedCheckpoints:
         path = Path(resume)
         if path.is_dir():
             if not is_sharded(path):
-                raise UsageError(f"--resume {resume}: no {STATE} in it: give a sharded checkpoint's directory "
-                                 f"(OUTPUT/{LATEST}), or --resume auto")
+                raise UsageError(
+                    f"--resume {resume}: no {STATE} in it: give a sharded checkpoint's directory "
+                    f"(OUTPUT/{LATEST}), or --resume auto"
+                )
             return path.resolve(), self._verified(path)
         if not path.is_file():
             raise UsageError(f"--resume {resume}: no such file or directory (give OUTPUT/{LATEST}, or --resume auto)")
@@ -185,6 +212,7 @@ class ShardedCheckpoints:
 
     def _load(self, path, part, template):
         import torch.distributed.checkpoint as dcp
+
         state = {part: template}
         try:
             dcp.load(state, checkpoint_id=str(path))
@@ -196,6 +224,7 @@ class ShardedCheckpoints:
         """The checkpoint's weights (or the EMA's: key model_ema) into the sharded `model`; from a single file
         (model_best.pth, weights from elsewhere) each rank takes its shard of the whole."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
         check_weights(checkpoint, arch, classes, path)
         model = unwrap(model)
         if Path(path).is_dir():
@@ -214,10 +243,13 @@ class ShardedCheckpoints:
 
     def load_optimizer(self, model, optimizer, checkpoint, path):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
         if not Path(path).is_dir():
-            raise UsageError(f"{path} holds an optimizer state of a single-file checkpoint: train_fsdp.py resumes its own "
-                             f"sharded checkpoints (OUTPUT/{LATEST}); it takes a single file's weights alone (-e, or an "
-                             "exported model_best.pth)")
+            raise UsageError(
+                f"{path} holds an optimizer state of a single-file checkpoint: train_fsdp.py resumes its own "
+                f"sharded checkpoints (OUTPUT/{LATEST}); it takes a single file's weights alone (-e, or an "
+                "exported model_best.pth)"
+            )
         model = unwrap(model)
         state = self._load(path, "optimizer", get_optimizer_state_dict(model, optimizer))
         set_optimizer_state_dict(model, optimizer, state)
@@ -228,20 +260,26 @@ class ShardedCheckpoints:
         bare model's parameter names. BatchNorm statistics are each rank's own under FSDP: rank 0's are saved (as
         DDP's are: DDP gives every rank rank 0's at each forward)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         model = unwrap(trainer.model)
         distributed.broadcast_buffers(model)
-        states = {"state_dict": get_model_state_dict(model),
-                  "optimizer": get_optimizer_state_dict(model, trainer.optimizer)}
+        states = {
+            "state_dict": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, trainer.optimizer),
+        }
         if trainer.ema is not None:
             distributed.broadcast_buffers(trainer.ema.module)
-            states["model_ema"] = {"state_dict": get_model_state_dict(trainer.ema.module),
-                                   "n_averaged": trainer.ema.n_averaged}
+            states["model_ema"] = {
+                "state_dict": get_model_state_dict(trainer.ema.module),
+                "n_averaged": trainer.ema.n_averaged,
+            }
         return states
 
     def write(self, checkpoint, output_dir, is_best, writes):
         """Write `checkpoint` (checkpoint.assemble's) as a new directory, every rank its shards (a collective), and make
         it the latest once complete (at once, or with --async-checkpoint once its write is done)."""
         import torch.distributed.checkpoint as dcp
+
         self.wait()
         output_dir = Path(output_dir)
         name = distributed.computed_by_rank_0(lambda: uuid.uuid4().hex[:12])
@@ -272,7 +310,10 @@ class ShardedCheckpoints:
                 export(path, output_dir / BEST, check=False)  # (its files checked at the resume)
             except _failures() as error:  # (DCP's CheckpointException is a BaseException)
                 raise CheckpointWriteError(f"could not export {path} to {BEST} ({_reason(error)})") from None
-            say(f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: exported again from {path}")
+            say(
+                f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: "
+                f"exported again from {path}"
+            )
 
     def wait(self):
         """Wait for the asynchronous save under way, if any, and make it the latest."""
@@ -309,15 +350,20 @@ class ShardedCheckpoints:
         except _failures() as error:  # a full disk, a shard unreadable for the export
             reason = _reason(error)
             if switched:  # (the latest is this best epoch: a resume exports it, checkpoint.restore's repair_best)
-                raise CheckpointWriteError(f"could not export {directory} to {BEST} ({reason}); the checkpoint itself "
-                                           f"is complete and --resume auto exports {BEST} again from it") from None
-            raise CheckpointWriteError(f"could not complete the checkpoint {directory} ({reason}); "
-                                       "the checkpoints already there are intact") from None
+                raise CheckpointWriteError(
+                    f"could not export {directory} to {BEST} ({reason}); the checkpoint itself "
+                    f"is complete and --resume auto exports {BEST} again from it"
+                ) from None
+            raise CheckpointWriteError(
+                f"could not complete the checkpoint {directory} ({reason}); the checkpoints already there are intact"
+            ) from None
 
 
 def _not_written(directory, error):
-    return CheckpointWriteError(f"could not write a sharded checkpoint to {directory} ({_reason(error)}); "
-                                "the checkpoints already there are intact")
+    return CheckpointWriteError(
+        f"could not write a sharded checkpoint to {directory} ({_reason(error)}); "
+        "the checkpoints already there are intact"
+    )
 
 
 def _link(link, target):
@@ -334,6 +380,7 @@ def export(directory, out, check=True):
     needed. The optimizer state stays in the directory. check: its files' sizes and CRC-32s first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+
     directory = Path(directory).resolve()  # the link's target now: a save meanwhile switches the link, not this
     state = load_checkpoint(directory / STATE, weights=False)
     if check:
@@ -341,20 +388,37 @@ def export(directory, out, check=True):
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     template = {"state_dict": {}, "model_ema": {"state_dict": {}}}
     for key, entry in metadata.items():
-        for prefix, target in (("state_dict.", template["state_dict"]),
-                               ("model_ema.state_dict.", template["model_ema"]["state_dict"])):
+        for prefix, target in (
+            ("state_dict.", template["state_dict"]),
+            ("model_ema.state_dict.", template["model_ema"]["state_dict"]),
+        ):
             if key.startswith(prefix) and hasattr(entry, "size"):
-                target[key[len(prefix):]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+                target[key[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if not template["model_ema"]["state_dict"]:
         del template["model_ema"]
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(directory), no_dist=True)
-    exported = {key: state[key] for key in ("epoch", "arch", "num_classes", "classes", "seed", "best_acc1",
-                                            "best_ema_acc1", "args", "checkpoint_id") if key in state}
+    exported = {
+        key: state[key]
+        for key in (
+            "epoch",
+            "arch",
+            "num_classes",
+            "classes",
+            "seed",
+            "best_acc1",
+            "best_ema_acc1",
+            "args",
+            "checkpoint_id",
+        )
+        if key in state
+    }
     exported.update(exported_from=str(directory), state_dict=template["state_dict"])
     if "model_ema" in template:
-        exported["model_ema"] = {"state_dict": template["model_ema"]["state_dict"],
-                                 "n_averaged": state.get("model_ema", {}).get("n_averaged", 0)}
+        exported["model_ema"] = {
+            "state_dict": template["model_ema"]["state_dict"],
+            "n_averaged": state.get("model_ema", {}).get("n_averaged", 0),
+        }
     atomic_write(Path(out), lambda file: torch.save(exported, file))
     return exported

@@ -14,6 +14,7 @@ The same images in shards and in the folder they came from give bitwise the same
     DIR/train/NAME.tar, .idx     the training shards (their order: sorted by name) and their indexes
     DIR/val/NAME.tar, .idx       the validation shards
 """
+
 import os
 import zipfile
 from pathlib import Path
@@ -41,9 +42,13 @@ def columns(samples):
     """The index's arrays of [[key, extension, label, offset, size]]: names (KEY.EXTENSION, NUL-separated bytes),
     labels, offsets, sizes."""
     names = b"".join(os.fsencode(f"{key}.{extension}") + b"\0" for key, extension, *_ in samples)
-    return {"names": np.frombuffer(names, dtype=np.uint8),
-            **{name: np.array([sample[k] for sample in samples], dtype=dtype)
-               for k, (name, dtype) in enumerate(COLUMNS.items(), start=2)}}
+    return {
+        "names": np.frombuffer(names, dtype=np.uint8),
+        **{
+            name: np.array([sample[k] for sample in samples], dtype=dtype)
+            for k, (name, dtype) in enumerate(COLUMNS.items(), start=2)
+        },
+    }
 
 
 COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
@@ -53,6 +58,7 @@ def write_index(shard, samples, stamp, path=None):
     """Write `shard`'s index (atomically) beside it, or at `path`: numpy's .npz of its columns, the version and the
     shard's stamp."""
     from .run_dir import atomic_write
+
     arrays = {"version": np.array(INDEX_VERSION), "shard": stamp, **columns(samples)}
     atomic_write(path or index_path(shard), lambda file: np.savez(file, **arrays))
 
@@ -60,6 +66,7 @@ def write_index(shard, samples, stamp, path=None):
 def cached_index_path(shard, cache):
     """Where the output directory `cache` keeps the index of a shard in a folder it cannot write to."""
     import hashlib
+
     digest = hashlib.sha1(os.fsencode(os.path.abspath(shard))).hexdigest()[:16]
     return Path(cache) / "shard-indexes" / f"{Path(shard).stem}-{digest}.idx"
 
@@ -107,14 +114,18 @@ def check_member(header, name, size):
     found, expected = (prefix + b"/" + raw if prefix else raw), os.fsencode(name)
     field = header[124:136]
     try:  # octal text, or (GNU, for 8 GiB and more) a base-256 number
-        stored = int.from_bytes(field[1:], "big") if field[:1] == b"\x80" else int(field.split(b"\0")[0].strip() or b"0", 8)
+        stored = (
+            int.from_bytes(field[1:], "big") if field[:1] == b"\x80" else int(field.split(b"\0")[0].strip() or b"0", 8)
+        )
     except ValueError:
         stored = None
     verbatim = expected.isascii() and len(expected) <= 100  # (what every tar writer stores as it is)
     if stored != size or (verbatim and found != expected):
-        raise OSError(f"the shard holds {os.fsdecode(found) or 'no member'!r} ({stored} bytes) where its index says "
-                      f"{name!r} ({size} bytes): the index is another shard's (a shard renamed or replaced after it "
-                      "was indexed?)")
+        raise OSError(
+            f"the shard holds {os.fsdecode(found) or 'no member'!r} ({stored} bytes) where its index says "
+            f"{name!r} ({size} bytes): the index is another shard's (a shard renamed or replaced after it "
+            "was indexed?)"
+        )
 
 
 def shard_samples(shard, cache=None):
@@ -131,8 +142,10 @@ def shard_samples(shard, cache=None):
     stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
     if cut is not None:
         lost = f"{cut} and what followed it are lost" if cut else "what followed them is lost"
-        say(f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before the "
-            f"cut are read; {lost}")
+        say(
+            f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before the "
+            f"cut are read; {lost}"
+        )
     try:
         write_index(shard, samples, stamp)
     except OSError:  # a read-only folder
@@ -175,7 +188,7 @@ class ShardIndex:
     def member(self, index):
         """KEY.EXTENSION of sample `index`."""
         start = self.ends[index - 1] + 1 if index else 0
-        return os.fsdecode(self.blob[start:self.ends[index]])
+        return os.fsdecode(self.blob[start : self.ends[index]])
 
     def name(self, index):
         """SHARD:KEY, as warnings and bad_images.txt name a sample."""
@@ -185,8 +198,12 @@ class ShardIndex:
         return self.name(index), int(self.labels[index])
 
     def location(self, index):
-        return (self.shards[self.shard_of[index]], int(self.offsets[index]), int(self.sizes[index]),
-                split_member(self.member(index))[1])
+        return (
+            self.shards[self.shard_of[index]],
+            int(self.offsets[index]),
+            int(self.sizes[index]),
+            split_member(self.member(index))[1],
+        )
 
 
 def read_classes(root):
@@ -216,15 +233,18 @@ def split_index(root, split, cache=None):
 
 def scan_shards(root, cache=None):
     """(classes, train ShardIndex, val ShardIndex) of the shards under `root`, from their indexes (a shard without
-    one is indexed first: shard_samples; `cache`: the output directory, for shards in a read-only folder). The class names are root/classes.txt's; without it, the labels' numbers."""
+    one is indexed first: shard_samples; `cache`: the output directory, for shards in a read-only folder). The class
+    names are root/classes.txt's; without it, the labels' numbers."""
     classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
     if classes is None:
         classes = [str(label) for label in range(int(max(train.labels.max(), val.labels.max())) + 1)]
     for index in (train, val):
         wrong = np.flatnonzero((index.labels < 0) | (index.labels >= len(classes)))
         if len(wrong):
-            raise UsageError(f"{index.name(wrong[0])} has label {index.labels[wrong[0]]}, but {Path(root) / CLASSES} "
-                             f"lists {len(classes)} classes")
+            raise UsageError(
+                f"{index.name(wrong[0])} has label {index.labels[wrong[0]]}, but {Path(root) / CLASSES} "
+                f"lists {len(classes)} classes"
+            )
     return classes, train, val
 
 
@@ -291,6 +311,7 @@ def index_tar(shard):
     the key of the sample it cut, or "" where it cut none (None: a whole shard). UsageError for a sample without a
     label in a whole shard, or a label that is not a class index."""
     import tarfile
+
     samples, labels, json_labels, cut, size = {}, {}, {}, None, os.stat(shard).st_size
     try:
         with tarfile.open(shard, "r:") as tar:
@@ -320,8 +341,9 @@ def index_tar(shard):
     for key, sample in samples.items():
         label = labels.get(key, json_labels.get(key))
         if label is None:
-            raise UsageError(f"{shard}:{key} has no label (no {key}.cls, no class index in a {key}.json): every sample "
-                             "needs one")
+            raise UsageError(
+                f"{shard}:{key} has no label (no {key}.cls, no class index in a {key}.json): every sample needs one"
+            )
         sample[2] = label
     return list(samples.values()), cut
 
@@ -332,6 +354,7 @@ JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's
 def label_of_json(data):
     """The class index in a sample's .json ({"label": 3}, {"cls": 3}, ...), or None."""
     import json
+
     try:
         meta = json.loads(data)
     except ValueError:

@@ -11,6 +11,7 @@ A run can stop at any step and go on from its last checkpoint as if it had not s
 position in the epoch, the partial epoch's metric sums and every rank's random streams (common/checkpoint.py); the
 data order and augmentation are functions of (seed, epoch, index) alone.
 """
+
 import math
 import sys
 import time
@@ -31,9 +32,9 @@ from .logger import RunLogger, epoch_row
 from .metrics import MetricSums, ProgressMeter
 from .preemption import StopSignal
 
-
 # What a Trainer holds for the library. A subclass may read the public ones (docs/adapting.md lists them, and when each
 # is there) and assigns none of these: a hook that does is refused in one line (Trainer.__setattr__).
+# fmt: off
 PUBLIC_ATTRIBUTES = ("config", "runtime", "log", "shard", "start_epoch", "start_step", "resumed_from", "seed",
                      "classes", "channels", "steps_per_epoch", "per_process_batch", "model", "ema", "criterion",
                      "optimizer", "scheduler", "scaler")
@@ -42,6 +43,7 @@ PRIVATE_ATTRIBUTES = ("_checkpoints", "_best_acc1", "_best_ema_acc1", "_best_epo
                       "_diagnostics", "_model_changes", "_aux_weight", "_channels_last", "_metrics",
                       "_criterion_parameters", "_batch_transform", "_rng", "_bad_images", "_train_batches",
                       "_val_batches", "_own_state_checked")
+# fmt: on
 OWNED = frozenset(PUBLIC_ATTRIBUTES + PRIVATE_ATTRIBUTES)
 
 
@@ -70,16 +72,21 @@ class Trainer:
             while caller.f_code.co_name == "__setattr__":  # (a subclass's own __setattr__ calling this one)
                 caller = caller.f_back
             if not caller.f_globals.get("__name__", "").startswith("common.") and caller.f_locals.get("self") is self:
-                raise UsageError(f"{type(self).__name__} assigns self.{name}, which the Trainer holds for itself "
-                                 "(docs/adapting.md lists its attributes): give yours another name")
+                raise UsageError(
+                    f"{type(self).__name__} assigns self.{name}, which the Trainer holds for itself "
+                    "(docs/adapting.md lists its attributes): give yours another name"
+                )
         object.__setattr__(self, name, value)
 
     def __init__(self, config, runtime, shard=None, checkpoints=None):
         self.config, self.runtime = config, runtime
         # train_fsdp.py's shard (common/fsdp.py) and sharded checkpoints; else whole models and single-file checkpoints.
         self.shard, self._checkpoints = shard, checkpoints or SingleFile()
-        self.log = RunLogger(config.output_dir, prints=runtime.is_main,
-                             writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate)
+        self.log = RunLogger(
+            config.output_dir,
+            prints=runtime.is_main,
+            writes=runtime.writes_checkpoints(config.save_on) and not config.evaluate,
+        )
         # Where the run starts and what it carries on with (a resumed run: its checkpoint's, common/checkpoint.py).
         self.start_epoch, self.start_step, self._best_acc1, self._best_ema_acc1, self._best_epoch = 0, 0, 0.0, 0.0, None
         self._epoch_lr = self._resumed_totals = self.resumed_from = None
@@ -193,7 +200,9 @@ class Trainer:
         if self.config.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
-            nn.utils.clip_grad_norm_([*self.model.parameters(), *self._criterion_parameters], self.config.clip_grad_norm)
+            nn.utils.clip_grad_norm_(
+                [*self.model.parameters(), *self._criterion_parameters], self.config.clip_grad_norm
+            )
 
     def evaluate_step(self, model, images, target):
         """One validation batch's forward (eval mode, no grad, autocast): (loss, logits) or (loss, logits,
@@ -220,7 +229,9 @@ class Trainer:
         self._diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
-            decay = models.adjusted_decay(config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs)
+            decay = models.adjusted_decay(
+                config.model_ema_decay, config.batch_size, config.model_ema_steps, config.epochs
+            )
             self.ema = models.ModelEma(model, decay, config.model_ema_steps, config.warmup_epochs)
         self.model = self._sharded(model)
         if self.ema is not None:
@@ -233,12 +244,18 @@ class Trainer:
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         self._batch_transform = self.build_batch_transform(self.classes)
-        self._rng, self._bad_images = seeding.RandomStreams(runtime.devices), data.BadImageLog(runtime.rank, runtime.world_size)
+        self._rng, self._bad_images = (
+            seeding.RandomStreams(runtime.devices),
+            data.BadImageLog(runtime.rank, runtime.world_size),
+        )
         on_device = self._data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
-        self._train_batches, self._val_batches = (device_batches(loader, device, self._channels_last, report, on_device,
-                                                               keep_empty=self.shard is not None)
-                                                for loader, report in ((self._data.train_loader, self._bad_images.report),
-                                                                       (self._data.val_loader, self._bad_images.report_validation)))
+        self._train_batches, self._val_batches = (
+            device_batches(loader, device, self._channels_last, report, on_device, keep_empty=self.shard is not None)
+            for loader, report in (
+                (self._data.train_loader, self._bad_images.report),
+                (self._data.val_loader, self._bad_images.report_validation),
+            )
+        )
         return self
 
     def _model_on_device(self):
@@ -247,30 +264,52 @@ class Trainer:
         model = self.build_model(self.classes)
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
-        loaded = [] if not config.init_from or self._resuming else init_from(
-            model, config.init_from, config.arch, self.channels, len(self.classes))
+        loaded = (
+            []
+            if not config.init_from or self._resuming
+            else init_from(model, config.init_from, config.arch, self.channels, len(self.classes))
+        )
         # (a model a subclass built itself is left as it is: its filters may be loaded, or built for the channels)
-        self._model_changes = [*getattr(model, "adaptations", []), *loaded, *(models.adapt_first_conv(
-            model, config.arch, self.channels, config.pretrained or bool(config.init_from))
-            if models.built_by_library(model) else [])]
+        self._model_changes = [
+            *getattr(model, "adaptations", []),
+            *loaded,
+            *(
+                models.adapt_first_conv(model, config.arch, self.channels, config.pretrained or bool(config.init_from))
+                if models.built_by_library(model)
+                else []
+            ),
+        ]
         models.patch_embedding_as_matmul(model)
-        sizes = ([] if config.evaluate else ResSchedule.parse(config.res_schedule).sizes() if config.res_schedule
-                 else [config.train_crop_size])
+        sizes = (
+            []
+            if config.evaluate
+            else ResSchedule.parse(config.res_schedule).sizes()
+            if config.res_schedule
+            else [config.train_crop_size]
+        )
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self._aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # FSDP: parameters contiguous (no channels_last), and fully_shard moves each unit to the device as it shards it.
-        self._channels_last = self.shard is None and models.use_channels_last(config.channels_last, device, config.amp, model)
-        return model if self.shard else model.to(device, memory_format=torch.channels_last if self._channels_last else None)
+        self._channels_last = self.shard is None and models.use_channels_last(
+            config.channels_last, device, config.amp, model
+        )
+        return (
+            model
+            if self.shard
+            else model.to(device, memory_format=torch.channels_last if self._channels_last else None)
+        )
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
         in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's."""
         parameters = [parameter for parameter in self.criterion.parameters() if parameter.requires_grad]
         if parameters and self.shard is not None:
-            raise UsageError("train_fsdp.py: the criterion (build_criterion) has parameters, which FSDP neither shards "
-                             "nor checkpoints with its optimizer: make them the model's (build_model)")
+            raise UsageError(
+                "train_fsdp.py: the criterion (build_criterion) has parameters, which FSDP neither shards "
+                "nor checkpoints with its optimizer: make them the model's (build_model)"
+            )
         held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
         missing = [parameter for parameter in parameters if id(parameter) not in held]
         if missing:
@@ -294,7 +333,9 @@ class Trainer:
         validate once). `train_model` is the wrapped model (DataParallel, DDP), `eval_model` what validates."""
         config, log = self.config, self.log
         if config.compile:
-            train_model, eval_model = (models.compiled(model, self.shard is not None) for model in (train_model, eval_model))
+            train_model, eval_model = (
+                models.compiled(model, self.shard is not None) for model in (train_model, eval_model)
+            )
         for line in [*warnings(self), *start_lines(self)]:
             log.print(line)
         if config.evaluate:
@@ -306,8 +347,14 @@ class Trainer:
             return trained_already(self, eval_model)
         for line in training_lines(self):
             log.print(line)
-        log.start(config, self.resumed_from is not None, ema=self.ema is not None, checkpoints=self._checkpoints.names,
-                  global_step=self.start_epoch * self.steps_per_epoch + self.start_step, epochs_done=self.start_epoch)
+        log.start(
+            config,
+            self.resumed_from is not None,
+            ema=self.ema is not None,
+            checkpoints=self._checkpoints.names,
+            global_step=self.start_epoch * self.steps_per_epoch + self.start_step,
+            epochs_done=self.start_epoch,
+        )
         self._stop_signal = StopSignal(config.stop_grace)
         if self._output_lock is not None:  # a run started meanwhile waits for this one to stop
             self._stop_signal.on_first = self._output_lock.mark_stopping
@@ -332,10 +379,22 @@ class Trainer:
                 ema_val = self.evaluate(self.ema.module, label="EMA", epoch=epoch)
                 self._best_ema_acc1 = max(ema_val["acc1"], self._best_ema_acc1)
             is_best = val["acc1"] > self._best_acc1
-            self._best_acc1, self._best_epoch = max(val["acc1"], self._best_acc1), epoch + 1 if is_best else self._best_epoch
+            self._best_acc1, self._best_epoch = (
+                max(val["acc1"], self._best_acc1),
+                epoch + 1 if is_best else self._best_epoch,
+            )
             bad_images = self.save(epoch + 1, is_best=is_best)
-            self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val,
-                                         ema_val if self.ema is not None else None, bad_images))
+            self.log.log_epoch(
+                epoch_row(
+                    epoch,
+                    epoch_start,
+                    self._epoch_lr,
+                    train,
+                    val,
+                    ema_val if self.ema is not None else None,
+                    bad_images,
+                )
+            )
             self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
             if epoch + 1 < config.epochs and self._stop_agreed(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
@@ -364,8 +423,9 @@ class Trainer:
             self._bare_model_guard = models.BareModelGuard.around(model, self.model)
         start = time.perf_counter()
         self._diagnostics.start_epoch()
-        for step, micro_batches in enumerate(self._optimizer_steps(self._diagnostics.timed(self._train_batches)),
-                                             start=first_step):
+        for step, micro_batches in enumerate(
+            self._optimizer_steps(self._diagnostics.timed(self._train_batches)), start=first_step
+        ):
             self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
             self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
@@ -391,7 +451,7 @@ class Trainer:
         summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
         summary["diagnostics"] = self._diagnostics.epoch_figures(epoch, summary["images_per_second"])
         if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
-            summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2 ** -20
+            summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2**-20
         return summary
 
     def _optimizer_steps(self, batches):
@@ -418,8 +478,9 @@ class Trainer:
             # (DDP decides at the forward whether the backward syncs: both inside)
             with models.gradient_sync(model, enabled=index == len(micro_batches) - 1):
                 with models.autocast(device, config.amp), self._bare_model_guard:
-                    loss, output, values = models.step_result(self.train_step(model, images, labels), "train_step",
-                                                              len(self.classes))
+                    loss, output, values = models.step_result(
+                        self.train_step(model, images, labels), "train_step", len(self.classes)
+                    )
                 self.scaler.scale(loss * share if share != 1.0 else loss).backward()  # (the scaler: --amp fp16)
             if metrics is not None:
                 metrics.update(loss, output, target, values)
@@ -431,10 +492,22 @@ class Trainer:
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
         summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
-        lr, speed, (wait, said) = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary), self._diagnostics.input_wait()
-        self.log.log_step(epoch * self.steps_per_epoch + step + 1,
-                          {"loss": summary["loss"], "acc1": summary["acc1"], **MetricSums.extra(summary),
-                           "lr": lr, "images_per_second": speed[0], "input_wait_pct": wait})
+        lr, speed, (wait, said) = (
+            self.optimizer.param_groups[0]["lr"],
+            progress.speed(step, summary),
+            self._diagnostics.input_wait(),
+        )
+        self.log.log_step(
+            epoch * self.steps_per_epoch + step + 1,
+            {
+                "loss": summary["loss"],
+                "acc1": summary["acc1"],
+                **MetricSums.extra(summary),
+                "lr": lr,
+                "images_per_second": speed[0],
+                "input_wait_pct": wait,
+            },
+        )
         progress.display(step, summary, lr=lr, speed=speed, wait=said)
 
     def evaluate(self, model, label="", epoch=None):
@@ -452,16 +525,19 @@ class Trainer:
             batches = validation_batches(self._val_batches, self.shard is not None, shape)
             for step, (images, target, counted) in enumerate(batches):
                 with models.autocast(device, config.amp):
-                    loss, output, values = models.step_result(self.evaluate_step(model, images, target), "evaluate_step",
-                                                              len(self.classes))
+                    loss, output, values = models.step_result(
+                        self.evaluate_step(model, images, target), "evaluate_step", len(self.classes)
+                    )
                 if counted:
                     metrics.update(loss, output.float(), target, values)
                 if (step + 1) % config.print_freq == 0:
                     progress.display(step, metrics.summary(reduce=False))
         summary = metrics.summary()
         extra = "".join(f"  {name} {value:.6g}" for name, value in MetricSums.extra(summary).items())
-        self.log.print(f" * {label + ' ' if label else ''}Acc@1 {summary['acc1']:.3f}  Acc@5 {summary['acc5']:.3f}  "
-                       f"Loss {summary['loss']:.6f}{extra}  ({summary['count']} images)")
+        self.log.print(
+            f" * {label + ' ' if label else ''}Acc@1 {summary['acc1']:.3f}  Acc@5 {summary['acc5']:.3f}  "
+            f"Loss {summary['loss']:.6f}{extra}  ({summary['count']} images)"
+        )
         try:
             self._bad_images.check_validation(summary["count"], len(self._data.val_loader.dataset))
         except UsageError:
@@ -493,8 +569,10 @@ class Trainer:
 
     def _stopped(self, epoch, step):
         """The end of a run that a stop signal asked to stop, once its checkpoint at (epoch, step) is written."""
-        self.log.print(f"stopped on {self._stop_reason}: checkpoint of "
-                       f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto")
+        self.log.print(
+            f"stopped on {self._stop_reason}: checkpoint of "
+            f"epoch {epoch} step {step} in {self.config.output_dir}; continue with --resume auto"
+        )
         self._checkpoints.wait()  # --async-checkpoint: its write done
         distributed.barrier()  # no rank exits (and gets the others killed) before the save is done
         raise Preempted()
@@ -507,6 +585,8 @@ class Trainer:
         self._checkpoints.wait()
         self.log.finish(summary)
         ema = f" (EMA: best {self._best_ema_acc1:.2f}, final {ema_val['acc1']:.2f})" if self.ema is not None else ""
-        self.log.print(f"done: best acc@1 {self._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}{ema} "
-                       f"in {summary['wall_seconds']:.0f} s; outputs in {self.config.output_dir}")
+        self.log.print(
+            f"done: best acc@1 {self._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}{ema} "
+            f"in {summary['wall_seconds']:.0f} s; outputs in {self.config.output_dir}"
+        )
         return summary

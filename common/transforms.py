@@ -6,6 +6,7 @@ workers do). Augmentation is seeded per image from (seed, epoch, index) (SeededT
 same crop (and auto-augment, erasing) whichever process or loader worker reads it: DP, DDP and spawn see the
 same batches for the same seed and global batch.
 """
+
 import copy
 import math
 import random
@@ -28,9 +29,21 @@ class TrainPreset:
     seeds drawn after them (so crop and flip are those of a run without them), so the result depends on nothing
     but the seed it was given. res_schedule (a ResSchedule): the crop size follows set_epoch."""
 
-    def __init__(self, crop_size, min_scale=0.08, ratio=(3 / 4, 4 / 3), augmentation=None, res_schedule=None,
-                 interpolation="bilinear", hflip_prob=0.5):
-        self.crop_size, self.scale, self.log_ratio = crop_size, (min_scale, 1.0), (math.log(ratio[0]), math.log(ratio[1]))
+    def __init__(
+        self,
+        crop_size,
+        min_scale=0.08,
+        ratio=(3 / 4, 4 / 3),
+        augmentation=None,
+        res_schedule=None,
+        interpolation="bilinear",
+        hflip_prob=0.5,
+    ):
+        self.crop_size, self.scale, self.log_ratio = (
+            crop_size,
+            (min_scale, 1.0),
+            (math.log(ratio[0]), math.log(ratio[1])),
+        )
         self.interpolation, self.hflip_prob = F.InterpolationMode(interpolation), hflip_prob
         self.augmentation, self.res_schedule, self.added = augmentation, res_schedule, []
         if res_schedule is not None:
@@ -68,8 +81,16 @@ class TrainPreset:
 
     def __call__(self, image, rng):
         top, left, height, width = self.crop_box(*image.shape[-2:], rng)
-        image = F.resized_crop(image, top, left, height, width, [self.crop_size, self.crop_size],
-                               interpolation=self.interpolation, antialias=True)
+        image = F.resized_crop(
+            image,
+            top,
+            left,
+            height,
+            width,
+            [self.crop_size, self.crop_size],
+            interpolation=self.interpolation,
+            antialias=True,
+        )
         if rng.random() < self.hflip_prob:
             image = F.horizontal_flip(image)
         if self.added:
@@ -91,8 +112,9 @@ class EvalPreset:
         self.interpolation = F.InterpolationMode(interpolation)
 
     def __call__(self, image, _rng=None):
-        return F.center_crop(F.resize(image, [self.resize_size], interpolation=self.interpolation, antialias=True),
-                             [self.crop_size])
+        return F.center_crop(
+            F.resize(image, [self.resize_size], interpolation=self.interpolation, antialias=True), [self.crop_size]
+        )
 
 
 class SeededTransform(Dataset):
@@ -128,8 +150,9 @@ class Normalise:
 
     def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, device=None):
         self.mean, self.std = tuple(mean), tuple(std)
-        self.mean255, self.std255 = (torch.tensor(values, device=device).view(1, len(values), 1, 1) * 255
-                                     for values in (self.mean, self.std))
+        self.mean255, self.std255 = (
+            torch.tensor(values, device=device).view(1, len(values), 1, 1) * 255 for values in (self.mean, self.std)
+        )
         self.mean1, self.std1 = self.mean255 / 255, self.std255 / 255
 
     def to(self, device):
@@ -148,16 +171,21 @@ def choose_normalisation(config, train_set, channels):
     given = {name: getattr(config, name) for name in ("mean", "std")}
     found = {name: given[name] or getattr(train_set, name, None) for name in given}
     if all(found.values()):
-        source = "--mean/--std" if all(given.values()) else ("the dataset's mean/std" if not any(given.values())
-                                                             else "--mean/--std and the dataset's")
+        source = (
+            "--mean/--std"
+            if all(given.values())
+            else ("the dataset's mean/std" if not any(given.values()) else "--mean/--std and the dataset's")
+        )
     elif any(found.values()):
         missing = next(name for name, value in found.items() if not value)
         raise UsageError(f"--{missing} is missing: give --mean and --std together (or both as dataset attributes)")
     elif channels in (None, 3):
         return IMAGENET_MEAN, IMAGENET_STD, "ImageNet's"
     else:
-        raise UsageError(f"the images have {channels} channel(s): give --mean and --std with {channels} value(s) each "
-                         "(or set train_set.mean and .std), as ImageNet's are for 3")
+        raise UsageError(
+            f"the images have {channels} channel(s): give --mean and --std with {channels} value(s) each "
+            "(or set train_set.mean and .std), as ImageNet's are for 3"
+        )
     mean, std = (tuple(float(value) for value in found[name]) for name in ("mean", "std"))
     if len(mean) != len(std) or (channels is not None and len(mean) != channels):
         raise UsageError(f"mean {mean} and std {std} must have one value per image channel ({channels})")

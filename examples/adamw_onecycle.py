@@ -9,6 +9,7 @@ as timm does) and build_scheduler (here OneCycleLR over the whole run). The trai
 once per optimizer step, saves its state in every checkpoint and loads it on resume (a scheduler with a
 state of its own resumes where it was); --clip-grad-norm clips after unscaling under --amp fp16.
 """
+
 import torch
 
 from common.trainer import Trainer
@@ -18,9 +19,12 @@ class AdamWOneCycle(Trainer):
     def build_optimizer(self, model):
         decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": self.config.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.config.lr)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.config.lr,
+        )
 
     def build_scheduler(self, optimizer, steps_per_epoch):
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.config.lr,
-                                                   total_steps=self.config.epochs * steps_per_epoch)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.config.lr, total_steps=self.config.epochs * steps_per_epoch
+        )

@@ -7,6 +7,7 @@ The scripts call build(num_classes=K) (and dropout=P with --dropout). In trainin
 logits), as torchvision trains GoogLeNet (0.3 per head) and Inception v3 (0.4). In eval mode it returns the
 logits alone, which validation and the accuracy use. A dict {"logits": ..., "aux": ...} works too.
 """
+
 import torch.nn as nn
 
 
@@ -18,6 +19,7 @@ class AuxNet(nn.Module):
 
         def block(inputs, outputs):
             return [nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+
         self.stem = nn.Sequential(*block(3, 16), *block(16, 32))
         self.body = nn.Sequential(*block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(64, num_classes))

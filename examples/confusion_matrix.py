@@ -7,6 +7,7 @@ that the run sums on the device (no host sync per step) and over the ranks exact
 resumes. Its numbers (balanced_acc) are shown and logged like the loss (train_balanced_acc, val_balanced_acc in
 log.csv and TensorBoard), its tensors written to metrics/val_epochE.json; after_validation sees them summed.
 """
+
 from common.metrics import ConfusionMatrix
 from common.trainer import Trainer
 
@@ -18,6 +19,8 @@ class PerClass(Trainer):
     def after_validation(self, epoch, results, label=""):
         present = results["confusion"].sum(dim=1) > 0  # classes with validation images
         worst = results["per_class_acc"].masked_fill(~present, float("inf")).argmin().item()
-        self.log.print(f" * {label + ' ' if label else ''}per-class acc@1 "
-                       f"{', '.join(f'{acc:.1f}' for acc in results['per_class_acc'].tolist())}; "
-                       f"lowest: {self.classes[worst]}")
+        self.log.print(
+            f" * {label + ' ' if label else ''}per-class acc@1 "
+            f"{', '.join(f'{acc:.1f}' for acc in results['per_class_acc'].tolist())}; "
+            f"lowest: {self.classes[worst]}"
+        )

@@ -9,6 +9,7 @@ whose items are (image, label): a PIL image (or a CHW tensor, uint8 or float in 
 The trainer wraps both: seeded crops and flips, the resumable sampler, exact validation, and the skipping
 of unreadable files, which name(index) names in warnings and bad_images.txt.
 """
+
 import csv
 from pathlib import Path
 
@@ -40,4 +41,5 @@ def build(config):
 
     def split(name):
         return ImageList([(str(root / row["file"]), index[row["species"]]) for row in rows if row["split"] == name])
+
     return classes, split("train"), split("val")

@@ -9,6 +9,7 @@ temperature T (Hinton et al. 2015); both terms are logged by name (train_ce_loss
 log.csv and TensorBoard, summed over ranks exactly, resumed by name). Validation is the base class's:
 the student's cross-entropy and accuracy.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +40,13 @@ class Distillation(Trainer):
             teacher_logits = self.teacher(images)
         temperature, alpha = self.config.distill_temperature, self.config.distill_alpha
         ce = self.criterion(logits, labels)
-        distill = F.kl_div(F.log_softmax(logits / temperature, dim=1), F.log_softmax(teacher_logits / temperature, dim=1),
-                           reduction="batchmean", log_target=True) * temperature ** 2
+        distill = (
+            F.kl_div(
+                F.log_softmax(logits / temperature, dim=1),
+                F.log_softmax(teacher_logits / temperature, dim=1),
+                reduction="batchmean",
+                log_target=True,
+            )
+            * temperature**2
+        )
         return (1 - alpha) * ce + alpha * distill, logits, {"ce_loss": ce, "distill_loss": distill}

@@ -6,6 +6,7 @@
 
 The library replaces the file's 1000-way head and adapts its conv1 to one channel (the header says both).
 """
+
 import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
@@ -43,8 +44,12 @@ class Experiment(Trainer):
 
     def build_optimizer(self, model):
         backbone = [parameter for name, parameter in model.named_parameters() if not name.startswith("fc.")]
-        return torch.optim.SGD([{"params": model.fc.parameters()}, {"params": backbone, "lr": self.config.lr / 10}],
-                               lr=self.config.lr, momentum=0.9, weight_decay=self.config.weight_decay)
+        return torch.optim.SGD(
+            [{"params": model.fc.parameters()}, {"params": backbone, "lr": self.config.lr / 10}],
+            lr=self.config.lr,
+            momentum=0.9,
+            weight_decay=self.config.weight_decay,
+        )
 
     def build_metrics(self, split, classes):
         return {"confusion": ConfusionMatrix(len(classes))}

@@ -7,6 +7,7 @@ by the batch's images), shown on the progress and result lines, written to log.c
 (new columns) and to TensorBoard, and resumed by name after a stop. Here: the top-5 error and the mean
 confidence (the softmax's top probability), whose gap to the accuracy shows over- or under-confidence.
 """
+
 import torch
 
 from common.metrics import correct_counts
@@ -14,9 +15,11 @@ from common.trainer import Trainer
 
 
 def confidence_and_top5_error(logits, target):
-    top5_hits, = correct_counts(logits, target, topk=(5,))
-    return {"top5_error": 100.0 * (1 - top5_hits / target.size(0)),
-            "confidence": torch.softmax(logits.float(), dim=1).amax(dim=1).mean()}
+    (top5_hits,) = correct_counts(logits, target, topk=(5,))
+    return {
+        "top5_error": 100.0 * (1 - top5_hits / target.size(0)),
+        "confidence": torch.softmax(logits.float(), dim=1).amax(dim=1).mean(),
+    }
 
 
 class WithConfidence(Trainer):

@@ -9,6 +9,7 @@ What your trainer's state_dict() returns is saved too, and given back to load_st
 stop mid-epoch included. Here: cross entropy on the logits divided by a learned temperature, which stays at 1 for
 the first --temperature-warmup steps, counted by the trainer (a counter that must survive a resume).
 """
+
 import torch
 import torch.nn as nn
 
@@ -30,8 +31,13 @@ class TemperatureLoss(nn.Module):
 class LearnedTemperature(Trainer):
     @classmethod
     def add_arguments(cls, parser):
-        parser.add_argument("--temperature-warmup", type=int, default=4, metavar="STEPS",
-                            help="steps before the temperature is learned (%(default)s)")
+        parser.add_argument(
+            "--temperature-warmup",
+            type=int,
+            default=4,
+            metavar="STEPS",
+            help="steps before the temperature is learned (%(default)s)",
+        )
 
     def build_criterion(self):
         self.steps_taken = 0

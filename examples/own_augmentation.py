@@ -8,6 +8,7 @@ the crop and flip; each image's random draws come from a seed of (seed, epoch, i
 resumed run and every launch mode see the same images. Replacing `train` outright refuses, in one line, the flags
 only the default applies.
 """
+
 from torchvision.transforms import v2
 
 from common.trainer import Trainer
@@ -16,8 +17,13 @@ from common.trainer import Trainer
 class Rotation(Trainer):
     @classmethod
     def add_arguments(cls, parser):
-        parser.add_argument("--rotation", type=float, default=15.0, metavar="DEGREES",
-                            help="a random rotation of up to +-DEGREES after the crop and flip (%(default)s)")
+        parser.add_argument(
+            "--rotation",
+            type=float,
+            default=15.0,
+            metavar="DEGREES",
+            help="a random rotation of up to +-DEGREES after the crop and flip (%(default)s)",
+        )
 
     def build_transforms(self, train, val):
         return train.then(v2.RandomRotation(self.config.rotation)), val

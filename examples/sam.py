@@ -9,6 +9,7 @@ that gradient (the base class's optimizer_step: clipping, then the optimizer). T
 and BatchNorm's running statistics updated at the moved weights too. Not with --amp fp16 (a scaled gradient that
 overflowed would move the weights by inf before the scaler skips the step) or train_fsdp.py (sharded gradients).
 """
+
 import torch
 
 from common.errors import UsageError
@@ -18,8 +19,13 @@ from common.trainer import Trainer
 class SAM(Trainer):
     @classmethod
     def add_arguments(cls, parser):
-        parser.add_argument("--sam-rho", type=float, default=0.05, metavar="RHO",
-                            help="the radius of SAM's step up the gradient (%(default)s)")
+        parser.add_argument(
+            "--sam-rho",
+            type=float,
+            default=0.05,
+            metavar="RHO",
+            help="the radius of SAM's step up the gradient (%(default)s)",
+        )
 
     def build_optimizer(self, model):
         if self.config.amp == "fp16" or self.shard is not None:

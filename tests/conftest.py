@@ -1,5 +1,6 @@
 """Shared helpers: tiny datasets on disk and real processes started the way a user starts them, none of
 which outlives its test."""
+
 import csv
 import json
 import os
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO))
 # (started ahead, in the background), and OpenMP's threads would spin waiting for a core.
 os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
+
 torch.set_num_threads(1)
 from common import demo_data  # noqa: E402
 from prewarmed import same_at_import  # noqa: E402
@@ -42,9 +44,12 @@ def pytest_collection_modifyitems(items):
         if Path(item.fspath).parent.name == "unit":
             item.add_marker(pytest.mark.unit)
         elif not any(item.get_closest_marker(tier) for tier in TIERS):
-            raise pytest.UsageError(f"{item.nodeid} has no tier marker ({', '.join(TIERS)}): give its module a pytestmark")
+            raise pytest.UsageError(
+                f"{item.nodeid} has no tier marker ({', '.join(TIERS)}): give its module a pytestmark"
+            )
     later = {item.module.__name__ for item in items if ahead_of(item)}
     items.sort(key=lambda item: (Path(item.fspath).parent.name != "unit", item.module.__name__ in later))
+
 
 PYTHON = sys.executable
 # The environment the session started with: what a job inherits (clean_env), whatever an in-process test running
@@ -53,6 +58,7 @@ SESSION_ENV = dict(os.environ)
 
 
 # ----------------------------------------------------------------------------- runs started ahead of their tests
+
 
 class Once:
     """A value computed once in the session, by the first thread that asks for it; the others wait for it."""
@@ -102,6 +108,7 @@ def ahead(function, name, scope="module"):
 
     def fixture(tmp_path_factory):
         return once(function, tmp_path_factory)
+
     fixture.__doc__ = function.__doc__
     return pytest.fixture(fixture, scope=scope, name=name)
 
@@ -143,6 +150,7 @@ def _runs_started_ahead(request, tmp_path_factory):
         pool.submit(once, function, tmp_path_factory)
     yield pool  # shut down by _no_job_outlives_the_session, before it kills the jobs
 
+
 # Small and fast on two cores: 32 px images, no loader workers, one thread per process.
 TINY = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0", "-p", "1"]
 
@@ -151,25 +159,42 @@ def parse(*argv, mode="dp"):
     """The frozen Config of `argv` as a script of `mode` resolves it, in-process (the platform variables of this
     process apply: take the no_platform_env fixture)."""
     from common import cli
+
     return cli.parse_args(cli.build_parser("test"), [str(arg) for arg in argv], mode=mode)
 
 
 def cpu_runtime(rank=0, world_size=1, mode="dp"):
     """This process as rank `rank` of `world_size` on the CPU (no process group: what a rank computes alone)."""
     import torch
+
     from common.distributed import Runtime
+
     return Runtime(mode, torch.device("cpu"), rank, rank, world_size, world_size)
 
 
 # The smallest model of each classification family torchvision lists, and a crop it takes (the smallest
 # that is a multiple of 32 and at least its minimum; ViT and MaxViT take 224 alone, Inception v3's
 # auxiliary head needs 299 in training).
-FAMILIES = {"alexnet": ("alexnet", 64), "convnext": ("convnext_tiny", 32), "densenet": ("densenet121", 32),
-            "efficientnet": ("efficientnet_b0", 32), "googlenet": ("googlenet", 32), "inception": ("inception_v3", 299),
-            "maxvit": ("maxvit_t", 224), "mnasnet": ("mnasnet0_5", 32), "mobilenet": ("mobilenet_v3_small", 32),
-            "regnet": ("regnet_x_400mf", 32), "resnet": ("resnet18", 32), "resnext": ("resnext50_32x4d", 32),
-            "shufflenet": ("shufflenet_v2_x0_5", 32), "squeezenet": ("squeezenet1_1", 32), "swin": ("swin_t", 32),
-            "vgg": ("vgg11", 32), "vit": ("vit_b_16", 224), "wide_resnet": ("wide_resnet50_2", 32)}
+FAMILIES = {
+    "alexnet": ("alexnet", 64),
+    "convnext": ("convnext_tiny", 32),
+    "densenet": ("densenet121", 32),
+    "efficientnet": ("efficientnet_b0", 32),
+    "googlenet": ("googlenet", 32),
+    "inception": ("inception_v3", 299),
+    "maxvit": ("maxvit_t", 224),
+    "mnasnet": ("mnasnet0_5", 32),
+    "mobilenet": ("mobilenet_v3_small", 32),
+    "regnet": ("regnet_x_400mf", 32),
+    "resnet": ("resnet18", 32),
+    "resnext": ("resnext50_32x4d", 32),
+    "shufflenet": ("shufflenet_v2_x0_5", 32),
+    "squeezenet": ("squeezenet1_1", 32),
+    "swin": ("swin_t", 32),
+    "vgg": ("vgg11", 32),
+    "vit": ("vit_b_16", 224),
+    "wide_resnet": ("wide_resnet50_2", 32),
+}
 
 
 def built_trainer(*argv, trainer=None, datasets=None, runtime=None):
@@ -177,6 +202,7 @@ def built_trainer(*argv, trainer=None, datasets=None, runtime=None):
     name), as common/run.py builds one for a fresh run (seed: --seed, else 0), without the lock, the agreement or a
     checkpoint."""
     from common.trainer import Trainer
+
     config = parse(*argv)
     made = (trainer or Trainer)(config, runtime or cpu_runtime())
     return made.build(datasets if datasets is not None else made.build_datasets(), config.seed or 0)
@@ -187,6 +213,7 @@ def group_of_one():
     """A process group of one in this process (gloo, in-memory store), for the in-process tests of FSDP and its
     checkpoints: fully_shard and Distributed Checkpoint need one, and a group of one shards nothing away."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
@@ -199,10 +226,27 @@ def sharded_trainer(*argv, datasets=None, trainer=None):
     from common.fsdp import Sharding
     from common.sharded_checkpoint import ShardedCheckpoints
     from common.trainer import Trainer
-    config = parse("--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4",
-                   "--seed", "1", *argv, mode="fsdp")
+
+    config = parse(
+        "--train-crop-size",
+        "16",
+        "--val-resize-size",
+        "16",
+        "--val-crop-size",
+        "16",
+        "-j",
+        "0",
+        "-b",
+        "4",
+        "--seed",
+        "1",
+        *argv,
+        mode="fsdp",
+    )
     runtime = cpu_runtime(mode="fsdp")
-    made = (trainer or Trainer)(config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config))
+    made = (trainer or Trainer)(
+        config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config)
+    )
     return made.build(datasets or tensor_datasets(), 1)
 
 
@@ -213,13 +257,13 @@ def tensor_datasets(size=16, train=12, val=6, channels=3):
 
     def make(index):
         return pixels(index, channels, size), index % 3
+
     return CLASSES, Items(train, make), Items(val, make, offset=train)
 
 
 def make_image_folder(root, train_per_class=8, val_per_class=4, num_classes=3):
     """A real JPEG ImageFolder (root/train, root/val) of demo shapes."""
-    demo_data.generate(root, train_per_class=train_per_class, val_per_class=val_per_class,
-                       num_classes=num_classes)
+    demo_data.generate(root, train_per_class=train_per_class, val_per_class=val_per_class, num_classes=num_classes)
     return Path(root)
 
 
@@ -228,14 +272,22 @@ def hf_copy(folder, out, form="disk"):
     order with its class indices (a ClassLabel of its classes), each image's file bytes as they are: save_to_disk's
     form ("disk"), or parquet files as the Hub lays them out (data/train-00000-of-00001.parquet, "parquet")."""
     import datasets
+
     from common.folder_index import scan_image_folder
+
     datasets.disable_progress_bars()
     classes, *splits = scan_image_folder(folder)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
-    made = {name: datasets.Dataset.from_dict(
-        {"image": [{"bytes": Path(path).read_bytes(), "path": Path(path).name} for path, _ in samples],
-         "label": [label for _, label in samples]}, features=features)
-        for name, samples in zip(("train", "validation"), ([files[i] for i in range(len(files))] for files in splits))}
+    made = {
+        name: datasets.Dataset.from_dict(
+            {
+                "image": [{"bytes": Path(path).read_bytes(), "path": Path(path).name} for path, _ in samples],
+                "label": [label for _, label in samples],
+            },
+            features=features,
+        )
+        for name, samples in zip(("train", "validation"), ([files[i] for i in range(len(files))] for files in splits))
+    }
     if form == "disk":
         datasets.DatasetDict(made).save_to_disk(str(out))
     else:
@@ -257,8 +309,24 @@ def tiny_data(tmp_path_factory):
 # BatchNorm-free and dropout-free, so that per-process statistics and masks cannot differ; today's recipe
 # without mixing (which pairs the images a process holds: docs/recipes.md), whose every part keeps DP = DDP.
 EXACT_MODEL = ["-a", "tests.tiny_models:TinyNet", "--dropout", "0", "--seed", "3", "--lr", "0.05"]
-RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--ra-sampler", "--ra-reps", "2", "--model-ema",
-          "--model-ema-steps", "2", "--model-ema-decay", "0.9", "--bias-weight-decay", "0", "--label-smoothing", "0.1"]
+RECIPE = [
+    "--auto-augment",
+    "ta_wide",
+    "--random-erase",
+    "0.5",
+    "--ra-sampler",
+    "--ra-reps",
+    "2",
+    "--model-ema",
+    "--model-ema-steps",
+    "2",
+    "--model-ema-decay",
+    "0.9",
+    "--bias-weight-decay",
+    "0",
+    "--label-smoothing",
+    "0.1",
+]
 
 
 def exact_folder(tmp_path_factory):
@@ -277,7 +345,20 @@ def exact_data(tmp_path_factory):
 
 def exact_run(data, output_dir, *extra):
     """The flags of the compared runs: 12 steps of global batch 8, the recipe without mixing."""
-    return [*TINY, *EXACT_MODEL, *RECIPE, "--data", data, "-b", "8", "--epochs", "4", "--output-dir", output_dir, *extra]
+    return [
+        *TINY,
+        *EXACT_MODEL,
+        *RECIPE,
+        "--data",
+        data,
+        "-b",
+        "8",
+        "--epochs",
+        "4",
+        "--output-dir",
+        output_dir,
+        *extra,
+    ]
 
 
 def single_node_launches(tmp_path_factory):
@@ -286,8 +367,13 @@ def single_node_launches(tmp_path_factory):
     and single_node_spawn.sh (train_spawn.py, 2 processes). (output dir, mode -> CompletedProcess)."""
     exact_data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("single-node")
     env = {"dp": {}, "ddp": dict(NPROC_PER_NODE=2), "spawn": dict(NPROC_PER_NODE=2, MASTER_PORT=free_port())}
-    commands = [(["bash", REPO / "run_scripts" / f"single_node_{mode}.sh", *exact_run(exact_data, out / mode)],
-                 clean_env(PYTHON=PYTHON, **env[mode])) for mode in env]
+    commands = [
+        (
+            ["bash", REPO / "run_scripts" / f"single_node_{mode}.sh", *exact_run(exact_data, out / mode)],
+            clean_env(PYTHON=PYTHON, **env[mode]),
+        )
+        for mode in env
+    ]
     return out, dict(zip(env, run_together(commands)))
 
 
@@ -321,7 +407,16 @@ def free_port():
 
 
 # The managed platform's variables that set the scripts' defaults.
-PLATFORM_VARIABLES = ("EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND", "WORKER_PER_NODE")
+PLATFORM_VARIABLES = (
+    "EPOCHS",
+    "LR",
+    "BATCH_SIZE",
+    "DATASETS_PATH",
+    "DATASETS",
+    "WORKSPACE",
+    "BACKEND",
+    "WORKER_PER_NODE",
+)
 
 
 @pytest.fixture
@@ -335,9 +430,12 @@ def no_platform_env(monkeypatch):
 def clean_env(gpu=False, **extra):
     """The environment of a user's shell: no launcher or platform variables leaking in
     (and no GPU unless `gpu`: the CPU paths are tested on every machine)."""
-    env = {key: value for key, value in SESSION_ENV.items()
-           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *PLATFORM_VARIABLES)
-           and not key.startswith("SLURM_")}
+    env = {
+        key: value
+        for key, value in SESSION_ENV.items()
+        if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *PLATFORM_VARIABLES)
+        and not key.startswith("SLURM_")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -397,8 +495,17 @@ def worker_command(script, prewarmed=True):
 
 def torchrun_command(script, nproc, *args, extra=(), prewarmed=True):
     """`torchrun --nproc_per_node=N script args` on a free loopback port (workers prewarmed: worker_command)."""
-    return [PYTHON, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", *extra, *worker_command(script, prewarmed), *args]
+    return [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *extra,
+        *worker_command(script, prewarmed),
+        *args,
+    ]
 
 
 def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):
@@ -456,8 +563,6 @@ def processes_in_session(sid):
     return found
 
 
-
-
 class PrewarmedProcess:
     """What Job needs of a subprocess.Popen, for a run forked by the prewarm server (tests/prewarmed.py
     --serve): pid, args, stdout, wait, poll, send_signal, returncode. The server is its parent; it
@@ -512,6 +617,7 @@ class Prewarmed:
     what is read at import time (IMPORT_TIME), nor for what a test must see started as a user starts it
     (script_command(..., as_user=True), Job(..., prewarmed=False)); PREWARMED=0 turns it off for the whole
     session."""
+
     server = server_env = None
     lock = threading.Lock()  # fixtures start runs from several threads
 
@@ -533,9 +639,14 @@ class Prewarmed:
             if cls.server is None or cls.server.poll() is not None:
                 cls.socket_path = os.path.join(tempfile.mkdtemp(prefix="prewarm-"), "socket")
                 cls.server_env = clean_env()
-                cls.server = subprocess.Popen([PYTHON, REPO / "tests" / "prewarmed.py", "--serve", cls.socket_path],
-                                              env=cls.server_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                              start_new_session=True, text=True)
+                cls.server = subprocess.Popen(
+                    [PYTHON, REPO / "tests" / "prewarmed.py", "--serve", cls.socket_path],
+                    env=cls.server_env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    start_new_session=True,
+                    text=True,
+                )
                 lower_priority(cls.server.pid)  # and every run it forks (torchrun's prewarmed workers' too)
                 ready = json.loads(cls.server.stdout.readline() or "{}")
                 assert ready.get("ready") and ready["import_output"] == "", ready
@@ -642,8 +753,16 @@ class Job:
         if prewarmed and Prewarmed.can_run(command, env):
             self.process = Prewarmed.start(command, env, cwd)
         else:
-            self.process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+            self.process = subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                **popen,
+            )
         lower_priority(self.process.pid)
         self.lines, self.output = queue.Queue(), []
         self.left_behind = None  # processes of the job alive after it ended (set by finish)
@@ -732,12 +851,23 @@ def run_prewarmed(script, runs, envs=None, timeout=180, parallel=2):
     with tempfile.TemporaryDirectory(prefix="prewarmed-") as folder:
         spec = Path(folder) / "spec.json"
         outputs = [str(Path(folder) / f"{index}.out") for index in range(len(runs))]
-        spec.write_text(json.dumps({"script": str(REPO / script), "runs": [[str(arg) for arg in argv] for argv in runs],
-                                    "envs": envs or [None] * len(runs), "outputs": outputs,
-                                    "parallel": parallel, "timeout": timeout}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "script": str(REPO / script),
+                    "runs": [[str(arg) for arg in argv] for argv in runs],
+                    "envs": envs or [None] * len(runs),
+                    "outputs": outputs,
+                    "parallel": parallel,
+                    "timeout": timeout,
+                }
+            )
+        )
         driver = run([PYTHON, REPO / "tests" / "prewarmed.py", spec], timeout=timeout + 60)
         assert driver.returncode == 0, driver.stdout[-3000:]
         result = json.loads(Path(f"{spec}.result").read_text())
         assert result["import_output"] == "", result["import_output"]
-        return [subprocess.CompletedProcess([PYTHON, script, *argv], code, Path(output).read_text())
-                for argv, code, output in zip(runs, result["codes"], outputs)]
+        return [
+            subprocess.CompletedProcess([PYTHON, script, *argv], code, Path(output).read_text())
+            for argv, code, output in zip(runs, result["codes"], outputs)
+        ]

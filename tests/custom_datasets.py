@@ -1,6 +1,7 @@
 """Datasets of a researcher's own, as --dataset tests.custom_datasets:NAME gives them to the scripts: the
 kinds that must train (PIL images, float tensors, 1-channel images with their mean and std) and the
 mistakes that must be refused in one line at start."""
+
 import time
 
 import torch
@@ -41,9 +42,11 @@ def uint8_tensors(config):
 
 def slow_items(config):
     """96 training images, each read in 40 ms (a slow file system): a run that waits for its input."""
+
     def make(index):
         time.sleep(0.04)
         return pixels(index), index % 3
+
     return CLASSES, Items(96, make), Items(VAL, make, offset=96)
 
 
@@ -55,7 +58,11 @@ def in_memory(config):
 
 def more_uint8_tensors(config):
     """uint8_tensors with 3 more training images."""
-    return CLASSES, Items(TRAIN + 3, lambda i: (pixels(i), i % 3)), Items(VAL, lambda i: (pixels(i), i % 3), offset=TRAIN)
+    return (
+        CLASSES,
+        Items(TRAIN + 3, lambda i: (pixels(i), i % 3)),
+        Items(VAL, lambda i: (pixels(i), i % 3), offset=TRAIN),
+    )
 
 
 def pil_images(config):
@@ -77,8 +84,9 @@ def gray_with_stats(config):
 
 
 def gray_net(num_classes, dropout=0.0):
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes)
+    )
 
 
 # Mistakes: each is refused at start in one line.
@@ -102,6 +110,7 @@ def iterable(config):
     class Stream(IterableDataset):
         def __iter__(self):
             return iter([(pixels(i), i % 3) for i in range(TRAIN)])
+
     return CLASSES, Stream(), Items(VAL, lambda i: (pixels(i), i % 3))
 
 
@@ -120,10 +129,12 @@ def late_bad_item(config):
 
 def unreadable_items(config):
     """Training items 2 and 3 raise OSError, as a file a dataset cannot read: skipped and listed, like broken files."""
+
     def make(i):
         if i in (2, 3):
             raise OSError(f"cannot read sample {i}")
         return pixels(i), i % 3
+
     return splits(make)
 
 
@@ -132,6 +143,7 @@ def from_a_fifo(config):
     env TEST_FIFO names, which blocks until a writer opens it (none does), after saying so."""
     import os
     import sys
+
     path = os.environ["TEST_FIFO"]
     sys.stdout.write(f"opening {path}\n")
     sys.stdout.flush()
@@ -142,4 +154,8 @@ def from_a_fifo(config):
 
 def two_classes(config):
     """uint8_tensors of two classes."""
-    return CLASSES[:2], Items(TRAIN, lambda i: (pixels(i), i % 2)), Items(VAL, lambda i: (pixels(i), i % 2), offset=TRAIN)
+    return (
+        CLASSES[:2],
+        Items(TRAIN, lambda i: (pixels(i), i % 2)),
+        Items(VAL, lambda i: (pixels(i), i % 2), offset=TRAIN),
+    )

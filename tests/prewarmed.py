@@ -15,13 +15,14 @@ take a fraction of a second after that. Everything from the script's first line 
 child as in `python script`: the script is executed as __main__ (runpy), with its own sys.argv,
 environment, working directory and exit code; an uncaught exception prints its traceback and exits 1.
 """
+
 import atexit
 import contextlib
-import re
 import importlib.util
 import io
 import json
 import os
+import re
 import runpy
 import select
 import signal
@@ -31,7 +32,6 @@ import threading
 import time
 import traceback
 from pathlib import Path
-
 
 # Variables that torch, its libraries or Python read when starting or importing: a prewarmed run must have the
 # server's values (OpenMP reads OMP_NUM_THREADS once, when torch loads it). torchrun's own (TORCHELASTIC_*, the NCCL
@@ -104,8 +104,12 @@ def import_everything(script_dir):
     parsing their arguments) and TensorBoard's writer; returns what importing printed."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-        for name in ["torch", "torchvision", "torch.utils.tensorboard",
-                     *(f"common.{path.stem}" for path in sorted(Path(script_dir).glob("common/*.py")))]:
+        for name in [
+            "torch",
+            "torchvision",
+            "torch.utils.tensorboard",
+            *(f"common.{path.stem}" for path in sorted(Path(script_dir).glob("common/*.py"))),
+        ]:
             importlib.import_module(name)
     return printed.getvalue()
 
@@ -164,8 +168,14 @@ def serve(socket_path):
                 connection.close()
                 for other in runs.values():
                     other.close()
-                child(request["script"], request["argv"], request["env"], fds[0], request["cwd"],
-                      fds[1] if len(fds) > 1 else None)
+                child(
+                    request["script"],
+                    request["argv"],
+                    request["env"],
+                    fds[0],
+                    request["cwd"],
+                    fds[1] if len(fds) > 1 else None,
+                )
             for fd in fds:
                 os.close(fd)
             marker = request["env"].get("JOB_MARKER")
@@ -189,7 +199,14 @@ def serve(socket_path):
             os.killpg(pid, signal.SIGKILL)
 
 
-PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)  # by a worker shim to its run
+PASSED_ON = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+)  # by a worker shim to its run
 
 
 def worker(socket_path, script, argv):
@@ -211,6 +228,7 @@ def worker(socket_path, script, argv):
     def pass_on(signum, _frame):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+
     for signum in PASSED_ON:
         signal.signal(signum, pass_on)
     line = replies.readline()

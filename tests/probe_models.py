@@ -1,4 +1,5 @@
 """Models that report what happens inside a run, given to the scripts as `--arch tests.probe_models:...`."""
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn

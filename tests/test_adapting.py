@@ -2,6 +2,7 @@
 line, items a dataset cannot read are skipped and listed by name; GoogLeNet's auxiliary heads under torchrun; a
 parameter DDP never sees a gradient for needs --find-unused-parameters, said in one line. (The rules each part must
 keep, checked at start in one line: tests/unit/test_datasets.py, test_models.py, test_trainer.py.)"""
+
 import re
 
 import pytest
@@ -9,8 +10,24 @@ import pytest
 from conftest import assert_ok, no_traceback_of_ours, run_prewarmed, run_together, torchrun_command
 
 pytestmark = pytest.mark.e2e
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-p", "1", "--epochs", "1",
-         "-b", "4", "--seed", "1", "-a", "tests.tiny_models:TinyNet"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-p",
+    "1",
+    "--epochs",
+    "1",
+    "-b",
+    "4",
+    "--seed",
+    "1",
+    "-a",
+    "tests.tiny_models:TinyNet",
+]
 
 
 def one_line_error(result):
@@ -26,8 +43,13 @@ def one_line_error(result):
 def own_datasets(tmp_path_factory):
     out = tmp_path_factory.mktemp("own")
     runs = {"late_bad_item": [*SMALL, "-j", "1"], "unreadable_items": [*SMALL, "-j", "0"]}
-    results = run_prewarmed("train_dp.py", [[*flags, "--dataset", f"tests.custom_datasets:{name}", "--output-dir",
-                                             out / name] for name, flags in runs.items()])
+    results = run_prewarmed(
+        "train_dp.py",
+        [
+            [*flags, "--dataset", f"tests.custom_datasets:{name}", "--output-dir", out / name]
+            for name, flags in runs.items()
+        ],
+    )
     return dict(zip(runs, results)), out
 
 
@@ -49,13 +71,42 @@ def test_items_a_dataset_cannot_read_are_skipped_and_listed_by_name(own_datasets
 @pytest.fixture(scope="module")
 def model_runs(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("models")
-    common = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0", "-p", "1",
-              "--epochs", "1", "-b", "4", "--seed", "1", "--data", tiny_data]
-    commands = {"googlenet": torchrun_command("train_ddp.py", 2, *common, "-a", "googlenet", "--output-dir", out / "g"),
-                "unused": torchrun_command("train_ddp.py", 2, *common, "-a", "tests.tiny_models:UnusedNet",
-                                           "--output-dir", out / "u"),
-                "unused_found": torchrun_command("train_ddp.py", 2, *common, "-a", "tests.tiny_models:UnusedNet",
-                                                 "--find-unused-parameters", "--output-dir", out / "uf")}
+    common = [
+        "--train-crop-size",
+        "32",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        "-j",
+        "0",
+        "-p",
+        "1",
+        "--epochs",
+        "1",
+        "-b",
+        "4",
+        "--seed",
+        "1",
+        "--data",
+        tiny_data,
+    ]
+    commands = {
+        "googlenet": torchrun_command("train_ddp.py", 2, *common, "-a", "googlenet", "--output-dir", out / "g"),
+        "unused": torchrun_command(
+            "train_ddp.py", 2, *common, "-a", "tests.tiny_models:UnusedNet", "--output-dir", out / "u"
+        ),
+        "unused_found": torchrun_command(
+            "train_ddp.py",
+            2,
+            *common,
+            "-a",
+            "tests.tiny_models:UnusedNet",
+            "--find-unused-parameters",
+            "--output-dir",
+            out / "uf",
+        ),
+    }
     return dict(zip(commands, run_together(list(commands.values()))))
 
 
@@ -70,5 +121,7 @@ def test_googlenet_trains_under_torchrun_with_its_auxiliary_heads(model_runs):
 def test_a_parameter_left_unused_needs_find_unused_parameters_and_says_so_in_one_line(model_runs):
     refused, trained = model_runs["unused"], model_runs["unused_found"]
     assert refused.returncode != 0 and no_traceback_of_ours(refused.stdout), refused.stdout[-3000:]
-    assert "parameters that received no gradient: add --find-unused-parameters" in refused.stdout, refused.stdout[-3000:]
+    assert "parameters that received no gradient: add --find-unused-parameters" in refused.stdout, refused.stdout[
+        -3000:
+    ]
     assert_ok(trained)

@@ -1,5 +1,6 @@
 """tools/benchmark_gpu.py (`make benchmark-gpu`): the steady window read from the scripts' own progress lines, the
 trace's summary, and the harness run on the CPU (a tiny model) as it runs on a GPU."""
+
 import json
 import re
 import sys
@@ -28,8 +29,13 @@ def progress_output(seconds_per_interval, batch=256, every=10, waits=None):
         elapsed += seconds
         done = every * (k + 1)
         wait = f"input wait {waits[k][0]}%; GPU idle {waits[k][1]}%" if waits else "input wait 0%; GPU idle 0%"
-        meter.display(done - 1, {"loss": 1.0, "acc1": 0.0, "acc5": 0.0}, lr=0.1,
-                      speed=(done * batch / elapsed, "0:00:01"), wait=wait)
+        meter.display(
+            done - 1,
+            {"loss": 1.0, "acc1": 0.0, "acc5": 0.0},
+            lr=0.1,
+            speed=(done * batch / elapsed, "0:00:01"),
+            wait=wait,
+        )
     return "\n".join(lines)
 
 
@@ -72,18 +78,25 @@ def test_input_wait_and_gpu_idle_are_the_windows_share():
 def test_the_trace_summary_counts_steps_busy_time_waits_and_kernel_kinds(tmp_path):
     """The CPU's steps (not the GPU's copies of their ranges), the GPU's busy time as the union of its overlapping
     kernels, its idle share over their span, the host's waits and device-to-host copies, and kernels by kind."""
+
     def event(name, cat, ts, dur):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
-    events = [event("ProfilerStep#3", "user_annotation", 0, 100), event("ProfilerStep#4", "user_annotation", 100, 60),
-              event("ProfilerStep#3", "gpu_user_annotation", 5, 100), event("ProfilerStep#4", "gpu_user_annotation", 105, 90),
-              event("sm90_xmma_fprop_implicit_gemm_bf16", "kernel", 10, 40),
-              event("void at::native::batch_norm_collect_statistics_channels_last_kernel", "kernel", 30, 40),  # overlaps
-              event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "kernel", 100, 20),  # attention, not cuDNN conv
-              event("void at::native::max_pool_backward_nhwc<c10::BFloat16>", "kernel", 120, 4),  # not a convolution
-              event("triton_poi_fused_add_relu_3", "kernel", 124, 2),  # compiled, not the optimizer
-              event("void at::native::multi_tensor_apply_kernel<FusedSgdMathFunctor>", "kernel", 126, 4),
-              event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 150, 10),
-              event("cudaStreamSynchronize", "cuda_runtime", 140, 25), event("aten::_local_scalar_dense", "cpu_op", 139, 27)]
+
+    events = [
+        event("ProfilerStep#3", "user_annotation", 0, 100),
+        event("ProfilerStep#4", "user_annotation", 100, 60),
+        event("ProfilerStep#3", "gpu_user_annotation", 5, 100),
+        event("ProfilerStep#4", "gpu_user_annotation", 105, 90),
+        event("sm90_xmma_fprop_implicit_gemm_bf16", "kernel", 10, 40),
+        event("void at::native::batch_norm_collect_statistics_channels_last_kernel", "kernel", 30, 40),  # overlaps
+        event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "kernel", 100, 20),  # attention, not cuDNN conv
+        event("void at::native::max_pool_backward_nhwc<c10::BFloat16>", "kernel", 120, 4),  # not a convolution
+        event("triton_poi_fused_add_relu_3", "kernel", 124, 2),  # compiled, not the optimizer
+        event("void at::native::multi_tensor_apply_kernel<FusedSgdMathFunctor>", "kernel", 126, 4),
+        event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 150, 10),
+        event("cudaStreamSynchronize", "cuda_runtime", 140, 25),
+        event("aten::_local_scalar_dense", "cpu_op", 139, 27),
+    ]
     path = tmp_path / "rank0.json"
     path.write_text(json.dumps({"traceEvents": events}))
     summary = trace_summary(path)
@@ -93,9 +106,15 @@ def test_the_trace_summary_counts_steps_busy_time_waits_and_kernel_kinds(tmp_pat
     assert summary["syncs_per_step"]["cudaStreamSynchronize"] == 0.5
     assert summary["syncs_per_step"]["aten::_local_scalar_dense"] == 0.5
     assert summary["device_to_host_copies_per_step"] == 0.5 and summary["kernels_per_step"] == 3
-    assert summary["gpu_ms_by_family_per_step"] == {"convolution (cuDNN)": 0.02, "batch norm": 0.02, "attention": 0.01,
-                                                    "memory copy": 0.005, "pooling": 0.002, "optimizer": 0.002,
-                                                    "compiled (Triton)": 0.001}
+    assert summary["gpu_ms_by_family_per_step"] == {
+        "convolution (cuDNN)": 0.02,
+        "batch norm": 0.02,
+        "attention": 0.01,
+        "memory copy": 0.005,
+        "pooling": 0.002,
+        "optimizer": 0.002,
+        "compiled (Triton)": 0.001,
+    }
 
 
 def test_rows_on_request_run_only_where_only_names_them():
@@ -103,14 +122,17 @@ def test_rows_on_request_run_only_where_only_names_them():
     by_default = {bench.name for bench in selected(rows, None)}
     assert "vit_b_16 bf16 --compile" in by_default and "vit_b_16 bf16, bare PyTorch loop" not in by_default
     assert {bench.name for bench in selected(rows, "^vit_b_16 bf16($|, bare)")} == {
-        "vit_b_16 bf16", "vit_b_16 bf16, bare PyTorch loop"}
+        "vit_b_16 bf16",
+        "vit_b_16 bf16, bare PyTorch loop",
+    }
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     result = run([PYTHON, BENCH], env=clean_env(), timeout=120)
     assert result.returncode == 0
-    assert result.stdout == ("benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure "
-                             "(--cpu tests the harness)\n")
+    assert result.stdout == (
+        "benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure (--cpu tests the harness)\n"
+    )
 
 
 def test_the_harness_measures_real_runs_of_the_scripts_on_the_cpu(tmp_path):

@@ -3,6 +3,7 @@ started with different arguments, resuming from different checkpoints or reading
 that need longer than torchrun's default grace, or come in an epoch's last steps, during validation or before
 training; an unreadable validation set; a changed data set; spawn's rendezvous file after a kill; a host named
 after loopback. Each ends in one line that names what differs, or completes."""
+
 import fcntl
 import os
 import re
@@ -13,8 +14,23 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TINY, Job, SideBySide, ahead, assert_ok, clean_env, free_port, make_image_folder,
-                      no_traceback_of_ours, once, run_prewarmed, torchrun_command, worker_command)
+from conftest import (
+    PYTHON,
+    REPO,
+    TINY,
+    Job,
+    SideBySide,
+    ahead,
+    assert_ok,
+    clean_env,
+    free_port,
+    make_image_folder,
+    no_traceback_of_ours,
+    once,
+    run_prewarmed,
+    torchrun_command,
+    worker_command,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -37,6 +53,7 @@ def error_lines(output):
 
 # ----------------------------------------------------------------------------- one run per output directory
 
+
 def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(data, tmp_path):
     """Seen: two `--resume auto` runs of one --output-dir (a duplicate submission, a requeue while the lost
     node's step still ran) both trained, interleaving log.csv rows and checkpoints, and both exited 0."""
@@ -45,13 +62,14 @@ def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(data, t
     first = Job([PYTHON, REPO / "train_dp.py", *common, "--epochs", "3"])
     try:
         first.wait_for(re.compile(r"^Epoch: \[0\] \[ *2/"), timeout=WAIT)
-        second, = run_prewarmed("train_dp.py", [[*common, "--epochs", "3", "--seed", "8"]])
+        (second,) = run_prewarmed("train_dp.py", [[*common, "--epochs", "3", "--seed", "8"]])
         assert second.returncode == 2, second.stdout[-3000:]
         lines = error_lines(second.stdout)
         assert len(lines) == 1 and re.fullmatch(
             rf"error: {re.escape(str(out))} is in use by another run \(host \S+, PID \d+, started \S+\): one run at a "
             r"time writes an output directory; wait for that one to end, or give this one another --output-dir",
-            lines[0]), second.stdout
+            lines[0],
+        ), second.stdout
         assert no_traceback_of_ours(second.stdout)
         returncode, output = first.finish(timeout=WAIT)
     finally:
@@ -65,23 +83,49 @@ def test_a_second_run_in_the_same_output_dir_is_refused_naming_the_first(data, t
 def test_a_killed_run_releases_its_output_dir_and_the_relaunch_resumes(data, tmp_path):
     """The lock dies with the process however it ends: a requeued (or torchrun-restarted) job goes on."""
     out = tmp_path / "run"
-    common = [*TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out, "--checkpoint-interval", "2",
-              "--epochs", "1"]
+    common = [
+        *TINY_NET,
+        "--data",
+        data,
+        "--resume",
+        "auto",
+        "--output-dir",
+        out,
+        "--checkpoint-interval",
+        "2",
+        "--epochs",
+        "1",
+    ]
     job = Job([PYTHON, REPO / "train_dp.py", *common])
     job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
     job.kill()  # SIGKILL: no exit handler runs
-    relaunch, = run_prewarmed("train_dp.py", [common])
+    (relaunch,) = run_prewarmed("train_dp.py", [common])
     output = assert_ok(relaunch)
     assert re.search(r"^resumed from \S+checkpoint\.pth \(epoch \d+", output, re.MULTILINE), output[-3000:]
 
 
 # ----------------------------------------------------------------------------- the ranks of one job agree
 
+
 def two_nodes(port, node_args):
     """torchrun on two "nodes" of one process each (loopback), node k started with node_args[k]."""
-    return [Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
-                 "--master-addr=127.0.0.1", f"--master-port={port}", *worker_command("train_ddp.py"), *args])
-            for rank, args in enumerate(node_args)]
+    return [
+        Job(
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={rank}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                *worker_command("train_ddp.py"),
+                *args,
+            ]
+        )
+        for rank, args in enumerate(node_args)
+    ]
 
 
 def finish_all(jobs):
@@ -97,16 +141,26 @@ def disagreeing_runs(data, out):
     --save-on node, a directory each) hold checkpoints of different steps. (out, name -> [(returncode, output)])."""
     common = [*TINY_NET, "--data", data, "--epochs", "2"]
     saved = out / "saved"
-    assert_ok(run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2",
-                                              "--output-dir", saved]])[0])
+    assert_ok(
+        run_prewarmed("train_dp.py", [[*common, "--epochs", "1", "--checkpoint-interval", "2", "--output-dir", saved]])[
+            0
+        ]
+    )
     (out / "node0").mkdir(), (out / "node1").mkdir()
     shutil.copy(saved / "checkpoint.pth", out / "node0" / "checkpoint.pth")  # epoch 1
     shutil.copy(saved / "checkpoint_prev.pth", out / "node1" / "checkpoint.pth")  # epoch 0, step 4: an older copy
     jobs = {
-        "batch": two_nodes(free_port(), [[*common, "-b", "8", "--output-dir", out / "batch"],
-                                         [*common, "-b", "16", "--output-dir", out / "batch"]]),
-        "resume": two_nodes(free_port(), [[*common, "--save-on", "node", "--resume", "auto", "--output-dir",
-                                           out / f"node{rank}"] for rank in (0, 1)]),
+        "batch": two_nodes(
+            free_port(),
+            [[*common, "-b", "8", "--output-dir", out / "batch"], [*common, "-b", "16", "--output-dir", out / "batch"]],
+        ),
+        "resume": two_nodes(
+            free_port(),
+            [
+                [*common, "--save-on", "node", "--resume", "auto", "--output-dir", out / f"node{rank}"]
+                for rank in (0, 1)
+            ],
+        ),
     }
     with SideBySide(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
@@ -122,9 +176,11 @@ def test_ranks_started_with_different_arguments_end_in_one_line_naming_the_diffe
     """Seen: -b 8 on node 0 and -b 16 on node 1 aborted rank 1 in gloo ("Received data size doesn't match
     expected size") with two torchrun tracebacks, and rank 0 said only that another process ended."""
     out, results = disagreeing_jobs
-    expected = ("error: the processes of this job were started with different arguments: --batch-size is 8 on rank 0, "
-                "16 on rank 1; every process takes the same ones (only --workers, --data and --output-dir may differ "
-                "between nodes)")
+    expected = (
+        "error: the processes of this job were started with different arguments: --batch-size is 8 on rank 0, "
+        "16 on rank 1; every process takes the same ones (only --workers, --data and --output-dir may differ "
+        "between nodes)"
+    )
     for returncode, output in results["batch"]:
         assert returncode != 0
         assert error_lines(output) == [expected], output[-3000:]
@@ -142,7 +198,9 @@ def test_ranks_that_loaded_different_checkpoints_refuse_to_train(disagreeing_job
             r"error: the processes of this job would resume from different checkpoints: \S+node0/checkpoint\.pth "
             r"\(epoch 1, seed 7\) on rank 0, \S+node1/checkpoint\.pth \(epoch 0 step 4, seed 7\) on rank 1; a job "
             r"resumes from one checkpoint: give every node a copy of the same one \(--save-on node\), or name it with "
-            r"--resume PATH", lines[0]), output[-3000:]
+            r"--resume PATH",
+            lines[0],
+        ), output[-3000:]
         assert "Epoch: [" not in output and no_traceback_of_ours(output)
     for rank, epoch in ((0, 1), (1, 0)):  # untouched
         assert torch.load(out / f"node{rank}" / "checkpoint.pth", weights_only=True)["epoch"] == epoch
@@ -156,11 +214,30 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
     held = os.open(out / "run.lock", os.O_RDWR | os.O_CREAT)
     fcntl.lockf(held, fcntl.LOCK_EX)
     os.write(held, b'{"host": "lost-node", "pid": 4242, "started": "2026-11-24T00:00:00+0000"}\n')
-    job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "--data", data, "--resume", "auto", "--output-dir", out,
-               "--epochs", "1"], env=clean_env(SLURM_RESTART_COUNT=1))
+    job = Job(
+        [
+            PYTHON,
+            REPO / "train_dp.py",
+            *TINY_NET,
+            "--data",
+            data,
+            "--resume",
+            "auto",
+            "--output-dir",
+            out,
+            "--epochs",
+            "1",
+        ],
+        env=clean_env(SLURM_RESTART_COUNT=1),
+    )
     try:
-        job.wait_for(re.compile(r"^waiting up to 180 s for the run this job replaces to release \S+run\.lock "
-                                r"\(host lost-node, PID 4242, started 2026-11-24T00:00:00\+0000\)$"), timeout=WAIT)
+        job.wait_for(
+            re.compile(
+                r"^waiting up to 180 s for the run this job replaces to release \S+run\.lock "
+                r"\(host lost-node, PID 4242, started 2026-11-24T00:00:00\+0000\)$"
+            ),
+            timeout=WAIT,
+        )
         assert not (out / "log.csv").exists()
         os.close(held)  # the lost node's lease ends
         returncode, output = job.finish(timeout=WAIT)
@@ -172,11 +249,26 @@ def test_a_requeued_job_waits_for_the_lock_of_the_step_it_replaces(data, tmp_pat
 
 # ----------------------------------------------------------------------------- stops that fit the launcher's grace
 
+
 def slow_stop_run(data, out):
     """single_node_ddp.sh (torchrun, 2 processes) whose stop's checkpoint takes 40 s (tests.tiny_models:SlowStop),
     SIGTERMed at epoch 0 step 2: (returncode, output, seconds from the signal to the end)."""
-    job = Job(["bash", REPO / "run_scripts" / "single_node_ddp.sh", *TINY_NET, "--data", data, "--output-dir", out,
-               "--epochs", "3", "--trainer", "tests.tiny_models:SlowStop"], env=clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2))
+    job = Job(
+        [
+            "bash",
+            REPO / "run_scripts" / "single_node_ddp.sh",
+            *TINY_NET,
+            "--data",
+            data,
+            "--output-dir",
+            out,
+            "--epochs",
+            "3",
+            "--trainer",
+            "tests.tiny_models:SlowStop",
+        ],
+        env=clean_env(PYTHON=PYTHON, NPROC_PER_NODE=2),
+    )
     try:
         job.wait_for(re.compile(r"^Epoch: \[0\] \[ *2/"), timeout=WAIT)
         signalled = time.monotonic()
@@ -191,8 +283,23 @@ def last_step_runs(data, out):
     """torchrun, 2 processes, SIGTERM in epoch 0's last step (tests.tiny_models:SlowLastStep says when it begins),
     then the same command again: [(returncode, output)] of both."""
     # -b 10: 5 steps of 5 images per rank over its 24, the last batch short (a resume at 5 x 5 once failed there)
-    command = torchrun_command("train_ddp.py", 2, *TINY_NET, "-b", "10", "--data", data, "--output-dir", out, "--epochs",
-                               "2", "--resume", "auto", "--trainer", "tests.tiny_models:SlowLastStep")
+    command = torchrun_command(
+        "train_ddp.py",
+        2,
+        *TINY_NET,
+        "-b",
+        "10",
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--epochs",
+        "2",
+        "--resume",
+        "auto",
+        "--trainer",
+        "tests.tiny_models:SlowLastStep",
+    )
     job = Job(command)
     try:
         job.wait_for(re.compile(r"^the epoch's last step begins"), timeout=WAIT)
@@ -209,9 +316,26 @@ def killed_rendezvous_runs(data, out):
     (2, or 4 when the kill came after step 4's save: the job runs ahead of the reading of its lines); (returncode,
     output) of the relaunch)."""
     rendezvous = out / "rendezvous"
-    command = [PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out, "--nproc-per-node", "2",
-               "--dist-url", f"file://{rendezvous}", "--resume", "auto", "--checkpoint-interval", "2",
-               "--trainer", "tests.tiny_models:SlowFourthStep", "--epochs"]
+    command = [
+        PYTHON,
+        REPO / "train_spawn.py",
+        *TINY_NET,
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--nproc-per-node",
+        "2",
+        "--dist-url",
+        f"file://{rendezvous}",
+        "--resume",
+        "auto",
+        "--checkpoint-interval",
+        "2",
+        "--trainer",
+        "tests.tiny_models:SlowFourthStep",
+        "--epochs",
+    ]
     job = Job([*command, "30"])
     try:
         job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
@@ -228,9 +352,28 @@ def node_1_first_runs(data, out):
     rendezvous = out / "rendezvous"
 
     def node(rank):
-        return Job([PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", out / f"node{rank}",
-                    "--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1", "--epochs", "1",
-                    "--dist-url", f"file://{rendezvous}"])
+        return Job(
+            [
+                PYTHON,
+                REPO / "train_spawn.py",
+                *TINY_NET,
+                "--data",
+                data,
+                "--output-dir",
+                out / f"node{rank}",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--nproc-per-node",
+                "1",
+                "--epochs",
+                "1",
+                "--dist-url",
+                f"file://{rendezvous}",
+            ]
+        )
+
     node1 = node(1)
     try:
         deadline = time.monotonic() + WAIT
@@ -244,8 +387,21 @@ def node_1_first_runs(data, out):
 def during_validation_run(data, out):
     """torchrun, 2 processes, SIGTERM while epoch 0 is validated (tests.tiny_models:SlowValidation): (returncode,
     output)."""
-    job = Job(torchrun_command("train_ddp.py", 2, *TINY_NET, "--data", data, "--output-dir", out, "--epochs", "3",
-                               "--trainer", "tests.tiny_models:SlowValidation"))
+    job = Job(
+        torchrun_command(
+            "train_ddp.py",
+            2,
+            *TINY_NET,
+            "--data",
+            data,
+            "--output-dir",
+            out,
+            "--epochs",
+            "3",
+            "--trainer",
+            "tests.tiny_models:SlowValidation",
+        )
+    )
     try:
         job.wait_for(re.compile(r"^validation begins"), timeout=WAIT)
         job.process.send_signal(signal.SIGTERM)
@@ -258,9 +414,15 @@ def side_by_side_runs(tmp_path_factory):
     """The module's runs that wait for lines, send signals or sleep, side by side (most of their time is a wait):
     name -> (future of its result, output dir)."""
     data, out = once(data_folder, tmp_path_factory), tmp_path_factory.mktemp("side-by-side")
-    runs = {"slow-stop": slow_stop_run, "last-step": last_step_runs, "killed-rendezvous": killed_rendezvous_runs,
-            "node-1-first": node_1_first_runs, "disagree": disagreeing_runs, "per-node": per_node_runs,
-            "during-validation": during_validation_run}
+    runs = {
+        "slow-stop": slow_stop_run,
+        "last-step": last_step_runs,
+        "killed-rendezvous": killed_rendezvous_runs,
+        "node-1-first": node_1_first_runs,
+        "disagree": disagreeing_runs,
+        "per-node": per_node_runs,
+        "during-validation": during_validation_run,
+    }
     for name in runs:
         (out / name).mkdir()
     with SideBySide(len(runs)) as pool:
@@ -316,9 +478,11 @@ def stopped_in_start_up(launcher, out):
     fifo = out / "fifo"
     os.mkfifo(fifo)
     args = [*TINY_NET, "--dataset", "tests.custom_datasets:from_a_fifo", "--output-dir", out / "out"]
-    command = {"dp": [PYTHON, REPO / "train_dp.py", *args],
-               "torchrun": torchrun_command("train_ddp.py", 2, *args, prewarmed=False),
-               "spawn": [PYTHON, REPO / "train_spawn.py", *args, "--nproc-per-node", "2", "--master-port", free_port()]}
+    command = {
+        "dp": [PYTHON, REPO / "train_dp.py", *args],
+        "torchrun": torchrun_command("train_ddp.py", 2, *args, prewarmed=False),
+        "spawn": [PYTHON, REPO / "train_spawn.py", *args, "--nproc-per-node", "2", "--master-port", free_port()],
+    }
     job = Job(command[launcher], env=clean_env(TEST_FIFO=fifo), prewarmed=False)
     try:
         job.wait_for(re.compile(r"^opening "), timeout=WAIT)
@@ -329,6 +493,7 @@ def stopped_in_start_up(launcher, out):
             job.process.send_signal(signal.SIGTERM)
         else:  # to the workers, as Slurm signals every process of a step: torchrun then reports their exit codes
             from test_failures import training_processes
+
             workers = training_processes(job)
             assert sorted(workers) == [0, 1], workers
             for pid in workers.values():
@@ -355,17 +520,21 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(stopped_in_s
     """Seen in the code: a SIGTERM in the start-up (rank 0's folder scan, the checkpoint load: minutes on ImageNet
     over NFS) killed the process: 143, which a requeue logic reads as a crash."""
     (returncode, output, left_behind), folder = stopped_in_start_up_runs[launcher]
-    stop = ("stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it "
-            "was started")
+    stop = (
+        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it "
+        "was started"
+    )
     if launcher == "dp":
         assert returncode == 75, output[-3000:]
         assert [line for line in output.splitlines() if "SIGTERM" in line] == [stop], output[-3000:]
     elif launcher == "spawn":
         assert returncode == 75, output[-3000:]
         assert sorted(line for line in output.splitlines() if "SIGTERM" in line) == [
-            f"rank {rank}: {stop}" for rank in (0, 1)], output[-3000:]
+            f"rank {rank}: {stop}" for rank in (0, 1)
+        ], output[-3000:]
     else:
         from test_failures import torchrun_exit_codes
+
         assert torchrun_exit_codes(output) == {"0": "75", "1": "75"}, output[-3000:]
         assert output.count(stop) == 2, output[-3000:]
     assert no_traceback_of_ours(output) and not (folder / "out").exists()
@@ -373,6 +542,7 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(stopped_in_s
 
 
 # ----------------------------------------------------------------------------- no silent zero
+
 
 def test_a_validation_set_it_cannot_read_ends_the_run_in_one_line(data, tmp_path):
     """Seen: every val file empty trained to the end with ` * Acc@1 0.000 ... (0 images)`, `done: best acc@1 0.00`
@@ -382,12 +552,13 @@ def test_a_validation_set_it_cannot_read_ends_the_run_in_one_line(data, tmp_path
     for image in (root / "val").rglob("*.*"):
         image.write_bytes(b"")
     out = tmp_path / "out"
-    result, = run_prewarmed("train_dp.py", [[*TINY_NET, "--data", root, "--output-dir", out, "--epochs", "2"]])
+    (result,) = run_prewarmed("train_dp.py", [[*TINY_NET, "--data", root, "--output-dir", out, "--epochs", "2"]])
     assert result.returncode == 2, result.stdout[-3000:]
     assert error_lines(result.stdout) == [
-        f"error: validation could not read 12 of its 12 images (e.g. {root}/val/circle/00000.jpg: cannot identify image "
-        "file), more than 10%: its accuracy would mean nothing; is the data set readable? (after a transient outage, "
-        "--resume auto goes on from the last checkpoint)"], result.stdout[-3000:]
+        f"error: validation could not read 12 of its 12 images (e.g. {root}/val/circle/00000.jpg: cannot identify "
+        "image file), more than 10%: its accuracy would mean nothing; is the data set readable? (after a transient "
+        "outage, --resume auto goes on from the last checkpoint)"
+    ], result.stdout[-3000:]
     assert "done:" not in result.stdout and no_traceback_of_ours(result.stdout)
     assert len((out / "bad_images.txt").read_text().splitlines()) == 12
 
@@ -424,9 +595,16 @@ def per_node_runs(data, out):
         image.write_bytes(b"broken on node 1 alone")
     sorted((copies["incomplete"] / "train" / "ring").iterdir())[-1].unlink()
     common = [*TINY_NET, "--epochs", "2", "--save-on", "node"]
-    jobs = {name: two_nodes(free_port(), [[*common, "--data", data, "--output-dir", out / name / "node0"],
-                                          [*common, "--data", copy, "--output-dir", out / name / "node1"]])
-            for name, copy in copies.items()}
+    jobs = {
+        name: two_nodes(
+            free_port(),
+            [
+                [*common, "--data", data, "--output-dir", out / name / "node0"],
+                [*common, "--data", copy, "--output-dir", out / name / "node1"],
+            ],
+        )
+        for name, copy in copies.items()
+    }
     with SideBySide(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(finish_all, jobs.values())))
     return {name: (results[name], copies[name]) for name in jobs}
@@ -450,15 +628,19 @@ def test_each_node_reads_its_own_copy_of_the_data_at_its_own_path(per_node_copie
 
 def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_node_copies, data):
     results, copy = per_node_copies["incomplete"]
-    expected = (f"--data {copy} (rank 0: {data}) holds other files than rank 0's (train/ring: 15 images here, 16 on "
-                "rank 0): every node's copy must hold the same files")
+    expected = (
+        f"--data {copy} (rank 0: {data}) holds other files than rank 0's (train/ring: 15 images here, 16 on "
+        "rank 0): every node's copy must hold the same files"
+    )
     for rank, (returncode, output) in enumerate(results):
-        assert returncode != 0 and error_lines(output) == [f"error: {'rank 1: ' if rank == 0 else ''}{expected}"], \
+        assert returncode != 0 and error_lines(output) == [f"error: {'rank 1: ' if rank == 0 else ''}{expected}"], (
             output[-3000:]
+        )
         assert no_traceback_of_ours(output) and "Epoch: [" not in output
 
 
 # ----------------------------------------------------------------------------- spawn's file:// rendezvous
+
 
 def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_auto(side_by_side):
     """Once the rendezvous file a SIGKILLed job left behind refused the relaunch (exit 2, "delete it first")."""
@@ -466,10 +648,14 @@ def test_a_spawn_job_killed_with_a_file_rendezvous_is_relaunched_with_resume_aut
     left_behind, (epoch, step), (returncode, output) = future.result()
     assert left_behind  # the killed job's rendezvous file, not empty
     assert returncode == 0, output[-3000:]
-    assert (f"note: removed {out / 'rendezvous'}, the rendezvous file of a job that ended without removing it (killed)"
-            in output.splitlines())
+    assert (
+        f"note: removed {out / 'rendezvous'}, the rendezvous file of a job that ended without removing it (killed)"
+        in output.splitlines()
+    )
     assert (epoch, step) in ((0, 2), (0, 4))
-    assert re.search(rf"^resumed from \S+checkpoint\.pth \(epoch 0, step {step}\)", output, re.MULTILINE), output[-3000:]
+    assert re.search(rf"^resumed from \S+checkpoint\.pth \(epoch 0, step {step}\)", output, re.MULTILINE), output[
+        -3000:
+    ]
 
 
 def test_a_file_rendezvous_whose_node_1_starts_first_is_not_taken_for_a_killed_job_s(side_by_side):

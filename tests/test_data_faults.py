@@ -3,6 +3,7 @@ image is skipped and reported (or, with --strict-data, ends the run in one line)
 leaves a process hanging: an error while loader workers run, a loader worker killed, a stop
 signal while the main process waits for data that never comes (a FIFO named like a JPEG, as a
 hung network file system). Every job is checked to have ended with all its processes."""
+
 import contextlib
 import io
 import json
@@ -18,11 +19,37 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from conftest import (PYTHON, REPO, Job, SideBySide, ahead, clean_env, free_port, make_image_folder, no_traceback_of_ours,
-                      once, process_stat, run, tiny_folder, worker_command)
+from conftest import (
+    PYTHON,
+    REPO,
+    Job,
+    SideBySide,
+    ahead,
+    clean_env,
+    free_port,
+    make_image_folder,
+    no_traceback_of_ours,
+    once,
+    process_stat,
+    run,
+    tiny_folder,
+    worker_command,
+)
 
-RUN = ["-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
-       "-p", "1", "--seed", "0"]
+RUN = [
+    "-a",
+    "tests.tiny_models:TinyNet",
+    "--train-crop-size",
+    "32",
+    "--val-resize-size",
+    "32",
+    "--val-crop-size",
+    "32",
+    "-p",
+    "1",
+    "--seed",
+    "0",
+]
 PREEMPTED = 75
 pytestmark = pytest.mark.faults
 
@@ -32,8 +59,16 @@ def launch(mode, *args):
     if mode == "dp":
         return [PYTHON, REPO / "train_dp.py", *args]
     if mode == "ddp":
-        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *args]
+        return [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *worker_command("train_ddp.py"),
+            *args,
+        ]
     return [PYTHON, REPO / "train_spawn.py", "--nproc-per-node", "2", "--master-port", free_port(), *args]
 
 
@@ -105,26 +140,31 @@ def faulty(tmp_path_factory):
 
 
 def faulty_folder(tmp_path_factory):
-    """The tiny shapes set, plus in train/ a truncated JPEG, an empty .jpg and a PNG with damaged data, in val/ random bytes
-    named .jpg, and valid files in odd forms: CMYK and grayscale JPEG, PNG content under a .jpg
-    name, RGBA PNG, 16-bit grayscale PNG."""
+    """The tiny shapes set, plus in train/ a truncated JPEG, an empty .jpg and a PNG with damaged data, in val/ random
+    bytes named .jpg, and valid files in odd forms: CMYK and grayscale JPEG, PNG content under a .jpg name, RGBA PNG,
+    16-bit grayscale PNG."""
     root = make_image_folder(tmp_path_factory.mktemp("faulty"), train_per_class=8, val_per_class=4)
     whole = next((root / "train" / "circle").iterdir()).read_bytes()
-    bad = {root / "train" / "circle" / "truncated.jpg": whole[: len(whole) // 3],
-           root / "train" / "square" / "empty.jpg": b"",
-           root / "train" / "square" / "damaged.png": damaged_png(),
-           root / "val" / "ring" / "garbage.jpg": os.urandom(2000)}
-    odd = {root / "train" / "ring" / "cmyk.jpg": jpeg_bytes("CMYK", color=(0, 200, 200, 0)),
-           root / "train" / "ring" / "gray.jpg": jpeg_bytes("L"),
-           root / "train" / "square" / "png-inside.jpg": jpeg_bytes(fmt="PNG"),
-           root / "train" / "circle" / "rgba.png": jpeg_bytes("RGBA", fmt="PNG", color=(0, 0, 255, 100)),
-           root / "train" / "circle" / "gray16.png": jpeg_bytes("I;16", fmt="PNG")}
+    bad = {
+        root / "train" / "circle" / "truncated.jpg": whole[: len(whole) // 3],
+        root / "train" / "square" / "empty.jpg": b"",
+        root / "train" / "square" / "damaged.png": damaged_png(),
+        root / "val" / "ring" / "garbage.jpg": os.urandom(2000),
+    }
+    odd = {
+        root / "train" / "ring" / "cmyk.jpg": jpeg_bytes("CMYK", color=(0, 200, 200, 0)),
+        root / "train" / "ring" / "gray.jpg": jpeg_bytes("L"),
+        root / "train" / "square" / "png-inside.jpg": jpeg_bytes(fmt="PNG"),
+        root / "train" / "circle" / "rgba.png": jpeg_bytes("RGBA", fmt="PNG", color=(0, 0, 255, 100)),
+        root / "train" / "circle" / "gray16.png": jpeg_bytes("I;16", fmt="PNG"),
+    }
     for path, content in {**bad, **odd}.items():
         path.write_bytes(content)
     return root, sorted(str(path) for path in bad), sorted(str(path) for path in odd)
 
 
 # ----------------------------------------------------------------------------- skipped and reported
+
 
 def runs_on_faulty_data(faulty, tiny_data, out):
     """The runs on broken data that go to their end by themselves, started together (name -> (returncode,
@@ -135,16 +175,45 @@ def runs_on_faulty_data(faulty, tiny_data, out):
     odd_name = make_image_folder(out / "odd-name-data", train_per_class=4, val_per_class=2)
     (odd_name / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")).write_bytes(b"not an image")
     commands = {
-        "skipped-dp": launch("dp", *RUN, "--data", root, "-b", "8", "-j", "2", "--epochs", "2", "--output-dir",
-                             out / "skipped-dp"),
-        "skipped-ddp": launch("ddp", *RUN, "--data", root, "-b", "8", "-j", "1", "--epochs", "1", "--output-dir",
-                              out / "skipped-ddp"),
-        **{f"strict-{mode}": launch(mode, *RUN, "--data", root, "-b", "8", "-j", "1", "--strict-data", "--output-dir",
-                                    out / f"strict-{mode}") for mode in ("dp", "ddp", "spawn")},
-        "error-dp": launch("dp", *RUN, "--data", tiny_data, "-b", "4", "-j", "2", "-a", "tests.tiny_models:FailingNet",
-                           "--output-dir", out / "error-dp"),
-        "odd-name-dp": launch("dp", *RUN, "--data", odd_name, "-b", "4", "-j", "1", "--epochs", "2", "--output-dir",
-                              out / "odd-name-dp"),
+        "skipped-dp": launch(
+            "dp", *RUN, "--data", root, "-b", "8", "-j", "2", "--epochs", "2", "--output-dir", out / "skipped-dp"
+        ),
+        "skipped-ddp": launch(
+            "ddp", *RUN, "--data", root, "-b", "8", "-j", "1", "--epochs", "1", "--output-dir", out / "skipped-ddp"
+        ),
+        **{
+            f"strict-{mode}": launch(
+                mode,
+                *RUN,
+                "--data",
+                root,
+                "-b",
+                "8",
+                "-j",
+                "1",
+                "--strict-data",
+                "--output-dir",
+                out / f"strict-{mode}",
+            )
+            for mode in ("dp", "ddp", "spawn")
+        },
+        "error-dp": launch(
+            "dp",
+            *RUN,
+            "--data",
+            tiny_data,
+            "-b",
+            "4",
+            "-j",
+            "2",
+            "-a",
+            "tests.tiny_models:FailingNet",
+            "--output-dir",
+            out / "error-dp",
+        ),
+        "odd-name-dp": launch(
+            "dp", *RUN, "--data", odd_name, "-b", "4", "-j", "1", "--epochs", "2", "--output-dir", out / "odd-name-dp"
+        ),
     }
     return finish_all({name: Job(command) for name, command in commands.items()})
 
@@ -199,8 +268,10 @@ def test_a_damaged_png_is_an_unreadable_file_in_a_process_that_goes_on(tmp_path)
     script = f"""
 from common.datasets import UnreadableFile, decode_bytes, decoded, load_image
 data = open({str(path)!r}, "rb").read()
-for name, read in [("file", lambda: load_image({str(path)!r})), ("file named .jpg", lambda: load_image({str(tmp_path / 'damaged-png.jpg')!r})),
-                   ("bytes", lambda: decode_bytes(data, "png")), ("bytes named .jpg", lambda: decode_bytes(data, "jpg"))]:
+for name, read in [("file", lambda: load_image({str(path)!r})),
+                   ("file named .jpg", lambda: load_image({str(tmp_path / "damaged-png.jpg")!r})),
+                   ("bytes", lambda: decode_bytes(data, "png")),
+                   ("bytes named .jpg", lambda: decode_bytes(data, "jpg"))]:
     try:
         decoded(read)
     except UnreadableFile as error:
@@ -209,11 +280,14 @@ for name, read in [("file", lambda: load_image({str(path)!r})), ("file named .jp
     result = run([PYTHON, "-c", script], env=clean_env(), timeout=120)
     assert result.returncode == 0, result.stdout[-2000:]
     lines = [line for line in result.stdout.splitlines() if not line.startswith("libpng")]
-    assert lines == [f"{name}: broken data stream when reading image file"
-                     for name in ("file", "file named .jpg", "bytes", "bytes named .jpg")], result.stdout
+    assert lines == [
+        f"{name}: broken data stream when reading image file"
+        for name in ("file", "file named .jpg", "bytes", "bytes named .jpg")
+    ], result.stdout
 
 
 # ----------------------------------------------------------------------------- no fault hangs
+
 
 def test_an_error_in_training_ends_the_run_and_its_loader_workers(faulty_runs):
     """DataParallel; torchrun and spawn: test_distributed.py, a rank that raises."""
@@ -223,8 +297,10 @@ def test_an_error_in_training_ends_the_run_and_its_loader_workers(faulty_runs):
 
 def loader_workers(job):
     """The job's DataLoader workers: forked, so they run their parent's command line."""
+
     def cmdline(pid):
         return Path(f"/proc/{pid}/cmdline").read_bytes()
+
     workers, processes = [], job.leftovers()
     for pid in processes:
         fields = process_stat(pid)
@@ -267,9 +343,27 @@ def runs_with_a_killed_loader_worker(long_epoch_data, out):
     step 3: mode -> (loader workers found, (returncode, output, left behind)). One epoch: a run whose fault
     went unnoticed ends in seconds, not at a time limit. Step 4 takes 8 s longer on rank 0 (SlowFourthStep): once, in
     a fresh clone's suite, a DDP run's epoch of 45 steps ended before its loader workers were looked for."""
-    jobs = {mode: Job(launch(mode, *RUN, "--data", long_epoch_data, "-b", "4", "-j", "2", "--epochs", "1",
-                             "--trainer", "tests.tiny_models:SlowFourthStep", "--output-dir", out / mode))
-            for mode in ("dp", "ddp", "spawn")}
+    jobs = {
+        mode: Job(
+            launch(
+                mode,
+                *RUN,
+                "--data",
+                long_epoch_data,
+                "-b",
+                "4",
+                "-j",
+                "2",
+                "--epochs",
+                "1",
+                "--trainer",
+                "tests.tiny_models:SlowFourthStep",
+                "--output-dir",
+                out / mode,
+            )
+        )
+        for mode in ("dp", "ddp", "spawn")
+    }
 
     def kill_a_loader_worker(mode):
         jobs[mode].wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=240)
@@ -293,8 +387,12 @@ def test_a_loader_worker_killed_ends_the_run(killed_loader_workers, mode):
     assert returncode != 0
     # As the kernel's OOM killer would: the loader reports the dead worker, in one line of ours (also when it
     # died while sending a batch: DeviceLoader turns the broken hand-over into the same report).
-    assert re.search(r"^error: (rank \d: )?DataLoader worker (\(pids?\(?s?\)? ?[\d, ]+\)? )?(is killed by signal|exited "
-                     r"unexpectedly)", output, re.MULTILINE), output[-3000:]
+    assert re.search(
+        r"^error: (rank \d: )?DataLoader worker (\(pids?\(?s?\)? ?[\d, ]+\)? )?(is killed by signal|exited "
+        r"unexpectedly)",
+        output,
+        re.MULTILINE,
+    ), output[-3000:]
     assert no_traceback_of_ours(output), output[-3000:]
 
 
@@ -318,11 +416,15 @@ def side_by_side_runs(tmp_path_factory):
     """The module's runs, side by side, a thread each (most of their time is spent starting processes,
     and waiting): the runs on faulty data, the runs whose loader worker is killed, and the runs stopped
     while blocked on data. name -> what they gave, or the exception raised."""
-    faulty, tiny_data, long_epoch_data, hung_data = (once(folder, tmp_path_factory) for folder in (
-        faulty_folder, tiny_folder, long_epoch_data_folder, hung_data_folder))
-    groups = {"faulty": lambda out: runs_on_faulty_data(faulty, tiny_data, out),
-              "killed": lambda out: runs_with_a_killed_loader_worker(long_epoch_data, out),
-              "blocked": lambda out: runs_stopped_while_blocked(hung_data, out)}
+    faulty, tiny_data, long_epoch_data, hung_data = (
+        once(folder, tmp_path_factory)
+        for folder in (faulty_folder, tiny_folder, long_epoch_data_folder, hung_data_folder)
+    )
+    groups = {
+        "faulty": lambda out: runs_on_faulty_data(faulty, tiny_data, out),
+        "killed": lambda out: runs_with_a_killed_loader_worker(long_epoch_data, out),
+        "blocked": lambda out: runs_stopped_while_blocked(hung_data, out),
+    }
     folders = {name: tmp_path_factory.mktemp(name) for name in groups}
     with SideBySide(len(groups)) as pool:
         futures = {name: pool.submit(group, folders[name]) for name, group in groups.items()}
@@ -370,8 +472,10 @@ def runs_stopped_while_blocked(hung_data, root):
     """Every job of BLOCKED, each waiting for data that never comes, stopped by its signals; started
     together, so that their waits (10 s of grace after a SIGTERM) overlap. name -> (returncode, output,
     processes left behind)."""
-    jobs = {name: Job(launch(mode, *RUN, "--data", hung_data, "-b", "2", "-j", "1", "--output-dir", root / name))
-            for name, (mode, _) in BLOCKED.items()}
+    jobs = {
+        name: Job(launch(mode, *RUN, "--data", hung_data, "-b", "2", "-j", "1", "--output-dir", root / name))
+        for name, (mode, _) in BLOCKED.items()
+    }
     with killed_on_error(jobs):
         for job in jobs.values():
             job.wait_for(re.compile(r"^output: "), timeout=240)  # printed just before the first batch is asked for
@@ -415,8 +519,9 @@ def test_the_same_sigterm_twice_still_stops_at_a_step_with_a_checkpoint(tiny_dat
     job.process.send_signal(signal.SIGTERM)
     job.process.send_signal(signal.SIGTERM)
     returncode, output = finish(job)
-    assert returncode == PREEMPTED and re.search(r"stopped on SIGTERM: checkpoint of epoch 1 step \d", output), \
-        output[-3000:]
+    assert returncode == PREEMPTED and re.search(r"stopped on SIGTERM: checkpoint of epoch 1 step \d", output), output[
+        -3000:
+    ]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step_in_epoch"] >= 2
 
 

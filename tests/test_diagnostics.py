@@ -2,6 +2,7 @@
 slowly says it is input-bound (above half its time waiting, once, with the levers) and writes the --profile trace of
 each rank while it goes on; a run on data in memory says neither; a run that runs out of memory ends in one line.
 (A DP, a DDP and a spawn run report the columns: tests/test_distributed.py.)"""
+
 import json
 import re
 
@@ -9,7 +10,16 @@ import pytest
 
 from common.diagnostics import INPUT_BOUND
 from common.logger import DIAGNOSTICS
-from conftest import TINY, ahead, assert_ok, log_rows, no_traceback_of_ours, run_together, script_command, torchrun_command
+from conftest import (
+    TINY,
+    ahead,
+    assert_ok,
+    log_rows,
+    no_traceback_of_ours,
+    run_together,
+    script_command,
+    torchrun_command,
+)
 from tests.unit.test_logger import scalars
 
 pytestmark = pytest.mark.e2e
@@ -23,12 +33,43 @@ def diagnosed_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("diagnostics")
     tiny = [*TINY, "-a", "tests.tiny_models:TinyNet", "-b", "16", "--epochs", "1", "--seed", "0"]
     commands = {
-        "slow": torchrun_command("train_ddp.py", 2, *tiny, "--dataset", "tests.custom_datasets:slow_items",
-                                 "--profile", "1:2", "--output-dir", out / "slow"),
-        "fast": script_command("train_dp.py", *TINY, "--train-crop-size", "64", "-a", "resnet18", "-b", "16", "--epochs",
-                               "1", "--dataset", "tests.custom_datasets:in_memory", "--output-dir", out / "fast"),
-        "oom": script_command("train_dp.py", *tiny, "--dataset", "tests.custom_datasets:in_memory", "--trainer",
-                              "tests.tiny_models:OutOfMemoryAtStep2", "--output-dir", out / "oom"),
+        "slow": torchrun_command(
+            "train_ddp.py",
+            2,
+            *tiny,
+            "--dataset",
+            "tests.custom_datasets:slow_items",
+            "--profile",
+            "1:2",
+            "--output-dir",
+            out / "slow",
+        ),
+        "fast": script_command(
+            "train_dp.py",
+            *TINY,
+            "--train-crop-size",
+            "64",
+            "-a",
+            "resnet18",
+            "-b",
+            "16",
+            "--epochs",
+            "1",
+            "--dataset",
+            "tests.custom_datasets:in_memory",
+            "--output-dir",
+            out / "fast",
+        ),
+        "oom": script_command(
+            "train_dp.py",
+            *tiny,
+            "--dataset",
+            "tests.custom_datasets:in_memory",
+            "--trainer",
+            "tests.tiny_models:OutOfMemoryAtStep2",
+            "--output-dir",
+            out / "oom",
+        ),
     }
     return out, dict(zip(commands, run_together(list(commands.values()))))
 

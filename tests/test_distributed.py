@@ -2,6 +2,7 @@
 mp.spawn) on CPU with gloo: the same trajectory as train_dp.py, the recipe without mixing included (per-image
 augmentation, repeated augmentation, the EMA, weight-decay groups); exact validation of 13 images on 1, 2 and 3
 processes; one checkpoint writer; resuming under another world size; and no hangs when a rank fails."""
+
 import re
 import socket
 import time
@@ -9,10 +10,30 @@ import time
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, RECIPE, REPO, TINY, Job, ahead, assert_ok, clean_env, exact_folder, exact_run,
-                      free_port, log_rows, once, run_prewarmed, run_script, run_together, script_command, single_node_launches,
-                      torchrun_command, worker_command)
 from common.logger import DIAGNOSTICS
+from conftest import (
+    EXACT_MODEL,
+    PYTHON,
+    RECIPE,
+    REPO,
+    TINY,
+    Job,
+    ahead,
+    assert_ok,
+    clean_env,
+    exact_folder,
+    exact_run,
+    free_port,
+    log_rows,
+    once,
+    run_prewarmed,
+    run_script,
+    run_together,
+    script_command,
+    single_node_launches,
+    torchrun_command,
+    worker_command,
+)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -50,16 +71,33 @@ def runs_to_their_end(tmp_path_factory):
     exact_data, (out, results) = once(exact_folder, tmp_path_factory), once(single_node_launches, tmp_path_factory)
     others = tmp_path_factory.mktemp("launches")
     commands = {
-        "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
-                   REPO / "train_ddp.py", *TINY, "--data", exact_data, "-b", "8", "--epochs", "1", "--output-dir",
-                   others / "legacy"],
-        "batch-9": torchrun_command("train_ddp.py", 2, *TINY, "--data", exact_data, "-b", "9", "--output-dir",
-                                    others / "batch-9"),
-        "nccl": script_command("train_ddp.py", *TINY, "--data", exact_data, "--dist-backend", "nccl", "--output-dir",
-                               others / "nccl"),
+        "legacy": [
+            PYTHON,
+            "-m",
+            "torch.distributed.launch",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            REPO / "train_ddp.py",
+            *TINY,
+            "--data",
+            exact_data,
+            "-b",
+            "8",
+            "--epochs",
+            "1",
+            "--output-dir",
+            others / "legacy",
+        ],
+        "batch-9": torchrun_command(
+            "train_ddp.py", 2, *TINY, "--data", exact_data, "-b", "9", "--output-dir", others / "batch-9"
+        ),
+        "nccl": script_command(
+            "train_ddp.py", *TINY, "--data", exact_data, "--dist-backend", "nccl", "--output-dir", others / "nccl"
+        ),
         # The dp trajectory's global batch of 8 as 2 processes x 2 micro-batches of 2, summed before each step.
-        "accumulated": torchrun_command("train_ddp.py", 2, *exact_run(exact_data, others / "accumulated",
-                                                                      "--grad-accum-steps", "2")),
+        "accumulated": torchrun_command(
+            "train_ddp.py", 2, *exact_run(exact_data, others / "accumulated", "--grad-accum-steps", "2")
+        ),
     }
     results = {**results, **dict(zip(commands, run_together(list(commands.values()))))}
     return out, results, others
@@ -94,7 +132,9 @@ def test_each_launch_mode_ends_on_its_done_line_with_nothing_after_it(trajectori
     _, outputs = trajectories
     for mode in ("dp", "ddp", "spawn"):
         assert outputs[mode].endswith("\n") and outputs[mode].splitlines()[-1].startswith("done: best acc@1 "), (
-            mode, outputs[mode][-3000:])
+            mode,
+            outputs[mode][-3000:],
+        )
 
 
 def test_every_launch_mode_reports_its_input_wait_rate_and_memory_reduced_over_its_ranks(trajectories):
@@ -127,7 +167,9 @@ def test_gradient_accumulation_under_torchrun_follows_the_trajectory_of_datapara
     with dp's weights and EMA: -b 8 is the global batch of one optimizer step either way, and steps count those."""
     out, results, others = launches
     output = assert_ok(results["accumulated"])
-    assert "gradient accumulation: each optimizer step of global batch 8 sums 2 micro-batches of 2 per process" in output
+    assert (
+        "gradient accumulation: each optimizer step of global batch 8 sums 2 micro-batches of 2 per process" in output
+    )
     assert re.search(r"^Epoch: \[3\] \[3/3\]", output, re.MULTILINE), output[-2000:]  # 12 optimizer steps
     for key in ("state_dict", "model_ema"):
         assert max_difference(weights(out / "dp", key), weights(others / "accumulated", key)) <= 1e-5, key
@@ -143,7 +185,8 @@ def test_ddp_and_spawn_print_the_val_metrics_of_dataparallel_each_image_counted_
             lines = lines_of(outputs[mode])
             assert [(a1, a5, n) for a1, a5, _, n in lines] == [(a1, a5, n) for a1, a5, _, n in reference]
             assert [float(loss) for *_, loss, _ in lines] == pytest.approx(
-                [float(loss) for *_, loss, _ in reference], abs=1e-5)
+                [float(loss) for *_, loss, _ in reference], abs=1e-5
+            )
 
 
 STEP_LINE = re.compile(r"^Epoch: \[(\d+)\] \[ *(\d+)/\d+\]  loss (\S+)  acc@1 +(\S+)", re.M)
@@ -159,7 +202,8 @@ def test_training_metrics_are_reduced_over_ranks_and_printed_once(trajectories):
         lines = STEP_LINE.findall(outputs[mode])
         assert [line[:2] for line in lines] == [line[:2] for line in reference], mode  # once per step
         assert [float(loss) for *_, loss, _ in lines] == pytest.approx(
-            [float(loss) for *_, loss, _ in reference], abs=1e-5), mode
+            [float(loss) for *_, loss, _ in reference], abs=1e-5
+        ), mode
         assert [acc1 for *_, acc1 in lines] == [acc1 for *_, acc1 in reference], mode
 
 
@@ -173,10 +217,14 @@ def second_launches(trajectories, exact_data, tmp_path_factory):
     assert (saved["epoch"], saved["world_size"]) == (3, 2)
     torch.save(saved, resumed / "checkpoint.pth")
     common = [*TINY, *EXACT_MODEL, *RECIPE, "--data", exact_data]
-    results = run_together([torchrun_command("train_ddp.py", 3, *common, "-b", "9", "-e", "--resume",
-                                             out / "ddp" / "checkpoint.pth"),
-                            torchrun_command("train_ddp.py", 1, *common, "-b", "8", "--output-dir", resumed,
-                                             "--epochs", "4", "--resume", "auto")])
+    results = run_together(
+        [
+            torchrun_command("train_ddp.py", 3, *common, "-b", "9", "-e", "--resume", out / "ddp" / "checkpoint.pth"),
+            torchrun_command(
+                "train_ddp.py", 1, *common, "-b", "8", "--output-dir", resumed, "--epochs", "4", "--resume", "auto"
+            ),
+        ]
+    )
     return resumed, results
 
 
@@ -188,7 +236,7 @@ def test_validation_counts_each_image_once_on_three_processes_too(trajectories, 
     output = assert_ok(evaluated)
     assert "ddp: world size 3" in output and "Epoch:" not in output
     for lines_of in (val_lines, EMA_LINE.findall):
-        (acc1, acc5, loss, count), = lines_of(output)
+        ((acc1, acc5, loss, count),) = lines_of(output)
         last = lines_of(outputs["ddp"])[-1]
         assert (acc1, acc5, count) == (last[0], last[1], "13")
         assert float(loss) == pytest.approx(float(last[2]), rel=1e-6, abs=1e-6)
@@ -217,11 +265,32 @@ def test_the_legacy_launcher_passes_local_rank_and_trains(launches):
 @pytest.mark.faults
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_rank_that_raises_ends_the_whole_job_quickly(tiny_data, tmp_path, launcher):
-    common = [*TINY, "--data", tiny_data, "-b", "4", "--epochs", "1", "--output-dir", tmp_path / "out",
-              "-a", "tests.tiny_models:FailingNet", "-j", "2"]  # rank 1 raises at its third step; rank 0 waits
+    common = [
+        *TINY,
+        "--data",
+        tiny_data,
+        "-b",
+        "4",
+        "--epochs",
+        "1",
+        "--output-dir",
+        tmp_path / "out",
+        "-a",
+        "tests.tiny_models:FailingNet",
+        "-j",
+        "2",
+    ]  # rank 1 raises at its third step; rank 0 waits
     if launcher == "torchrun":
-        command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *common]
+        command = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *worker_command("train_ddp.py"),
+            *common,
+        ]
     else:
         command = [PYTHON, REPO / "train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port()]
     job = Job(command)
@@ -260,8 +329,10 @@ def spawn_refusals(tiny_data, tmp_path_factory):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         ports = {name: busy.getsockname()[1] if name == "port-in-use" else free_port() for name in SPAWN_REFUSALS}
-        runs = [[*TINY, "--data", tiny_data, "-b", "8", "--master-port", ports[name], "--output-dir", root / name, *flags]
-                for name, (flags, _) in SPAWN_REFUSALS.items()]
+        runs = [
+            [*TINY, "--data", tiny_data, "-b", "8", "--master-port", ports[name], "--output-dir", root / name, *flags]
+            for name, (flags, _) in SPAWN_REFUSALS.items()
+        ]
         results = run_prewarmed("train_spawn.py", runs)
     return {name: (result, root / name) for name, result in zip(SPAWN_REFUSALS, results)}
 
@@ -281,7 +352,7 @@ def test_torchrun_workers_reject_a_batch_the_world_size_does_not_divide(launches
     result = results["batch-9"]
     assert result.returncode != 0
     assert "error: --batch-size 9 is the global batch and must divide evenly over 2 processes" in result.stdout
-    assert "Traceback (most recent call last):\n  File \"" + str(REPO) not in result.stdout
+    assert 'Traceback (most recent call last):\n  File "' + str(REPO) not in result.stdout
     assert not (out / "batch-9").exists()
 
 
@@ -294,7 +365,15 @@ def test_ddp_rejects_nccl_without_gpus(launches):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_spawn_rejects_more_processes_than_gpus(tiny_data, tmp_path):
-    result = run_script("train_spawn.py", *TINY, "--data", tiny_data, "--nproc-per-node",
-                        torch.cuda.device_count() + 1, "--output-dir", tmp_path / "out",
-                        env=clean_env(gpu=True))
+    result = run_script(
+        "train_spawn.py",
+        *TINY,
+        "--data",
+        tiny_data,
+        "--nproc-per-node",
+        torch.cuda.device_count() + 1,
+        "--output-dir",
+        tmp_path / "out",
+        env=clean_env(gpu=True),
+    )
     assert_one_line_error(result, "needs one GPU per process")

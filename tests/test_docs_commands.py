@@ -22,10 +22,10 @@ ends it; `;`, `&&`, `||`, `|`, `&` separate commands; a leading `$ ` prompt, `do
 parse (the platform variables EPOCHS, LR, DATASETS_PATH... set defaults). Apart from those, each
 command is parsed in an EMPTY environment, so that variables of the shell running the tests do not
 change what is checked. In a ```text (or console, output) block, which holds output or a file
-listing, only the lines after a `$ ` prompt are commands; ```python blocks are not read. A `...` argument ("the rest, as above") is dropped. Shell variables are
-replaced by the example values in SHELL_VARIABLES below: a command that uses another one fails this
-test until it is added there. Paths such as /data/imagenet need not exist: parse_args does not look
-at the file system (it checks values and the --arch name, not --data or --resume).
+listing, only the lines after a `$ ` prompt are commands; ```python blocks are not read. A `...` argument ("the rest, as
+above") is dropped. Shell variables are replaced by the example values in SHELL_VARIABLES below: a command that uses
+another one fails this test until it is added there. Paths such as /data/imagenet need not exist: parse_args does not
+look at the file system (it checks values and the --arch name, not --data or --resume).
 
 Some documented commands are examples of errors; EXPECTED_TO_FAIL lists them, and they must fail.
 
@@ -37,6 +37,7 @@ code or any code block (file listings included), must exist.
 The `python -c` snippets of README.md and docs/*.md are run, one after the other in one process (a
 few seconds in all): the README's answers to the twelve questions rely on them.
 """
+
 import ast
 import contextlib
 import functools
@@ -52,10 +53,9 @@ from unittest import mock
 
 import pytest
 
-from conftest import REPO, clean_env
-
 import common.cli as cli  # conftest puts the repository on sys.path
 from common.errors import UsageError
+from conftest import REPO, clean_env
 
 pytestmark = pytest.mark.e2e
 
@@ -64,10 +64,13 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Example values for the shell variables that documented commands use.
 SHELL_VARIABLES = {
     "PWD": str(REPO),
-    "node": "0",                                   # for node in 0 1; do torchrun --node-rank=$node ...
-    "amp": "bf16",                                 # for amp in none bf16 fp16; do ... --amp $amp
-    "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "1234", "NPROC_PER_NODE": "4",   # inside the sbatch scripts
-    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+    "node": "0",  # for node in 0 1; do torchrun --node-rank=$node ...
+    "amp": "bf16",  # for amp in none bf16 fp16; do ... --amp $amp
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_ID": "1234",
+    "NPROC_PER_NODE": "4",  # inside the sbatch scripts
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
 }
 
 # Documented on purpose as errors: (script, arguments) that must be refused.
@@ -84,8 +87,10 @@ DROPPED_WORDS = {"$", "do", "then", "else", "time", "exec", "done", "fi"}
 # A script of the repository's run_scripts/ (launchers) or tools/, also as ./tools/... or $PWD/tools/...,
 # but not setuptools/.
 SCRIPT_FOLDER = re.compile(r"(?<![\w.-])(?:run_scripts|tools)/")
-CANDIDATE = re.compile(rf"train_(?:dp|ddp|spawn|fsdp)\.py|{SCRIPT_FOLDER.pattern}|torchrun|torch\.distributed\.(?:run|launch)"
-                       r"|\bmake\b|python3? -c")
+CANDIDATE = re.compile(
+    rf"train_(?:dp|ddp|spawn|fsdp)\.py|{SCRIPT_FOLDER.pattern}|torchrun|torch\.distributed\.(?:run|launch)"
+    r"|\bmake\b|python3? -c"
+)
 # A path into one of the repository's folders, as the documents name them (run_scripts/single_node_{dp,ddp}.sh,
 # docs/*.md); not a part of a longer path (/usr/share/docs/...) or of a URL.
 REPO_PATH = re.compile(r"(?<![\w./$-])(?:common|docs|run_scripts|tools|tests)/[\w.{},/*-]*")
@@ -190,11 +195,14 @@ def documented_commands():
     for path in DOCS:
         name = path.relative_to(REPO)
         blocks, prose = fenced_blocks_and_prose(path.read_text())
-        pieces = [(start + offset, text)
-                  for start, block, language in blocks if language not in ("python", "py")
-                  for offset, text in logical_lines(block)
-                  # In a block of output or a file listing, only the lines after a `$ ` prompt are commands.
-                  if language not in ("text", "console", "output") or text.lstrip().startswith("$ ")]
+        pieces = [
+            (start + offset, text)
+            for start, block, language in blocks
+            if language not in ("python", "py")
+            for offset, text in logical_lines(block)
+            # In a block of output or a file listing, only the lines after a `$ ` prompt are commands.
+            if language not in ("text", "console", "output") or text.lstrip().startswith("$ ")
+        ]
         pieces += list(inline_code(prose))
         for number, text in pieces:
             if not CANDIDATE.search(text):
@@ -218,9 +226,11 @@ def substitute(token):
     def value(match):
         name = match.group(1) or match.group(2)
         if name not in SHELL_VARIABLES:
-            raise Invalid(f"shell variable ${name} has no example value: add one to SHELL_VARIABLES "
-                          f"in {Path(__file__).name}")
+            raise Invalid(
+                f"shell variable ${name} has no example value: add one to SHELL_VARIABLES in {Path(__file__).name}"
+            )
         return SHELL_VARIABLES[name]
+
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, token)
 
 
@@ -276,8 +286,12 @@ def parse_training_args(script, args, assignments=()):
         return real_parse(parser, argv, mode)
 
     stderr = io.StringIO()
-    with environment(assignments), mock.patch.object(cli, "parse_args", recording_parse), \
-            contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+    with (
+        environment(assignments),
+        mock.patch.object(cli, "parse_args", recording_parse),
+        contextlib.redirect_stderr(stderr),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         try:
             module.parse_args(args)
         except SystemExit as exit:
@@ -316,8 +330,10 @@ def argparse_options_in_source(path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             names = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("-")]
-            action = next((kw.value.value for kw in node.keywords if kw.arg == "action"
-                           and isinstance(kw.value, ast.Constant)), None)
+            action = next(
+                (kw.value.value for kw in node.keywords if kw.arg == "action" and isinstance(kw.value, ast.Constant)),
+                None,
+            )
             for name in names:
                 options[name] = action not in ("store_true", "store_false", "count", "version")
     return options
@@ -327,8 +343,11 @@ def expand_braces(path):
     match = re.search(r"\{([^{}]*)\}", path)
     if not match:
         return [path]
-    return [expanded for choice in match.group(1).split(",")
-            for expanded in expand_braces(path[:match.start()] + choice + path[match.end():])]
+    return [
+        expanded
+        for choice in match.group(1).split(",")
+        for expanded in expand_braces(path[: match.start()] + choice + path[match.end() :])
+    ]
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,7 +372,7 @@ def check(command):
 
     for index, token in enumerate(tokens):
         if SCRIPT_FOLDER.search(token):
-            return check_repo_script(token, tokens[:index], tokens[index + 1:], assignments)
+            return check_repo_script(token, tokens[:index], tokens[index + 1 :], assignments)
         script = TRAIN_SCRIPT.search(token)
         if script:
             before = tokens[:index]
@@ -363,11 +382,11 @@ def check(command):
             module, options = launcher
             if module:
                 parse_launcher_args(module, options)
-            if (script.group(1), tuple(tokens[index + 1:])) in EXPECTED_TO_FAIL:
+            if (script.group(1), tuple(tokens[index + 1 :])) in EXPECTED_TO_FAIL:
                 with pytest.raises(Invalid):
-                    parse_training_args(script.group(1), tokens[index + 1:], assignments)
+                    parse_training_args(script.group(1), tokens[index + 1 :], assignments)
                 return
-            return parse_training_args(script.group(1), tokens[index + 1:], assignments)
+            return parse_training_args(script.group(1), tokens[index + 1 :], assignments)
 
     launcher = launcher_of(tokens)
     if launcher and launcher[0] and "--no-python" in launcher[1]:  # torchrun OPTIONS --no-python PROGRAM ...
@@ -380,9 +399,9 @@ def launcher_of(before):
     """(launcher module or None, its options) for the tokens before a script; None: not a launch."""
     for index, token in enumerate(before):
         if token == "torchrun" or token.endswith("/torchrun"):
-            return "torch.distributed.run", before[index + 1:]
+            return "torch.distributed.run", before[index + 1 :]
         if PYTHON.search(token):
-            rest = before[index + 1:]
+            rest = before[index + 1 :]
             if rest[:1] == ["-m"] and rest[1:2] and rest[1] in ("torch.distributed.run", "torch.distributed.launch"):
                 return rest[1], rest[2:]
             if all(option.startswith("-") for option in rest):  # python -u train_dp.py
@@ -392,7 +411,7 @@ def launcher_of(before):
 
 
 def check_repo_script(token, before, args, assignments):
-    paths = expand_braces(token[SCRIPT_FOLDER.search(token).start():].rstrip("/"))
+    paths = expand_braces(token[SCRIPT_FOLDER.search(token).start() :].rstrip("/"))
     for path in paths:
         if not (REPO / path).exists():
             raise Invalid(f"{path} does not exist")
@@ -404,14 +423,22 @@ def check_repo_script(token, before, args, assignments):
             args = [substitute(arg) for arg in args if arg != "..."]
             check_option_names(args, argparse_options_in_source(path), path.name)
         return
-    if before and before[-1] not in ("bash", "sh", "sbatch", "srun", "exec") and not before[-1].startswith("-") \
-            and "=" not in before[-1]:
+    if (
+        before
+        and before[-1] not in ("bash", "sh", "sbatch", "srun", "exec")
+        and not before[-1].startswith("-")
+        and "=" not in before[-1]
+    ):
         return  # a mention, not a command
-    chosen = [value for name, _, value in (assignment.partition("=") for assignment in assignments)
-              if name == "TRAIN_SCRIPT"]  # the DDP launchers run ${TRAIN_SCRIPT:-train_ddp.py}
+    chosen = [
+        value for name, _, value in (assignment.partition("=") for assignment in assignments) if name == "TRAIN_SCRIPT"
+    ]  # the DDP launchers run ${TRAIN_SCRIPT:-train_ddp.py}
     default = re.search(r"\$\{TRAIN_SCRIPT:-(train_\w+\.py)\}", path.read_text())
-    trains = ({chosen[-1]} if chosen else {default[1]}) if default else set(
-        re.findall(r"train_(?:dp|ddp|spawn|fsdp)\.py", path.read_text()))
+    trains = (
+        ({chosen[-1]} if chosen else {default[1]})
+        if default
+        else set(re.findall(r"train_(?:dp|ddp|spawn|fsdp)\.py", path.read_text()))
+    )
     if len(trains) == 1:  # a launcher: its extra arguments go to that script
         parse_training_args(trains.pop(), args, assignments)
 
@@ -422,9 +449,16 @@ def check_repo_script(token, before, args, assignments):
 def test_the_documents_hold_the_commands_this_test_checks():
     """The extraction works: if it silently found nothing, every other test here would pass."""
     texts = [" ".join(command.tokens) for command in COMMANDS]
-    for expected in ("torchrun --standalone --nproc_per_node=8 train_ddp.py", "python train_spawn.py",
-                     "python train_dp.py", "tools/prepare_imagenet.py", "run_scripts/slurm_ddp.sbatch",
-                     "python -m torch.distributed.launch", "make demo", "make test"):
+    for expected in (
+        "torchrun --standalone --nproc_per_node=8 train_ddp.py",
+        "python train_spawn.py",
+        "python train_dp.py",
+        "tools/prepare_imagenet.py",
+        "run_scripts/slurm_ddp.sbatch",
+        "python -m torch.distributed.launch",
+        "make demo",
+        "make test",
+    ):
         assert any(expected in text for text in texts), f"no documented command holds {expected!r}"
     assert len(COMMANDS) > 50
 
@@ -439,24 +473,28 @@ def test_documented_command_parses(command):
 
 def test_a_misspelled_flag_fails_the_check():
     """What this test file exists for: a documented flag that the scripts do not define."""
-    for tokens in (["python", "train_dp.py", "--epoch", "1"],                  # a prefix argparse would take
-                   ["torchrun", "--nproc-per-nod=2", "train_ddp.py"],
-                   ["python", "train_spawn.py", "--nprocs-per-node", "2"],
-                   ["run_scripts/single_node_ddp.sh", "--lr", "fast"],
-                   ["python", "tools/prepare_imagenet.py", "a", "b", "--resise", "256"],
-                   ["python", "./tools/benchmark.py", "--quik"],
-                   ["make", "no-such-target"]):
+    for tokens in (
+        ["python", "train_dp.py", "--epoch", "1"],  # a prefix argparse would take
+        ["torchrun", "--nproc-per-nod=2", "train_ddp.py"],
+        ["python", "train_spawn.py", "--nprocs-per-node", "2"],
+        ["run_scripts/single_node_ddp.sh", "--lr", "fast"],
+        ["python", "tools/prepare_imagenet.py", "a", "b", "--resise", "256"],
+        ["python", "./tools/benchmark.py", "--quik"],
+        ["make", "no-such-target"],
+    ):
         with pytest.raises(Invalid):
             check(Command("example", tokens, " ".join(tokens)))
 
 
 def test_a_script_that_does_not_exist_fails_the_check():
     """Moved or renamed: the documents must follow (the tools left run_scripts/ for tools/)."""
-    for tokens in (["python", "run_scripts/prepare_imagenet.py", "a", "b"],
-                   ["run_scripts/slurm_local_cluster.sh", "start"],
-                   ["bash", "tools/single_node_ddp.sh"],
-                   ["python", "$PWD/tools/no_such_tool.py"],
-                   ["run_scripts/single_node_{dp,nope}.sh"]):
+    for tokens in (
+        ["python", "run_scripts/prepare_imagenet.py", "a", "b"],
+        ["run_scripts/slurm_local_cluster.sh", "start"],
+        ["bash", "tools/single_node_ddp.sh"],
+        ["python", "$PWD/tools/no_such_tool.py"],
+        ["run_scripts/single_node_{dp,nope}.sh"],
+    ):
         with pytest.raises(Invalid, match="does not exist"):
             check(Command("example", tokens, " ".join(tokens)))
     check(Command("example", ["python", "tools/gpu_check.py", "--quick"], ""))
@@ -484,8 +522,12 @@ def github_anchor(heading, seen):
 def anchors(path):
     _, prose = fenced_blocks_and_prose(path.read_text())
     seen = {}
-    return {github_anchor(match.group(1), seen)
-            for line in prose for match in [re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)] if match}
+    return {
+        github_anchor(match.group(1), seen)
+        for line in prose
+        for match in [re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)]
+        if match
+    }
 
 
 def links():
@@ -506,8 +548,9 @@ def test_link_resolves(path, target):
     assert destination.exists(), f"{path.relative_to(REPO)} links to {file_part}, which does not exist"
     if anchor:
         assert destination.suffix == ".md", f"an anchor into {destination.name}, which is not a Markdown file"
-        assert anchor in anchors(destination), (f"{path.relative_to(REPO)} links to #{anchor}, not a heading of "
-                                                f"{destination.relative_to(REPO)}")
+        assert anchor in anchors(destination), (
+            f"{path.relative_to(REPO)} links to #{anchor}, not a heading of {destination.relative_to(REPO)}"
+        )
 
 
 def missing_repo_paths(text):
@@ -534,9 +577,13 @@ run_scripts/gpu_check.py     the GPU check
 tools/single_node_{dp,ddp}.sh
 ```
 See [the docs](docs/no-such-page.md), common/trainer.py, tests/*.py, /usr/share/docs/x and setuptools/y."""
-    assert missing_repo_paths(text) == ["run_scripts/benchmark.py", "run_scripts/gpu_check.py",
-                                        "tools/single_node_dp.sh", "tools/single_node_ddp.sh",
-                                        "docs/no-such-page.md"]
+    assert missing_repo_paths(text) == [
+        "run_scripts/benchmark.py",
+        "run_scripts/gpu_check.py",
+        "tools/single_node_dp.sh",
+        "tools/single_node_ddp.sh",
+        "docs/no-such-page.md",
+    ]
 
 
 def test_the_readme_stays_short():
@@ -554,8 +601,11 @@ def python_snippets():
     for command in COMMANDS:
         tokens = command.tokens
         for index, token in enumerate(tokens[:-2]):
-            if PYTHON.search(token) and tokens[index + 1] == "-c" and not any(
-                    "torchrun" in earlier for earlier in tokens[:index]):
+            if (
+                PYTHON.search(token)
+                and tokens[index + 1] == "-c"
+                and not any("torchrun" in earlier for earlier in tokens[:index])
+            ):
                 snippets.setdefault(tokens[index + 2], command.source)
     return [(where, code) for code, where in snippets.items()]
 
@@ -577,6 +627,13 @@ def test_documented_python_snippets_run():
     """All in one process, one after the other: torch is imported once."""
     snippets = python_snippets()
     assert len(snippets) >= 4
-    result = subprocess.run([sys.executable, "-c", RUN_EACH], input=json.dumps(snippets), cwd=REPO,
-                            env=clean_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_EACH],
+        input=json.dumps(snippets),
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]

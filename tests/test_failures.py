@@ -2,6 +2,7 @@
 from its last checkpoint and ends bitwise equal to a run that was never interrupted; torchrun's
 elastic restart brings a killed worker back; a stalled rank fails the job; a damaged or unwritable
 checkpoint costs nothing already saved; and a test that fails leaves no process behind."""
+
 import json
 import os
 import re
@@ -19,15 +20,53 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (PYTHON, REPO, TINY, Job, PrewarmedProcess, SideBySide, ahead, alive, assert_ok, clean_env,
-                      free_port, make_image_folder, once, process_stat, processes_marked, run, run_prewarmed, run_script,
-                      worker_command)
+from conftest import (
+    PYTHON,
+    REPO,
+    TINY,
+    Job,
+    PrewarmedProcess,
+    SideBySide,
+    ahead,
+    alive,
+    assert_ok,
+    clean_env,
+    free_port,
+    make_image_folder,
+    once,
+    process_stat,
+    processes_marked,
+    run,
+    run_prewarmed,
+    run_script,
+    worker_command,
+)
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
 # 5 steps.
-RUN = ["-a", "mobilenet_v3_small", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
-       "-b", "8", "--epochs", "3", "--seed", "7", "--lr", "0.01", "-p", "1", "--checkpoint-interval", "5"]
+RUN = [
+    "-a",
+    "mobilenet_v3_small",
+    "--train-crop-size",
+    "32",
+    "--val-resize-size",
+    "32",
+    "--val-crop-size",
+    "32",
+    "-b",
+    "8",
+    "--epochs",
+    "3",
+    "--seed",
+    "7",
+    "--lr",
+    "0.01",
+    "-p",
+    "1",
+    "--checkpoint-interval",
+    "5",
+]
 TINY_NET = ["-a", "tests.tiny_models:TinyNet", *TINY, "-b", "8"]
 PREEMPTED = 75
 pytestmark = pytest.mark.faults
@@ -131,16 +170,34 @@ def interrupt(command, when, send):
 
 def uninterrupted_runs(data, out):
     """The reference runs: single process, and two processes under torchrun."""
-    jobs = {"dp": Job([PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"]),
-            "ddp": Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *RUN, "-j", "0",
-                        "--data", data, "--output-dir", out / "ddp"])}
+    jobs = {
+        "dp": Job([PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"]),
+        "ddp": Job(
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                *worker_command("train_ddp.py"),
+                *RUN,
+                "-j",
+                "0",
+                "--data",
+                data,
+                "--output-dir",
+                out / "ddp",
+            ]
+        ),
+    }
     for job in jobs.values():
         returncode, output = job.finish()
         assert returncode == 0, output[-3000:]
-    return {mode: (weights(out / mode),
-                   torch.load(out / mode / "checkpoint_prev.pth", weights_only=True)["state_dict"])
-            for mode in ("dp", "ddp")}
+    return {
+        mode: (weights(out / mode), torch.load(out / mode / "checkpoint_prev.pth", weights_only=True)["state_dict"])
+        for mode in ("dp", "ddp")
+    }
 
 
 def dp_interrupted_runs(data, out):
@@ -163,10 +220,27 @@ def torchrun_interrupted_runs(data, out):
     step 7 (torchrun restarts both, --max-restarts=1), SIGTERM to torchrun at epoch 1 step 7, then
     (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 7, then (relaunched, real workers)
     SIGKILL to torchrun alone at epoch 2 step 11 and at once a relaunch, which goes on to the end."""
+
     def command(*extra, prewarmed=True):
-        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", *extra, "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py", prewarmed=prewarmed),
-                *RUN, "-j", "0", "--data", data, "--output-dir", out, "--resume", "auto"]
+        return [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            *extra,
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *worker_command("train_ddp.py", prewarmed=prewarmed),
+            *RUN,
+            "-j",
+            "0",
+            "--data",
+            data,
+            "--output-dir",
+            out,
+            "--resume",
+            "auto",
+        ]
 
     stages = SimpleNamespace()
     job = Job(command("--max-restarts=1"))
@@ -180,8 +254,9 @@ def torchrun_interrupted_runs(data, out):
     job.process.send_signal(signal.SIGTERM)
     stages.sigterm = job.finish()
     stages.after_sigterm = position(out)
-    stages.worker_sigterm = interrupt(command(), at(2, 7),
-                                      lambda job: os.kill(training_processes(job)[1], signal.SIGTERM))
+    stages.worker_sigterm = interrupt(
+        command(), at(2, 7), lambda job: os.kill(training_processes(job)[1], signal.SIGTERM)
+    )
     stages.after_worker_sigterm = position(out)
     # Workers whose torchrun is SIGKILLed (no signal passed on): their own processes (a prewarmed worker's run is
     # the prewarm server's child, not torchrun's), which the kernel signals when their parent ends.
@@ -208,8 +283,21 @@ def orphans_alive(pids, deadline):
 def spawn_interrupted_runs(data, out):
     """train_spawn.py with its default process count (2 without a GPU): SIGUSR1 to the spawn parent at epoch 1 step
     7, then `--resume auto` to the end."""
-    command = [PYTHON, REPO / "train_spawn.py", *RUN, "-j", "0", "--data", data, "--output-dir", out,
-               "--resume", "auto", "--master-port", free_port()]  # 2 processes: its default without a GPU
+    command = [
+        PYTHON,
+        REPO / "train_spawn.py",
+        *RUN,
+        "-j",
+        "0",
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--resume",
+        "auto",
+        "--master-port",
+        free_port(),
+    ]  # 2 processes: its default without a GPU
     stages = SimpleNamespace()
     stages.sigusr1 = interrupt(command, at(1, 7), lambda job: job.process.send_signal(signal.SIGUSR1))
     stages.after_sigusr1 = position(out)
@@ -222,9 +310,26 @@ def stalled_rank_run(data, out):
     """torchrun with --dist-timeout 5, the worker of rank 1 stopped (SIGSTOP) at epoch 0 step 3: seconds
     from the stall to the first timeout message, from that message to the end of the job, and the job's
     (returncode, output)."""
-    job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py", prewarmed=False), *TINY_NET, "--data", data,
-               "--output-dir", out, "--dist-timeout", "5", "--epochs", "50"])
+    job = Job(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *worker_command("train_ddp.py", prewarmed=False),
+            *TINY_NET,
+            "--data",
+            data,
+            "--output-dir",
+            out,
+            "--dist-timeout",
+            "5",
+            "--epochs",
+            "50",
+        ]
+    )
     job.wait_for(at(0, 3), timeout=WAIT)
     os.kill(training_processes(job)[1], signal.SIGSTOP)
     stalled = time.monotonic()
@@ -234,9 +339,14 @@ def stalled_rank_run(data, out):
     return SimpleNamespace(to_timeout=timed_out - stalled, to_end=time.monotonic() - timed_out, result=result)
 
 
-SIDE_BY_SIDE = {"uninterrupted": uninterrupted_runs, "dp": dp_interrupted_runs,
-                "torchrun": torchrun_interrupted_runs, "spawn": spawn_interrupted_runs, "stalled": stalled_rank_run,
-                "finished": lambda data, out: finished_runs(data, out)}
+SIDE_BY_SIDE = {
+    "uninterrupted": uninterrupted_runs,
+    "dp": dp_interrupted_runs,
+    "torchrun": torchrun_interrupted_runs,
+    "spawn": spawn_interrupted_runs,
+    "stalled": stalled_rank_run,
+    "finished": lambda data, out: finished_runs(data, out),
+}
 
 
 @pytest.fixture(scope="module")
@@ -289,9 +399,10 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_from_its_checkpoi
     stages = torchrun_interrupted
     killed = stages.killed_workers
     assert sorted(stages.restarted_workers) == [0, 1] and not set(stages.restarted_workers.values()) & set(
-        killed.values())  # new processes, both ranks
+        killed.values()
+    )  # new processes, both ranks
     _, output = stages.sigterm
-    after_restart = output[output.index("resumed from "):]
+    after_restart = output[output.index("resumed from ") :]
     resumed = re.match(r"resumed from .*checkpoint\.pth \(epoch 0, step (5|10)\)", after_restart)
     assert resumed, after_restart[:3000]  # the last checkpoint before the kill (at step 7, seen by the test)
     assert_resumed_where_it_stopped(after_restart, (0, int(resumed.group(1))))
@@ -336,7 +447,8 @@ def test_sigterm_to_one_worker_stops_every_rank_with_exit_code_75_as_torchrun_re
 
 
 def test_workers_whose_torchrun_is_sigkilled_stop_at_a_step_with_their_checkpoint_and_the_relaunch_goes_on(
-        torchrun_interrupted):
+    torchrun_interrupted,
+):
     """torchrun SIGKILLed at epoch 2 step 11 cannot pass a signal on: its workers get SIGTERM from the kernel as their
     parent ends (common/errors.py end_with_launcher), agree on a step, save its checkpoint and end within seconds
     instead of training on as orphans; a relaunch started at once resumes from that step (bitwise equal at the end:
@@ -390,22 +502,52 @@ def test_a_line_of_ours_written_into_another_process_s_unfinished_line_is_read_a
     """A library that writes a line in two parts (text, then newline), ours landing between them: the job's
     output has our line on a line of its own, found by its start (conftest.our_lines_apart)."""
     other = "See https://nanobind.readthedocs.io/en/latest/refleaks.html"
-    writes = [other, "error: cannot decode a.jpg (x); without --strict-data ...\n", "\n", "abc error: inside\n",
-              "x * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)\n", f"{other}done: best acc@1 50.00\n"]
+    writes = [
+        other,
+        "error: cannot decode a.jpg (x); without --strict-data ...\n",
+        "\n",
+        "abc error: inside\n",
+        "x * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)\n",
+        f"{other}done: best acc@1 50.00\n",
+    ]
     script = f"import os\nfor text in {writes!r}:\n    os.write(1, text.encode())"
     returncode, output = Job([PYTHON, "-c", script]).finish(timeout=60)
     assert returncode == 0
-    assert output.splitlines() == [other, "error: cannot decode a.jpg (x); without --strict-data ...", "",
-                                   "abc error: inside", "x", " * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)",
-                                   other, "done: best acc@1 50.00"]
+    assert output.splitlines() == [
+        other,
+        "error: cannot decode a.jpg (x); without --strict-data ...",
+        "",
+        "abc error: inside",
+        "x",
+        " * Acc@1 50.000  Acc@5 100.000  Loss 1.0  (12 images)",
+        other,
+        "done: best acc@1 50.00",
+    ]
 
 
 def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     """Fails on purpose, three times, and shows that nothing of the failed jobs is left. A job whose line
     never comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
-    job = Job([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", *worker_command("train_ddp.py"), *TINY_NET, "-j", "1",
-               "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"])
+    job = Job(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *worker_command("train_ddp.py"),
+            *TINY_NET,
+            "-j",
+            "1",
+            "--data",
+            data,
+            "--output-dir",
+            tmp_path / "out",
+            "--epochs",
+            "50",
+        ]
+    )
     job.wait_for(at(0, 2))
     running = job.leftovers()
     assert len(running) >= 5, running  # torchrun, 2 workers, a loader worker each
@@ -414,8 +556,21 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     assert not job.leftovers()
     # A prewarmed run (forked by the prewarm server, so /proc shows the server's environment, without the
     # marker) and its two loader workers: found by their session.
-    job = Job([PYTHON, REPO / "train_dp.py", *TINY_NET, "-j", "2", "--data", data, "--output-dir", tmp_path / "dp",
-               "--epochs", "50"])
+    job = Job(
+        [
+            PYTHON,
+            REPO / "train_dp.py",
+            *TINY_NET,
+            "-j",
+            "2",
+            "--data",
+            data,
+            "--output-dir",
+            tmp_path / "dp",
+            "--epochs",
+            "50",
+        ]
+    )
     assert isinstance(job.process, PrewarmedProcess) or os.environ.get("PREWARMED") == "0"  # (then a plain one)
     job.wait_for(at(0, 2))
     running = job.leftovers()
@@ -432,12 +587,21 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
         while not watching.is_set():
             seen.append(len(processes_marked(probe, name="LEAK_PROBE")))
             time.sleep(0.1)
+
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            run(["bash", "-c", f'"{PYTHON}" -c "import subprocess; subprocess.Popen([\'sleep\', \'600\'], '
-                 f'start_new_session=True)"; exec sleep 600'], env=clean_env(LEAK_PROBE=probe), timeout=3)
+            run(
+                [
+                    "bash",
+                    "-c",
+                    f"\"{PYTHON}\" -c \"import subprocess; subprocess.Popen(['sleep', '600'], "
+                    f'start_new_session=True)"; exec sleep 600',
+                ],
+                env=clean_env(LEAK_PROBE=probe),
+                timeout=3,
+            )
     finally:
         watching.set()
         watcher.join()
@@ -446,6 +610,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
 
 
 # ----------------------------------------------------------------------------- what a run leaves to the next
+
 
 def limit_file_size(limit):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -466,30 +631,59 @@ def finished_runs(data, root):
     run_dir = root / "run"
     common = [*TINY_NET, "--epochs", "2", "--checkpoint-interval", "0"]
     assert_ok(run_script("train_dp.py", *common, "--data", data, "--output-dir", run_dir))
-    copies = {name: shutil.copytree(run_dir, root / name) for name in ("damaged", "damaged-resumed", "full-disk",
-                                                                       "full-disk-spawn", "overwritten", "summary-lost")}
+    copies = {
+        name: shutil.copytree(run_dir, root / name)
+        for name in ("damaged", "damaged-resumed", "full-disk", "full-disk-spawn", "overwritten", "summary-lost")
+    }
     (copies["summary-lost"] / "summary.json").unlink()  # as a failed write of it leaves the run (written atomically)
     for name in ("damaged", "damaged-resumed"):
         saved = (copies[name] / "checkpoint.pth").read_bytes()
         (copies[name] / "checkpoint.pth").write_bytes(saved[:1000])  # truncated, as by a crash of the storage
     (copies["overwritten"] / "bad_images.txt").write_text("left by the first run\n")
-    before = {"run": mtimes(run_dir), "damaged": mtimes(copies["damaged"]),
-              "full-disk": {name: (copies["full-disk"] / name).read_bytes()
-                            for name in ("checkpoint.pth", "checkpoint_prev.pth")},
-              "overwritten": (copies["overwritten"] / "checkpoint.pth").stat().st_mtime_ns}
+    before = {
+        "run": mtimes(run_dir),
+        "damaged": mtimes(copies["damaged"]),
+        "full-disk": {
+            name: (copies["full-disk"] / name).read_bytes() for name in ("checkpoint.pth", "checkpoint_prev.pth")
+        },
+        "overwritten": (copies["overwritten"] / "checkpoint.pth").stat().st_mtime_ns,
+    }
     other_data = make_image_folder(root / "other-data", train_per_class=2, val_per_class=1, num_classes=4)
     (root / "a-file").write_text("not a directory")
 
     def train_dp(output_dir, *flags, **popen):
         return Job([PYTHON, REPO / "train_dp.py", *common, "--data", data, "--output-dir", output_dir, *flags], **popen)
-    jobs = {"damaged-resumed": train_dp(copies["damaged-resumed"], "--resume", "auto", "--epochs", "3"),
-            "full-disk": train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3",
-                                  preexec_fn=limit_file_size(64 * 1024)),
-            "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite"),
-            "summary-lost": train_dp(copies["summary-lost"], "--resume", "auto"),
-            "full-disk-spawn": Job([PYTHON, REPO / "train_spawn.py", *common, "--data", data, "--output-dir",
-                                    copies["full-disk-spawn"], "--resume", "auto", "--epochs", "3", "--nproc-per-node", "2",
-                                    "-j", "0", "--master-port", free_port()], preexec_fn=limit_file_size(64 * 1024))}
+
+    jobs = {
+        "damaged-resumed": train_dp(copies["damaged-resumed"], "--resume", "auto", "--epochs", "3"),
+        "full-disk": train_dp(
+            copies["full-disk"], "--resume", "auto", "--epochs", "3", preexec_fn=limit_file_size(64 * 1024)
+        ),
+        "overwritten": train_dp(copies["overwritten"], "--epochs", "1", "--overwrite"),
+        "summary-lost": train_dp(copies["summary-lost"], "--resume", "auto"),
+        "full-disk-spawn": Job(
+            [
+                PYTHON,
+                REPO / "train_spawn.py",
+                *common,
+                "--data",
+                data,
+                "--output-dir",
+                copies["full-disk-spawn"],
+                "--resume",
+                "auto",
+                "--epochs",
+                "3",
+                "--nproc-per-node",
+                "2",
+                "-j",
+                "0",
+                "--master-port",
+                free_port(),
+            ],
+            preexec_fn=limit_file_size(64 * 1024),
+        ),
+    }
     relaunches = {
         "forgot-resume": ["--data", data, "--output-dir", run_dir],
         "forgot-resume-damaged": ["--data", data, "--output-dir", copies["damaged"]],
@@ -498,16 +692,23 @@ def finished_runs(data, root):
         "uncreatable-output-dir": ["--data", data, "--output-dir", root / "a-file" / "run"],
     }
     try:
-        refused = dict(zip(relaunches, run_prewarmed("train_dp.py", [[*common, *flags] for flags in relaunches.values()],
-                                                     parallel=1)))  # one at a time: a second would find run_dir locked
+        refused = dict(
+            zip(
+                relaunches,
+                run_prewarmed("train_dp.py", [[*common, *flags] for flags in relaunches.values()], parallel=1),
+            )
+        )  # one at a time: a second would find run_dir locked
     except BaseException:
         for job in jobs.values():
             job.kill()
         raise
     ended = {name: job.finish() for name, job in jobs.items()}
-    after = {"run": mtimes(run_dir), "damaged": mtimes(copies["damaged"]),
-             "full-disk": {name: (copies["full-disk"] / name).read_bytes() for name in before["full-disk"]},
-             "full-disk-listing": sorted(path.name for path in copies["full-disk"].iterdir())}
+    after = {
+        "run": mtimes(run_dir),
+        "damaged": mtimes(copies["damaged"]),
+        "full-disk": {name: (copies["full-disk"] / name).read_bytes() for name in before["full-disk"]},
+        "full-disk-listing": sorted(path.name for path in copies["full-disk"].iterdir()),
+    }
     # The disk has room again: the run goes on from the checkpoint its failed save left whole.
     ended["full-disk-resumed"] = train_dp(copies["full-disk"], "--resume", "auto", "--epochs", "3").finish()
     return SimpleNamespace(run_dir=run_dir, copies=copies, before=before, refused=refused, ended=ended, after=after)
@@ -520,9 +721,12 @@ def finished_run(side_by_side):
 
 def test_a_damaged_latest_checkpoint_is_reported_and_the_previous_one_used(finished_run):
     output = assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["damaged-resumed"]))
-    assert re.search(r"^warning: cannot read checkpoint \S+/checkpoint\.pth: truncated or not a PyTorch checkpoint "
-                     r"\(\w+\); resuming from the previous checkpoint \S+/checkpoint_prev\.pth$", output, re.MULTILINE), \
-        output[-3000:]
+    assert re.search(
+        r"^warning: cannot read checkpoint \S+/checkpoint\.pth: truncated or not a PyTorch checkpoint "
+        r"\(\w+\); resuming from the previous checkpoint \S+/checkpoint_prev\.pth$",
+        output,
+        re.MULTILINE,
+    ), output[-3000:]
     assert "checkpoint_prev.pth (epoch 1)" in output and "Epoch: [1]" in output and "Epoch: [0]" not in output
     assert torch.load(finished_run.copies["damaged-resumed"] / "checkpoint.pth", weights_only=True)["epoch"] == 3
 
@@ -555,8 +759,19 @@ def test_a_final_summary_json_that_a_failed_write_lost_is_written_again_on_resum
     output = assert_ok(subprocess.CompletedProcess("train_dp.py", *finished_run.ended["summary-lost"]))
     assert "already trained 2 of --epochs 2: nothing to do" in output, output[-3000:]
     assert f"{run_dir / 'summary.json'} is missing: the final weights are validated" in output
-    written, original = (json.loads((folder / "summary.json").read_text()) for folder in (run_dir, finished_run.run_dir))
-    for key in ("arch", "epochs", "best_acc1", "final_acc1", "final_acc5", "bad_images", "tflops_per_device", "mfu_pct"):
+    written, original = (
+        json.loads((folder / "summary.json").read_text()) for folder in (run_dir, finished_run.run_dir)
+    )
+    for key in (
+        "arch",
+        "epochs",
+        "best_acc1",
+        "final_acc1",
+        "final_acc5",
+        "bad_images",
+        "tflops_per_device",
+        "mfu_pct",
+    ):
         assert written[key] == original[key], key
     assert written["final_val_loss"] == pytest.approx(original["final_val_loss"], abs=1e-6)
     assert written["train_images_per_second"] == pytest.approx(original["train_images_per_second"], abs=0.051)
@@ -566,8 +781,11 @@ def test_a_checkpoint_that_cannot_be_written_under_spawn_ends_in_its_one_line_to
     """Once a traceback: spawn passed the worker's CheckpointWriteError up as its text."""
     returncode, output = finished_run.ended["full-disk-spawn"]
     assert returncode == 1, output[-3000:]
-    assert re.search(r"^error: could not write a checkpoint to \S+ \(.+\); the checkpoints already there are intact$",
-                     output, re.MULTILINE), output[-3000:]
+    assert re.search(
+        r"^error: could not write a checkpoint to \S+ \(.+\); the checkpoints already there are intact$",
+        output,
+        re.MULTILINE,
+    ), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
 
@@ -575,8 +793,9 @@ def test_an_output_dir_of_another_run_is_refused_unless_resume_names_it(finished
     for name in ("other-arch", "other-data"):
         result = finished_run.refused[name]
         assert result.returncode == 2, result.stdout
-        assert result.stdout.strip().splitlines() == [line for line in result.stdout.splitlines()
-                                                      if "holds checkpoints of another run" in line], result.stdout
+        assert result.stdout.strip().splitlines() == [
+            line for line in result.stdout.splitlines() if "holds checkpoints of another run" in line
+        ], result.stdout
     assert finished_run.after["run"] == finished_run.before["run"]
 
 
@@ -592,12 +811,16 @@ def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(fini
     assert result.returncode == 2, result.stdout
     assert result.stdout.strip().splitlines() == [
         f"error: {finished_run.run_dir} holds a run at epoch 2 step 0: continue it with --resume auto, or start over "
-        "with --overwrite (its checkpoints are deleted) or another --output-dir"]
+        "with --overwrite (its checkpoints are deleted) or another --output-dir"
+    ]
     assert finished_run.after["run"] == finished_run.before["run"]
     # A damaged latest checkpoint is no licence to start over: --resume auto would use the previous one.
     result = finished_run.refused["forgot-resume-damaged"]
-    assert result.returncode == 2 and re.search(r"holds a run \(checkpoint\.pth(, checkpoint_prev\.pth)?(, model_best\.pth)?; "
-                                                r"the first is damaged\): continue it with --resume auto", result.stdout), result.stdout
+    assert result.returncode == 2 and re.search(
+        r"holds a run \(checkpoint\.pth(, checkpoint_prev\.pth)?(, model_best\.pth)?; "
+        r"the first is damaged\): continue it with --resume auto",
+        result.stdout,
+    ), result.stdout
     assert finished_run.after["damaged"] == finished_run.before["damaged"]
     # --overwrite starts afresh: nothing of the first run is left to pass for the new one's.
     run_dir = finished_run.copies["overwritten"]
@@ -610,15 +833,40 @@ def test_a_relaunch_that_forgot_resume_is_refused_and_costs_the_run_nothing(fini
 
 # ----------------------------------------------------------------------------- exit codes
 
+
 def test_a_spawn_worker_killed_by_a_signal_ends_the_job_with_128_plus_its_number(data, tmp_path):
     """Once 247 for SIGKILL: spawn's negative exit code passed to SystemExit."""
-    job = Job([PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", tmp_path, "--epochs", "5",
-               "--nproc-per-node", "2", "-j", "0", "--master-port", free_port()])
+    job = Job(
+        [
+            PYTHON,
+            REPO / "train_spawn.py",
+            *TINY_NET,
+            "--data",
+            data,
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            "5",
+            "--nproc-per-node",
+            "2",
+            "-j",
+            "0",
+            "--master-port",
+            free_port(),
+        ]
+    )
     job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
-    workers = [pid for pid in job.leftovers() if process_stat(pid) and int(process_stat(pid)[1]) == job.process.pid
-               and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not spawn's resource tracker
+    workers = [
+        pid
+        for pid in job.leftovers()
+        if process_stat(pid)
+        and int(process_stat(pid)[1]) == job.process.pid
+        and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]  # not spawn's resource tracker
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
     returncode, output = job.finish(timeout=120)
     assert returncode == 128 + signal.SIGKILL, output[-3000:]
-    assert re.search(r"^error: process \d exited \(SIGKILL\); see the errors above$", output, re.MULTILINE), output[-3000:]
+    assert re.search(r"^error: process \d exited \(SIGKILL\); see the errors above$", output, re.MULTILINE), output[
+        -3000:
+    ]

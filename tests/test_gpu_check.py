@@ -1,5 +1,6 @@
 """tools/gpu_check.py (`make gpu-check`): its checks pass on a GPU machine, its harness is proven
 on the CPU (the same code with gloo and a tiny model), and it fails when training does not learn."""
+
 import re
 
 import pytest
@@ -10,8 +11,11 @@ from conftest import PYTHON, REPO, ahead, assert_ok, clean_env, run, run_togethe
 pytestmark = pytest.mark.e2e
 
 CHECK = REPO / "tools" / "gpu_check.py"
-TABLE_ROW = re.compile(r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<target>[^|]+?) "
-                       r"\| (?P<peak>[^|]+?) \| (?P<mfu>[^|]+?) \| (?P<result>[^|]+?) \|$", re.MULTILINE)
+TABLE_ROW = re.compile(
+    r"^\| (?P<row>[^|]+?) \| (?P<flags>[^|]+?) \| (?P<rate>[^|]+?) \| (?P<target>[^|]+?) "
+    r"\| (?P<peak>[^|]+?) \| (?P<mfu>[^|]+?) \| (?P<result>[^|]+?) \|$",
+    re.MULTILINE,
+)
 
 
 def table(output):
@@ -21,18 +25,23 @@ def table(output):
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     result = run([PYTHON, CHECK], env=clean_env(), timeout=120)
     assert result.returncode == 0
-    assert result.stdout == ("gpu-check: no CUDA GPU is visible on this machine: nothing to check "
-                             "(make test covers the CPU)\n")
+    assert result.stdout == (
+        "gpu-check: no CUDA GPU is visible on this machine: nothing to check (make test covers the CPU)\n"
+    )
 
 
 def cpu_harness_runs(tmp_path_factory):
     """The harness on the CPU, three times side by side (each starts one job at a time): the checks that must
     pass (the diagnostics' too); a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison
     with DDP."""
-    return run_together([[PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory"],
-                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
-                         [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"]],
-                        timeout=600)
+    return run_together(
+        [
+            [PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory"],
+            [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
+            [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"],
+        ],
+        timeout=600,
+    )
 
 
 cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
@@ -41,15 +50,24 @@ cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
 def test_its_checks_pass_on_the_cpu(cpu_runs):
     """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
     model), a synthetic row's rate at steady state (make benchmark-gpu's window), validation by 1 and by 2 processes,
-    the exact-resume check, a --profile trace of the asked steps, and a step out of memory ending the run in one line."""
+    the exact-resume check, a --profile trace of the asked steps, and a step out of memory ending the run in one line.
+    """
     result = cpu_runs[0]
     rows = table(assert_ok(result))
-    assert set(rows) == {"ddp jpeg", "dp1 synthetic", "validation 1 vs N processes", "exact resume (ddp --deterministic)",
-                         "profile trace", "out of memory: snapshot"}
+    assert set(rows) == {
+        "ddp jpeg",
+        "dp1 synthetic",
+        "validation 1 vs N processes",
+        "exact resume (ddp --deterministic)",
+        "profile trace",
+        "out of memory: snapshot",
+    }
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
     assert float(rows["ddp jpeg"]["rate"]) > 0
     # Its rate over a steady window (make benchmark-gpu's), not the epoch's; no target on the CPU.
-    assert re.fullmatch(r"PASS \(steady: \d+ images in [\d.]+ s, [\d.]+ s before left out\)", rows["dp1 synthetic"]["result"])
+    assert re.fullmatch(
+        r"PASS \(steady: \d+ images in [\d.]+ s, [\d.]+ s before left out\)", rows["dp1 synthetic"]["result"]
+    )
     assert float(rows["dp1 synthetic"]["rate"]) > 0
     assert rows["dp1 synthetic"]["target"] == "-"
     assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
@@ -64,7 +82,9 @@ def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):
     rows = table(assert_ok(result))
     assert set(rows) == {"fsdp jpeg bf16", "fsdp losses = ddp losses"}, result.stdout[-3000:]
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
-    assert re.fullmatch(r"PASS \(losses (\d\.\d{5})/\1(, (\d\.\d{5})/\3){3}\)", rows["fsdp losses = ddp losses"]["result"])
+    assert re.fullmatch(
+        r"PASS \(losses (\d\.\d{5})/\1(, (\d\.\d{5})/\3){3}\)", rows["fsdp losses = ddp losses"]["result"]
+    )
 
 
 def test_it_fails_when_training_does_not_learn(cpu_runs):

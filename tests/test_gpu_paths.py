@@ -3,6 +3,7 @@ however many epochs, and its checkpoint evaluating eagerly alike. (Autocast in D
 GradScaler resumed, bf16, channels_last, per-rank random streams, --deterministic kept on resume: in-process, in
 tests/unit/. What only a GPU can show, NCCL, CUDA streams, DataParallel over several GPUs: tools/gpu_check.py,
 `make gpu-check`.)"""
+
 import re
 
 import pytest
@@ -21,13 +22,17 @@ def test_compile_trains_with_one_graph_per_mode_and_its_checkpoint_evaluates_ali
     data = make_image_folder(tmp_path / "data", train_per_class=9, val_per_class=4)
     output_dir = tmp_path / "compiled"
     common = ["--data", data, *TINY, "-a", "tests.tiny_models:TinyNet", "--dropout", "0", "-b", "6", "--seed", "0"]
-    out = assert_ok(run_script("train_dp.py", *common, "--epochs", "2", "--compile", "--output-dir", output_dir,
-                               timeout=600))
+    out = assert_ok(
+        run_script("train_dp.py", *common, "--epochs", "2", "--compile", "--output-dir", output_dir, timeout=600)
+    )
     assert "torch.compile: 2 graph(s) compiled" in out, out[-3000:]
     assert re.findall(r"Epoch: \[1\] \[\s*(\d+)/(\d+)\]", out)[-1] == ("4", "4")  # the partial 5th dropped
     compiled = ACC.findall(out)[-1]
-    eager = assert_ok(run_script("train_dp.py", *common, "-e", "--resume", output_dir / "checkpoint.pth",
-                                 "--output-dir", tmp_path / "eval"))
+    eager = assert_ok(
+        run_script(
+            "train_dp.py", *common, "-e", "--resume", output_dir / "checkpoint.pth", "--output-dir", tmp_path / "eval"
+        )
+    )
     evaluated = ACC.findall(eager)[-1]
     assert compiled[0] == evaluated[0] and compiled[3] == evaluated[3] == "12"
     assert float(compiled[2]) == pytest.approx(float(evaluated[2]), abs=1e-4)

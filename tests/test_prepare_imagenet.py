@@ -2,6 +2,7 @@
 tars, a real meta.mat, the ground-truth file) and Kaggle's extracted layout, with the odd files the
 real set has (CMYK, grayscale, a PNG named .JPEG); a val/ sorted by valprep.sh; reruns after a crash
 left empty or cut-short markers and images."""
+
 import contextlib
 import io
 import json
@@ -20,8 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import PYTHON, REPO, alive, assert_ok, clean_env, process_stat, run
 from common.datasets import load_image
+from conftest import PYTHON, REPO, alive, assert_ok, clean_env, process_stat, run
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
 
@@ -32,9 +33,12 @@ import prepare_imagenet  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 # wnid: (ILSVRC2012_ID, words) of four real leaf classes.
-CLASSES = {"n01440764": (1, "tench, Tinca tinca"), "n01443537": (2, "goldfish, Carassius auratus"),
-           "n01484850": (3, "great white shark, white shark, man-eater, Carcharodon carcharias"),
-           "n01491361": (4, "tiger shark, Galeocerdo cuvieri")}
+CLASSES = {
+    "n01440764": (1, "tench, Tinca tinca"),
+    "n01443537": (2, "goldfish, Carassius auratus"),
+    "n01484850": (3, "great white shark, white shark, man-eater, Carcharodon carcharias"),
+    "n01491361": (4, "tiger shark, Galeocerdo cuvieri"),
+}
 TRAIN_PER_CLASS, VAL_PER_CLASS = 5, 2
 TEMPORARY = re.compile(r"^\..*\.tmp$")  # common/run_dir.py's temporary_beside
 WORKER_DIED = "error: a worker process died (out of memory?): run the same command again to carry on"
@@ -81,10 +85,19 @@ def tar_bytes(files, gzip=False):
 def write_meta_mat(path):
     """meta.mat as in the devkit: a `synsets` struct array, leaves first, then a non-leaf
     (num_children != 0) that torchvision's parser drops."""
-    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
-              "num_train_images"]
-    rows = [(ident, wnid, words, "a fish", 0, np.zeros(0), 0, TRAIN_PER_CLASS)
-            for wnid, (ident, words) in CLASSES.items()]
+    fields = [
+        "ILSVRC2012_ID",
+        "WNID",
+        "words",
+        "gloss",
+        "num_children",
+        "children",
+        "wordnet_height",
+        "num_train_images",
+    ]
+    rows = [
+        (ident, wnid, words, "a fish", 0, np.zeros(0), 0, TRAIN_PER_CLASS) for wnid, (ident, words) in CLASSES.items()
+    ]
     rows.append((1001, "n01439121", "cyprinid", "a family of fish", 2, np.array([1, 2]), 1, 0))
     synsets = np.array(rows, dtype=[(field, object) for field in fields])
     scipy_io.savemat(path, {"synsets": synsets})
@@ -93,18 +106,29 @@ def write_meta_mat(path):
 def make_archives(root, images):
     """The three official archives of `images`, in root."""
     root.mkdir(parents=True)
-    class_tars = {f"{wnid}.tar": tar_bytes({Path(name).name: data for name, data in images.items()
-                                            if name.startswith(f"train/{wnid}/")}) for wnid in CLASSES}
+    class_tars = {
+        f"{wnid}.tar": tar_bytes(
+            {Path(name).name: data for name, data in images.items() if name.startswith(f"train/{wnid}/")}
+        )
+        for wnid in CLASSES
+    }
     (root / "ILSVRC2012_img_train.tar").write_bytes(tar_bytes(class_tars))
     val = {Path(name).name: data for name, data in images.items() if name.startswith("val/")}
     (root / "ILSVRC2012_img_val.tar").write_bytes(tar_bytes(dict(sorted(val.items()))))  # flat, in name order
     truth = {Path(name).name: CLASSES[name.split("/")[1]][0] for name in images if name.startswith("val/")}
     meta = root / "meta.mat"
     write_meta_mat(meta)
-    (root / "ILSVRC2012_devkit_t12.tar.gz").write_bytes(tar_bytes({
-        "ILSVRC2012_devkit_t12/data/meta.mat": meta.read_bytes(),
-        "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt":
-            "".join(f"{truth[name]}\n" for name in sorted(truth)).encode()}, gzip=True))
+    (root / "ILSVRC2012_devkit_t12.tar.gz").write_bytes(
+        tar_bytes(
+            {
+                "ILSVRC2012_devkit_t12/data/meta.mat": meta.read_bytes(),
+                "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt": "".join(
+                    f"{truth[name]}\n" for name in sorted(truth)
+                ).encode(),
+            },
+            gzip=True,
+        )
+    )
     meta.unlink()
     return root
 
@@ -138,8 +162,12 @@ def prepare(*args, env=None, timeout=60):
 
 def contents(out):
     """{relative path: bytes} of every file under out/train and out/val (temporaries included)."""
-    return {path.relative_to(out).as_posix(): path.read_bytes()
-            for split in ("train", "val") for path in sorted((out / split).rglob("*")) if path.is_file()}
+    return {
+        path.relative_to(out).as_posix(): path.read_bytes()
+        for split in ("train", "val")
+        for path in sorted((out / split).rglob("*"))
+        if path.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -191,14 +219,18 @@ def slow_writes(tmp_path, seconds, hold_second_fork=None):
     second worker) creates that file right after the fork and then sleeps 60 s, before its start-up."""
     hook = tmp_path / "slow"
     hook.mkdir()
-    code = ("import os, time\n_replace = os.replace\n"
-            f"def slow_replace(*args, **kwargs):\n    time.sleep({seconds})\n    return _replace(*args, **kwargs)\n"
-            "os.replace = slow_replace\n")
+    code = (
+        "import os, time\n_replace = os.replace\n"
+        f"def slow_replace(*args, **kwargs):\n    time.sleep({seconds})\n    return _replace(*args, **kwargs)\n"
+        "os.replace = slow_replace\n"
+    )
     if hold_second_fork is not None:
-        code += (f"forks = [0]\ndef count():\n    forks[0] += 1\n"
-                 f"def hold():\n    if forks[0] == 2:\n        open({str(hold_second_fork)!r}, 'w').close()\n"
-                 "        time.sleep(60)\n"
-                 "os.register_at_fork(before=count, after_in_child=hold)\n")
+        code += (
+            f"forks = [0]\ndef count():\n    forks[0] += 1\n"
+            f"def hold():\n    if forks[0] == 2:\n        open({str(hold_second_fork)!r}, 'w').close()\n"
+            "        time.sleep(60)\n"
+            "os.register_at_fork(before=count, after_in_child=hold)\n"
+        )
     (hook / "sitecustomize.py").write_text(code)
     return str(hook)
 
@@ -206,9 +238,16 @@ def slow_writes(tmp_path, seconds, hold_second_fork=None):
 def start(*args, env):
     """The script in a process group of its own, with SIGINT handled as in a terminal (this test may
     run as a background job, whose children inherit SIGINT ignored)."""
-    return subprocess.Popen([PYTHON, SCRIPT, *map(str, args)], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [PYTHON, SCRIPT, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 # The script's start (Python, torch, the archives' listing, its workers) before the state a test waits for: under the
@@ -234,7 +273,8 @@ def group_gone(process):
 
 def output_once_ended(process, timeout):
     """What `process` printed, once its group has ended. Where it has not within `timeout` s, the failure lists the
-    group's processes and every Python thread's stack in each (started with PYTHONFAULTHANDLER=1: SIGABRT dumps them)."""
+    group's processes and every Python thread's stack in each (started with PYTHONFAULTHANDLER=1: SIGABRT dumps them).
+    """
     try:
         return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
@@ -243,8 +283,10 @@ def output_once_ended(process, timeout):
             fields = process_stat(entry.name)
             if fields is not None and int(fields[2]) == process.pid:
                 with contextlib.suppress(OSError):
-                    left.append(f"{entry.name} ({fields[0]}, in {(entry / 'wchan').read_text()}): "
-                                + (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+                    left.append(
+                        f"{entry.name} ({fields[0]}, in {(entry / 'wchan').read_text()}): "
+                        + (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+                    )
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGABRT)
         output, _ = process.communicate(timeout=30)
@@ -269,21 +311,27 @@ def temporaries(out):
 
 def workers(process):
     """The worker processes of `process` (its children: the pool's workers)."""
-    return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
-            if (fields := process_stat(entry.name)) is not None and int(fields[1]) == process.pid and fields[0] != "Z"]
+    return [
+        int(entry.name)
+        for entry in Path("/proc").glob("[0-9]*")
+        if (fields := process_stat(entry.name)) is not None and int(fields[1]) == process.pid and fields[0] != "Z"
+    ]
 
 
 def part_way_class(out):
     """A class with a marker, and one with finished images and a temporary but no marker yet."""
     markers = {path.name for path in (out / ".prepare").glob("train-*.done")}
-    return markers and any(f"train-{folder.name}.done" not in markers and temporaries(folder)
-                           and list(folder.glob("*.JPEG")) for folder in (out / "train").iterdir())
+    return markers and any(
+        f"train-{folder.name}.done" not in markers and temporaries(folder) and list(folder.glob("*.JPEG"))
+        for folder in (out / "train").iterdir()
+    )
 
 
 def test_killed_run_carries_on_without_redoing_finished_work(archives, images, tmp_path):
     out = tmp_path / "out"
-    process = start(archives, out, "--skip-md5", "--workers", "1",
-                    env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.3)))  # time to see, and kill
+    process = start(
+        archives, out, "--skip-md5", "--workers", "1", env=clean_env(PYTHONPATH=slow_writes(tmp_path, 0.3))
+    )  # time to see, and kill
     try:
         wait_for("a finished class, and one part-way", lambda: part_way_class(out), timeout=START_UP)
         os.killpg(process.pid, signal.SIGKILL)
@@ -311,11 +359,20 @@ def test_killed_run_carries_on_without_redoing_finished_work(archives, images, t
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_stop_signal_ends_it_within_seconds(archives, tmp_path, signum, code):
     out, held = tmp_path / "out", tmp_path / "held"
-    process = start(archives, out, "--skip-md5", "--workers", "2",
-                    env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1, hold_second_fork=held), PYTHONFAULTHANDLER="1"))
+    process = start(
+        archives,
+        out,
+        "--skip-md5",
+        "--workers",
+        "2",
+        env=clean_env(PYTHONPATH=slow_writes(tmp_path, 1, hold_second_fork=held), PYTHONFAULTHANDLER="1"),
+    )
     try:
-        wait_for("a worker's temporary, the other worker still starting",
-                 lambda: temporaries(out / "train") and held.exists(), timeout=START_UP)
+        wait_for(
+            "a worker's temporary, the other worker still starting",
+            lambda: temporaries(out / "train") and held.exists(),
+            timeout=START_UP,
+        )
         os.killpg(process.pid, signum)
         output = output_once_ended(process, 10)
         assert process.returncode == code, output
@@ -349,14 +406,34 @@ def test_a_sigkilled_make_shards_takes_its_pool_s_workers_with_it(prepared, tmp_
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import multiprocessing, os, time\n_replace = os.replace\n"
-        "def slow_replace(*args, **kwargs):\n    if multiprocessing.parent_process() is not None:\n        time.sleep(60)\n"
-        "    return _replace(*args, **kwargs)\nos.replace = slow_replace\n")
-    process = subprocess.Popen([PYTHON, REPO / "tools" / "make_shards.py", prepared[0], tmp_path / "shards", "--shard-size",
-                                "2", "--workers", "2"], cwd=REPO, env=clean_env(PYTHONPATH=hook),
-                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        "def slow_replace(*args, **kwargs):\n"
+        "    if multiprocessing.parent_process() is not None:\n        time.sleep(60)\n"
+        "    return _replace(*args, **kwargs)\nos.replace = slow_replace\n"
+    )
+    process = subprocess.Popen(
+        [
+            PYTHON,
+            REPO / "tools" / "make_shards.py",
+            prepared[0],
+            tmp_path / "shards",
+            "--shard-size",
+            "2",
+            "--workers",
+            "2",
+        ],
+        cwd=REPO,
+        env=clean_env(PYTHONPATH=hook),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        wait_for("both workers writing", lambda: len(workers(process)) == 2 and temporaries(tmp_path / "shards"),
-                 timeout=START_UP)
+        wait_for(
+            "both workers writing",
+            lambda: len(workers(process)) == 2 and temporaries(tmp_path / "shards"),
+            timeout=START_UP,
+        )
         pool = workers(process)
         process.kill()  # the main process alone
         process.wait(timeout=30)
@@ -374,7 +451,7 @@ def test_the_devkit_s_labels_cut_short_are_parsed_again(archives, prepared, imag
     parsed = out / ".prepare" / prepare_imagenet.VAL_WNIDS
     truth = [name.split("/")[1] for name in sorted(images, key=lambda name: Path(name).name) if name.startswith("val/")]
     assert json.loads(parsed.read_text()) == truth  # val wnids in name order
-    parsed.write_bytes(parsed.read_bytes()[:parsed.stat().st_size // 2])
+    parsed.write_bytes(parsed.read_bytes()[: parsed.stat().st_size // 2])
     (out / ".prepare" / ".devkit.tmp-x1y2z3").mkdir()
     (out / ".prepare" / ".val_wnids.json.a1b2c3.tmp").write_bytes(b"half")
     output = assert_ok(prepare(archives, out, "--skip-md5"))
@@ -464,13 +541,15 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     def recorded_replace(old, new):
         calls.append(("replace", str(old), str(new)))
         replace(old, new)
+
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
     out = tmp_path.resolve() / "out"
     prepare_imagenet.open_output(out, None, 90)
     labels = {Path(name).stem: name.split("/")[1] for name in images if name.startswith("val/")}
-    jobs = prepare_imagenet.make_jobs(archives / prepare_imagenet.TRAIN_TAR, archives / prepare_imagenet.VAL_TAR,
-                                      labels)
+    jobs = prepare_imagenet.make_jobs(
+        archives / prepare_imagenet.TRAIN_TAR, archives / prepare_imagenet.VAL_TAR, labels
+    )
     for job in jobs:
         prepare_imagenet.run_job(job, out, None, 90)
     assert contents(out) == images
@@ -478,19 +557,20 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     assert len(written) == len(images) + len(jobs) + 1, written
     renamed, temporary = {}, {}
     for path in written:
-        (renamed[path], temporary[path]), = [(index, call[1]) for index, call in enumerate(calls)
-                                             if call[0] == "replace" and call[2] == str(path)]
+        ((renamed[path], temporary[path]),) = [
+            (index, call[1]) for index, call in enumerate(calls) if call[0] == "replace" and call[2] == str(path)
+        ]
         assert TEMPORARY.match(Path(temporary[path]).name) and Path(temporary[path]).parent == path.parent, path
-        assert ("fsync", temporary[path]) in calls[:renamed[path]], path
+        assert ("fsync", temporary[path]) in calls[: renamed[path]], path
         if path.parent.name == ".prepare":  # its folder synced after the rename
-            assert ("fsync", str(path.parent)) in calls[renamed[path]:], path
+            assert ("fsync", str(path.parent)) in calls[renamed[path] :], path
     for job in jobs:
         marker = out / ".prepare" / job.marker
         synced = calls.index(("fsync", temporary[marker]))
         split = "val" if job.split == "val" else f"train/{job.args[0]}"
         for path in (path for path in written if path.relative_to(out).as_posix().startswith(split + "/")):
             assert renamed[path] < synced, path
-            assert ("fsync", str(path.parent)) in calls[renamed[path]:synced], path
+            assert ("fsync", str(path.parent)) in calls[renamed[path] : synced], path
         assert ("fsync", str(out / job.split)) in calls[:synced], job.marker
 
 
@@ -509,7 +589,9 @@ def one_error_line(capsys, *args):
         signal.signal(signal.SIGTERM, stop_handler)
     out, err = capsys.readouterr()
     lines = (out + err).strip().splitlines()
-    assert code == 2 and len(lines) == 1 and re.match(r"(prepare_imagenet\.py: )?error: ", lines[0]), out + err  # argparse's
+    assert code == 2 and len(lines) == 1 and re.match(r"(prepare_imagenet\.py: )?error: ", lines[0]), (
+        out + err
+    )  # argparse's
     return lines[0]
 
 
@@ -529,7 +611,7 @@ def test_bad_input_is_one_line(archives, tmp_path, capsys):
     corrupt.mkdir()
     for archive in archives.iterdir():  # the train archive cut short
         data = archive.read_bytes()
-        (corrupt / archive.name).write_bytes(data[:len(data) * 2 // 3] if "train" in archive.name else data)
+        (corrupt / archive.name).write_bytes(data[: len(data) * 2 // 3] if "train" in archive.name else data)
     assert "ILSVRC2012_img_train.tar" in one_error_line(capsys, corrupt, tmp_path / "out2", "--skip-md5")
     assert "--resize" in one_error_line(capsys, archives, tmp_path / "out", "--resize", "0")
 
@@ -554,7 +636,8 @@ def test_missing_scipy_is_one_line(archives, tmp_path):
     (hidden / "__init__.py").write_text("raise ImportError('scipy hidden by the test')\n")
     result = prepare(archives, tmp_path / "out", "--skip-md5", env=clean_env(PYTHONPATH=hidden.parent))
     assert result.returncode == 2 and result.stdout == (
-        "error: reading the devkit's meta.mat needs scipy: pip install -r requirements-imagenet.txt\n"), result.stdout
+        "error: reading the devkit's meta.mat needs scipy: pip install -r requirements-imagenet.txt\n"
+    ), result.stdout
 
 
 def test_kaggle_layout_gives_the_same_result(images, prepared, tmp_path):
@@ -569,19 +652,45 @@ def test_kaggle_layout_gives_the_same_result(images, prepared, tmp_path):
 
 def test_train_one_epoch_on_the_prepared_folder(prepared, tmp_path):
     out = tmp_path / "run"
-    assert_ok(run([PYTHON, REPO / "train_dp.py", "--data", prepared[0], "--epochs", "1", "-a", "resnet18",
-                   "-b", "8", "-j", "1", "--train-crop-size", "32", "--val-resize-size", "32",
-                   "--val-crop-size", "32", "--output-dir", out], timeout=120))
+    assert_ok(
+        run(
+            [
+                PYTHON,
+                REPO / "train_dp.py",
+                "--data",
+                prepared[0],
+                "--epochs",
+                "1",
+                "-a",
+                "resnet18",
+                "-b",
+                "8",
+                "-j",
+                "1",
+                "--train-crop-size",
+                "32",
+                "--val-resize-size",
+                "32",
+                "--val-crop-size",
+                "32",
+                "--output-dir",
+                out,
+            ],
+            timeout=120,
+        )
+    )
     rows = (out / "log.csv").read_text().strip().splitlines()
     assert len(rows) == 2, rows  # the header and one epoch
 
 
-def test_shards_straight_from_the_archives_are_those_make_shards_writes_from_the_folder(archives, prepared, images,
-                                                                                       tmp_path):
+def test_shards_straight_from_the_archives_are_those_make_shards_writes_from_the_folder(
+    archives, prepared, images, tmp_path
+):
     """--shards writes, from the official archives and from Kaggle's extracted copy, byte for byte the shards that
     tools/make_shards.py writes from the folder this script makes; an OUT_DIR holding the other kind is refused."""
     import make_shards
     from common.shards import scan_shards
+
     outs = {name: tmp_path / name for name in ("archives", "kaggle", "folder")}
     output = assert_ok(prepare(archives, outs["archives"], "--skip-md5", "--shards", "--shard-size", "3"))
     assert "wrote " in output and "4 classes, 20 train and 8 val images in shards of 3" in output, output
@@ -589,12 +698,17 @@ def test_shards_straight_from_the_archives_are_those_make_shards_writes_from_the
     assert make_shards.main([str(prepared[0]), str(outs["folder"]), "--shard-size", "3", "--workers", "1"]) == 0
 
     def written(out):
-        return {path.relative_to(out).as_posix(): path.read_bytes() for path in sorted(out.rglob("*"))
-                if path.suffix in (".tar", ".txt")}
+        return {
+            path.relative_to(out).as_posix(): path.read_bytes()
+            for path in sorted(out.rglob("*"))
+            if path.suffix in (".tar", ".txt")
+        }
+
     assert written(outs["archives"]) == written(outs["folder"]) == written(outs["kaggle"])
     assert len(written(outs["folder"])) == 1 + 7 + 3  # classes.txt, 20 train and 8 val images by 3
     classes, train, val = scan_shards(outs["archives"])
     assert classes == sorted(CLASSES) and (len(train), len(val)) == (20, 8)
     refused = prepare(archives, prepared[0], "--skip-md5", "--shards")
     assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
-        f"error: {prepared[0]} holds class folders: give the shards an OUT_DIR of their own"], refused.stdout
+        f"error: {prepared[0]} holds class folders: give the shards an OUT_DIR of their own"
+    ], refused.stdout

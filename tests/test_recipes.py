@@ -3,6 +3,7 @@ EMA, weight-decay groups, per-epoch lr steps) trained to the end under torchrun 
 every checkpoint, loading with weights_only into a plain torchvision model, and -e in one process on DDP's checkpoint
 printing what DDP printed. (Each part against its definition: tests/unit/; the recipe without mixing keeps
 DP = DDP = spawn: tests/test_distributed.py.)"""
+
 import csv
 import json
 import re
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torchvision
 
-from common.models import adjusted_decay
 from common.logger import CSV_FIELDS, EMA_FIELDS
+from common.models import adjusted_decay
 from conftest import PYTHON, REPO, TINY, Job, make_image_folder, torchrun_command
 
 pytestmark = pytest.mark.e2e
@@ -20,8 +21,27 @@ pytestmark = pytest.mark.e2e
 # 48 training images at -b 8: 6 steps an epoch. The EMA updates every 2 steps, restarting from the weights through
 # the warmup epoch. --data: the preset's ImageNet scale (600 epochs, -b 1024, 176 px...) is overridden flag by flag.
 STEPS = 6
-RECIPE = ["--preset", "tv-v2", "-a", "resnet18", *TINY, "-p", "2", "-b", "8", "--epochs", "2", "--lr", "0.01",
-          "--warmup-epochs", "1", "--seed", "3", "--model-ema-steps", "2"]
+RECIPE = [
+    "--preset",
+    "tv-v2",
+    "-a",
+    "resnet18",
+    *TINY,
+    "-p",
+    "2",
+    "-b",
+    "8",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.01",
+    "--warmup-epochs",
+    "1",
+    "--seed",
+    "3",
+    "--model-ema-steps",
+    "2",
+]
 ACC = r"^ \* {label}Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss ([\d.]+)  \((\d+) images\)$"
 RECIPE_LINE = "recipe: tv-v2 (torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here)"
 
@@ -41,10 +61,24 @@ def recipe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe")
     data = make_image_folder(root / "data", train_per_class=16, val_per_class=4)
     outputs = {}
-    for name, command in [("ddp", torchrun_command("train_ddp.py", 2, *RECIPE, "--data", data, "--output-dir",
-                                                   root / "ddp")),
-                          ("evaluate", [PYTHON, REPO / "train_dp.py", *RECIPE, "--data", data, "--output-dir",
-                                        root / "evaluate", "-e", "--resume", root / "ddp" / "checkpoint.pth"])]:
+    for name, command in [
+        ("ddp", torchrun_command("train_ddp.py", 2, *RECIPE, "--data", data, "--output-dir", root / "ddp")),
+        (
+            "evaluate",
+            [
+                PYTHON,
+                REPO / "train_dp.py",
+                *RECIPE,
+                "--data",
+                data,
+                "--output-dir",
+                root / "evaluate",
+                "-e",
+                "--resume",
+                root / "ddp" / "checkpoint.pth",
+            ],
+        ),
+    ]:
         returncode, outputs[name] = Job(command).finish()
         assert returncode == 0, outputs[name][-4000:]
     return root / "ddp", outputs
@@ -54,16 +88,23 @@ def test_the_tv_v2_preset_trains_to_the_end_evaluating_the_ema_beside_the_weight
     _, outputs = recipe_runs
     output = outputs["ddp"]
     assert RECIPE_LINE in output.splitlines()  # on --data: no word about the demo set
-    assert re.search(r"^optimizer: SGD, lr 0\.01, momentum 0\.9, weight decay 2e-05 \(\d+ tensors\), "
-                     r"0 on norm layers \(40 tensors\)$", output, re.MULTILINE), output[:3000]
+    assert re.search(
+        r"^optimizer: SGD, lr 0\.01, momentum 0\.9, weight decay 2e-05 \(\d+ tensors\), "
+        r"0 on norm layers \(40 tensors\)$",
+        output,
+        re.MULTILINE,
+    ), output[:3000]
     decay = adjusted_decay(0.99998, 8, 2, 2)
-    assert (f"model EMA: decay {decay:.8g} every 2 steps (--model-ema-decay 0.99998 adjusted as torchvision's "
-            "train.py does for batch 8, 2 steps, 2 epochs)") in output
+    assert (
+        f"model EMA: decay {decay:.8g} every 2 steps (--model-ema-decay 0.99998 adjusted as torchvision's "
+        "train.py does for batch 8, 2 steps, 2 epochs)"
+    ) in output
     assert f"Epoch: [1] [{STEPS}/{STEPS}]" in output
     assert [count for *_, count in accuracy_lines(output)] == ["12", "12"]
     assert [count for *_, count in accuracy_lines(output, "EMA")] == ["12", "12"]
-    assert re.search(r"^done: best acc@1 [\d.]+, final acc@1 [\d.]+ \(EMA: best [\d.]+, final [\d.]+\)", output,
-                     re.MULTILINE)
+    assert re.search(
+        r"^done: best acc@1 [\d.]+, final acc@1 [\d.]+ \(EMA: best [\d.]+, final [\d.]+\)", output, re.MULTILINE
+    )
 
 
 def test_checkpoints_hold_the_ema_which_loads_with_weights_only_into_a_plain_torchvision_model(recipe_runs):

@@ -1,12 +1,26 @@
 """The launchers in run_scripts/, run for real on CPU: one node, two "nodes" on this machine
 (two launches on 127.0.0.1), and a managed platform's environment."""
+
 import re
 
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, REPO, ahead, assert_ok, clean_env, exact_folder, exact_run, free_port, once,
-                      run, run_together, tiny_folder)
+from conftest import (
+    EXACT_MODEL,
+    PYTHON,
+    REPO,
+    ahead,
+    assert_ok,
+    clean_env,
+    exact_folder,
+    exact_run,
+    free_port,
+    once,
+    run,
+    run_together,
+    tiny_folder,
+)
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -54,13 +68,32 @@ def runs_of_several_nodes(tmp_path_factory):
     ports = {name: free_port() for name in ("two-ddp", "two-spawn", "platform")}
 
     def node(script, name, rank, *extra):
-        return launch_command(script, *exact_run(exact_data, out / name / f"node{rank}", *extra), NNODES=2,
-                              NODE_RANK=rank, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=ports[name])
+        return launch_command(
+            script,
+            *exact_run(exact_data, out / name / f"node{rank}", *extra),
+            NNODES=2,
+            NODE_RANK=rank,
+            NPROC_PER_NODE=1,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=ports[name],
+        )
+
     # What a managed platform sets (seed 004), and no command-line arguments at all; node 1 knows only its RANK (the
     # global rank of its first process).
-    platform = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=ports["platform"], WORLD_SIZE=2, WORKER_PER_NODE=1,
-                    BACKEND="gloo", DATASETS_PATH=tiny_data.parent, DATASETS=f"{tiny_data.name},unused",
-                    WORKSPACE=out / "platform", EPOCHS=1, LR=0.01, BATCH_SIZE=8, OMP_NUM_THREADS=1)
+    platform = dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=ports["platform"],
+        WORLD_SIZE=2,
+        WORKER_PER_NODE=1,
+        BACKEND="gloo",
+        DATASETS_PATH=tiny_data.parent,
+        DATASETS=f"{tiny_data.name},unused",
+        WORKSPACE=out / "platform",
+        EPOCHS=1,
+        LR=0.01,
+        BATCH_SIZE=8,
+        OMP_NUM_THREADS=1,
+    )
     commands = {
         "two-ddp-0": node("multi_node_ddp.sh", "two-ddp", 0),
         "two-ddp-1": node("multi_node_ddp.sh", "two-ddp", 1),
@@ -87,8 +120,9 @@ def one_node_of_two_processes(single_nodes):
     return single_nodes["single_node_ddp.sh"]
 
 
-@pytest.mark.parametrize("script, world_size", [
-    ("single_node_dp.sh", 1), ("single_node_ddp.sh", 2), ("single_node_spawn.sh", 2)])
+@pytest.mark.parametrize(
+    "script, world_size", [("single_node_dp.sh", 1), ("single_node_ddp.sh", 2), ("single_node_spawn.sh", 2)]
+)
 def test_single_node_scripts_train_and_print_their_command(single_nodes, script, world_size):
     output, out = single_nodes[script]
     command = next(line for line in output.splitlines() if line.startswith("+ "))
@@ -154,8 +188,9 @@ def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
     assert "no GPU visible: set NPROC_PER_NODE" in result.stdout
 
 
-def test_platform_script_trains_from_the_platform_variables_alone_and_node_1_takes_its_rank_from_rank(tiny_data,
-                                                                                                           launches):
+def test_platform_script_trains_from_the_platform_variables_alone_and_node_1_takes_its_rank_from_rank(
+    tiny_data, launches
+):
     """What a managed platform sets (seed 004), and no command-line arguments at all, on two nodes of one process each:
     node 1 knows only its RANK (global rank of its first process)."""
     outputs, out = two_nodes(launches, "platform")
@@ -176,8 +211,11 @@ def test_platform_script_names_the_missing_variable(tmp_path):
 
 @pytest.mark.parametrize("script", sorted(path.name for path in SCRIPTS.glob("*.s*") if path.name != "_common.sh"))
 def test_every_script_shows_its_usage_in_its_header(script):
-    """A usage line: a command as typed, `#   [node N:] [VAR=value ...] [bash|sbatch [--flag ...]] run_scripts/SCRIPT ...`."""
+    """A usage line: a command as typed,
+    `#   [node N:] [VAR=value ...] [bash|sbatch [--flag ...]] run_scripts/SCRIPT ...`."""
     header = (SCRIPTS / script).read_text().splitlines()[1:8]
-    usage = re.compile(rf"^#\s+(node \d+:\s+)?(\w+=\S*\s+)*((bash|sbatch)(\s+--\S+)*\s+)?"
-                       rf"run_scripts/{re.escape(script)}(\s|$)")
+    usage = re.compile(
+        rf"^#\s+(node \d+:\s+)?(\w+=\S*\s+)*((bash|sbatch)(\s+--\S+)*\s+)?"
+        rf"run_scripts/{re.escape(script)}(\s|$)"
+    )
     assert any(usage.match(line) for line in header), header

@@ -3,6 +3,7 @@ without rewriting a finished shard; trained on with every guarantee a folder has
 came from, a sample that cannot be decoded skipped and named SHARD:KEY, exact validation under torchrun, bitwise
 resume after a SIGKILL mid-epoch. A Hugging Face dataset made of the same folder (save_to_disk's, the Hub's parquet
 files) trains bitwise as the folder, its broken rows skipped and named SPLIT[ROW], validation exact under torchrun."""
+
 import re
 import shutil
 import signal
@@ -13,9 +14,25 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
-from conftest import (EXACT_MODEL, PYTHON, REPO, TINY, Job, ahead, assert_ok, clean_env, free_port, hf_copy,
-                      make_image_folder, no_traceback_of_ours, once, run_prewarmed, script_command, torchrun_command,
-                      worker_command)
+from conftest import (
+    EXACT_MODEL,
+    PYTHON,
+    REPO,
+    TINY,
+    Job,
+    ahead,
+    assert_ok,
+    clean_env,
+    free_port,
+    hf_copy,
+    make_image_folder,
+    no_traceback_of_ours,
+    once,
+    run_prewarmed,
+    script_command,
+    torchrun_command,
+    worker_command,
+)
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards  # noqa: E402
@@ -37,7 +54,9 @@ def broken_folder(tmp_path_factory):
 
 def sharded(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")  # (a process of its own: in-process, it would print into a test's capsys)
-    assert_ok(run_prewarmed("tools/make_shards.py", [[once(broken_folder, tmp_path_factory), out, "--shard-size", "4"]])[0])
+    assert_ok(
+        run_prewarmed("tools/make_shards.py", [[once(broken_folder, tmp_path_factory), out, "--shard-size", "4"]])[0]
+    )
     return out
 
 
@@ -65,25 +84,67 @@ def training_runs(tmp_path_factory):
     hf = {form: hf_copy(folder, out / f"hf-{form}", form) for form in ("disk", "parquet")}
     hf_env = clean_env(HF_DATASETS_CACHE=out / "hf-cache")  # (datasets' arrow copy of the parquet files)
     killed = [*RUN, "--data", shards, "--output-dir", out / "resumed", "--resume", "auto", "--checkpoint-interval", "1"]
-    jobs = {"killed": Job(script_command("train_dp.py", *killed)),
-            "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),
-            "shards": Job(script_command("train_dp.py", *RUN, "--data", shards, "--output-dir", out / "shards")),
-            "hf": Job(script_command("train_dp.py", *RUN, "--data", hf["disk"], "--output-dir", out / "hf"), hf_env),
-            "hf3": Job(torchrun_command("train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", hf["parquet"],
-                                        "--output-dir", out / "hf3"), hf_env),
-            "three": Job(torchrun_command("train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", shards,
-                                          "--output-dir", out / "three")),
-            **{f"node{rank}": Job([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
-                                   "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-                                   *worker_command("train_ddp.py"), *RUN, "--epochs", "1", "--save-on", "node",
-                                   "--data", data, "--output-dir", out / f"node{rank}"])
-               for rank, data in enumerate((shards, copy))}}
+    jobs = {
+        "killed": Job(script_command("train_dp.py", *killed)),
+        "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),
+        "shards": Job(script_command("train_dp.py", *RUN, "--data", shards, "--output-dir", out / "shards")),
+        "hf": Job(script_command("train_dp.py", *RUN, "--data", hf["disk"], "--output-dir", out / "hf"), hf_env),
+        "hf3": Job(
+            torchrun_command(
+                "train_ddp.py",
+                3,
+                *RUN,
+                "-b",
+                "9",
+                "--epochs",
+                "1",
+                "--data",
+                hf["parquet"],
+                "--output-dir",
+                out / "hf3",
+            ),
+            hf_env,
+        ),
+        "three": Job(
+            torchrun_command(
+                "train_ddp.py", 3, *RUN, "-b", "9", "--epochs", "1", "--data", shards, "--output-dir", out / "three"
+            )
+        ),
+        **{
+            f"node{rank}": Job(
+                [
+                    PYTHON,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node-rank={rank}",
+                    "--nproc-per-node=1",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    *worker_command("train_ddp.py"),
+                    *RUN,
+                    "--epochs",
+                    "1",
+                    "--save-on",
+                    "node",
+                    "--data",
+                    data,
+                    "--output-dir",
+                    out / f"node{rank}",
+                ]
+            )
+            for rank, data in enumerate((shards, copy))
+        },
+    }
     try:
         jobs["killed"].wait_for(re.compile(r"^Epoch: \[1\] \[2/"), timeout=300)  # saved: step 1 or 2
         jobs["killed"].process.send_signal(signal.SIGKILL)
         jobs["killed"].finish(timeout=60)
-        results = {name: CompletedProcess(job.process.args, *job.finish(timeout=300)) for name, job in jobs.items()
-                   if name != "killed"}
+        results = {
+            name: CompletedProcess(job.process.args, *job.finish(timeout=300))
+            for name, job in jobs.items()
+            if name != "killed"
+        }
     finally:
         for job in jobs.values():
             job.kill()
@@ -115,8 +176,9 @@ def test_the_same_images_in_shards_and_in_their_folder_give_bitwise_the_same_run
 
 
 def test_a_hugging_face_copy_of_the_folder_gives_bitwise_its_run_broken_rows_named_and_validation_exact(shard_runs):
-    """save_to_disk's form under train_dp.py: the folder's run, bitwise (its cut JPEGs skipped in both, named SPLIT[ROW]:
-    FILE here); the parquet form under torchrun with 3 processes: each readable val image counted once (15 of 16)."""
+    """save_to_disk's form under train_dp.py: the folder's run, bitwise (its cut JPEGs skipped in both, named
+    SPLIT[ROW]: FILE here); the parquet form under torchrun with 3 processes: each readable val image counted once (15
+    of 16)."""
     runs, _ = shard_runs
     (folder, folder_dir), (hf, hf_dir) = runs["folder"], runs["hf"]
     output = assert_ok(hf)
@@ -124,8 +186,10 @@ def test_a_hugging_face_copy_of_the_folder_gives_bitwise_its_run_broken_rows_nam
     assert reference.keys() == trained.keys() and all(torch.equal(reference[name], trained[name]) for name in reference)
     assert losses(hf_dir) == losses(folder_dir) and progress(output) == progress(assert_ok(folder))
     named = set(re.findall(r"^warning: (?:rank \d: )?skipped (\S+): cannot decode it", output, re.MULTILINE))
-    assert {re.sub(r"\[\d+\]", "[N]", name).rsplit("/", 2)[-1] for name in named} == {"train[N]:zz.cut.jpg",
-                                                                                      "validation[N]:zz.cut.jpg"}, named
+    assert {re.sub(r"\[\d+\]", "[N]", name).rsplit("/", 2)[-1] for name in named} == {
+        "train[N]:zz.cut.jpg",
+        "validation[N]:zz.cut.jpg",
+    }, named
     three = assert_ok(runs["hf3"][0])
     assert "world size 3" in three and re.findall(r" \* Acc@1 .*\((\d+) images\)", three) == ["15"], three[-3000:]
     assert no_traceback_of_ours(three) and "validation[" in (runs["hf3"][1] / "bad_images.txt").read_text()
@@ -193,13 +257,16 @@ def test_a_rerun_carries_on_after_a_crash_and_never_rewrites_a_finished_shard(tm
 def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(tmp_path, tiny_data):
     out = tmp_path / "shards"
     assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 0
-    other, missing = run_prewarmed("tools/make_shards.py", [[tiny_data, out, "--shard-size", "6"],
-                                                             [tmp_path / "nothing", tmp_path / "out"]])
+    other, missing = run_prewarmed(
+        "tools/make_shards.py", [[tiny_data, out, "--shard-size", "6"], [tmp_path / "nothing", tmp_path / "out"]]
+    )
     assert other.returncode == 2 and other.stdout.splitlines() == [
         f"error: {out} holds shards written with other options (shard_size 5 -> 6): give another OUT, or rerun the "
-        "command that wrote them"], other.stdout
+        "command that wrote them"
+    ], other.stdout
     assert missing.returncode == 2 and missing.stdout.splitlines() == [
-        f"error: SRC {tmp_path / 'nothing'} is not a folder"], missing.stdout
+        f"error: SRC {tmp_path / 'nothing'} is not a folder"
+    ], missing.stdout
     assert not (tmp_path / "out").exists()
 
 
@@ -212,4 +279,5 @@ def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, caps
     assert make_shards.main([str(source), str(tmp_path / "out"), "--workers", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: two train images of {source.resolve()} have the same key (their paths without the extension, dots "
-        "made _): rename one"]
+        "made _): rename one"
+    ]

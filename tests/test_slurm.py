@@ -5,6 +5,7 @@ job stopped by the signal Slurm sends before its time limit, which requeues itse
 Without a responsive Slurm node these tests are skipped, unless REQUIRE_SLURM=1 (which `make test-slurm`
 sets, and nothing else): then each of them fails, so that a cluster that is down, or stops responding
 during the run, fails the target instead of passing it with everything skipped."""
+
 import os
 import re
 import shutil
@@ -24,25 +25,34 @@ def _slurm_unavailable():
     """Why the tests cannot run here, or None."""
     missing = [tool for tool in ("sbatch", "sinfo", "scontrol", "scancel") if shutil.which(tool) is None]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} not on PATH): "
-                "run `make test-slurm`, which installs and starts a one-node cluster")
+        return (
+            f"Slurm is not installed ({', '.join(missing)} not on PATH): "
+            "run `make test-slurm`, which installs and starts a one-node cluster"
+        )
     try:  # `scontrol ping` answers at once when slurmctld is down; sinfo retries for about 10 s
-        ping = subprocess.run(["scontrol", "ping"], text=True, timeout=30,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        ping = subprocess.run(
+            ["scontrol", "ping"], text=True, timeout=30, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         if ping.returncode != 0:
             answer = (ping.stdout.strip().splitlines() or ["no output"])[0][:200]
-            return (f"the Slurm controller does not respond (scontrol ping: {answer}): start a one-node "
-                    "cluster with tools/slurm_local_cluster.sh start, or run `make test-slurm`")
-        result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], text=True, timeout=30,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            return (
+                f"the Slurm controller does not respond (scontrol ping: {answer}): start a one-node "
+                "cluster with tools/slurm_local_cluster.sh start, or run `make test-slurm`"
+            )
+        result = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"],
+            text=True,
+            timeout=30,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
     except subprocess.TimeoutExpired:
         return "scontrol/sinfo did not answer within 30 s: is slurmctld running? (tools/slurm_local_cluster.sh start)"
     # A state ending in '*' means the node does not respond; idle/mix/alloc can run jobs.
     states = [line.split()[-1] for line in result.stdout.splitlines() if line.strip()]
     if result.returncode != 0 or not any(state in ("idle", "mix", "alloc") for state in states):
         answer = " ".join(result.stdout.split())[:300] or "no output"
-        return (f"no responsive Slurm node (sinfo: {answer}): start one with "
-                "tools/slurm_local_cluster.sh start")
+        return f"no responsive Slurm node (sinfo: {answer}): start one with tools/slurm_local_cluster.sh start"
     return None
 
 
@@ -72,21 +82,38 @@ def responsive_slurm():
     """Before each test: the node may have stopped responding during an earlier one."""
     _check_slurm()
 
+
 JOB_TIMEOUT = 300  # seconds for a whole job; Slurm's own limit (--time) is 5 minutes too
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """3 classes, 8 train and 4 val JPEGs per class."""
-    return make_image_folder(tmp_path_factory.mktemp("slurm_data"), train_per_class=8, val_per_class=4,
-                             num_classes=3)
+    return make_image_folder(tmp_path_factory.mktemp("slurm_data"), train_per_class=8, val_per_class=4, num_classes=3)
 
 
 def sbatch_command(script, sbatch_args, train_args, job_out, name, exports):
-    export = ",".join(["ALL", f"MASTER_PORT={free_port()}", f"PYTHON={PYTHON}", "OMP_NUM_THREADS=1",
-                       "CUDA_VISIBLE_DEVICES=", *(f"{key}={value}" for key, value in exports.items())])
-    return ["sbatch", "--nodes=1", f"--job-name={name}", "--time=5", f"--output={job_out}",
-            f"--export={export}", *sbatch_args, f"run_scripts/{script}", *map(str, train_args)]
+    export = ",".join(
+        [
+            "ALL",
+            f"MASTER_PORT={free_port()}",
+            f"PYTHON={PYTHON}",
+            "OMP_NUM_THREADS=1",
+            "CUDA_VISIBLE_DEVICES=",
+            *(f"{key}={value}" for key, value in exports.items()),
+        ]
+    )
+    return [
+        "sbatch",
+        "--nodes=1",
+        f"--job-name={name}",
+        "--time=5",
+        f"--output={job_out}",
+        f"--export={export}",
+        *sbatch_args,
+        f"run_scripts/{script}",
+        *map(str, train_args),
+    ]
 
 
 def sbatch(script, sbatch_args, train_args, tmp_path, **exports):
@@ -96,8 +123,15 @@ def sbatch(script, sbatch_args, train_args, tmp_path, **exports):
     command = sbatch_command(script, ["--wait", *sbatch_args], train_args, job_out, name, exports)
     finished = False
     try:
-        result = subprocess.run(command, cwd=REPO, env=clean_env(), text=True, timeout=JOB_TIMEOUT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        result = subprocess.run(
+            command,
+            cwd=REPO,
+            env=clean_env(),
+            text=True,
+            timeout=JOB_TIMEOUT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         finished = True
     finally:
         if not finished:  # a hang (or an interrupt): do not leave the job running
@@ -136,8 +170,7 @@ def test_slurm_ddp_sbatch_runs_torchrun_under_srun(data, tmp_path):
 
 def test_slurm_ddp_tasks_sbatch_takes_world_size_from_slurm_ntasks(data, tmp_path):
     out = tmp_path / "run"
-    status, report, output = sbatch("slurm_ddp_tasks.sbatch", ["--ntasks-per-node=2"], train_args(data, out),
-                                     tmp_path)
+    status, report, output = sbatch("slurm_ddp_tasks.sbatch", ["--ntasks-per-node=2"], train_args(data, out), tmp_path)
     assert status == 0, report[-4000:]
     line = command_line(output)
     assert "srun" in line and "torch.distributed.run" not in line, line
@@ -149,21 +182,54 @@ def test_slurm_ddp_tasks_sbatch_takes_world_size_from_slurm_ntasks(data, tmp_pat
 # id, output appended) resumes from that step and ends bitwise equal to a run never interrupted.
 # mobilenet_v3_small (dropout, BatchNorm) still learns in every epoch of this run; 240 training
 # images, global batch 8: 30 steps an epoch, a checkpoint every 5 steps.
-PREEMPT_RUN = ["-a", "mobilenet_v3_small", "--train-crop-size", "64", "--val-resize-size", "64",
-               "--val-crop-size", "64", "-j", "0", "-b", "8", "--epochs", "3", "--seed", "7", "--lr", "0.01",
-               "-p", "1", "--checkpoint-interval", "5"]
+PREEMPT_RUN = [
+    "-a",
+    "mobilenet_v3_small",
+    "--train-crop-size",
+    "64",
+    "--val-resize-size",
+    "64",
+    "--val-crop-size",
+    "64",
+    "-j",
+    "0",
+    "-b",
+    "8",
+    "--epochs",
+    "3",
+    "--seed",
+    "7",
+    "--lr",
+    "0.01",
+    "-p",
+    "1",
+    "--checkpoint-interval",
+    "5",
+]
 SIGNAL_AT = re.compile(r"^Epoch: \[1\] \[ 7/30\]", re.MULTILINE)
 REQUEUE_TIMEOUT = 240  # seconds from the signal to the end of the requeued job
 # A job in one of these states will not run again (squeue forgets a finished job; scontrol keeps it).
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED", "REQUEUE_HOLD", "SPECIAL_EXIT")
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "REQUEUE_HOLD",
+    "SPECIAL_EXIT",
+)
 
 
 @pytest.fixture(scope="module")
 def preempt_data(tmp_path_factory):
     """3 classes, 80 train and 4 val JPEGs per class."""
-    return make_image_folder(tmp_path_factory.mktemp("slurm_preempt_data"), train_per_class=80, val_per_class=4,
-                             num_classes=3)
+    return make_image_folder(
+        tmp_path_factory.mktemp("slurm_preempt_data"), train_per_class=80, val_per_class=4, num_classes=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +242,13 @@ def uninterrupted(preempt_data, tmp_path_factory):
 
 def job_info(job_id):
     """scontrol's fields of the job (JobState, Reason, Restarts, ExitCode, ...), {} once it is forgotten."""
-    result = subprocess.run(["scontrol", "show", "job", "-o", job_id], text=True, timeout=30,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    result = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        text=True,
+        timeout=30,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     if result.returncode != 0:
         return {}
     return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
@@ -189,10 +260,12 @@ def read(path):
 
 def submit(script, sbatch_args, train_args, job_out, exports):
     """`sbatch --parsable ...` without waiting: the job id."""
-    command = sbatch_command(script, ["--parsable", *sbatch_args], train_args, job_out,
-                             f"pytest-{uuid.uuid4().hex[:12]}", exports)
-    submitted = subprocess.run(command, cwd=REPO, env=clean_env(), text=True, timeout=60,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = sbatch_command(
+        script, ["--parsable", *sbatch_args], train_args, job_out, f"pytest-{uuid.uuid4().hex[:12]}", exports
+    )
+    submitted = subprocess.run(
+        command, cwd=REPO, env=clean_env(), text=True, timeout=60, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     assert submitted.returncode == 0, submitted.stdout
     return submitted.stdout.strip().split(";")[0]
 
@@ -201,8 +274,9 @@ def wait_for_output(job_id, job_out, pattern):
     deadline = time.monotonic() + JOB_TIMEOUT
     while not pattern.search(read(job_out)):
         state = job_info(job_id).get("JobState")
-        assert state not in ENDED and time.monotonic() < deadline, \
+        assert state not in ENDED and time.monotonic() < deadline, (
             f"job {job_id} ({state}) printed no line matching {pattern.pattern!r}:\n{read(job_out)[-4000:]}"
+        )
         time.sleep(0.2)
 
 
@@ -217,24 +291,34 @@ def follow(job_id, job_out, until, timeout=REQUEUE_TIMEOUT):
             states.append((round(time.monotonic() - start, 1), *state))
         if not info or until(state[0]):
             return info, states
-        assert time.monotonic() - start < timeout, \
+        assert time.monotonic() - start < timeout, (
             f"job {job_id} still not done after {timeout} s: {states}\n{read(job_out)[-4000:]}"
+        )
         time.sleep(1)
 
 
-@pytest.mark.parametrize("script, sbatch_args, exports", [
-    ("slurm_ddp.sbatch", [], {"NPROC_PER_NODE": 2}),
-    ("slurm_ddp_tasks.sbatch", ["--ntasks-per-node=2"], {}),
-], ids=["torchrun", "tasks"])
+@pytest.mark.parametrize(
+    "script, sbatch_args, exports",
+    [
+        ("slurm_ddp.sbatch", [], {"NPROC_PER_NODE": 2}),
+        ("slurm_ddp_tasks.sbatch", ["--ntasks-per-node=2"], {}),
+    ],
+    ids=["torchrun", "tasks"],
+)
 def test_a_stop_signal_checkpoints_the_job_which_requeues_itself_and_finishes_bitwise_equal(
-        script, sbatch_args, exports, preempt_data, uninterrupted, tmp_path):
+    script, sbatch_args, exports, preempt_data, uninterrupted, tmp_path
+):
     out, job_out = tmp_path / "run", tmp_path / "job.out"
-    job_id = submit(script, sbatch_args, [*PREEMPT_RUN, "--data", preempt_data, "--output-dir", out], job_out,
-                    exports)
+    job_id = submit(script, sbatch_args, [*PREEMPT_RUN, "--data", preempt_data, "--output-dir", out], job_out, exports)
     try:
         wait_for_output(job_id, job_out, SIGNAL_AT)
-        signalled = subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], text=True, timeout=30,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        signalled = subprocess.run(
+            ["scancel", "--batch", "--signal=USR1", job_id],
+            text=True,
+            timeout=30,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         assert signalled.returncode == 0, signalled.stdout
         info, states = follow(job_id, job_out, until=lambda state: state in ENDED)
     finally:
@@ -258,15 +342,21 @@ def test_a_stop_signal_checkpoints_the_job_which_requeues_itself_and_finishes_bi
     epochs = [line.split(",")[0] for line in (out / "log.csv").read_text().splitlines()[1:]]
     assert epochs == ["0", "1", "2"], report
     different = [name for name in uninterrupted if not torch.equal(uninterrupted[name], final["state_dict"][name])]
-    assert final["state_dict"].keys() == uninterrupted.keys() and not different, \
+    assert final["state_dict"].keys() == uninterrupted.keys() and not different, (
         f"{len(different)} tensors differ from the uninterrupted run, e.g. {different[:3]}"
+    )
 
 
 def test_scancel_of_the_job_cancels_it_instead_of_requeueing_it(preempt_data, tmp_path):
     # `scancel JOBID` sends SIGTERM to the job script too: the script must not requeue the job then.
     out, job_out = tmp_path / "run", tmp_path / "job.out"
-    job_id = submit("slurm_ddp_tasks.sbatch", ["--ntasks-per-node=2"],
-                    [*PREEMPT_RUN, "--data", preempt_data, "--output-dir", out], job_out, {})
+    job_id = submit(
+        "slurm_ddp_tasks.sbatch",
+        ["--ntasks-per-node=2"],
+        [*PREEMPT_RUN, "--data", preempt_data, "--output-dir", out],
+        job_out,
+        {},
+    )
     try:
         wait_for_output(job_id, job_out, SIGNAL_AT)
         subprocess.run(["scancel", job_id], timeout=30)

@@ -1,4 +1,5 @@
 """train_dp.py end to end: real processes, started as a user starts them, on the CPU."""
+
 import csv
 import json
 import re
@@ -15,8 +16,11 @@ from conftest import TINY, assert_ok, clean_env, run_prewarmed, run_script, run_
 
 pytestmark = pytest.mark.e2e
 SCRIPT = "train_dp.py"
-ACC_LINE = re.compile(r"^ \* Acc@1 (?P<acc1>[\d.]+)  Acc@5 (?P<acc5>[\d.]+)  Loss (?P<loss>[\d.e+-]+|nan)  "
-                      r"\((?P<count>\d+) images\)$", re.MULTILINE)
+ACC_LINE = re.compile(
+    r"^ \* Acc@1 (?P<acc1>[\d.]+)  Acc@5 (?P<acc5>[\d.]+)  Loss (?P<loss>[\d.e+-]+|nan)  "
+    r"\((?P<count>\d+) images\)$",
+    re.MULTILINE,
+)
 
 
 def train_args(data, output_dir, *extra):
@@ -34,8 +38,10 @@ def read_checkpoint(path):
 
 def snapshot(directory):
     """Every file under `directory` with its size and modification time."""
-    return {str(path.relative_to(directory)): (path.stat().st_size, path.stat().st_mtime_ns)
-            for path in Path(directory).rglob("*")}
+    return {
+        str(path.relative_to(directory)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in Path(directory).rglob("*")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +50,16 @@ def first_runs(tiny_data, tmp_path_factory):
     starts it (not prewarmed: conftest.Prewarmed): two epochs of resnet18 on the tiny set; and one epoch,
     the count taken from the EPOCHS environment variable (no --epochs)."""
     two, one = tmp_path_factory.mktemp("dp-run") / "out", tmp_path_factory.mktemp("dp-run-env") / "out"
-    results = run_together([script_command(SCRIPT, *train_args(tiny_data, two, "--epochs", "2"), as_user=True),
-                            (script_command(SCRIPT, *train_args(tiny_data, one), as_user=True), clean_env(EPOCHS=1))])
-    return [SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
-            for result, output_dir in zip(results, (two, one))]
+    results = run_together(
+        [
+            script_command(SCRIPT, *train_args(tiny_data, two, "--epochs", "2"), as_user=True),
+            (script_command(SCRIPT, *train_args(tiny_data, one), as_user=True), clean_env(EPOCHS=1)),
+        ]
+    )
+    return [
+        SimpleNamespace(stdout=assert_ok(result), output_dir=output_dir)
+        for result, output_dir in zip(results, (two, one))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +82,25 @@ def second_runs(trained, one_epoch, tiny_data, tmp_path_factory):
     resumed = {how: shutil.copytree(one_epoch.output_dir, root / how) for how in ("path", "auto")}
     ours = read_checkpoint(one_epoch.output_dir / "checkpoint.pth")
     # pytorch/examples imagenet/main.py saves DataParallel's `module.` names and best_acc1 as a tensor.
-    torch.save({"epoch": 1, "arch": "resnet18",
-                "state_dict": {f"module.{name}": value for name, value in ours["state_dict"].items()},
-                "best_acc1": torch.tensor(ours["best_acc1"]), "optimizer": ours["optimizer"]},
-               root / "checkpoint.pth.tar")
+    torch.save(
+        {
+            "epoch": 1,
+            "arch": "resnet18",
+            "state_dict": {f"module.{name}": value for name, value in ours["state_dict"].items()},
+            "best_acc1": torch.tensor(ours["best_acc1"]),
+            "optimizer": ours["optimizer"],
+        },
+        root / "checkpoint.pth.tar",
+    )
     runs = {
         "evaluate": (trained.output_dir, ["-e", "--resume", trained.output_dir / "checkpoint.pth"]),
         "resume-path": (resumed["path"], ["--resume", resumed["path"] / "checkpoint.pth", "--epochs", "2"]),
         "resume-auto": (resumed["auto"], ["--resume", "auto", "--epochs", "2"]),
         "resume-examples": (root / "examples", ["--resume", root / "checkpoint.pth.tar", "--epochs", "2"]),
     }
-    results = run_together([script_command(SCRIPT, *train_args(tiny_data, output_dir, *flags))
-                            for output_dir, flags in runs.values()])
+    results = run_together(
+        [script_command(SCRIPT, *train_args(tiny_data, output_dir, *flags)) for output_dir, flags in runs.values()]
+    )
     outcome = {name: (result, output_dir) for name, result, (output_dir, _) in zip(runs, results, runs.values())}
     outcome["evaluated-dir-unchanged"] = snapshot(trained.output_dir) == before
     return outcome
@@ -89,12 +108,16 @@ def second_runs(trained, one_epoch, tiny_data, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- a run and what it leaves
 
+
 def test_train_dp_trains_and_evaluates_each_epoch(trained):
     out = trained.stdout
     assert "no GPU in use" in out and "dp: world size 1" in out
     for epoch in (0, 1):  # 24 images, batch 8: 3 steps per epoch, a line per step (-p 1)
-        steps = re.findall(rf"^Epoch: \[{epoch}\] \[([123])/3\]  loss [\d.]+  acc@1 .* img/s \(input wait \d+%\)  eta \d+:\d\d:\d\d$",
-                           out, re.MULTILINE)
+        steps = re.findall(
+            rf"^Epoch: \[{epoch}\] \[([123])/3\]  loss [\d.]+  acc@1 .* img/s \(input wait \d+%\)  eta \d+:\d\d:\d\d$",
+            out,
+            re.MULTILINE,
+        )
         assert steps == ["1", "2", "3"], out
     accuracies = ACC_LINE.findall(out)
     assert len(accuracies) == 2 and all(count == "12" for *_, count in accuracies), out
@@ -119,7 +142,8 @@ def test_train_dp_writes_checkpoints_log_and_summary(trained):
         assert all(row[field] == "" if field in empty else float(row[field]) >= 0 for field in CSV_FIELDS[2:]), row
         assert 0.0 <= float(row["val_acc1"]) <= float(row["val_acc5"]) <= 100.0
     assert [float(row["val_acc1"]) for row in logged] == [
-        pytest.approx(float(acc1), abs=1e-3) for acc1, *_ in ACC_LINE.findall(trained.stdout)]
+        pytest.approx(float(acc1), abs=1e-3) for acc1, *_ in ACC_LINE.findall(trained.stdout)
+    ]
 
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["mode"] == "dp" and summary["epochs"] == 2 and summary["world_size"] == 1
@@ -157,12 +181,16 @@ def test_evaluate_prints_the_checkpoints_validation_accuracy_and_writes_nothing(
     (evaluated,) = [match.groupdict() for match in ACC_LINE.finditer(out)]
     last_epoch = [match.groupdict() for match in ACC_LINE.finditer(trained.stdout)][-1]
     assert (evaluated["acc1"], evaluated["acc5"], evaluated["count"]) == (
-        last_epoch["acc1"], last_epoch["acc5"], last_epoch["count"])
+        last_epoch["acc1"],
+        last_epoch["acc5"],
+        last_epoch["count"],
+    )
     assert float(evaluated["loss"]) == pytest.approx(float(last_epoch["loss"]), rel=1e-5)
     assert second_runs["evaluated-dir-unchanged"]
 
 
 # ----------------------------------------------------------------------------- resume and defaults
+
 
 def test_epochs_from_the_environment_apply_without_the_flag(one_epoch):
     assert "Epoch: [0]" in one_epoch.stdout and "Epoch: [1]" not in one_epoch.stdout
@@ -193,6 +221,7 @@ def test_resume_accepts_a_pytorch_examples_checkpoint(second_runs):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 class RunsCodeWhenUnpickled:
     def __init__(self, marker):
         self.marker = str(marker)
@@ -211,9 +240,10 @@ BAD_INPUTS = {
     "resume-missing": r"--resume .*missing\.pth: no such file",
     "resume-other-arch": r"holds a squeezenet1_1 model, not resnet18: pass --arch squeezenet1_1",
     "resume-other-class-count": r"does not fit resnet18 with these classes",
-    "resume-arbitrary-object": r"^error: refusing to load \S+/arbitrary\.pth: it holds a Python object \(\S+\), not only "
-                               r"tensors and plain data; nothing in it was run$",
-    "resume-text-file": r"^error: cannot read checkpoint \S+/notes\.txt: truncated or not a PyTorch checkpoint \(\w+\)$",
+    "resume-arbitrary-object": r"^error: refusing to load \S+/arbitrary\.pth: it holds a Python object \(\S+\), "
+    r"not only tensors and plain data; nothing in it was run$",
+    "resume-text-file": r"^error: cannot read checkpoint \S+/notes\.txt: truncated or not a PyTorch checkpoint "
+    r"\(\w+\)$",
     "gpus-on-cpu": r"--gpus .*no GPU",
     "epochs-0": r"--epochs must be positive, got 0",
     "batch-0": r"--batch-size must be positive, got 0",
@@ -237,12 +267,21 @@ def bad_runs(tiny_data, tmp_path_factory):
     (empty_class / "train" / "zebra").mkdir()
     different = copy_of_tiny("different")
     (different / "val" / "ring").rename(different / "val" / "donut")
-    torch.save({"epoch": 1, "arch": "squeezenet1_1",
-                "state_dict": torchvision.models.squeezenet1_1(num_classes=3).state_dict()}, root / "squeezenet.pth")
-    torch.save({"epoch": 1, "arch": "resnet18",
-                "state_dict": torchvision.models.resnet18(num_classes=5).state_dict()}, root / "five-classes.pth")
-    torch.save({"epoch": 1, "state_dict": {}, "payload": RunsCodeWhenUnpickled(root / "code-ran")},
-               root / "arbitrary.pth")
+    torch.save(
+        {
+            "epoch": 1,
+            "arch": "squeezenet1_1",
+            "state_dict": torchvision.models.squeezenet1_1(num_classes=3).state_dict(),
+        },
+        root / "squeezenet.pth",
+    )
+    torch.save(
+        {"epoch": 1, "arch": "resnet18", "state_dict": torchvision.models.resnet18(num_classes=5).state_dict()},
+        root / "five-classes.pth",
+    )
+    torch.save(
+        {"epoch": 1, "state_dict": {}, "payload": RunsCodeWhenUnpickled(root / "code-ran")}, root / "arbitrary.pth"
+    )
     (root / "notes.txt").write_text("hello\n")
 
     cases = {
@@ -268,8 +307,9 @@ def bad_runs(tiny_data, tmp_path_factory):
     # Later flags win in argparse: each case overrides the good defaults given first. Each case is a
     # process of its own, forked from one that imported torch already (conftest.run_prewarmed).
     names = list(cases)
-    results = run_prewarmed(SCRIPT, [[*train_args(tiny_data, root / f"out-{name}", "--epochs", "1"), *cases[name]]
-                                     for name in names])
+    results = run_prewarmed(
+        SCRIPT, [[*train_args(tiny_data, root / f"out-{name}", "--epochs", "1"), *cases[name]] for name in names]
+    )
     assert not (root / "code-ran").exists(), "loading --resume ran code from the checkpoint"
     return {name: (result, root / f"out-{name}") for name, result in zip(names, results)}
 
@@ -294,22 +334,31 @@ def test_a_bad_input_gives_the_same_line_from_a_process_started_as_a_user_starts
     `python train_dp.py` itself, with the same result."""
     result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1"), "--lr", "0", as_user=True)
     forked, _ = bad_runs["lr-0"]
-    assert (result.returncode, result.stdout) == (forked.returncode, forked.stdout) == (
-        2, "error: --lr must be positive, got 0.0\n")
+    assert (
+        (result.returncode, result.stdout)
+        == (forked.returncode, forked.stdout)
+        == (2, "error: --lr must be positive, got 0.0\n")
+    )
     assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- nn.DataParallel itself
 
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA GPU: without one train_dp.py runs the bare model (nn.DataParallel needs GPUs)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU: without one train_dp.py runs the bare model (nn.DataParallel needs GPUs)",
+)
 def test_dataparallel_splits_each_batch_over_every_visible_gpu(tiny_data, tmp_path):
     """train_dp.py on this machine's GPUs (clean_env hides them unless gpu=True): one replica per GPU,
     each on its share of the global batch of 8; with one GPU, DataParallel runs the model on it."""
     count = torch.cuda.device_count()
-    result = run_script(SCRIPT, *train_args(tiny_data, tmp_path / "out", "--epochs", "1", "-a",
-                                            "tests.tiny_models:ReplicaReportNet"), env=clean_env(gpu=True))
+    result = run_script(
+        SCRIPT,
+        *train_args(tiny_data, tmp_path / "out", "--epochs", "1", "-a", "tests.tiny_models:ReplicaReportNet"),
+        env=clean_env(gpu=True),
+    )
     out = assert_ok(result)
     assert f"dp: world size 1, {count} device(s) per process" in out and f"{count} x " in out, out[-3000:]
     assert "no GPU in use" not in out

@@ -1,4 +1,5 @@
 """Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
+
 import os
 import time
 
@@ -6,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common.transforms import IMAGENET_MEAN, IMAGENET_STD
 from common.trainer import Trainer
+from common.transforms import IMAGENET_MEAN, IMAGENET_STD
 from examples.experiment import Experiment
 
 
@@ -15,16 +16,29 @@ def TinyNet(num_classes, dropout=0.0):
     """Three conv blocks, no BatchNorm: its training step does not depend on how the batch is split
     over processes, so DataParallel, DDP and spawn must agree to float precision. Learns the demo
     shapes in a few steps (unlike squeezenet1_1, whose last ReLU dies on data this small)."""
+
     def block(inputs, outputs):
         return [nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
-    return nn.Sequential(*block(3, 16), *block(16, 32), *block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Dropout(dropout), nn.Linear(64, num_classes))
+
+    return nn.Sequential(
+        *block(3, 16),
+        *block(16, 32),
+        *block(32, 64),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(64, num_classes),
+    )
 
 
 class Block(nn.Module):
     def __init__(self, inputs, outputs):
         super().__init__()
-        self.conv, self.relu, self.pool = nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)
+        self.conv, self.relu, self.pool = (
+            nn.Conv2d(inputs, outputs, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
 
     def forward(self, images):
         return self.pool(self.relu(self.conv(images)))
@@ -33,8 +47,15 @@ class Block(nn.Module):
 def BlockNet(num_classes, dropout=0.0):
     """TinyNet with its three conv blocks as modules of a class of their own in its nn.Sequential: train_fsdp.py
     shards it block by block (common/fsdp.py's rule), then the root (the head). No BatchNorm, as TinyNet."""
-    return nn.Sequential(Block(3, 16), Block(16, 32), Block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Dropout(dropout), nn.Linear(64, num_classes))
+    return nn.Sequential(
+        Block(3, 16),
+        Block(16, 32),
+        Block(32, 64),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(64, num_classes),
+    )
 
 
 def _pauses(model):
@@ -47,6 +68,7 @@ def _pauses(model):
         calls[0] += module.training
         if at and calls[0] == at:
             time.sleep(3600)
+
     model.register_forward_pre_hook(pause)
     return model
 
@@ -64,6 +86,7 @@ class ExperimentThatPauses(Experiment):
 
 def AuxNetThatPauses(num_classes, dropout=0.0):
     from examples.aux_model import build
+
     return _pauses(build(num_classes, dropout))
 
 
@@ -152,6 +175,7 @@ def _returns_logits_only():
 
         def train_step(self, model, images, labels):
             return model(images)
+
     return ReturnsLogitsOnly
 
 

@@ -4,6 +4,7 @@ set_weight_decay: copied verbatim from torchvision's references/classification/u
 Copyright (c) Soumith Chintala 2016); torchvision_parameter_groups: the lines of references/classification/train.py
 that call it from the --weight-decay, --norm-weight-decay and --bias-weight-decay flags.
 """
+
 from typing import List, Optional, Tuple
 
 import torch

@@ -2,7 +2,7 @@
 
     python tools/benchmark.py                      # CPU: pipeline + training tables (~5 min on 2 cores)
     python tools/benchmark.py --quick              # fewer images, for a smoke test
-    python tools/benchmark.py --gpu                # the GPU at steady state (tools/benchmark_gpu.py; make benchmark-gpu)
+    python tools/benchmark.py --gpu                # the GPU at steady state (make benchmark-gpu)
     python tools/benchmark.py --jpeg-dir DIR       # your own JPEGs (an ImageFolder with train/ and val/)
     python tools/benchmark.py --resize-compare     # only: original vs prepare_imagenet.py --resize copies
     python tools/benchmark.py --augment-compare    # only: crop/flip vs auto-augment + erasing, per worker
@@ -25,6 +25,7 @@ c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): th
 --wait-compare: train_dp.py on the JPEGs and on prepare_imagenet.py --resize 160 copies, each with -j 0 and -j 1:
    log.csv's input wait, images/s and TFLOP/s (docs/benchmarks.md, "Why is my run slow?").
 """
+
 import argparse
 import csv
 import math
@@ -53,8 +54,9 @@ from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, Trai
 def make_jpegs(root, per_class, classes=2, seed=0):
     """An ImageFolder of photo-like 500x375 JPEGs (smooth colour fields, edges and grain; about
     the size and decode cost of ImageNet's)."""
-    from PIL import Image, ImageDraw, ImageFilter
     import numpy as np
+    from PIL import Image, ImageDraw, ImageFilter
+
     rng = np.random.default_rng(seed)
     for split, count in (("train", per_class), ("val", max(per_class // 8, 1))):
         for label in range(classes):
@@ -66,10 +68,12 @@ def make_jpegs(root, per_class, classes=2, seed=0):
                 draw = ImageDraw.Draw(image)
                 for _ in range(12):
                     x, y = rng.integers(0, 500), rng.integers(0, 375)
-                    draw.ellipse([x, y, x + rng.integers(10, 150), y + rng.integers(10, 150)],
-                                 fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+                    draw.ellipse(
+                        [x, y, x + rng.integers(10, 150), y + rng.integers(10, 150)],
+                        fill=tuple(int(c) for c in rng.integers(0, 256, 3)),
+                    )
                 grain = rng.normal(0, 18, (375, 500, 3))
-                pixels = (np.asarray(image.filter(ImageFilter.GaussianBlur(1.0)), dtype=float) + grain)
+                pixels = np.asarray(image.filter(ImageFilter.GaussianBlur(1.0)), dtype=float) + grain
                 Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"{index:05d}.jpg", quality=90)
     return Path(root)
 
@@ -84,8 +88,14 @@ def pipeline_rates(jpeg_dir, images, batch=64):
     paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
     paths = (paths * math.ceil(images / len(paths)))[:images]
     ours = TrainPreset(224)
-    classic = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
-                                  transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    classic = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(224),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
     class Images(Dataset):
         def __init__(self, load):
@@ -98,10 +108,14 @@ def pipeline_rates(jpeg_dir, images, batch=64):
             return self.load(index), 0
 
     cases = {
-        "ours: torchvision.io decode, uint8 crop+flip, uint8 batch":
-            (lambda i: ours(load_image(paths[i]), random.Random(i)), batch),
-        "classic: PIL, RandomResizedCrop, ToTensor, Normalize":
-            (lambda i: classic(Image.open(paths[i]).convert("RGB")), batch),
+        "ours: torchvision.io decode, uint8 crop+flip, uint8 batch": (
+            lambda i: ours(load_image(paths[i]), random.Random(i)),
+            batch,
+        ),
+        "classic: PIL, RandomResizedCrop, ToTensor, Normalize": (
+            lambda i: classic(Image.open(paths[i]).convert("RGB")),
+            batch,
+        ),
         # Only the size leaves the worker: this measures decoding, not moving full-size images.
         "decode alone (torchvision.io, the bound)": (lambda i: decode_jpeg(read_file(paths[i])).shape[0], batch),
     }
@@ -125,19 +139,45 @@ def log_rows(out):
 def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
     """Training images/s of one real run of a script, from its log.csv."""
     out = Path(tempfile.mkdtemp(dir=workdir))
-    common = [*data_args, *model_args, "-b", str(batch), *epochs_args, "--output-dir", str(out), "-p", "1000",
-              "--seed", "0"]
+    common = [
+        *data_args,
+        *model_args,
+        "-b",
+        str(batch),
+        *epochs_args,
+        "--output-dir",
+        str(out),
+        "-p",
+        "1000",
+        "--seed",
+        "0",
+    ]
     # On CPU the processes share the cores: dp one process with all, ddp/spawn two with half each.
     threads = os.cpu_count() if mode == "dp" else max(1, os.cpu_count() // 2)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     nproc = str(max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 2)
-    command = {"dp": [sys.executable, REPO / "train_dp.py"],
-               "ddp": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       REPO / "train_ddp.py"],
-               "spawn": [sys.executable, REPO / "train_spawn.py", "--nproc-per-node", nproc,
-                         "--master-port", str(29500 + random.randrange(2000))]}[mode]
-    result = subprocess.run([str(part) for part in command + common], env=env, capture_output=True, text=True,
-                            timeout=1800)
+    command = {
+        "dp": [sys.executable, REPO / "train_dp.py"],
+        "ddp": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            REPO / "train_ddp.py",
+        ],
+        "spawn": [
+            sys.executable,
+            REPO / "train_spawn.py",
+            "--nproc-per-node",
+            nproc,
+            "--master-port",
+            str(29500 + random.randrange(2000)),
+        ],
+    }[mode]
+    result = subprocess.run(
+        [str(part) for part in command + common], env=env, capture_output=True, text=True, timeout=1800
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{mode} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     # The mean over the epochs after the first: one short epoch is dominated by its start.
@@ -167,10 +207,19 @@ def classic_loop_rate(jpeg_dir, batch, crop, workers, images, arch):
     """The articles' loop (pytorch/examples main.py train()): classic PIL pipeline, float batches,
     and host reads of loss and accuracy every step."""
     from torchvision import datasets, models, transforms
+
     torch.manual_seed(0)
-    dataset = datasets.ImageFolder(Path(jpeg_dir) / "train", transforms.Compose([
-        transforms.RandomResizedCrop(crop), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    dataset = datasets.ImageFolder(
+        Path(jpeg_dir) / "train",
+        transforms.Compose(
+            [
+                transforms.RandomResizedCrop(crop),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            ]
+        ),
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
     model = models.get_model(arch, num_classes=len(dataset.classes))
     criterion = torch.nn.CrossEntropyLoss()
@@ -182,7 +231,7 @@ def classic_loop_rate(jpeg_dir, batch, crop, workers, images, arch):
         for images_batch, target in loader:
             output = model(images_batch)
             loss = criterion(output, target)
-            acc1, = accuracy(output, target, topk=(1,))
+            (acc1,) = accuracy(output, target, topk=(1,))
             losses.update(loss.item(), images_batch.size(0))  # a host read every step
             top1.update(acc1.item(), images_batch.size(0))
             optimizer.zero_grad()
@@ -200,6 +249,7 @@ def resize_compare(jpeg_dir, images, batch=64):
     the process doing the work, so other load on the machine does not skew them."""
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
+
     sys.path.insert(0, str(REPO / "tools"))
     from shared import resize_jpeg
 
@@ -228,8 +278,10 @@ def resize_compare(jpeg_dir, images, batch=64):
         count = sum(len(target) for _, target in DataLoader(Crops(paths, crop), batch_size=batch, num_workers=1))
         return count / (cpu_of_children() - before)
 
-    print("| images | crop | average file | average shorter side | images/s per worker | vs original "
-          "| made at (images/s, 1 process) |\n|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| images | crop | average file | average shorter side | images/s per worker | vs original "
+        "| made at (images/s, 1 process) |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     original = {}
     for name, crop in [("original", 224), ("--resize 256", 224), ("original", 160), ("--resize 160", 160)]:
         rate = worker_rate(sets[name], crop)
@@ -237,17 +289,22 @@ def resize_compare(jpeg_dir, images, batch=64):
         kilobytes = sum(path.stat().st_size for path in sets[name]) / len(sets[name]) / 1024
         side = sum(min(Image.open(path).size) for path in sets[name]) / len(sets[name])
         made = f"{making[name]:.0f}" if name in making else "-"
-        print(f"| {name} | {crop} | {kilobytes:.0f} KB | {side:.0f} | {rate:.0f} | {rate / original[crop]:.2f}x "
-              f"| {made} |", flush=True)
+        print(
+            f"| {name} | {crop} | {kilobytes:.0f} KB | {side:.0f} | {rate:.0f} | {rate / original[crop]:.2f}x "
+            f"| {made} |",
+            flush=True,
+        )
     shutil.rmtree(workdir)
 
 
-AUGMENTATIONS = [("crop + flip (no augmentation)", "none", 0.0),
-                 ("--auto-augment ta_wide --random-erase 0.1 (tv-v2)", "ta_wide", 0.1),
-                 ("--auto-augment ta_wide", "ta_wide", 0.0),
-                 ("--random-erase 0.1", "none", 0.1),
-                 ("--auto-augment ra --random-erase 0.1", "ra", 0.1),
-                 ("--auto-augment aa --random-erase 0.1", "aa", 0.1)]
+AUGMENTATIONS = [
+    ("crop + flip (no augmentation)", "none", 0.0),
+    ("--auto-augment ta_wide --random-erase 0.1 (tv-v2)", "ta_wide", 0.1),
+    ("--auto-augment ta_wide", "ta_wide", 0.0),
+    ("--random-erase 0.1", "none", 0.1),
+    ("--auto-augment ra --random-erase 0.1", "ra", 0.1),
+    ("--auto-augment aa --random-erase 0.1", "aa", 0.1),
+]
 
 
 def median(values):
@@ -258,6 +315,7 @@ def median(values):
 def cpu_of_children():
     """CPU seconds of the joined child processes (a DataLoader's worker counts once the loader joined it)."""
     import resource
+
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -268,6 +326,7 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
     The rows alternate, `rounds` times, and the median counts; rates are per CPU-second of the worker
     (so other load on the machine touches them little) and per wall-second."""
     from torch.utils.data import DataLoader
+
     paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
     samples = [(path, 0) for path in (paths * math.ceil(images / len(paths)))[:images]]
     cpu_rates, wall_rates = {name: [] for name, _, _ in AUGMENTATIONS}, {name: [] for name, _, _ in AUGMENTATIONS}
@@ -280,8 +339,10 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
             count = sum(len(target) for _, target, _ in loader)
             wall_rates[name].append(count / (time.perf_counter() - wall_before))
             cpu_rates[name].append(count / (cpu_of_children() - cpu_before))
-    print(f"| pipeline ({crop} px crops) | images/s per worker (CPU time) | wall | vs crop + flip "
-          "| added ms per image |\n|---|---:|---:|---:|---:|")
+    print(
+        f"| pipeline ({crop} px crops) | images/s per worker (CPU time) | wall | vs crop + flip "
+        "| added ms per image |\n|---|---:|---:|---:|---:|"
+    )
     base = None
     for name, _, _ in AUGMENTATIONS:
         cpu, wall = median(cpu_rates[name]), median(wall_rates[name])
@@ -292,6 +353,7 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
 def model_step_rate(size, channels_last, batch=64, steps=10, arch="resnet18", num_classes=10, device="cpu"):
     """Training images/s of forward, backward and SGD step alone, on random images of `size` px."""
     from torchvision import models as tv
+
     device = torch.device(device)
     torch.manual_seed(0)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -310,6 +372,7 @@ def model_step_rate(size, channels_last, batch=64, steps=10, arch="resnet18", nu
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     step()  # warm-up: allocations, oneDNN primitive caches
     synchronize()
     start = time.perf_counter()
@@ -324,13 +387,26 @@ def res_compare(sizes, epochs, rounds, workdir):
     crop size, the sizes alternating `rounds` times: the last epoch's training images/s and seconds; and
     the model's training step alone (random images, batch 64, the run's memory format) at each size."""
     from common.demo_data import ensure_demo_dataset
+
     train_images = sum(1 for path in (ensure_demo_dataset() / "train").rglob("*") if path.is_file())
     rows, steps, channels_last = {size: [] for size in sizes}, {size: [] for size in sizes}, False
     for _ in range(rounds):
         for size in sizes:
             out = Path(tempfile.mkdtemp(dir=workdir))
-            command = [sys.executable, str(REPO / "train_dp.py"), "--epochs", str(epochs), "--train-crop-size",
-                       str(size), "--seed", "0", "--output-dir", str(out), "-p", "1000"]
+            command = [
+                sys.executable,
+                str(REPO / "train_dp.py"),
+                "--epochs",
+                str(epochs),
+                "--train-crop-size",
+                str(size),
+                "--seed",
+                "0",
+                "--output-dir",
+                str(out),
+                "-p",
+                "1000",
+            ]
             result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
             if result.returncode != 0:
                 raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -341,29 +417,35 @@ def res_compare(sizes, epochs, rounds, workdir):
         for size in sizes:
             steps[size].append(model_step_rate(size, channels_last))
     reference = sizes[-1]
-    print(f"| --train-crop-size | pixels vs {reference} px | training images/s | training s per epoch "
-          f"({train_images} images) | epoch s with validation | training time vs {reference} px "
-          f"| model step alone, images/s | model step time vs {reference} px |"
-          "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| --train-crop-size | pixels vs {reference} px | training images/s | training s per epoch "
+        f"({train_images} images) | epoch s with validation | training time vs {reference} px "
+        f"| model step alone, images/s | model step time vs {reference} px |"
+        "\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
 
     for size in sizes:
         rate, seconds = median([r for r, _ in rows[size]]), median([s for _, s in rows[size]])
         reference_rate = median([r for r, _ in rows[reference]])
         step, reference_step = median(steps[size]), median(steps[reference])
-        print(f"| {size} | {size ** 2 / reference ** 2:.2f}x | {rate:.0f} | {train_images / rate:.1f} | {seconds:.1f} "
-              f"| {reference_rate / rate:.2f}x | {step:.0f} | {reference_step / step:.2f}x |", flush=True)
+        print(
+            f"| {size} | {size**2 / reference**2:.2f}x | {rate:.0f} | {train_images / rate:.1f} | {seconds:.1f} "
+            f"| {reference_rate / rate:.2f}x | {step:.0f} | {reference_step / step:.2f}x |",
+            flush=True,
+        )
     # At ImageNet's sizes (FFCV grows 160 -> 192 px) the step time follows the pixels more closely.
     large = [128, 160, 192]
     large_steps = {size: [] for size in large}
     for _ in range(rounds):
         for size in large:
             large_steps[size].append(model_step_rate(size, channels_last, batch=32, steps=3, num_classes=1000))
-    print("\nresnet18, 1000 classes, training step alone, batch 32, random images\n\n"
-          "| crop | pixels vs 192 px | images/s | step time vs 192 px |\n|---:|---:|---:|---:|")
+    print(
+        "\nresnet18, 1000 classes, training step alone, batch 32, random images\n\n"
+        "| crop | pixels vs 192 px | images/s | step time vs 192 px |\n|---:|---:|---:|---:|"
+    )
     for size in large:
         step = median(large_steps[size])
-        print(f"| {size} | {size ** 2 / 192 ** 2:.2f}x | {step:.1f} | {median(large_steps[192]) / step:.2f}x |",
-              flush=True)
+        print(f"| {size} | {size**2 / 192**2:.2f}x | {step:.1f} | {median(large_steps[192]) / step:.2f}x |", flush=True)
 
 
 def wait_compare(jpeg_dir, crop, epochs=2):
@@ -373,32 +455,71 @@ def wait_compare(jpeg_dir, crop, epochs=2):
     run said it was input-bound."""
     sys.path.insert(0, str(REPO / "tools"))
     from shared import resize_jpeg
+
     workdir = Path(tempfile.mkdtemp(prefix="bench-wait-"))
     resized = workdir / "resized"
     for path in Path(jpeg_dir).rglob("*.jpg"):
         target = resized / path.relative_to(jpeg_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(resize_jpeg(path.read_bytes(), 160, quality=90))
-    print("| JPEGs | flags | images/s | input wait (log.csv) | TFLOP/s | said input-bound |\n|---|---|---:|---:|---:|---|")
-    for name, data, workers in (("as they are", jpeg_dir, "0"), ("as they are", jpeg_dir, "1"),
-                                ("--resize 160 copies", resized, "0"), ("--resize 160 copies", resized, "1")):
+    print(
+        "| JPEGs | flags | images/s | input wait (log.csv) | TFLOP/s | said input-bound |\n|---|---|---:|---:|---:|---|"
+    )
+    for name, data, workers in (
+        ("as they are", jpeg_dir, "0"),
+        ("as they are", jpeg_dir, "1"),
+        ("--resize 160 copies", resized, "0"),
+        ("--resize 160 copies", resized, "1"),
+    ):
         out = workdir / f"{name.split()[0].strip('-')}-j{workers}"
-        command = [sys.executable, str(REPO / "train_dp.py"), "--data", str(data), "-a", "resnet18", "-b", "32",
-                   "--train-crop-size", str(crop), "--val-resize-size", str(crop), "--val-crop-size", str(crop),
-                   "-j", workers, "--epochs", str(epochs), "--seed", "0", "-p", "1000", "--output-dir", str(out)]
+        command = [
+            sys.executable,
+            str(REPO / "train_dp.py"),
+            "--data",
+            str(data),
+            "-a",
+            "resnet18",
+            "-b",
+            "32",
+            "--train-crop-size",
+            str(crop),
+            "--val-resize-size",
+            str(crop),
+            "--val-crop-size",
+            str(crop),
+            "-j",
+            workers,
+            "--epochs",
+            str(epochs),
+            "--seed",
+            "0",
+            "-p",
+            "1000",
+            "--output-dir",
+            str(out),
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
         if result.returncode != 0:
             raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
         last = log_rows(out)[-1]
-        print(f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
-              f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
-              flush=True)
+        print(
+            f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
+            f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
+            flush=True,
+        )
     shutil.rmtree(workdir)
 
 
-CHANNELS_LAST_MODELS = [("resnet18", 224), ("resnet50", 112), ("mobilenet_v3_small", 224),
-                        ("efficientnet_b0", 112), ("shufflenet_v2_x1_0", 224), ("squeezenet1_1", 224),
-                        ("convnext_tiny", 64), ("vit_b_16", 224)]
+CHANNELS_LAST_MODELS = [
+    ("resnet18", 224),
+    ("resnet50", 112),
+    ("mobilenet_v3_small", 224),
+    ("efficientnet_b0", 112),
+    ("shufflenet_v2_x1_0", 224),
+    ("squeezenet1_1", 224),
+    ("convnext_tiny", 64),
+    ("vit_b_16", 224),
+]
 
 
 def channels_last_compare(steps, batch=32, rounds=3, models=None):
@@ -418,43 +539,74 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true",
-                        help="only the GPU at steady state: tools/benchmark_gpu.py (make benchmark-gpu), its flags after")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="only the GPU at steady state: tools/benchmark_gpu.py (make benchmark-gpu), its flags after",
+    )
     parser.add_argument("--jpeg-dir", help="an ImageFolder of JPEGs (train/ and val/); default: generated")
     parser.add_argument("--quick", action="store_true", help="fewer images: a smoke test, not a measurement")
     parser.add_argument("--arch", default="resnet18", help="model of the training table (%(default)s)")
     parser.add_argument("--crop", type=int, default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
     parser.add_argument("--batches", default="32,128", help="two global batch sizes (%(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="loader workers per process (%(default)s)")
-    parser.add_argument("--resize-compare", action="store_true",
-                        help="only the table of original vs prepare_imagenet.py --resize JPEGs")
-    parser.add_argument("--channels-last-compare", action="store_true",
-                        help="only the table of default vs channels_last training speed, per model")
-    parser.add_argument("--augment-compare", action="store_true",
-                        help="only the table of per-worker images/s with each per-image augmentation")
-    parser.add_argument("--res-compare", default=None, nargs="?", const="24,32", metavar="PX,PX",
-                        help="only the table of demo-set epochs at these training crop sizes (24,32)")
-    parser.add_argument("--wait-compare", action="store_true",
-                        help="only the worked example of docs/benchmarks.md's \"Why is my run slow?\"")
-    parser.add_argument("--models", default=None, metavar="ARCH:PX,...",
-                        help="models of --channels-last-compare (default: " +
-                             ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS) + ")")
+    parser.add_argument(
+        "--resize-compare", action="store_true", help="only the table of original vs prepare_imagenet.py --resize JPEGs"
+    )
+    parser.add_argument(
+        "--channels-last-compare",
+        action="store_true",
+        help="only the table of default vs channels_last training speed, per model",
+    )
+    parser.add_argument(
+        "--augment-compare",
+        action="store_true",
+        help="only the table of per-worker images/s with each per-image augmentation",
+    )
+    parser.add_argument(
+        "--res-compare",
+        default=None,
+        nargs="?",
+        const="24,32",
+        metavar="PX,PX",
+        help="only the table of demo-set epochs at these training crop sizes (24,32)",
+    )
+    parser.add_argument(
+        "--wait-compare",
+        action="store_true",
+        help='only the worked example of docs/benchmarks.md\'s "Why is my run slow?"',
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        metavar="ARCH:PX,...",
+        help="models of --channels-last-compare (default: "
+        + ",".join(f"{arch}:{size}" for arch, size in CHANNELS_LAST_MODELS)
+        + ")",
+    )
     args, rest = parser.parse_known_args()
     if args.gpu:  # tools/benchmark_gpu.py, with the flags it takes (--only, --out, ...)
         sys.exit(subprocess.run([sys.executable, str(REPO / "tools" / "benchmark_gpu.py"), *rest]).returncode)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.channels_last_compare:
-        models = [(entry.split(":")[0], int(entry.split(":")[1])) for entry in args.models.split(",")] \
-            if args.models else None
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads\n\ndefault memory format vs channels_last, training step, batch 32\n")
+        models = (
+            [(entry.split(":")[0], int(entry.split(":")[1])) for entry in args.models.split(",")]
+            if args.models
+            else None
+        )
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads\n\ndefault memory format vs channels_last, training step, batch 32\n"
+        )
         channels_last_compare(steps=3 if args.quick else 6, models=models)
         return
     if args.res_compare:
         sizes = [int(size) for size in args.res_compare.split(",")]
-        print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n"
-              f"train_dp.py on the demo set, second of 2 epochs, median of 3 runs per size\n")
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n"
+            f"train_dp.py on the demo set, second of 2 epochs, median of 3 runs per size\n"
+        )
         workdir = tempfile.mkdtemp(prefix="bench-res-")
         res_compare(sizes, epochs=2, rounds=1 if args.quick else 3, workdir=workdir)
         shutil.rmtree(workdir)
@@ -466,8 +618,10 @@ def main():
     if not args.jpeg_dir and not (jpeg_dir / "val").is_dir():
         make_jpegs(jpeg_dir, per_class=256)
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-          + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ", no GPU"))
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ", no GPU")
+    )
     sizes = [path.stat().st_size for path in (jpeg_dir / "train").rglob("*.jpg")]
     print(f"jpegs: {jpeg_dir} ({len(sizes)} train images, {sum(sizes) / len(sizes) / 1024:.0f} KB on average)\n")
 
@@ -493,10 +647,22 @@ def main():
 
     batches = [int(b) for b in args.batches.split(",")]
     workdir = tempfile.mkdtemp(prefix="bench-")
-    model_args = ["-a", args.arch, "--train-crop-size", str(crop), "--val-resize-size", str(crop),
-                  "--val-crop-size", str(crop), "-j", str(args.workers)]
-    print(f"\nb. training images/s, {args.arch} at {crop} px, {args.workers} loader worker(s) per process"
-          f" ({'GPU' if gpu else 'CPU: 2 processes for ddp/spawn, the cores split between them'})\n")
+    model_args = [
+        "-a",
+        args.arch,
+        "--train-crop-size",
+        str(crop),
+        "--val-resize-size",
+        str(crop),
+        "--val-crop-size",
+        str(crop),
+        "-j",
+        str(args.workers),
+    ]
+    print(
+        f"\nb. training images/s, {args.arch} at {crop} px, {args.workers} loader worker(s) per process"
+        f" ({'GPU' if gpu else 'CPU: 2 processes for ddp/spawn, the cores split between them'})\n"
+    )
     print("| data | global batch | " + " | ".join(["dp", "ddp (torchrun)", "spawn", "classic loop"]) + " |")
     print("|---|---:|---:|---:|---:|---:|")
     for data_name, data_args in [("dummy", []), ("jpeg", ["--data", str(jpeg_dir)])]:
@@ -505,11 +671,18 @@ def main():
             epochs = ["--epochs", str(max(2, round(train_images / images_per_epoch)))]
             if data_name == "dummy":
                 data_args = ["--dummy", "--dummy-size", str(images_per_epoch)]
-            cells = [training_rate(mode, data_args, batch, epochs, workdir, model_args) for mode in ("dp", "ddp", "spawn")]
-            classic_cell = (f"{classic_loop_rate(jpeg_dir, batch, crop, args.workers, train_images, args.arch):.0f}"
-                            if data_name == "jpeg" else "-")
-            print(f"| {data_name} | {batch} | " + " | ".join(f"{cell:.0f}" for cell in cells) + f" | {classic_cell} |",
-                  flush=True)
+            cells = [
+                training_rate(mode, data_args, batch, epochs, workdir, model_args) for mode in ("dp", "ddp", "spawn")
+            ]
+            classic_cell = (
+                f"{classic_loop_rate(jpeg_dir, batch, crop, args.workers, train_images, args.arch):.0f}"
+                if data_name == "jpeg"
+                else "-"
+            )
+            print(
+                f"| {data_name} | {batch} | " + " | ".join(f"{cell:.0f}" for cell in cells) + f" | {classic_cell} |",
+                flush=True,
+            )
 
     if gpu:
         print("\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)")

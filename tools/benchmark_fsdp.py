@@ -10,6 +10,7 @@ first). It prints a markdown table: the sharded state per rank (measured: the lo
 state, their ratio, the peak memory of the process (ru_maxrss; on a GPU, the peak allocated memory), and its resident
 memory after the steps (on the CPU; each rank built the whole model before sharding it, so its peak includes that).
 """
+
 import argparse
 import json
 import os
@@ -31,8 +32,9 @@ def worker(arch):
     import torchvision
 
     from common import fsdp
-    from common.distributed import Runtime
     from common.config import Config
+    from common.distributed import Runtime
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
@@ -53,10 +55,25 @@ def worker(arch):
         optimizer.step()
     parameters, gradients, state = fsdp.state_bytes(model, optimizer)
     resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"rank": rank, "world_size": world_size, "parameters": parameters, "gradients": gradients,
-                      "optimizer": state, "whole_parameters": whole, "peak": peak, "resident": resident, "units": sharding.described}),
-          flush=True)
+    peak = (
+        torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": world_size,
+                "parameters": parameters,
+                "gradients": gradients,
+                "optimizer": state,
+                "whole_parameters": whole,
+                "peak": peak,
+                "resident": resident,
+                "units": sharding.described,
+            }
+        ),
+        flush=True,
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -68,8 +85,18 @@ def free_port():
 
 
 def measure(arch, processes):
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d", __file__, "--worker", "--arch", arch]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={processes}",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-backend=c10d",
+        __file__,
+        "--worker",
+        "--arch",
+        arch,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     output = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
     return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
@@ -83,16 +110,21 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args.arch)
-    print(f"| {args.arch}, AdamW | per rank: parameters + gradients + optimizer state | 1/N of the whole | ratio | "
-          "peak memory per process | resident after the steps |")
+    print(
+        f"| {args.arch}, AdamW | per rank: parameters + gradients + optimizer state | 1/N of the whole | ratio | "
+        "peak memory per process | resident after the steps |"
+    )
     print("|---|---|---|---|---|---|")
     for processes in args.processes:
         ranks = measure(args.arch, processes)
         held = max(rank["parameters"] + rank["gradients"] + rank["optimizer"] for rank in ranks)
         share = 4 * ranks[0]["whole_parameters"] / processes  # weights, gradients and AdamW's two moments
         peak, resident = max(rank["peak"] for rank in ranks), max(rank["resident"] for rank in ranks)
-        print(f"| {processes} process{'es' if processes > 1 else ''} | {held / 2**20:,.1f} MiB | {share / 2**20:,.1f} MiB "
-              f"| {held / share:.3f} | {peak / 2**30:.2f} GiB | {resident / 2**30:.2f} GiB |", flush=True)
+        print(
+            f"| {processes} process{'es' if processes > 1 else ''} | {held / 2**20:,.1f} MiB "
+            f"| {share / 2**20:,.1f} MiB | {held / share:.3f} | {peak / 2**30:.2f} GiB | {resident / 2**30:.2f} GiB |",
+            flush=True,
+        )
     print(f"\nunits: {ranks[0]['units']}; torch {__import__('torch').__version__}")
     return 0
 

@@ -12,15 +12,17 @@ start, read after the loop synchronised, so each line tells how long the epoch h
 lines is the rate of the steps between them. The steady window is the longest run of intervals up to the epoch's end
 whose rates stay within 10% of the median of the later half; everything before it (start-up, cuDNN's autotuning,
 compilation, the loader's start) is left out, and the table says how many seconds that was. Input wait and GPU idle
-are the window's share of the same lines' percentages (which print whole percents: a few points). TFLOP/s and MFU are the run's
-own FLOPs and peak (log.csv) at the window's rate; peak memory is the epoch's. Synthetic rows (--dummy) make their
-batches on the GPU (no loader, no copy); JPEG rows read 500x375 JPEGs (about 90 KB) from local disk with -j's default
-workers. The bare loop is a plain PyTorch loop (no Trainer) on the same model and data: what is left to gain in ours.
+are the window's share of the same lines' percentages (which print whole percents: a few points). TFLOP/s and MFU are
+the run's own FLOPs and peak (log.csv) at the window's rate; peak memory is the epoch's. Synthetic rows (--dummy) make
+their batches on the GPU (no loader, no copy); JPEG rows read 500x375 JPEGs (about 90 KB) from local disk with -j's
+default workers. The bare loop is a plain PyTorch loop (no Trainer) on the same model and data: what is left to gain in
+ours.
 
 The table (markdown) and each row's figures (JSON) go to --out (default: ./benchmark-gpu), with every run's console
 output and log.csv (runs.tar.gz). Each row has its own time limit; with --deadline, rows that would start after it are
 not run (the exit status is 1 for a row that failed, not for one left out).
 """
+
 import argparse
 import csv
 import json
@@ -44,19 +46,27 @@ sys.path.insert(0, str(REPO))
 from jobs import CheckFailed, free_port, run  # noqa: E402
 
 # Epoch 0's progress lines: step count, images/s since the epoch's start, and (where said) its input wait and GPU idle.
-PROGRESS = re.compile(r"^Epoch: \[0\] \[\s*(?P<done>\d+)/\d+\].*?(?P<rate>[\d.]+) img/s"
-                      r"(?: \(input wait (?P<wait>[\d.]+)%[^;)]*(?:; GPU idle (?P<idle>[\d.]+)%)?\))?", re.MULTILINE)
+PROGRESS = re.compile(
+    r"^Epoch: \[0\] \[\s*(?P<done>\d+)/\d+\].*?(?P<rate>[\d.]+) img/s"
+    r"(?: \(input wait (?P<wait>[\d.]+)%[^;)]*(?:; GPU idle (?P<idle>[\d.]+)%)?\))?",
+    re.MULTILINE,
+)
 STEADY_WITHIN = 0.10  # an interval's rate within this of the later half's median is steady
-CPU_WITHIN = 4.0  # --cpu's self-test: steps of milliseconds on a shared CPU, any interval counts (the plumbing is tested)
+CPU_WITHIN = (
+    4.0  # --cpu's self-test: steps of milliseconds on a shared CPU, any interval counts (the plumbing is tested)
+)
 FEWEST_INTERVALS = 3  # a window of fewer intervals is no measurement
 PRINT_FREQ = 10
-H200_BEFORE = 1495  # resnet50 float32 images/s, the first GPU run (H200, -b 64, start-up included): the float32 row's base
+H200_BEFORE = (
+    1495  # resnet50 float32 images/s, the first GPU run (H200, -b 64, start-up included): the float32 row's base
+)
 
 
 @dataclass
 class Point:
     """A progress line: images trained since the epoch's start (all ranks), the seconds that took, and the shares
     (%) of those seconds spent waiting for input and with the GPU idle (None where not said)."""
+
     images: int
     seconds: float
     wait: float = None
@@ -69,14 +79,17 @@ def progress_points(output, batch):
     for match in PROGRESS.finditer(output):
         images, rate = int(match["done"]) * batch, float(match["rate"])
         if rate > 0:
-            points.append(Point(images, images / rate, *(float(match[key]) if match[key] else None
-                                                         for key in ("wait", "idle"))))
+            points.append(
+                Point(images, images / rate, *(float(match[key]) if match[key] else None for key in ("wait", "idle")))
+            )
     return points
 
 
 def interval_rates(points):
-    return [(b.images - a.images) / (b.seconds - a.seconds) if b.seconds > a.seconds else float("inf")
-            for a, b in zip(points, points[1:])]
+    return [
+        (b.images - a.images) / (b.seconds - a.seconds) if b.seconds > a.seconds else float("inf")
+        for a, b in zip(points, points[1:])
+    ]
 
 
 def steady_start(points, within=STEADY_WITHIN, fewest=FEWEST_INTERVALS):
@@ -85,7 +98,7 @@ def steady_start(points, within=STEADY_WITHIN, fewest=FEWEST_INTERVALS):
     rates = interval_rates(points)
     if len(rates) < fewest:
         return None
-    reference = statistics.median(rates[len(rates) // 2:])
+    reference = statistics.median(rates[len(rates) // 2 :])
     first = len(rates)
     while first > 0 and abs(rates[first - 1] / reference - 1) <= within:
         first -= 1
@@ -107,20 +120,27 @@ def window_figures(points, first):
 
     # The lines print whole percents: each is within 0.5 of its value, so the window's share within this many points.
     error = 0.5 * (a.seconds + b.seconds) / seconds
-    return {"images_per_second": (b.images - a.images) / seconds, "input_wait_pct": share("wait"),
-            "gpu_idle_pct": share("idle"), "share_error_pct": error, "measured_images": b.images - a.images,
-            "measured_seconds": seconds, "excluded_seconds": a.seconds, "spread": max(rates) / min(rates)}
+    return {
+        "images_per_second": (b.images - a.images) / seconds,
+        "input_wait_pct": share("wait"),
+        "gpu_idle_pct": share("idle"),
+        "share_error_pct": error,
+        "measured_images": b.images - a.images,
+        "measured_seconds": seconds,
+        "excluded_seconds": a.seconds,
+        "spread": max(rates) / min(rates),
+    }
 
 
 @dataclass
 class Bench:
     name: str
-    mode: str            # "dp" (train_dp.py, one GPU), "ddp" (train_ddp.py under torchrun, one process), "bare"
+    mode: str  # "dp" (train_dp.py, one GPU), "ddp" (train_ddp.py under torchrun, one process), "bare"
     args: tuple
     batch: int
     steps: int
-    target: str = ""     # what the row should reach: ">= N img/s", "MFU >= N%", or a share of `versus`'s rate
-    versus: str = None   # the row whose rate `target` is a share of
+    target: str = ""  # what the row should reach: ">= N img/s", "MFU >= N%", or a share of `versus`'s rate
+    versus: str = None  # the row whose rate `target` is a share of
     share: float = None  # (that share)
     data: str = "synthetic"  # or "jpeg"
     profile: str = None  # --profile START:STEPS: the row's trace, summarised (it then measures no speed)
@@ -143,38 +163,113 @@ def gpu_rows(jpegs):
         Bench(f"{base}, DDP 1 process", "ddp", (*r50, *bf16), 256, 80, "within 3% of train_dp.py", base, 0.97),
         Bench(f"{base}, bare PyTorch loop", "bare", ("resnet50", "bf16", "channels_last"), 256, 60, "(a reference)"),
         Bench(f"{base}, profile", "dp", (*r50, *bf16), 256, 34, "(the trace)", profile="30:3"),
-        Bench(f"{base}, JPEGs, -j auto", "dp", (*r50, *bf16, "--data", jpegs), 256, 64, ">= 90% of synthetic", base,
-              0.9, data="jpeg"),
+        Bench(
+            f"{base}, JPEGs, -j auto",
+            "dp",
+            (*r50, *bf16, "--data", jpegs),
+            256,
+            64,
+            ">= 90% of synthetic",
+            base,
+            0.9,
+            data="jpeg",
+        ),
         Bench(f"{base} --compile", "dp", (*r50, *bf16, "--compile"), 256, 80, f">= {TARGETS['bf16 compile']} img/s"),
-        Bench("resnet50 float32 --channels-last off", "dp", (*r50, *fp32, "--channels-last", "off"), 256, 50,
-              "(auto's gain)", "resnet50 float32"),
-        Bench("resnet50 float32, bare PyTorch loop", "bare", ("resnet50", "none", "contiguous"), 256, 45, "(a reference)"),
+        Bench(
+            "resnet50 float32 --channels-last off",
+            "dp",
+            (*r50, *fp32, "--channels-last", "off"),
+            256,
+            50,
+            "(auto's gain)",
+            "resnet50 float32",
+        ),
+        Bench(
+            "resnet50 float32, bare PyTorch loop", "bare", ("resnet50", "none", "contiguous"), 256, 45, "(a reference)"
+        ),
         Bench("vit_b_16 bf16 --compile", "dp", (*vit, "--compile"), 256, 50, "MFU >= 35%"),
         Bench("vit_b_16 bf16, profile", "dp", vit, 256, 24, "(the trace)", profile="20:3"),
-        Bench("vit_b_16 bf16, bare PyTorch loop", "bare", ("vit_b_16", "bf16", "contiguous"), 256, 45, "(a reference)",
-              on_request=True),
-        Bench("vit_b_16 bf16 --compile, profile", "dp", (*vit, "--compile"), 256, 24, "(the trace)", profile="20:3",
-              on_request=True),
-        Bench("vit_b_16 bf16 --channels-last on", "dp", (*vit, "--channels-last", "on"), 256, 50, "MFU >= 35%",
-              on_request=True),
-        Bench("vit_b_16 bf16 --channels-last on, profile", "dp", (*vit, "--channels-last", "on"), 256, 24, "(the trace)",
-              profile="20:3", on_request=True),
-        Bench("vit_b_16 bf16 --compile --channels-last on", "dp", (*vit, "--compile", "--channels-last", "on"), 256, 50,
-              "MFU >= 35%", on_request=True),
+        Bench(
+            "vit_b_16 bf16, bare PyTorch loop",
+            "bare",
+            ("vit_b_16", "bf16", "contiguous"),
+            256,
+            45,
+            "(a reference)",
+            on_request=True,
+        ),
+        Bench(
+            "vit_b_16 bf16 --compile, profile",
+            "dp",
+            (*vit, "--compile"),
+            256,
+            24,
+            "(the trace)",
+            profile="20:3",
+            on_request=True,
+        ),
+        Bench(
+            "vit_b_16 bf16 --channels-last on",
+            "dp",
+            (*vit, "--channels-last", "on"),
+            256,
+            50,
+            "MFU >= 35%",
+            on_request=True,
+        ),
+        Bench(
+            "vit_b_16 bf16 --channels-last on, profile",
+            "dp",
+            (*vit, "--channels-last", "on"),
+            256,
+            24,
+            "(the trace)",
+            profile="20:3",
+            on_request=True,
+        ),
+        Bench(
+            "vit_b_16 bf16 --compile --channels-last on",
+            "dp",
+            (*vit, "--compile", "--channels-last", "on"),
+            256,
+            50,
+            "MFU >= 35%",
+            on_request=True,
+        ),
         Bench("vit_b_16 bf16 --compile, -b 512", "dp", (*vit, "--compile"), 512, 40, "MFU >= 35%", on_request=True),
-        Bench(f"{base}, JPEGs, -j 8", "dp", (*r50, *bf16, "--data", jpegs, "-j", "8"), 256, 64,
-              "(-j auto's most before)", base, data="jpeg"),
+        Bench(
+            f"{base}, JPEGs, -j 8",
+            "dp",
+            (*r50, *bf16, "--data", jpegs, "-j", "8"),
+            256,
+            64,
+            "(-j auto's most before)",
+            base,
+            data="jpeg",
+        ),
     ]
 
 
 def cpu_rows(jpegs):
-    tiny = ("-a", "tests.tiny_models:TinyNet", "--train-crop-size", "32", "--val-resize-size", "32",
-            "--val-crop-size", "32", "-j", "0")
-    return [Bench("tiny", "dp", tiny, 8, 12, ">= 1 img/s"),
-            Bench("tiny, DDP 1 process", "ddp", tiny, 8, 12, "within 3% of train_dp.py", "tiny", 0.97),
-            Bench("tiny, bare loop", "bare", ("tiny", "none", "contiguous"), 8, 12, "(a reference)"),
-            Bench("tiny, profile", "dp", tiny, 8, 6, "(the trace)", profile="3:2"),
-            Bench("tiny, JPEGs", "dp", (*tiny, "--data", jpegs), 8, 8, ">= 90% of synthetic", "tiny", 0.9, data="jpeg")]
+    tiny = (
+        "-a",
+        "tests.tiny_models:TinyNet",
+        "--train-crop-size",
+        "32",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        "-j",
+        "0",
+    )
+    return [
+        Bench("tiny", "dp", tiny, 8, 12, ">= 1 img/s"),
+        Bench("tiny, DDP 1 process", "ddp", tiny, 8, 12, "within 3% of train_dp.py", "tiny", 0.97),
+        Bench("tiny, bare loop", "bare", ("tiny", "none", "contiguous"), 8, 12, "(a reference)"),
+        Bench("tiny, profile", "dp", tiny, 8, 6, "(the trace)", profile="3:2"),
+        Bench("tiny, JPEGs", "dp", (*tiny, "--data", jpegs), 8, 8, ">= 90% of synthetic", "tiny", 0.9, data="jpeg"),
+    ]
 
 
 def selected(rows, only):
@@ -216,13 +311,26 @@ def command(bench, repo, cpu):
     devices = ["--device", "cpu"] if cpu else ["--gpus", "0"]
     if bench.mode == "dp":
         return [python, Path(repo) / "train_dp.py", *devices, *bench.args, *common]
-    return [python, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", Path(repo) / "train_ddp.py", *bench.args, *common]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        Path(repo) / "train_ddp.py",
+        *bench.args,
+        *common,
+    ]
 
 
 def job_env(cpu):
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") and not key.startswith("SLURM_")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and not key.startswith("SLURM_")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     if cpu:
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -245,15 +353,18 @@ def measure(bench, repo, workdir, cpu, timeout):
     figures = steady(output, bench.batch, within=CPU_WITHIN if cpu else STEADY_WITHIN)
     if figures is None:
         points = progress_points(output, bench.batch)
-        raise CheckFailed(f"no steady window in {len(points)} progress lines: rates "
-                          + ", ".join(f"{rate:.0f}" for rate in interval_rates(points)))
+        raise CheckFailed(
+            f"no steady window in {len(points)} progress lines: rates "
+            + ", ".join(f"{rate:.0f}" for rate in interval_rates(points))
+        )
     with open(out / "log.csv", newline="") as file:
         epoch = list(csv.DictReader(file))[-1]
     summary = json.loads((out / "summary.json").read_text())
     figures.update(at_window_rate(epoch, figures["images_per_second"]))
     figures["epoch_images_per_second"] = float(epoch["images_per_second"])
-    figures["gpu_peak_allocated_gib"] = float(epoch["gpu_peak_allocated_mib"]) / 1024 \
-        if epoch.get("gpu_peak_allocated_mib") else None
+    figures["gpu_peak_allocated_gib"] = (
+        float(epoch["gpu_peak_allocated_mib"]) / 1024 if epoch.get("gpu_peak_allocated_mib") else None
+    )
     figures["forward_gflops_per_image"] = summary.get("forward_gflops_per_image")
     return figures
 
@@ -278,10 +389,15 @@ def trace_summary(path):
     the span of its work, the host's waits for the GPU (syncs and device-to-host copies) per step, and the GPU's
     time by kernel family and by kernel."""
     events = [event for event in json.loads(Path(path).read_text())["traceEvents"] if event.get("ph") == "X"]
-    steps = [event for event in events if event.get("name", "").startswith("ProfilerStep#")
-             and event.get("cat") != "gpu_user_annotation"]  # (the GPU's timeline repeats the steps' ranges)
-    gpu = sorted((event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda event: event["ts"])
+    steps = [
+        event
+        for event in events
+        if event.get("name", "").startswith("ProfilerStep#") and event.get("cat") != "gpu_user_annotation"
+    ]  # (the GPU's timeline repeats the steps' ranges)
+    gpu = sorted(
+        (event for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda event: event["ts"],
+    )
     busy, end = 0.0, None
     for event in gpu:  # the union of the GPU's intervals
         start, stop = event["ts"], event["ts"] + event["dur"]
@@ -295,26 +411,46 @@ def trace_summary(path):
     for event in gpu:
         name = event["name"]
         by_kernel[name] = by_kernel.get(name, 0.0) + event["dur"]
-        family = next((family for family, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.IGNORECASE)),
-                      "memory copy" if event["cat"] != "kernel" else "other")
+        family = next(
+            (family for family, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.IGNORECASE)),
+            "memory copy" if event["cat"] != "kernel" else "other",
+        )
         by_family[family] = by_family.get(family, 0.0) + event["dur"]
     top = sorted(by_kernel.items(), key=lambda item: -item[1])[:12]
-    return {"steps": len(steps), "cpu_ms_per_step": sum(e["dur"] for e in steps) / count / 1000,
-            "gpu_busy_ms_per_step": busy / count / 1000, "gpu_span_ms_per_step": span / count / 1000,
-            "gpu_idle_pct": 100 * (1 - busy / span) if span else None,
-            "kernels_per_step": sum(event["cat"] == "kernel" for event in gpu) / count,
-            "syncs_per_step": {name: sum(e["name"] == name for e in events) / count for name in SYNCS},
-            "device_to_host_copies_per_step": sum(e["cat"] == "gpu_memcpy" and "DtoH" in e["name"] for e in gpu) / count,
-            "gpu_ms_by_family_per_step": {family: round(ms / count / 1000, 3) for family, ms in
-                                          sorted(by_family.items(), key=lambda item: -item[1])},
-            "top_kernels_ms_per_step": [(name[:90], round(ms / count / 1000, 3)) for name, ms in top]}
+    return {
+        "steps": len(steps),
+        "cpu_ms_per_step": sum(e["dur"] for e in steps) / count / 1000,
+        "gpu_busy_ms_per_step": busy / count / 1000,
+        "gpu_span_ms_per_step": span / count / 1000,
+        "gpu_idle_pct": 100 * (1 - busy / span) if span else None,
+        "kernels_per_step": sum(event["cat"] == "kernel" for event in gpu) / count,
+        "syncs_per_step": {name: sum(e["name"] == name for e in events) / count for name in SYNCS},
+        "device_to_host_copies_per_step": sum(e["cat"] == "gpu_memcpy" and "DtoH" in e["name"] for e in gpu) / count,
+        "gpu_ms_by_family_per_step": {
+            family: round(ms / count / 1000, 3) for family, ms in sorted(by_family.items(), key=lambda item: -item[1])
+        },
+        "top_kernels_ms_per_step": [(name[:90], round(ms / count / 1000, 3)) for name, ms in top],
+    }
 
 
 def bare_loop(bench, cpu, timeout):
     """The bare loop's figures, from a process of its own (this file with --bare-loop): the GPU's memory its own."""
     arch, amp, layout = bench.args
-    status, output = run([sys.executable, Path(__file__), "--bare-loop", arch, amp, layout, str(bench.batch), str(bench.steps),
-                          *(["--cpu"] if cpu else [])], job_env(cpu), timeout)
+    status, output = run(
+        [
+            sys.executable,
+            Path(__file__),
+            "--bare-loop",
+            arch,
+            amp,
+            layout,
+            str(bench.batch),
+            str(bench.steps),
+            *(["--cpu"] if cpu else []),
+        ],
+        job_env(cpu),
+        timeout,
+    )
     found = re.search(r"^bare: (\{.*\})$", output, re.MULTILINE)
     if status != 0 or not found:
         raise CheckFailed(f"exit status {status}: {output.strip().splitlines()[-1] if output.strip() else ''}")
@@ -327,10 +463,16 @@ def run_bare_loop(arch, amp, layout, batch, steps, cpu):
     steps, timed by CUDA events."""
     import torch
     import torchvision
+
     device = torch.device("cpu" if cpu else "cuda")
     torch.backends.cudnn.benchmark = True
-    model = (torchvision.models.get_model(arch, num_classes=1000) if not cpu else torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 1000)))
+    model = (
+        torchvision.models.get_model(arch, num_classes=1000)
+        if not cpu
+        else torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 1000)
+        )
+    )
     layout = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     model = model.to(device, memory_format=layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
@@ -362,12 +504,15 @@ def run_bare_loop(arch, amp, layout, batch, steps, cpu):
         step()
     end.record()
     end.synchronize()
-    return {"images_per_second": (steps - warm) * batch / (begin.elapsed_time(end) / 1000),
-            "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+    return {
+        "images_per_second": (steps - warm) * batch / (begin.elapsed_time(end) / 1000),
+        "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 def _jpeg_chunk(arguments):
     from benchmark import make_jpegs  # (tools/benchmark.py: its photo-like 500x375 JPEGs)
+
     root, per_class, seed = arguments
     make_jpegs(root, per_class=per_class, classes=1, seed=seed)
 
@@ -393,15 +538,29 @@ def make_jpeg_folder(root, classes, unique_per_class, copies):
 def environment(cpu):
     import torch
     import torchvision
-    facts = {"torch": torch.__version__, "torchvision": torchvision.__version__, "python": platform.python_version(),
-             "cpu_cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))}
+
+    facts = {
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "python": platform.python_version(),
+        "cpu_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+    }
     if not cpu and torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name(0)
         facts["cuda"] = torch.version.cuda
         facts["cudnn"] = torch.backends.cudnn.version()
         try:
-            facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+            facts["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
         except (OSError, IndexError, subprocess.SubprocessError):
             facts["driver"] = "unknown"
     return facts
@@ -433,13 +592,16 @@ def met(bench, figures, rows):
 
 
 def table(rows, facts):
-    lines = [f"GPU benchmark at steady state: {facts.get('gpu', 'CPU (self-test)')}, driver {facts.get('driver', '-')}, "
-             f"CUDA {facts.get('cuda', '-')}, cuDNN {facts.get('cudnn', '-')}, torch {facts['torch']}, torchvision "
-             f"{facts['torchvision']}, Python {facts['python']}, {facts['usable_cores']} usable CPU cores of "
-             f"{facts['cpu_cores']}", "",
-             "| row | images/s per GPU | measured | left out | TFLOP/s | MFU % | input wait % | GPU idle % | peak GiB "
-             "| batch per GPU | expected | reached |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        f"GPU benchmark at steady state: {facts.get('gpu', 'CPU (self-test)')}, driver {facts.get('driver', '-')}, "
+        f"CUDA {facts.get('cuda', '-')}, cuDNN {facts.get('cudnn', '-')}, torch {facts['torch']}, torchvision "
+        f"{facts['torchvision']}, Python {facts['python']}, {facts['usable_cores']} usable CPU cores of "
+        f"{facts['cpu_cores']}",
+        "",
+        "| row | images/s per GPU | measured | left out | TFLOP/s | MFU % | input wait % | GPU idle % | peak GiB "
+        "| batch per GPU | expected | reached |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     traces = [bench for bench in rows if bench.profile and "steps" in bench.result]
     for bench in rows:
         f = bench.result
@@ -448,24 +610,34 @@ def table(rows, facts):
         if "error" in f:
             lines.append(f"| {bench.name} | {f['error']} | | | | | | | | {bench.batch} | {bench.target} | no |")
             continue
-        measured = (f"{f['measured_images']} images in {f['measured_seconds']:.1f} s (spread {f['spread']:.2f})"
-                    if "measured_images" in f else "CUDA events, last 2/3 of the steps")
+        measured = (
+            f"{f['measured_images']} images in {f['measured_seconds']:.1f} s (spread {f['spread']:.2f})"
+            if "measured_images" in f
+            else "CUDA events, last 2/3 of the steps"
+        )
         left_out = f"{f['excluded_seconds']:.1f} s" if "excluded_seconds" in f else "-"
         verdict = {True: "yes", False: "NO", None: "-"}[f.get("met")]
         if f.get("versus"):
             verdict += f" ({100 * f['versus']:.0f}% of {bench.versus})"
-        lines.append(f"| {bench.name} | {f['images_per_second']:.0f} | {measured} | {left_out} | "
-                     f"{cell(f.get('tflops_per_device'), '.1f')} | {cell(f.get('mfu_pct'), '.1f')} | "
-                     f"{share(f, 'input_wait_pct')} | {share(f, 'gpu_idle_pct')} | "
-                     f"{cell(f.get('gpu_peak_allocated_gib'), '.1f')} | {bench.batch} | {bench.target} | {verdict} |")
+        lines.append(
+            f"| {bench.name} | {f['images_per_second']:.0f} | {measured} | {left_out} | "
+            f"{cell(f.get('tflops_per_device'), '.1f')} | {cell(f.get('mfu_pct'), '.1f')} | "
+            f"{share(f, 'input_wait_pct')} | {share(f, 'gpu_idle_pct')} | "
+            f"{cell(f.get('gpu_peak_allocated_gib'), '.1f')} | {bench.batch} | {bench.target} | {verdict} |"
+        )
     for bench in traces:
         f = bench.result
-        lines += ["", f"{bench.name} (--profile {bench.profile}): {f['steps']} steps, CPU {f['cpu_ms_per_step']:.1f} ms "
-                  f"per step, GPU busy {f['gpu_busy_ms_per_step']:.1f} ms of {f['gpu_span_ms_per_step']:.1f} "
-                  f"(idle {cell(f['gpu_idle_pct'], '.1f')}%), {f['kernels_per_step']:.0f} kernels, host waits per step: "
-                  + ", ".join(f"{name} {n:g}" for name, n in f["syncs_per_step"].items())
-                  + f", device-to-host copies {f['device_to_host_copies_per_step']:g}", "",
-                  "| GPU time by kind | ms per step |", "|---|---:|"]
+        lines += [
+            "",
+            f"{bench.name} (--profile {bench.profile}): {f['steps']} steps, CPU {f['cpu_ms_per_step']:.1f} ms "
+            f"per step, GPU busy {f['gpu_busy_ms_per_step']:.1f} ms of {f['gpu_span_ms_per_step']:.1f} "
+            f"(idle {cell(f['gpu_idle_pct'], '.1f')}%), {f['kernels_per_step']:.0f} kernels, host waits per step: "
+            + ", ".join(f"{name} {n:g}" for name, n in f["syncs_per_step"].items())
+            + f", device-to-host copies {f['device_to_host_copies_per_step']:g}",
+            "",
+            "| GPU time by kind | ms per step |",
+            "|---|---:|",
+        ]
         lines += [f"| {family} | {ms:.2f} |" for family, ms in f["gpu_ms_by_family_per_step"].items()]
         lines += ["", "| kernel | ms per step |", "|---|---:|"]
         lines += [f"| `{name}` | {ms:.2f} |" for name, ms in f["top_kernels_ms_per_step"]]
@@ -485,16 +657,23 @@ def main(argv=None):
     parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose scripts run (default: this one)")
     parser.add_argument("--out", default="benchmark-gpu", help="where the table goes (%(default)s)")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which no row starts (a lease of a GPU machine); default: none")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds after which no row starts (a lease of a GPU machine); default: none",
+    )
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (a tiny model)")
-    parser.add_argument("--bare-loop", nargs=5, metavar=("ARCH", "AMP", "LAYOUT", "BATCH", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--bare-loop", nargs=5, metavar=("ARCH", "AMP", "LAYOUT", "BATCH", "STEPS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.bare_loop:
         arch, amp, layout, batch, steps = args.bare_loop
         print("bare: " + json.dumps(run_bare_loop(arch, amp, layout, int(batch), int(steps), args.cpu)), flush=True)
         return 0
     import torch
+
     if not args.cpu and not torch.cuda.is_available():
         print("benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure (--cpu tests the harness)")
         return 0
@@ -511,9 +690,15 @@ def main(argv=None):
             bench.result = {"error": f"not run: past --deadline {args.deadline:g} s", "skipped": True}
             continue
         if bench.data == "jpeg" and not (workdir / "jpegs").is_dir():
-            count, size = (make_jpeg_folder(workdir / "jpegs", 2, 4, 8) if args.cpu else
-                           make_jpeg_folder(workdir / "jpegs", 16, 64, 16))
-            print(f"jpegs: {count} train images, {size:.0f} KB on average ({time.monotonic() - started:.0f} s)", flush=True)
+            count, size = (
+                make_jpeg_folder(workdir / "jpegs", 2, 4, 8)
+                if args.cpu
+                else make_jpeg_folder(workdir / "jpegs", 16, 64, 16)
+            )
+            print(
+                f"jpegs: {count} train images, {size:.0f} KB on average ({time.monotonic() - started:.0f} s)",
+                flush=True,
+            )
         begin = time.monotonic()
         try:
             bench.result = measure(bench, args.repo, workdir, args.cpu, timeout=300 if args.cpu else 420)
@@ -525,8 +710,9 @@ def main(argv=None):
         (out / "table.md").write_text(table(rows, facts) + "\n")  # after every row: a cut-short run keeps its rows
     text = table(rows, facts)
     (out / "table.md").write_text(text + "\n")
-    (out / "rows.json").write_text(json.dumps({"environment": facts, "repo": args.repo,
-                                               "rows": [asdict(bench) for bench in rows]}, indent=1))
+    (out / "rows.json").write_text(
+        json.dumps({"environment": facts, "repo": args.repo, "rows": [asdict(bench) for bench in rows]}, indent=1)
+    )
     keep_runs(workdir, out)
     shutil.rmtree(workdir, ignore_errors=True)
     print("\n" + text)

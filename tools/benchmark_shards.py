@@ -12,6 +12,7 @@ c. Listing 1,281,167 samples at a run's start: the scripts read the shards' inde
    images, in 513 shards of 2,500; the shards themselves are sparse files, never read). The folder's listing of the
    same count is tools/benchmark_startup.py's.
 """
+
 import argparse
 import json
 import math
@@ -29,31 +30,64 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+import make_shards  # noqa: E402
 from benchmark import cpu_of_children, make_jpegs  # noqa: E402
 from common.datasets import ImageFiles, ShardedImages  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.shards import scan_shards, shard_stamp, write_index  # noqa: E402
 from common.transforms import TrainPreset  # noqa: E402
-import make_shards  # noqa: E402
 
 
 def opened_files(data, workdir):
     """{"images": n, "shards": n} opened (successfully, by any process) in one epoch of train_dp.py -j 2."""
     trace = Path(workdir) / "strace.txt"
-    command = ["strace", "-f", "-qq", "-e", "trace=open,openat", "-e", "status=successful", "-o", str(trace),
-               sys.executable, str(REPO / "train_dp.py"), "--data", str(data), "-a", "mobilenet_v3_small",
-               "--train-crop-size", "64", "--val-resize-size", "64", "--val-crop-size", "64", "-b", "32", "-j", "2",
-               "--epochs", "1", "-p", "1000", "--output-dir", str(Path(workdir) / f"run-{Path(data).name}"), "--overwrite"]
+    command = [
+        "strace",
+        "-f",
+        "-qq",
+        "-e",
+        "trace=open,openat",
+        "-e",
+        "status=successful",
+        "-o",
+        str(trace),
+        sys.executable,
+        str(REPO / "train_dp.py"),
+        "--data",
+        str(data),
+        "-a",
+        "mobilenet_v3_small",
+        "--train-crop-size",
+        "64",
+        "--val-resize-size",
+        "64",
+        "--val-crop-size",
+        "64",
+        "-b",
+        "32",
+        "-j",
+        "2",
+        "--epochs",
+        "1",
+        "-p",
+        "1000",
+        "--output-dir",
+        str(Path(workdir) / f"run-{Path(data).name}"),
+        "--overwrite",
+    ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     paths = re.findall(r'open(?:at)?\([^"]*"([^"]+)"', trace.read_text())
     data = str(data)
-    return {"images": sum(path.startswith(data) and path.lower().endswith((".jpg", ".jpeg", ".png")) for path in paths),
-            "shards": sum(path.startswith(data) and path.endswith(".tar") for path in paths)}
+    return {
+        "images": sum(path.startswith(data) and path.lower().endswith((".jpg", ".jpeg", ".png")) for path in paths),
+        "shards": sum(path.startswith(data) and path.endswith(".tar") for path in paths),
+    }
 
 
 def worker_rate(dataset, images, batch=64):
     """Images/s of one loader worker over `images` items of `dataset`, per CPU-second of the worker."""
     from torch.utils.data import DataLoader, Dataset
+
     preset = TrainPreset(224)
 
     class Crops(Dataset):
@@ -78,9 +112,11 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
         (root / split).mkdir(exist_ok=True)
         for number in range(math.ceil(count / per_shard)):
             shard = root / split / f"{split}-{number:06d}.tar"
-            rows = [[f"n{(number * per_shard + i) % 1000:08d}/n{(number * per_shard + i) % 1000:08d}_{number * per_shard + i}",
-                     "JPEG", (number * per_shard + i) % 1000, 1024 + 512 * (3 * i + 1), 110_000]
-                    for i in range(min(per_shard, count - number * per_shard))]
+            first = number * per_shard
+            rows = [
+                [f"n{k % 1000:08d}/n{k % 1000:08d}_{k}", "JPEG", k % 1000, 1024 + 512 * (3 * (k - first) + 1), 110_000]
+                for k in range(first, min(first + per_shard, count))
+            ]
             with open(shard, "wb") as file:
                 file.truncate(rows[-1][3] + rows[-1][4] + 1024)  # sparse: the size an index records, nothing read
             write_index(shard, rows, shard_stamp(shard))
@@ -100,22 +136,32 @@ def main():
     try:
         folder = Path(args.jpeg_dir) if args.jpeg_dir else make_jpegs(workdir / "jpegs", per_class=400)
         shards = workdir / "shards"
-        make_shards.make_shards(make_shards.parse_args([str(folder), str(shards), "--shard-size", "100", "--workers", "1"]))
+        make_shards.make_shards(
+            make_shards.parse_args([str(folder), str(shards), "--shard-size", "100", "--workers", "1"])
+        )
         files = {name: opened_files(data, workdir) for name, data in (("folder", folder), ("shards", shards))}
         scan, sharded = scan_image_folder(folder), scan_shards(shards)
-        rates = {"folder": worker_rate(ImageFiles(scan.train), args.images),
-                 "shards": worker_rate(ShardedImages(sharded[1]), args.images)}
+        rates = {
+            "folder": worker_rate(ImageFiles(scan.train), args.images),
+            "shards": worker_rate(ShardedImages(sharded[1]), args.images),
+        }
         seconds, index_bytes = index_listing(workdir)
         images = len(scan.train) + len(scan.val)
         shard_count = len(list(shards.glob("*/*.tar")))
-        print(f"one epoch of train_dp.py -j 2 on {len(scan.train)} train and {len(scan.val)} val images "
-              f"({shard_count} shards of 100):\n")
-        print("| data | image files opened | shards opened | images/s of one loader worker (224 px crop) |\n"
-              "|---|---:|---:|---:|")
+        print(
+            f"one epoch of train_dp.py -j 2 on {len(scan.train)} train and {len(scan.val)} val images "
+            f"({shard_count} shards of 100):\n"
+        )
+        print(
+            "| data | image files opened | shards opened | images/s of one loader worker (224 px crop) |\n"
+            "|---|---:|---:|---:|"
+        )
         for name in ("folder", "shards"):
             print(f"| {name} | {files[name]['images']} | {files[name]['shards']} | {rates[name]:.0f} |")
-        print(f"\n({images} images in all.) Listing 1,281,167 training and 50,000 val samples from their 533 shards' "
-              f"indexes ({index_bytes / 2**20:.0f} MiB): {seconds:.1f} s.")
+        print(
+            f"\n({images} images in all.) Listing 1,281,167 training and 50,000 val samples from their 533 shards' "
+            f"indexes ({index_bytes / 2**20:.0f} MiB): {seconds:.1f} s."
+        )
         print(json.dumps({"files": files, "rates": rates, "index_seconds": seconds}))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -14,6 +14,7 @@ processes and the peak RSS of the training processes then. Every subprocess has 
 killed (SIGKILL) with its process group and every process that carries its marker in the environment
 (torchrun starts its workers in sessions of their own).
 """
+
 import argparse
 import contextlib
 import json
@@ -30,8 +31,23 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL_TRAIN, VAL_PER_CLASS, CLASSES = 1_281_167, 50, 1000
 MARK, STEP = "_BENCHMARK_STARTUP_MARK", "Epoch: [0] ["
-DROP = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-        "EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND", "WORKER_PER_NODE"}
+DROP = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "EPOCHS",
+    "LR",
+    "BATCH_SIZE",
+    "DATASETS_PATH",
+    "DATASETS",
+    "WORKSPACE",
+    "BACKEND",
+    "WORKER_PER_NODE",
+}
 
 CHILD = r"""
 import json, pickle, sys, time
@@ -64,6 +80,7 @@ def build_tree(root, scale):
     if os.path.exists(root):
         raise SystemExit(f"{root} exists and is not a tree of this scale built by this script: pass another --root")
     from PIL import Image
+
     print(f"building {root}: {train_total} train + {val_per_class * CLASSES} val files (hard links)", file=sys.stderr)
     start, val_index = time.perf_counter(), 0
     for i in range(CLASSES):
@@ -107,7 +124,11 @@ def snapshot(token):
         cpu += sum(map(int, stat[11:15])) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
         cmdline = read(f"/proc/{pid}/cmdline")
         # Not torchrun's agent, nor a loader worker (forked: its parent's command line).
-        if b"train_d" in cmdline and b"torch.distributed.run" not in cmdline and read(f"/proc/{stat[1]}/cmdline") != cmdline:
+        if (
+            b"train_d" in cmdline
+            and b"torch.distributed.run" not in cmdline
+            and read(f"/proc/{stat[1]}/cmdline") != cmdline
+        ):
             status = dict(line.split(":", 1) for line in read(f"/proc/{pid}/status").decode().splitlines())
             hwm[int(environ.get("RANK", 0))] = int(status["VmHWM"].split()[0]) / 1024
     return cpu, hwm
@@ -120,8 +141,15 @@ def run(command, timeout, stop_at=None, **env):
     environ = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
     environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO, **env, **{MARK: token})
     lines, seen, output, start = queue.Queue(), {}, [], time.perf_counter()
-    proc = subprocess.Popen(command, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
     def reader():  # lines as they come, then None at the end of the output
         for line in proc.stdout:
@@ -162,8 +190,27 @@ def measure(root, opts, index):
         load = os.getloadavg()[0]
         seen, output, _ = run([sys.executable, "-c", CHILD, what, root], opts.timeout)
         rows[what] = {"wall": seen["exit"], **json.loads(output[-1]), "load": load}
-    train = ["--data", root, "-a", "resnet18", "-b", "16", "-j", "1", "--train-crop-size", "32", "--val-resize-size",
-             "32", "--val-crop-size", "32", "-p", "1", "--epochs", "1", "--output-dir"]
+    train = [
+        "--data",
+        root,
+        "-a",
+        "resnet18",
+        "-b",
+        "16",
+        "-j",
+        "1",
+        "--train-crop-size",
+        "32",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        "-p",
+        "1",
+        "--epochs",
+        "1",
+        "--output-dir",
+    ]
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}", "train_ddp.py"]
     for mode, launch, env in (("dp", ["train_dp.py"], {}), ("ddp", torchrun, {"OMP_NUM_THREADS": "1"})):
         if mode == "ddp" and opts.ddp_rounds is not None and index >= opts.ddp_rounds:
@@ -172,8 +219,14 @@ def measure(root, opts, index):
         with tempfile.TemporaryDirectory(prefix="startup-") as scratch:
             seen, _, (cpu, hwm) = run([sys.executable, *launch, *train, scratch + "/out"], opts.timeout, STEP, **env)
         others = [value for rank, value in hwm.items() if rank != 0]
-        rows[mode] = {"wall": seen[STEP], "data": seen.get("data:"), "cpu": cpu, "load": load, "hwm": hwm[0],
-                      "others": f"{min(others):.0f}-{max(others):.0f}" if others else None}
+        rows[mode] = {
+            "wall": seen[STEP],
+            "data": seen.get("data:"),
+            "cpu": cpu,
+            "load": load,
+            "hwm": hwm[0],
+            "others": f"{min(others):.0f}-{max(others):.0f}" if others else None,
+        }
     return rows
 
 
@@ -184,25 +237,46 @@ def table(rounds, nproc):
             return "-"
         return " / ".join("-" if v is None else v if isinstance(v, str) else f"{v:.{digits}f}" for v in values)
 
-    labels = {"torch": "`import torch`, launch to exit: the floor of every process",
-              "imagefolder": "old: `ImageFolder(train)` + `ImageFolder(val)`, in every process",
-              "scan": "new: `scan_image_folder(root)`, on rank 0 once per job",
-              "dp": "`train_dp.py`: launch to first step",
-              "ddp": f"`torchrun --nproc_per_node={nproc} train_ddp.py`: launch to first step"}
-    lines = ["| measurement | processes | CPU s | wall s | wall to `data:` line s | pickled MiB | peak RSS MiB "
-             "(rank 0) | others' peak RSS MiB | load (1 min) |", "|---" * 9 + "|"]
+    labels = {
+        "torch": "`import torch`, launch to exit: the floor of every process",
+        "imagefolder": "old: `ImageFolder(train)` + `ImageFolder(val)`, in every process",
+        "scan": "new: `scan_image_folder(root)`, on rank 0 once per job",
+        "dp": "`train_dp.py`: launch to first step",
+        "ddp": f"`torchrun --nproc_per_node={nproc} train_ddp.py`: launch to first step",
+    }
+    lines = [
+        "| measurement | processes | CPU s | wall s | wall to `data:` line s | pickled MiB | peak RSS MiB "
+        "(rank 0) | others' peak RSS MiB | load (1 min) |",
+        "|---" * 9 + "|",
+    ]
     for row, label in labels.items():
         if any(row in r for r in rounds):
-            lines.append(f"| {label} | {nproc if row == 'ddp' else 1} | " + " | ".join(
-                cells(row, key, digits) for key, digits in (("cpu", 1), ("wall", 1), ("data", 1), ("pickled", 1),
-                                                            ("hwm", 0), ("others", 0), ("load", 2))) + " |")
+            lines.append(
+                f"| {label} | {nproc if row == 'ddp' else 1} | "
+                + " | ".join(
+                    cells(row, key, digits)
+                    for key, digits in (
+                        ("cpu", 1),
+                        ("wall", 1),
+                        ("data", 1),
+                        ("pickled", 1),
+                        ("hwm", 0),
+                        ("others", 0),
+                        ("load", 2),
+                    )
+                )
+                + " |"
+            )
     return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", help="where the fake tree is built and kept (default /tmp/fake-imagenet, "
-                        "or /tmp/fake-imagenet-SCALE below full scale)")
+    parser.add_argument(
+        "--root",
+        help="where the fake tree is built and kept (default /tmp/fake-imagenet, "
+        "or /tmp/fake-imagenet-SCALE below full scale)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of ImageNet's files (default 1)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of measurements (default 2)")
     parser.add_argument("--nproc", type=int, default=8, help="torchrun --nproc_per_node (default 8)")
@@ -211,24 +285,33 @@ def main():
     opts = parser.parse_args()
     if not 0 < opts.scale <= 1:
         parser.error("--scale must be in (0, 1]")
-    root = os.path.abspath(opts.root or ("/tmp/fake-imagenet" if opts.scale == 1 else f"/tmp/fake-imagenet-{opts.scale:g}"))
+    root = os.path.abspath(
+        opts.root or ("/tmp/fake-imagenet" if opts.scale == 1 else f"/tmp/fake-imagenet-{opts.scale:g}")
+    )
     build_tree(root, opts.scale)
     rounds = []
     for index in range(opts.repeats):
         print(f"round {index + 1} of {opts.repeats} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
         rounds.append(measure(root, opts, index))
     import torch
-    print(f"{os.cpu_count()} CPU cores, no GPU (CUDA_VISIBLE_DEVICES=''), torch {torch.__version__}; {root}: "
-          f"{round(FULL_TRAIN * opts.scale):,} train + {max(1, round(VAL_PER_CLASS * opts.scale)) * CLASSES:,} val "
-          f"files, warm page cache; rounds separated by ' / '.\n")
+
+    print(
+        f"{os.cpu_count()} CPU cores, no GPU (CUDA_VISIBLE_DEVICES=''), torch {torch.__version__}; {root}: "
+        f"{round(FULL_TRAIN * opts.scale):,} train + {max(1, round(VAL_PER_CLASS * opts.scale)) * CLASSES:,} val "
+        f"files, warm page cache; rounds separated by ' / '.\n"
+    )
     print(table(rounds, opts.nproc))
-    print("\nCPU s: of the whole process (import torch), of the call (scans), of all the job's processes until the "
-          "first step (training: torchrun's agent and loader workers included). Wall s: launch to exit, the call, "
-          "launch to the first step. Peak RSS: VmHWM at exit, or of the training processes at the first step.")
+    print(
+        "\nCPU s: of the whole process (import torch), of the call (scans), of all the job's processes until the "
+        "first step (training: torchrun's agent and loader workers included). Wall s: launch to exit, the call, "
+        "launch to the first step. Peak RSS: VmHWM at exit, or of the training processes at the first step."
+    )
     if opts.scale < 1:
-        print(f"\nScale {opts.scale:g}: the scans grow about linearly with the file count (x{1 / opts.scale:g} "
-              "estimates full scale, a little high: per-class costs do not grow), and a launch grows by its scan "
-              "only; none of the figures above is extrapolated.")
+        print(
+            f"\nScale {opts.scale:g}: the scans grow about linearly with the file count (x{1 / opts.scale:g} "
+            "estimates full scale, a little high: per-class costs do not grow), and a launch grows by its scan "
+            "only; none of the figures above is extrapolated."
+        )
 
 
 if __name__ == "__main__":

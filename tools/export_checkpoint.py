@@ -6,6 +6,7 @@ torch.load(..., weights_only=True) into the torchvision model, and by every scri
 No process group and no GPU are needed: the shards of every rank are read from the directory and put together.
 The optimizer state stays in the sharded checkpoint. model_best.pth is written this way at each best epoch.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -21,11 +22,15 @@ def main(argv=None):
     parser.add_argument("out", help="the file to write (atomically)")
     args = parser.parse_args(argv)
     from torch.distributed.checkpoint.api import CheckpointException
+
     from common.sharded_checkpoint import export, is_sharded
+
     try:
         if not is_sharded(args.checkpoint):
-            raise UsageError(f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
-                             "state.pth and DCP's .metadata)")
+            raise UsageError(
+                f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
+                "state.pth and DCP's .metadata)"
+            )
         exported = export(args.checkpoint, args.out)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -35,8 +40,10 @@ def main(argv=None):
         print(f"error: cannot export {args.checkpoint} to {args.out}: {reason}", file=sys.stderr)
         return 1
     ema = " and the EMA's" if "model_ema" in exported else ""
-    print(f"wrote {args.out}: {exported.get('arch')} weights{ema} of epoch {exported.get('epoch')} "
-          f"({len(exported['state_dict'])} tensors) from {Path(args.checkpoint).resolve()}")
+    print(
+        f"wrote {args.out}: {exported.get('arch')} weights{ema} of epoch {exported.get('epoch')} "
+        f"({len(exported['state_dict'])} tensors) from {Path(args.checkpoint).resolve()}"
+    )
     return 0
 
 

@@ -33,6 +33,7 @@ H100 or H200. One table: row, flags, img/s per GPU, expected, peak GPU memory, M
 anything failed.
 Without a CUDA GPU (and without --cpu) it says so in one line and exits 0.
 """
+
 import argparse
 import csv
 import json
@@ -53,22 +54,35 @@ from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, du
 from jobs import CheckFailed, free_port, run  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                    "EPOCHS", "LR", "BATCH_SIZE", "DATASETS_PATH", "DATASETS", "WORKSPACE", "BACKEND",
-                    "WORKER_PER_NODE")
+LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "EPOCHS",
+    "LR",
+    "BATCH_SIZE",
+    "DATASETS_PATH",
+    "DATASETS",
+    "WORKSPACE",
+    "BACKEND",
+    "WORKER_PER_NODE",
+)
 
 
 @dataclass
 class Row:
-    name: str                 # dp1 / dpN / ddp / spawn, then the data
+    name: str  # dp1 / dpN / ddp / spawn, then the data
     mode: str
-    data: str                 # "synthetic" or "jpeg"
+    data: str  # "synthetic" or "jpeg"
     flags: tuple = ()
     result: str = "not run"
     images_per_second: float = float("nan")
     peak_gib: float = float("nan")
     mfu: str = "-"
-    target: str = "-"         # the images/s per GPU expected of one H100, where it applies, and whether it was reached
+    target: str = "-"  # the images/s per GPU expected of one H100, where it applies, and whether it was reached
     output_dir: Path = None
     extra: dict = field(default_factory=dict)
 
@@ -78,6 +92,7 @@ class Setup:
 
     def __init__(self, cpu, workdir, extra_args):
         import torch
+
         self.cpu, self.workdir, self.extra_args = cpu, Path(workdir), list(extra_args)
         self.gpus = 0 if cpu else torch.cuda.device_count()
         self.world = 2 if cpu else self.gpus  # processes of ddp / spawn rows
@@ -86,13 +101,41 @@ class Setup:
         self.targets_apply = not cpu and re.search(r"\bH(100|200)\b", torch.cuda.get_device_name(0)) is not None
         if cpu:
             from common import demo_data
+
             self.jpeg_dir = self.workdir / "jpegs"
             demo_data.generate(self.jpeg_dir, train_per_class=8, val_per_class=4, num_classes=3)
             tiny = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "-j", "0"]
-            self.jpeg_args = ["--data", str(self.jpeg_dir), *tiny, "-a", "tests.tiny_models:TinyNet", "--dropout",
-                              "0", "--lr", "0.1", "-b", "8", "--epochs", "4", "-p", "1"]
-            self.synthetic_args = ["--dummy", "--dummy-size", "64", *tiny, "-a", "tests.tiny_models:TinyNet",
-                                   "-b", "8", "--epochs", "1", "-p", "1"]
+            self.jpeg_args = [
+                "--data",
+                str(self.jpeg_dir),
+                *tiny,
+                "-a",
+                "tests.tiny_models:TinyNet",
+                "--dropout",
+                "0",
+                "--lr",
+                "0.1",
+                "-b",
+                "8",
+                "--epochs",
+                "4",
+                "-p",
+                "1",
+            ]
+            self.synthetic_args = [
+                "--dummy",
+                "--dummy-size",
+                "64",
+                *tiny,
+                "-a",
+                "tests.tiny_models:TinyNet",
+                "-b",
+                "8",
+                "--epochs",
+                "1",
+                "-p",
+                "1",
+            ]
         else:
             # The built-in demo set (generated on first use) at its preset: 32 px shapes that resnet18
             # learns; two epochs of a few dozen steps at this batch.
@@ -101,8 +144,11 @@ class Setup:
             self.jpeg_args = ["-a", "resnet18", "-b", str(batch), "--epochs", "2", "-p", "10", "--dist-timeout", "300"]
 
     def env(self):
-        env = {key: value for key, value in os.environ.items()
-               if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")}
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in LAUNCH_VARIABLES and not key.startswith("SLURM_")
+        }
         env["PYTHONUNBUFFERED"] = "1"
         if self.cpu:
             env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -116,11 +162,25 @@ class Setup:
         if mode == "dpN":
             return [python, REPO / "train_dp.py"]
         if mode == "ddp":
-            return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_ddp.py"]
+            return [
+                python,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                REPO / "train_ddp.py",
+            ]
         if mode == "fsdp":
-            return [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", REPO / "train_fsdp.py"]
+            return [
+                python,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                REPO / "train_fsdp.py",
+            ]
         if mode == "spawn":
             return [python, REPO / "train_spawn.py", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
         raise ValueError(mode)
@@ -131,7 +191,8 @@ class Setup:
         if self.cpu:
             return 8
         import torch
-        gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
         return (256 if gib >= 40 else 128 if gib >= 20 else 64) * (1 if mode == "dp1" else self.world)
 
     def data_args(self, data, mode, compiled=False):
@@ -140,8 +201,21 @@ class Setup:
         # ResNet-50 at 224 px, one epoch of 80 steps: the table gives the rate at steady state (make benchmark-gpu's
         # window: the start-up, cuDNN's autotuning and compiling left out).
         batch = self.synthetic_batch(mode)
-        return ["--dummy", "--dummy-size", str(dummy_size(80, batch, compiled)), "-a", "resnet50", "-b", str(batch),
-                "--epochs", "1", "-p", "10", "--dist-timeout", "300"]
+        return [
+            "--dummy",
+            "--dummy-size",
+            str(dummy_size(80, batch, compiled)),
+            "-a",
+            "resnet50",
+            "-b",
+            str(batch),
+            "--epochs",
+            "1",
+            "-p",
+            "10",
+            "--dist-timeout",
+            "300",
+        ]
 
 
 def keep_console(output_dir, output):
@@ -151,8 +225,17 @@ def keep_console(output_dir, output):
 
 
 def train(setup, mode, data, flags, output_dir, extra=(), timeout=None):
-    command = [*setup.command(mode), *setup.data_args(data, mode, "--compile" in flags), *flags, *setup.extra_args, "--seed", "0",
-               "--output-dir", output_dir, *extra]
+    command = [
+        *setup.command(mode),
+        *setup.data_args(data, mode, "--compile" in flags),
+        *flags,
+        *setup.extra_args,
+        "--seed",
+        "0",
+        "--output-dir",
+        output_dir,
+        *extra,
+    ]
     try:
         status, output = run(command, setup.env(), timeout or (300 if setup.cpu else 1200))
     except CheckFailed as failed:
@@ -166,7 +249,9 @@ def train(setup, mode, data, flags, output_dir, extra=(), timeout=None):
 
 def check_training(setup, row, output):
     import torch
+
     from common.models import build_model
+
     epochs = [row for row in csv.DictReader(open(row.output_dir / "log.csv"))]
     losses = [float(epoch["train_loss"]) for epoch in epochs]
     if not losses or not all(math.isfinite(loss) for loss in losses):
@@ -176,7 +261,9 @@ def check_training(setup, row, output):
     summary = json.loads((row.output_dir / "summary.json").read_text())
     row.peak_gib, last = summary.get("peak_memory_gib", float("nan")), epochs[-1]
     row.images_per_second = float(last["images_per_second"])  # the last epoch's
-    if not setup.cpu and not all(float(last[name] or 0) > 0 for name in ("gpu_peak_allocated_mib", "tflops_per_device")):
+    if not setup.cpu and not all(
+        float(last[name] or 0) > 0 for name in ("gpu_peak_allocated_mib", "tflops_per_device")
+    ):
         raise CheckFailed(f"log.csv lacks the GPU's figures: {last}")
     if last["mfu_pct"] and not 0 < float(last["mfu_pct"]) <= 100:
         raise CheckFailed(f"an MFU of {last['mfu_pct']}%")
@@ -188,7 +275,10 @@ def check_training(setup, row, output):
     single = row.output_dir / "checkpoint.pth"
     if row.mode == "fsdp":  # its checkpoints are sharded directories: the latest one exported as a single file
         from common.sharded_checkpoint import export
-        single = export(row.output_dir / "checkpoint", row.output_dir / "exported.pth") and row.output_dir / "exported.pth"
+
+        single = (
+            export(row.output_dir / "checkpoint", row.output_dir / "exported.pth") and row.output_dir / "exported.pth"
+        )
     state = torch.load(single, map_location="cpu", weights_only=True)
     model = build_model(state["arch"], state["num_classes"])
     model.load_state_dict(state["state_dict"])  # strict: every key, every shape
@@ -203,8 +293,10 @@ def speed(setup, row, output, last):
         row.result = "PASS (no steady window: the epoch's rate)"
         return
     row.images_per_second = figures["images_per_second"] / devices
-    row.result = (f"PASS (steady: {figures['measured_images']} images in {figures['measured_seconds']:.1f} s, "
-                  f"{figures['excluded_seconds']:.1f} s before left out)")
+    row.result = (
+        f"PASS (steady: {figures['measured_images']} images in {figures['measured_seconds']:.1f} s, "
+        f"{figures['excluded_seconds']:.1f} s before left out)"
+    )
     mfu = at_window_rate(last, figures["images_per_second"])["mfu_pct"]
     if mfu is not None:
         row.mfu = f"{mfu:.3g}"
@@ -249,6 +341,7 @@ def check_validation_world_sizes(setup, row):
 
 def check_exact_resume(setup, row):
     import torch
+
     # A step schedule, the lr changing every epoch: the resumed run must restore the scheduler too.
     flags = ("--deterministic", "--lr-schedule", "step", "--lr-step-size", "1", "--warmup-epochs", "0")
     # The run resumed from the uninterrupted run's checkpoint of epoch E-1 (checkpoint_prev.pth: one
@@ -258,8 +351,10 @@ def check_exact_resume(setup, row):
     train(setup, "ddp", "jpeg", flags, straight)
     previous = torch.load(straight / "checkpoint_prev.pth", map_location="cpu", weights_only=True)
     if (previous["epoch"], previous["step_in_epoch"]) != (epochs - 1, 0):
-        raise CheckFailed(f"checkpoint_prev.pth holds epoch {previous['epoch']} step {previous['step_in_epoch']}, "
-                          f"not the end of epoch {epochs - 1}")
+        raise CheckFailed(
+            f"checkpoint_prev.pth holds epoch {previous['epoch']} step {previous['step_in_epoch']}, "
+            f"not the end of epoch {epochs - 1}"
+        )
     resumed.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(straight / "checkpoint_prev.pth", resumed / "checkpoint.pth")
     output = train(setup, "ddp", "jpeg", flags, resumed, extra=["--resume", "auto"])
@@ -281,8 +376,10 @@ def check_fsdp_matches_ddp(setup, row):
     for mode in ("ddp", "fsdp"):
         output_dir = setup.workdir / f"compare-{mode}"
         train(setup, mode, "jpeg", flags, output_dir)
-        logs[mode] = [(float(epoch["train_loss"]), float(epoch["val_acc1"]))
-                      for epoch in csv.DictReader(open(output_dir / "log.csv"))]
+        logs[mode] = [
+            (float(epoch["train_loss"]), float(epoch["val_acc1"]))
+            for epoch in csv.DictReader(open(output_dir / "log.csv"))
+        ]
     (ddp, fsdp), tolerance = (logs["ddp"], logs["fsdp"]), (1e-5 if setup.cpu else 1e-3)
     if len(ddp) != len(fsdp) or any(abs(a[0] - b[0]) > tolerance * max(1.0, abs(a[0])) for a, b in zip(ddp, fsdp)):
         raise CheckFailed(f"training losses per epoch: ddp {ddp}, fsdp {fsdp}")
@@ -304,9 +401,13 @@ def check_out_of_memory(setup, row):
     """A step that runs out of memory: exit 1 and one line with the levers; on a GPU, the snapshot it names holds the
     allocator's segments and (--memory-history) its history."""
     import pickle
+
     out = setup.workdir / "oom"
-    flags = (["--trainer", "tests.tiny_models:OutOfMemoryAtStep2"] if setup.cpu else
-             ["--dummy", "--dummy-size", "8192", "-a", "resnet50", "-b", "8192", "--memory-history"])
+    flags = (
+        ["--trainer", "tests.tiny_models:OutOfMemoryAtStep2"]
+        if setup.cpu
+        else ["--dummy", "--dummy-size", "8192", "-a", "resnet50", "-b", "8192", "--memory-history"]
+    )
     command = [*setup.command("dp1"), *setup.jpeg_args, *flags, "--output-dir", out]
     status, output = run(command, setup.env(), 900)
     line = next((line for line in output.splitlines() if " ran out of " in line), "")
@@ -323,8 +424,16 @@ def check_flight_recorder(setup, row):
     """Rank 1 stalls past --dist-timeout: NCCL's watchdog aborts the job, and rank 0's Flight Recorder dump is in the
     output directory, where the header said."""
     out = setup.workdir / "stalled"
-    command = [*setup.command("ddp"), *setup.jpeg_args, "--trainer", "tests.tiny_models:StallsRank1", "--dist-timeout",
-               "30", "--output-dir", out]
+    command = [
+        *setup.command("ddp"),
+        *setup.jpeg_args,
+        "--trainer",
+        "tests.tiny_models:StallsRank1",
+        "--dist-timeout",
+        "30",
+        "--output-dir",
+        out,
+    ]
     status, output = run(command, setup.env(), 600)
     dump = out / "nccl_trace" / "rank_0"
     if status == 0 or f"{out}/nccl_trace/rank_" not in output or not dump.is_file() or not dump.stat().st_size:
@@ -338,7 +447,7 @@ def check_two_ranks_one_gpu_refused(setup, row):
     if status == 0 or not re.search(r"^error: .*both use GPU", output, re.MULTILINE):
         raise CheckFailed(f"exit {status}, and no one-line refusal:\n{output[-2500:]}")
     # torchrun prints a traceback of its own (ChildFailedError) when a worker fails; ours must not.
-    if re.search(r'^Traceback.*\n  File "' + re.escape(str(REPO)) + r'/(?!\.venv)', output, re.MULTILINE):
+    if re.search(r'^Traceback.*\n  File "' + re.escape(str(REPO)) + r"/(?!\.venv)", output, re.MULTILINE):
         raise CheckFailed(f"refused with a traceback of this repository's code, not one line:\n{output[-2500:]}")
     row.result = "PASS (refused in one line)"
 
@@ -356,10 +465,13 @@ def rows_for(setup, quick):
     """The training rows for this machine: DataParallel over all GPUs only where there are several."""
     modes = ["dp1", *(["dpN"] if setup.gpus > 1 else []), "ddp", "spawn", "fsdp"]
     amp = "bf16" if setup.cpu or setup.bf16 else "fp16"  # bf16 is emulated before compute capability 8.0
-    variants = [("fp32", ())] if setup.cpu else [
-        ("fp32", ()), (f"{amp} cl", ("--amp", amp, "--channels-last")), ("compile", ("--compile",))]
+    variants = (
+        [("fp32", ())]
+        if setup.cpu
+        else [("fp32", ()), (f"{amp} cl", ("--amp", amp, "--channels-last")), ("compile", ("--compile",))]
+    )
     rows = []
-    for data in (["jpeg"] if quick else ["jpeg", "synthetic"]):
+    for data in ["jpeg"] if quick else ["jpeg", "synthetic"]:
         for mode in modes:
             for name, flags in variants:
                 if name == "compile" and mode == "dpN":
@@ -370,8 +482,14 @@ def rows_for(setup, quick):
             if mode == "ddp" and not setup.cpu:
                 rows.append(Row(f"{mode} {data} sync-bn", mode, data, ("--sync-bn",)))
                 # A metric whose state is summed on the GPU (index_add_ in float64) and over the ranks by NCCL.
-                rows.append(Row(f"{mode} {data} confusion-matrix", mode, data,
-                                ("--trainer", "examples.confusion_matrix:PerClass")))
+                rows.append(
+                    Row(
+                        f"{mode} {data} confusion-matrix",
+                        mode,
+                        data,
+                        ("--trainer", "examples.confusion_matrix:PerClass"),
+                    )
+                )
             if mode in ("ddp", "fsdp") and data == "jpeg" and not setup.cpu:  # (the CPU's: make test)
                 # Accumulation skips the sync on all but each step's last micro-batch: DDP's no_sync around a compiled
                 # model, FSDP2's set_requires_gradient_sync.
@@ -391,32 +509,52 @@ def main(argv=None):
     parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (gloo, tiny model)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
-    parser.add_argument("--extra-args", default="", metavar="'ARGS'",
-                        help="appended to every training command (e.g. '--lr 0': the learning checks must fail)")
+    parser.add_argument(
+        "--extra-args",
+        default="",
+        metavar="'ARGS'",
+        help="appended to every training command (e.g. '--lr 0': the learning checks must fail)",
+    )
     args = parser.parse_args(argv)
     import torch
+
     if not args.cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU is visible on this machine: nothing to check (make test covers the CPU)")
         return 0
 
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     setup = Setup(args.cpu, workdir, args.extra_args.split())
-    where = ("CPU (self-test: gloo, 2 processes, tiny model)" if args.cpu else
-             f"{setup.gpus} x {torch.cuda.get_device_name(0)}")
+    where = (
+        "CPU (self-test: gloo, 2 processes, tiny model)"
+        if args.cpu
+        else f"{setup.gpus} x {torch.cuda.get_device_name(0)}"
+    )
     print(f"gpu-check on {where}, torch {torch.__version__}; runs in {workdir}", flush=True)
     checks = [(row, check_row) for row in rows_for(setup, args.quick)]
-    checks += [(Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
-               (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume),
-               (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp),
-               (Row("profile trace", "ddp", "jpeg"), check_profile),
-               (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory)]
+    checks += [
+        (Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
+        (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume),
+        (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp),
+        (Row("profile trace", "ddp", "jpeg"), check_profile),
+        (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory),
+    ]
     if setup.gpus > 1:
         checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))
     if setup.gpus == 1:
         checks.append((Row("two ranks on one GPU refused", "ddp", "jpeg"), check_two_ranks_one_gpu_refused))
     if setup.gpus > 1:
-        checks.append((Row("dpN compile refused", "dpN", "jpeg", ("--compile",),
-                           extra={"expect": r"^error: --compile does not work with DataParallel over"}), check_refused))
+        checks.append(
+            (
+                Row(
+                    "dpN compile refused",
+                    "dpN",
+                    "jpeg",
+                    ("--compile",),
+                    extra={"expect": r"^error: --compile does not work with DataParallel over"},
+                ),
+                check_refused,
+            )
+        )
     if args.only:
         checks = [(row, check) for row, check in checks if re.search(args.only, row.name)]
 
@@ -433,12 +571,16 @@ def main(argv=None):
             print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
 
-    print("\n| row | flags | img/s per GPU | expected | peak GPU memory (GiB) | MFU % | result |\n"
-          "|---|---|---:|---|---:|---:|---|")
+    print(
+        "\n| row | flags | img/s per GPU | expected | peak GPU memory (GiB) | MFU % | result |\n"
+        "|---|---|---:|---|---:|---:|---|"
+    )
     for row, _ in checks:
         rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
         peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
-        print(f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {row.target} | {peak} | {row.mfu} | {row.result} |")
+        print(
+            f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {row.target} | {peak} | {row.mfu} | {row.result} |"
+        )
     print(f"\n{len(checks) - failures} passed, {failures} failed")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

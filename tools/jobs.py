@@ -1,6 +1,7 @@
 """Jobs of the tools (tools/gpu_check.py, tools/benchmark_gpu.py): a command run in a session of its own with a time
 limit, and everything it started (torchrun's workers, loader workers) killed when it ends, found by a marker in their
 environment."""
+
 import os
 import signal
 import socket
@@ -48,8 +49,15 @@ def run(command, env, timeout):
     """(exit status, output) of a job. On timeout it gets a SIGTERM (torchrun passes it on, the ranks
     save and stop), 30 s later a SIGKILL; whatever of it is left when it ends is killed."""
     marker = uuid.uuid4().hex
-    process = subprocess.Popen([str(part) for part in command], cwd=REPO, env={**env, "GPU_CHECK_JOB": marker},
-                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [str(part) for part in command],
+        cwd=REPO,
+        env={**env, "GPU_CHECK_JOB": marker},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

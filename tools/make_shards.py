@@ -10,14 +10,15 @@ val-000000.tar, ...: in each shard, sample by sample in the folder's own sorted 
 folder in), KEY.EXT (the image's bytes: unchanged, or with --resize an RGB JPEG whose shorter side is at most N px,
 as tools/prepare_imagenet.py --resize makes them) beside KEY.cls (its label). KEY is the image's path in its split
 without the extension (dots in its name become "_"). Beside each shard, written after it, its index (.idx: each
-sample's key, extension, label, byte offset and size, in numpy's .npz format), which the scripts read instead of the shards to list the
-samples, and a loader worker reads each image at its offset. The same images in shards and in the folder they came
-from give bitwise the same run.
+sample's key, extension, label, byte offset and size, in numpy's .npz format), which the scripts read instead of the
+shards to list the samples, and a loader worker reads each image at its offset. The same images in shards and in the
+folder they came from give bitwise the same run.
 
 Stopped (Ctrl-C, a kill, a crash)? Run the same command again: it carries on. A shard is written to a temporary
 file, fsynced and renamed into place, then its index; a shard counts as done once its index matches it, and a
 finished shard is never rewritten.
 """
+
 import argparse
 import io
 import json
@@ -29,15 +30,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.cli import Parser  # noqa: E402
 from common.datasets import scan_split_files, split_files  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.run_dir import atomic_write  # noqa: E402
-from common.shards import (CLASSES, IMAGE_EXTENSIONS, MANIFEST, index_tar, read_index, shard_stamp,  # noqa: E402
-                           write_index)
-from common.cli import Parser  # noqa: E402
+from common.shards import (
+    CLASSES,
+    IMAGE_EXTENSIONS,
+    MANIFEST,
+    index_tar,
+    read_index,
+    shard_stamp,  # noqa: E402
+    write_index,
+)
 from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
-
 
 
 def sample_key(relative):
@@ -62,8 +69,10 @@ def folder_samples(files, split_root):
                 relative = Path(Path(path).name)
         key, extension = sample_key(relative)
         if extension not in IMAGE_EXTENSIONS:
-            raise UsageError(f"{path}: a name without an image extension ({', '.join(IMAGE_EXTENSIONS)}); shards store "
-                             "each image under its own: rename it")
+            raise UsageError(
+                f"{path}: a name without an image extension ({', '.join(IMAGE_EXTENSIONS)}); shards store "
+                "each image under its own: rename it"
+            )
         samples.append((key, extension, label, str(path), None, None))
     return samples
 
@@ -95,11 +104,14 @@ def write_shard(shard, samples, resize, quality):
                     info = tarfile.TarInfo(name)
                     info.size, info.mode = len(content), 0o644  # mtime 0, no owner: the same images, the same shard
                     tar.addfile(info, io.BytesIO(content))
+
     atomic_write(shard, write)
     index, cut = index_tar(shard)
     if cut is not None or [key for key, *_ in index] != [key for key, *_ in samples]:
-        raise UsageError(f"{shard} does not read back as written ({len(index)} of its {len(samples)} samples): is the "
-                         "disk full or failing?")
+        raise UsageError(
+            f"{shard} does not read back as written ({len(index)} of its {len(samples)} samples): is the "
+            "disk full or failing?"
+        )
     write_index(shard, index, shard_stamp(shard))
     return undecodable
 
@@ -120,10 +132,15 @@ def open_output(out, manifest):
     if path.exists():
         earlier = json.loads(path.read_text())
         if earlier != manifest:
-            changed = [f"{name} {earlier.get(name)} -> {manifest[name]}" for name in manifest
-                       if earlier.get(name) != manifest[name]]
-            raise UsageError(f"{out} holds shards written with other options ({', '.join(changed)}): give another "
-                             "OUT, or rerun the command that wrote them")
+            changed = [
+                f"{name} {earlier.get(name)} -> {manifest[name]}"
+                for name in manifest
+                if earlier.get(name) != manifest[name]
+            ]
+            raise UsageError(
+                f"{out} holds shards written with other options ({', '.join(changed)}): give another "
+                "OUT, or rerun the command that wrote them"
+            )
         return True
     atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return False
@@ -143,10 +160,17 @@ def write_all(out, classes, samples, source, args):
     args.shard_size each, the shards not done yet written by args.workers processes."""
     for split, items in samples.items():
         if len({key for key, *_ in items}) < len(items):
-            raise UsageError(f"two {split} images of {source['source']} have the same key (their paths without the "
-                             "extension, dots made _): rename one")
-    manifest = {**source, "shard_size": args.shard_size, "resize": args.resize,
-                "quality": args.quality if args.resize else None, **{split: len(samples[split]) for split in samples}}
+            raise UsageError(
+                f"two {split} images of {source['source']} have the same key (their paths without the "
+                "extension, dots made _): rename one"
+            )
+    manifest = {
+        **source,
+        "shard_size": args.shard_size,
+        "resize": args.resize,
+        "quality": args.quality if args.resize else None,
+        **{split: len(samples[split]) for split in samples},
+    }
     if open_output(out, manifest):
         print(f"carrying on in {out}", flush=True)
     atomic_write(out / CLASSES, lambda file: file.write("".join(f"{name}\n" for name in classes).encode()))
@@ -158,15 +182,19 @@ def write_all(out, classes, samples, source, args):
         for number in range((len(items) + args.shard_size - 1) // args.shard_size):
             shard = out / split / f"{split}-{number:06d}.tar"
             if not done(shard):
-                jobs.append((shard, items[number * args.shard_size:(number + 1) * args.shard_size]))
+                jobs.append((shard, items[number * args.shard_size : (number + 1) * args.shard_size]))
     for count, ((shard, part), undecodable) in enumerate(zip(jobs, written(jobs, args)), start=1):
         for key in undecodable:
             print(f"warning: cannot decode {shard.name}:{key}: stored unchanged", file=sys.stderr, flush=True)
-        print(f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)",
-              flush=True)
-    print(f"wrote {out}: {len(classes)} classes, " + " and ".join(f"{len(items):,} {split}" for split, items in
-                                                                  samples.items())
-          + f" images in shards of {args.shard_size}", flush=True)
+        print(
+            f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)", flush=True
+        )
+    print(
+        f"wrote {out}: {len(classes)} classes, "
+        + " and ".join(f"{len(items):,} {split}" for split, items in samples.items())
+        + f" images in shards of {args.shard_size}",
+        flush=True,
+    )
 
 
 def written(jobs, args):
@@ -187,15 +215,24 @@ def written(jobs, args):
 
 
 def parse_args(argv=None):
-    parser = Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("src", metavar="SRC", help="an image folder (train/, val/) or a folder with train.csv, val.csv")
     parser.add_argument("out", metavar="OUT", help="where classes.txt, train/ and val/ are written")
-    parser.add_argument("--shard-size", type=whole(1), default=2500, metavar="N",
-                        help="images per shard (%(default)s: about 280 MB of ImageNet's originals)")
+    parser.add_argument(
+        "--shard-size",
+        type=whole(1),
+        default=2500,
+        metavar="N",
+        help="images per shard (%(default)s: about 280 MB of ImageNet's originals)",
+    )
     parser.add_argument("--resize", type=whole(1), metavar="N", help="shorter side at most N px, as RGB JPEG")
-    parser.add_argument("--quality", type=whole(1, 100), default=90, metavar="1-100",
-                        help="JPEG quality with --resize (%(default)s)")
+    parser.add_argument(
+        "--quality", type=whole(1, 100), default=90, metavar="1-100", help="JPEG quality with --resize (%(default)s)"
+    )
     parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
     return parser.parse_args(argv)
 

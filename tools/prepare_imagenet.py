@@ -29,6 +29,7 @@ stopped. Every file is fsynced before it is renamed into place, and a class is m
 images are on disk; a rerun checks each marker against the files (their number and total size) and
 redoes, with a warning, a class whose marker is empty, corrupt or does not match.
 """
+
 import argparse
 import contextlib
 import csv
@@ -51,7 +52,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser  # noqa: E402
-from common.run_dir import atomic_write, fsync as sync, link_or_copy  # noqa: E402  (written whole or not at all)
+from common.run_dir import atomic_write, link_or_copy  # noqa: E402  (written whole or not at all)
+from common.run_dir import fsync as sync
 from common.shards import MANIFEST  # noqa: E402
 from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
 
@@ -60,7 +62,7 @@ OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
 KAGGLE_ROOT, KAGGLE_LABELS = "ILSVRC/Data/CLS-LOC", "LOC_val_solution.csv"
 OFFICIAL_COUNTS = {"classes": 1000, "train images": 1_281_167, "val images": 50_000}
 STATE = ".prepare"  # completion markers and MD5 stamps, outside the class folders
-VAL_CHUNK = 500     # val images per task of the worker pool
+VAL_CHUNK = 500  # val images per task of the worker pool
 
 
 class Failure(Exception):
@@ -69,9 +71,10 @@ class Failure(Exception):
 
 class Job(NamedTuple):
     """A task of the pool: one train class or a chunk of val images; done once its marker exists."""
+
     marker: str
     split: str
-    source: str     # the archive or folder it reads
+    source: str  # the archive or folder it reads
     read: Callable  # read(source, *args) yields (wnid, file name, bytes or the path of a file on disk)
     args: tuple
 
@@ -138,8 +141,11 @@ def tar_members(archive, items):
 
 def class_folder(folder, wnid):
     """The images of an extracted class folder, as paths."""
-    return [(wnid, name, os.path.join(folder, name)) for name in sorted(os.listdir(folder))
-            if name.lower().endswith(IMG_EXTENSIONS)]
+    return [
+        (wnid, name, os.path.join(folder, name))
+        for name in sorted(os.listdir(folder))
+        if name.lower().endswith(IMG_EXTENSIONS)
+    ]
 
 
 def val_files(folder, items):
@@ -201,8 +207,10 @@ def run_job(job, out_dir, resize, quality, redo=False):
             images, total = images + 1, total + size
         for folder in [*folders, out_dir / job.split]:  # the renames (and new folders) on disk before the marker
             sync(folder)
-        write_atomically(out_dir / STATE / job.marker,
-                         json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode())
+        write_atomically(
+            out_dir / STATE / job.marker,
+            json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode(),
+        )
     except (OSError, tarfile.TarError, EOFError) as error:
         raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}")
     return images, undecodable
@@ -220,8 +228,12 @@ def read_marker(path):
         raise ValueError("is cut short or corrupt (not JSON)") from None
     if isinstance(record, list) and len(record) == 2:
         record = {"images": record[0], "bytes": None, "undecodable": record[1]}
-    if not (isinstance(record, dict) and isinstance(record.get("images"), int)
-            and isinstance(record.get("bytes"), (int, type(None))) and isinstance(record.get("undecodable"), list)):
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("images"), int)
+        and isinstance(record.get("bytes"), (int, type(None)))
+        and isinstance(record.get("undecodable"), list)
+    ):
         raise ValueError("is not a marker this script writes")
     return record
 
@@ -270,9 +282,12 @@ def check_marker(job, out_dir):
         # size None: the marker of an older version, without it; then only no image may be empty
         if len(sizes) == images and (0 not in sizes if size is None else sum(sizes) == size):
             return True, None
-        problem = (f"says {images:,} images" + ("" if size is None else f" of {size:,} bytes")
-                   + f", but {len(sizes):,} of {sum(sizes):,} bytes are there"
-                   + (f" ({sizes.count(0):,} empty)" if 0 in sizes else ""))
+        problem = (
+            f"says {images:,} images"
+            + ("" if size is None else f" of {size:,} bytes")
+            + f", but {len(sizes):,} of {sum(sizes):,} bytes are there"
+            + (f" ({sizes.count(0):,} empty)" if 0 in sizes else "")
+        )
     return False, f"warning: {path} {problem}: redoing {described(job)}"
 
 
@@ -281,17 +296,26 @@ def find_inputs(archive_dir):
     if not archive_dir.is_dir():
         raise Failure(f"{archive_dir}: no such directory")
     roots = (archive_dir, archive_dir / KAGGLE_ROOT)
-    found = [next((path for path in candidates if path.exists()), None) for candidates in (
-        [archive_dir / TRAIN_TAR, *(root / "train" for root in roots)],
-        [archive_dir / VAL_TAR, *(root / "val" for root in roots)],
-        [archive_dir / KAGGLE_LABELS, archive_dir / DEVKIT])]
+    found = [
+        next((path for path in candidates if path.exists()), None)
+        for candidates in (
+            [archive_dir / TRAIN_TAR, *(root / "train" for root in roots)],
+            [archive_dir / VAL_TAR, *(root / "val" for root in roots)],
+            [archive_dir / KAGGLE_LABELS, archive_dir / DEVKIT],
+        )
+    ]
     labelled = found[1] is not None and sorted_val(found[1])  # by its folders: no CSV, devkit or scipy needed
-    missing = [name for name, path in zip((TRAIN_TAR, VAL_TAR, DEVKIT), found)
-               if path is None and not (name == DEVKIT and labelled)]
+    missing = [
+        name
+        for name, path in zip((TRAIN_TAR, VAL_TAR, DEVKIT), found)
+        if path is None and not (name == DEVKIT and labelled)
+    ]
     if missing:
-        raise Failure(f"{archive_dir} lacks {', '.join(missing)}: expected the official archives, or extracted "
-                      f"train/ and val/ (maybe under {KAGGLE_ROOT}/) with {KAGGLE_LABELS} or {DEVKIT}, "
-                      "or a val/ sorted into <wnid>/ folders (valprep.sh)")
+        raise Failure(
+            f"{archive_dir} lacks {', '.join(missing)}: expected the official archives, or extracted "
+            f"train/ and val/ (maybe under {KAGGLE_ROOT}/) with {KAGGLE_LABELS} or {DEVKIT}, "
+            "or a val/ sorted into <wnid>/ folders (valprep.sh)"
+        )
     return found[0], found[1], None if labelled else found[2]
 
 
@@ -327,8 +351,10 @@ def verify_md5(path, state):
             progress.update(len(chunk), f" of {stat.st_size / 1e9:.1f} GB")
     progress.close()
     if digest.hexdigest() != expected:
-        raise Failure(f"{path} does not have the official MD5 ({digest.hexdigest()}, not {expected}): download it "
-                      "again, or pass --skip-md5 if you re-packed it on purpose")
+        raise Failure(
+            f"{path} does not have the official MD5 ({digest.hexdigest()}, not {expected}): download it "
+            "again, or pass --skip-md5 if you re-packed it on purpose"
+        )
     write_atomically(stamp, key.encode())
 
 
@@ -348,6 +374,7 @@ def parse_devkit(archive):
     devkit archive as torchvision's parse_devkit_archive reads it: meta.mat's synsets without children, by their
     ILSVRC2012_ID. (Its MD5 is verify_md5's, unless --skip-md5 said not to check it.)"""
     import scipy.io
+
     with tarfile.open(archive) as tar:
         meta = scipy.io.loadmat(io.BytesIO(tar.extractfile(f"{DEVKIT_DATA}/meta.mat").read()), squeeze_me=True)
         truth = tar.extractfile(f"{DEVKIT_DATA}/ILSVRC2012_validation_ground_truth.txt").read().split()
@@ -404,30 +431,45 @@ def make_jobs(train, val, labels):
     parse_val_archive are not used: they are neither resumable nor atomic per file.)"""
     try:
         if train.is_file():
-            jobs = [Job(f"train-{Path(m.name).stem}.done", "train", str(train), class_tar,
-                        (Path(m.name).stem, m.offset_data, m.size)) for m in members(train)]
+            jobs = [
+                Job(
+                    f"train-{Path(m.name).stem}.done",
+                    "train",
+                    str(train),
+                    class_tar,
+                    (Path(m.name).stem, m.offset_data, m.size),
+                )
+                for m in members(train)
+            ]
         else:
-            jobs = [Job(f"train-{entry.name}.done", "train", entry.path, class_folder, (entry.name,))
-                    for entry in sorted(os.scandir(train), key=lambda entry: entry.name) if entry.is_dir()]
+            jobs = [
+                Job(f"train-{entry.name}.done", "train", entry.path, class_folder, (entry.name,))
+                for entry in sorted(os.scandir(train), key=lambda entry: entry.name)
+                if entry.is_dir()
+            ]
         sorted_images = []  # (wnid, name, path) of val/<wnid>/ folders (valprep.sh's layout)
         if val.is_file():  # name: where it is (offset and size in the archive, or the file's path)
             images, read = {os.path.basename(m.name): (m.offset_data, m.size) for m in members(val)}, tar_members
         else:
-            images, read = {entry.name: (entry.path,) for entry in os.scandir(val)
-                            if entry.name.lower().endswith(IMG_EXTENSIONS)}, val_files
+            images, read = (
+                {entry.name: (entry.path,) for entry in os.scandir(val) if entry.name.lower().endswith(IMG_EXTENSIONS)},
+                val_files,
+            )
             for entry in sorted(os.scandir(val), key=lambda entry: entry.name):
                 if entry.is_dir():
                     sorted_images += class_folder(entry.path, entry.name)
     except OSError as error:  # a folder or an entry that cannot be listed (run_job reports a class folder's)
         raise Failure(f"cannot list {error.filename}: {error.strerror or error}")
-    labelled = [(labels[Path(name).stem], name, *where) for name, where in sorted(images.items())
-                if Path(name).stem in labels]
+    labelled = [
+        (labels[Path(name).stem], name, *where) for name, where in sorted(images.items()) if Path(name).stem in labels
+    ]
     if len(labelled) < len(images):
         say(f"warning: {len(images) - len(labelled)} val images have no label: left out")
     labelled = sorted(labelled + sorted_images, key=lambda image: (image[1], image[0]))  # in name order
     for start in range(0, len(labelled), VAL_CHUNK):
-        jobs.append(Job(f"val-{start // VAL_CHUNK:04d}.done", "val", str(val), read,
-                        (labelled[start:start + VAL_CHUNK],)))
+        jobs.append(
+            Job(f"val-{start // VAL_CHUNK:04d}.done", "val", str(val), read, (labelled[start : start + VAL_CHUNK],))
+        )
     return jobs
 
 
@@ -444,12 +486,16 @@ def open_output(out_dir, resize, quality):
             try:
                 json.loads(previous)
             except ValueError:  # empty or cut short: written without fsync by an older version, then a crash
-                say(f"warning: {stored} is empty or corrupt: taking this run's options (if an earlier run had "
-                    "another --resize or --quality, start again in a new OUT_DIR)")
+                say(
+                    f"warning: {stored} is empty or corrupt: taking this run's options (if an earlier run had "
+                    "another --resize or --quality, start again in a new OUT_DIR)"
+                )
             else:
                 if previous != options.encode():
-                    raise Failure(f"{out_dir} was prepared with other options ({previous.decode(errors='replace')}): "
-                                  "pass the same --resize and --quality to carry on, or choose a new OUT_DIR")
+                    raise Failure(
+                        f"{out_dir} was prepared with other options ({previous.decode(errors='replace')}): "
+                        "pass the same --resize and --quality to carry on, or choose a new OUT_DIR"
+                    )
         write_atomically(stored, options.encode())
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
@@ -488,8 +534,11 @@ def class_members(archive, offset, size):
     with open(archive, "rb") as file:
         file.seek(offset)
         with tarfile.open(fileobj=file, mode="r:") as inner:  # offsets count from the archive's start
-            return [(os.path.basename(m.name), m.offset_data, m.size) for m in inner
-                    if m.isfile() and m.offset < offset + size]
+            return [
+                (os.path.basename(m.name), m.offset_data, m.size)
+                for m in inner
+                if m.isfile() and m.offset < offset + size
+            ]
 
 
 def shard_samples(train, val, labels):
@@ -497,15 +546,19 @@ def shard_samples(train, val, labels):
     the folders this script writes (classes by wnid, each class's images by name): tools/make_shards.py's samples,
     an image inside an archive read at its offset there (offset None: a file read whole)."""
     from make_shards import sample_key
+
     jobs = make_jobs(train, val, labels)  # train: a job per class; val: chunks of images
     found = {"train": [], "val": []}  # (wnid, name, path, offset, size)
     for job in jobs:
         if job.read is class_tar:
             wnid, *where = job.args
-            found["train"] += [(wnid, name, job.source, offset, size)
-                               for name, offset, size in class_members(job.source, *where)]
+            found["train"] += [
+                (wnid, name, job.source, offset, size) for name, offset, size in class_members(job.source, *where)
+            ]
         elif job.read is class_folder:
-            found["train"] += [(wnid, name, path, None, None) for wnid, name, path in class_folder(job.source, *job.args)]
+            found["train"] += [
+                (wnid, name, path, None, None) for wnid, name, path in class_folder(job.source, *job.args)
+            ]
         elif job.read is tar_members:
             found["val"] += [(wnid, name, job.source, offset, size) for wnid, name, offset, size in job.args[0]]
         elif job.read is val_files:
@@ -515,9 +568,14 @@ def shard_samples(train, val, labels):
     unknown = sum(wnid not in label for wnid, *_ in found["val"])
     if unknown:
         say(f"warning: {unknown} val images are of classes that train/ does not have: left out")
-    return wnids, {split: [(*sample_key(Path(wnid) / name), label[wnid], path, offset, size)
-                           for wnid, name, path, offset, size in sorted(items) if wnid in label]
-                   for split, items in found.items()}
+    return wnids, {
+        split: [
+            (*sample_key(Path(wnid) / name), label[wnid], path, offset, size)
+            for wnid, name, path, offset, size in sorted(items)
+            if wnid in label
+        ]
+        for split, items in found.items()
+    }
 
 
 def prepare_shards(args, train, val, labels):
@@ -525,6 +583,7 @@ def prepare_shards(args, train, val, labels):
     the archives (no extracted copy): the same shards, byte for byte."""
     import make_shards
     from common.errors import UsageError
+
     classes, samples = shard_samples(train, val, labels)
     source = {"source": str(Path(args.archive_dir).resolve())}
     try:
@@ -536,11 +595,17 @@ def prepare_shards(args, train, val, labels):
 def prepare(args):
     start, out_dir = time.monotonic(), Path(args.out_dir)
     train, val, labels = find_inputs(Path(args.archive_dir))
-    holds = ("shards" if (out_dir / MANIFEST).exists() else "class folders" if any(
-        path.is_dir() for path in (out_dir / "train").glob("*")) else None)
+    holds = (
+        "shards"
+        if (out_dir / MANIFEST).exists()
+        else "class folders"
+        if any(path.is_dir() for path in (out_dir / "train").glob("*"))
+        else None
+    )
     if holds and holds != ("shards" if args.shards else "class folders"):
-        raise Failure(f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR "
-                      "of their own")
+        raise Failure(
+            f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
+        )
     state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality)
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
@@ -561,8 +626,10 @@ def prepare(args):
     pending = [job for job, done in zip(jobs, finished) if not done]
     if any(finished):
         classes = [done for job, done in zip(jobs, finished) if job.split == "train"]
-        say(f"carrying on: {sum(classes)} of {len(classes)} classes and {sum(finished) - sum(classes)} val chunks "
-            "were done before")
+        say(
+            f"carrying on: {sum(classes)} of {len(classes)} classes and {sum(finished) - sum(classes)} val chunks "
+            "were done before"
+        )
     if pending:
         run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
@@ -571,32 +638,54 @@ def prepare(args):
 def summary(out_dir, jobs, seconds):
     """What OUT_DIR holds, earlier runs included (from the markers), and how it differs from ImageNet-1k."""
     records = [(job.split, read_marker(out_dir / STATE / job.marker)) for job in jobs]  # checked or just written
-    found = {"classes": sum(split == "train" for split, _ in records),
-             "train images": sum(record["images"] for split, record in records if split == "train"),
-             "val images": sum(record["images"] for split, record in records if split == "val")}
+    found = {
+        "classes": sum(split == "train" for split, _ in records),
+        "train images": sum(record["images"] for split, record in records if split == "train"),
+        "val images": sum(record["images"] for split, record in records if split == "val"),
+    }
     undecodable = sum(len(record["undecodable"]) for _, record in records)
-    print(f"prepared {out_dir} in {duration(seconds)}: " + ", ".join(f"{n:,} {what}" for what, n in found.items())
-          + (f" ({undecodable} could not be decoded: copied unchanged)" if undecodable else ""), flush=True)
+    print(
+        f"prepared {out_dir} in {duration(seconds)}: "
+        + ", ".join(f"{n:,} {what}" for what, n in found.items())
+        + (f" ({undecodable} could not be decoded: copied unchanged)" if undecodable else ""),
+        flush=True,
+    )
     if found != OFFICIAL_COUNTS:
-        say("warning: ImageNet-1k has " + ", ".join(f"{n:,} {what}" for what, n in OFFICIAL_COUNTS.items())
-            + ": is this a partial or different set?")
+        say(
+            "warning: ImageNet-1k has "
+            + ", ".join(f"{n:,} {what}" for what, n in OFFICIAL_COUNTS.items())
+            + ": is this a partial or different set?"
+        )
 
 
 def parse_args():
-    parser = Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("archive_dir", metavar="ARCHIVE_DIR", help="the downloaded archives or extracted folders")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where train/ and val/ are written")
     parser.add_argument("--resize", type=whole(1), metavar="N", help="shorter side at most N px, as RGB JPEG")
-    parser.add_argument("--quality", type=whole(1, 100), default=90, metavar="1-100",
-                        help="JPEG quality with --resize (%(default)s; 90 or more recommended)")
+    parser.add_argument(
+        "--quality",
+        type=whole(1, 100),
+        default=90,
+        metavar="1-100",
+        help="JPEG quality with --resize (%(default)s; 90 or more recommended)",
+    )
     parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
-    parser.add_argument("--skip-md5", action="store_true",
-                        help="do not check the official MD5s (re-packed or partial archives)")
-    parser.add_argument("--shards", action="store_true",
-                        help="write webdataset tar shards (tools/make_shards.py's) instead of class folders")
-    parser.add_argument("--shard-size", type=whole(1), default=2500, metavar="N",
-                        help="images per shard with --shards (%(default)s)")
+    parser.add_argument(
+        "--skip-md5", action="store_true", help="do not check the official MD5s (re-packed or partial archives)"
+    )
+    parser.add_argument(
+        "--shards",
+        action="store_true",
+        help="write webdataset tar shards (tools/make_shards.py's) instead of class folders",
+    )
+    parser.add_argument(
+        "--shard-size", type=whole(1), default=2500, metavar="N", help="images per shard with --shards (%(default)s)"
+    )
     return parser.parse_args()
 
 

@@ -1,5 +1,6 @@
 """What tools/prepare_imagenet.py and tools/make_shards.py share: a whole-number type for their command lines, an
 image resized as a JPEG, and the pool of worker processes that a stop signal or an error stops at once."""
+
 import argparse
 import io
 import multiprocessing
@@ -21,6 +22,7 @@ def resize_jpeg(data, size, quality=90):
     """`data` (any image Pillow reads) as RGB JPEG bytes with the shorter side at most `size`, never
     upscaled. Raises OSError (or SyntaxError, ValueError) for a file it cannot decode."""
     from PIL import Image
+
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
         scale = min(1.0, size / min(width, height))
@@ -42,11 +44,14 @@ def resize_jpeg(data, size, quality=90):
 
 def whole(low, high=None):
     """An argparse type: a whole number from low to high."""
+
     def parse(text):
         if not text.isdigit() or int(text) < low or (high and int(text) > high):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number "
-                                             + (f"from {low} to {high}" if high else f"of at least {low}"))
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a whole number " + (f"from {low} to {high}" if high else f"of at least {low}")
+            )
         return int(text)
+
     return parse
 
 
@@ -67,7 +72,7 @@ def ignore_interrupts():
 
 
 def stop_workers(pool):
-    """Terminate the worker processes of a ProcessPoolExecutor now, mid-task (Python 3.14 has pool.terminate_workers())."""
+    """The worker processes of a ProcessPoolExecutor terminated now, mid-task (Python 3.14: terminate_workers())."""
     for process in list((pool._processes or {}).values()):
         process.terminate()
 
@@ -86,4 +91,5 @@ def stop_on_signals():
         if signum == signal.SIGTERM:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}

@@ -1,6 +1,7 @@
 """common/augment.py: the recipe's augmentations as torchvision builds them, drawn from seeds of their own: per image
 (auto-augment, random erasing: by seed, epoch and index) and per batch (MixUp / CutMix: by seed, epoch, step and
 rank), never pairing an image with its own copy under the repeated-augmentation sampler."""
+
 import random
 from types import SimpleNamespace
 
@@ -76,16 +77,21 @@ def test_randaugment_and_autoaugment_are_seeded_per_image(auto_augment):
     assert any(not torch.equal(outputs[index], plain[index][0]) for index in range(4))
 
 
-@pytest.mark.parametrize("name, interpolation", [("ta_wide", "bilinear"), ("ra", "nearest"), ("aa", "bilinear"),
-                                                 ("imagenet", "nearest"), ("augmix", "bilinear")])
+@pytest.mark.parametrize(
+    "name, interpolation",
+    [("ta_wide", "bilinear"), ("ra", "nearest"), ("aa", "bilinear"), ("imagenet", "nearest"), ("augmix", "bilinear")],
+)
 def test_auto_augment_builds_what_torchvision_s_preset_builds_for_that_name(name, interpolation):
     """torchvision's presets.ClassificationPresetTrain: ra, ta_wide, augmix by name, any other name an
     AutoAugmentPolicy (imagenet; aa is our short name for it), with --interpolation and --augmix-severity."""
     from torchvision.transforms import v2
+
     mode = v2.InterpolationMode(interpolation)
-    theirs = {"ra": v2.RandAugment(interpolation=mode, magnitude=9), "ta_wide": v2.TrivialAugmentWide(interpolation=mode),
-              "augmix": v2.AugMix(interpolation=mode, severity=3)}.get(
-        name, v2.AutoAugment(policy=v2.AutoAugmentPolicy("imagenet"), interpolation=mode))
+    theirs = {
+        "ra": v2.RandAugment(interpolation=mode, magnitude=9),
+        "ta_wide": v2.TrivialAugmentWide(interpolation=mode),
+        "augmix": v2.AugMix(interpolation=mode, severity=3),
+    }.get(name, v2.AutoAugment(policy=v2.AutoAugmentPolicy("imagenet"), interpolation=mode))
     ours = image_augmentation(name, 9, 0.0, interpolation, 3)
     image = torch.randint(0, 256, (3, 24, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     for seed in range(6):
@@ -162,8 +168,9 @@ def test_batch_mix_needs_an_alpha():
     with pytest.raises(ValueError):
         BatchMix(8, 0.0, 0.0)
     assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0, ra_sampler=False), 8, 1) is None
-    assert isinstance(build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0, ra_sampler=False), 8, 1),
-                      BatchMix)
+    assert isinstance(
+        build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0, ra_sampler=False), 8, 1), BatchMix
+    )
 
 
 def mixing_partners(mix, batch_size, key):
@@ -187,7 +194,7 @@ def copy_pairs(world_size, reps, copies, length=48, batch_size=16):
         shard = [index % length for index in sampler]
         mix = BatchMix(batch_size, mixup_alpha=1.0, copies=copies)
         for start in range(0, len(shard), batch_size):
-            images = shard[start:start + batch_size]
+            images = shard[start : start + batch_size]
             partners = mixing_partners(mix, len(images), key=start)
             same += sum(images[position] == images[partner] for position, partner in partners.items())
             total += len(images)

@@ -4,9 +4,11 @@ line without running anything in it; the checkpoint format, assembled in one pla
 version; restored into a built trainer, a run stopped mid-epoch goes on bitwise as one that never stopped; what cannot
 go on as the checkpoint's run is refused in one line; a checkpoint of an earlier format names the commit to finish it
 with."""
+
 import collections
 import csv
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from conftest import built_trainer, cpu_runtime, parse
 from examples.learned_temperature import LearnedTemperature
 from tests.tiny_models import TinyNet
 
+
 def small_resnet(num_classes=3, seed=0):
     torch.manual_seed(seed)
     return torchvision.models.resnet18(num_classes=num_classes)
@@ -36,12 +39,20 @@ def assert_same_weights(state_a, state_b):
 
 def test_save_checkpoint_round_trip_keeps_the_previous_one_and_no_temp_files(tmp_path):
     model = small_resnet()
-    state = {"epoch": 3, "arch": "resnet18", "state_dict": model.state_dict(), "best_acc1": 12.5,
-             "args": {"lr": 0.1, "data": "/x", "gpus": None}}
+    state = {
+        "epoch": 3,
+        "arch": "resnet18",
+        "state_dict": model.state_dict(),
+        "best_acc1": 12.5,
+        "args": {"lr": 0.1, "data": "/x", "gpus": None},
+    }
     checkpoint.save_checkpoint(state, tmp_path, is_best=True)
     checkpoint.save_checkpoint({**state, "epoch": 4}, tmp_path, is_best=False)  # replaces the latest
     assert sorted(path.name for path in tmp_path.iterdir()) == [
-        "checkpoint.pth", "checkpoint_prev.pth", "model_best.pth"]
+        "checkpoint.pth",
+        "checkpoint_prev.pth",
+        "model_best.pth",
+    ]
     latest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     previous = torch.load(tmp_path / "checkpoint_prev.pth", weights_only=True)
     best = torch.load(tmp_path / "model_best.pth", weights_only=True)
@@ -58,9 +69,11 @@ def test_save_checkpoint_without_best_writes_only_the_latest(tmp_path):
 
 def test_saved_state_dict_loads_into_plain_torchvision_model_strictly(tmp_path):
     model = build_model("resnet18", 3)
-    checkpoint.save_checkpoint({"epoch": 1, "arch": "resnet18",
-                                "state_dict": unwrap(nn.DataParallel(model)).state_dict()},
-                               tmp_path, is_best=False)
+    checkpoint.save_checkpoint(
+        {"epoch": 1, "arch": "resnet18", "state_dict": unwrap(nn.DataParallel(model)).state_dict()},
+        tmp_path,
+        is_best=False,
+    )
     saved = torch.load(tmp_path / "checkpoint.pth", map_location="cpu", weights_only=True)
     fresh = torchvision.models.resnet18(num_classes=3)
     fresh.load_state_dict(saved["state_dict"])  # strict
@@ -71,10 +84,14 @@ CLASSES3 = ["circle", "ring", "square"]
 
 
 def test_load_weights_trained_on_other_class_names_raises_usage_error(tmp_path):
-    torch.save({"arch": "resnet18", "classes": ["cat", "dog", "fox"], "state_dict": small_resnet().state_dict()},
-               tmp_path / "pets.pth")
+    torch.save(
+        {"arch": "resnet18", "classes": ["cat", "dog", "fox"], "state_dict": small_resnet().state_dict()},
+        tmp_path / "pets.pth",
+    )
     loaded = checkpoint.load_checkpoint(tmp_path / "pets.pth")
-    with pytest.raises(UsageError, match=r"trained on other classes than the data's: its class 0 is cat, the data's circle$"):
+    with pytest.raises(
+        UsageError, match=r"trained on other classes than the data's: its class 0 is cat, the data's circle$"
+    ):
         checkpoint.load_weights(small_resnet(), loaded, "resnet18", CLASSES3, tmp_path / "pets.pth")
     # the classes that differ, not the first ones of each (the same here)
     loaded["classes"] = ["circle", "ring", "star"]
@@ -90,10 +107,17 @@ def test_pytorch_examples_checkpoint_with_module_prefix_loads(tmp_path):
     wrapped = nn.DataParallel(model)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
     # What pytorch/examples imagenet/main.py writes: DataParallel's prefixed names, best_acc1 a tensor.
-    torch.save({"epoch": 5, "arch": "resnet18", "state_dict": wrapped.state_dict(),
-                "best_acc1": torch.tensor(42.5), "optimizer": optimizer.state_dict(),
-                "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict()},
-               tmp_path / "examples.pth.tar")
+    torch.save(
+        {
+            "epoch": 5,
+            "arch": "resnet18",
+            "state_dict": wrapped.state_dict(),
+            "best_acc1": torch.tensor(42.5),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict(),
+        },
+        tmp_path / "examples.pth.tar",
+    )
     assert all(name.startswith("module.") for name in wrapped.state_dict())
     loaded = checkpoint.load_checkpoint(tmp_path / "examples.pth.tar")
     fresh = small_resnet(seed=2)
@@ -116,9 +140,9 @@ def test_compile_and_wrapper_prefixes_are_stripped(tmp_path):
     torch.save({"arch": "resnet18", "state_dict": nn.DataParallel(compiled).state_dict()}, tmp_path / "c.pth")
     loaded = checkpoint.load_checkpoint(tmp_path / "c.pth")
     assert_same_weights(loaded["state_dict"], model.state_dict())
-    assert checkpoint.strip_prefixes({"module._orig_mod.fc.weight": 1, "_orig_mod.module.fc.bias": 2,
-                                      "layer1.0.conv1.weight": 3}) == {
-        "fc.weight": 1, "fc.bias": 2, "layer1.0.conv1.weight": 3}
+    assert checkpoint.strip_prefixes(
+        {"module._orig_mod.fc.weight": 1, "_orig_mod.module.fc.bias": 2, "layer1.0.conv1.weight": 3}
+    ) == {"fc.weight": 1, "fc.bias": 2, "layer1.0.conv1.weight": 3}
 
 
 def test_load_weights_of_another_arch_raises_usage_error_naming_it(tmp_path):
@@ -160,8 +184,9 @@ class CreatesMarkerWhenUnpickled:
 def test_checkpoint_holding_arbitrary_objects_is_refused_without_running_them(tmp_path):
     marker = tmp_path / "code-ran"
     path = tmp_path / "evil.pth"
-    torch.save({"epoch": 1, "state_dict": small_resnet().state_dict(),
-                "payload": CreatesMarkerWhenUnpickled(marker)}, path)
+    torch.save(
+        {"epoch": 1, "state_dict": small_resnet().state_dict(), "payload": CreatesMarkerWhenUnpickled(marker)}, path
+    )
     with pytest.raises(UsageError, match="refusing to load"):
         checkpoint.load_checkpoint(path)
     assert not marker.exists()
@@ -192,13 +217,19 @@ def flip_bytes_in_record(path, suffix, count=16):
     """XOR `count` bytes in the middle of the data of the zip record of `path` whose name ends with `suffix` (a tensor's
     storage): the file still loads with torch.load, one tensor's values changed."""
     import zipfile
+
     with zipfile.ZipFile(path) as archive:
         info = next(info for info in archive.infolist() if info.filename.endswith(suffix))
     data = bytearray(path.read_bytes())
     header = info.header_offset
-    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") \
-        + int.from_bytes(data[header + 28:header + 30], "little") + info.file_size // 2
-    data[start:start + count] = bytes(byte ^ 0xFF for byte in data[start:start + count])
+    start = (
+        header
+        + 30
+        + int.from_bytes(data[header + 26 : header + 28], "little")
+        + int.from_bytes(data[header + 28 : header + 30], "little")
+        + info.file_size // 2
+    )
+    data[start : start + count] = bytes(byte ^ 0xFF for byte in data[start : start + count])
     path.write_bytes(bytes(data))
 
 
@@ -212,18 +243,24 @@ def test_a_bit_flipped_checkpoint_is_corrupt_and_resume_auto_falls_back_to_the_o
     flip_bytes_in_record(latest, "/data/0")  # conv1.weight's storage
     loaded = torch.load(latest, weights_only=True)  # what resumed before: no error, other weights
     assert not torch.equal(loaded["state_dict"]["conv1.weight"], state["state_dict"]["conv1.weight"])
-    with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(latest))}: corrupt \(its record "
-                                         r"\S+/data/0 fails its CRC-32 check\)$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^cannot read checkpoint {re.escape(str(latest))}: corrupt \(its record "
+        r"\S+/data/0 fails its CRC-32 check\)$",
+    ):
         checkpoint.load_checkpoint(latest)
     warned = []
     path, resumed = checkpoint.load_resume("auto", tmp_path, warned.append)
     assert path == tmp_path / "checkpoint_prev.pth" and resumed["epoch"] == 1
-    assert warned == [f"warning: cannot read checkpoint {latest}: corrupt (its record "
-                      f"{warned[0].split('record ')[1].split(' ')[0]} fails its CRC-32 check); resuming from the "
-                      f"previous checkpoint {tmp_path / 'checkpoint_prev.pth'}"]
+    assert warned == [
+        f"warning: cannot read checkpoint {latest}: corrupt (its record "
+        f"{warned[0].split('record ')[1].split(' ')[0]} fails its CRC-32 check); resuming from the "
+        f"previous checkpoint {tmp_path / 'checkpoint_prev.pth'}"
+    ]
     assert checkpoint.load_checkpoint(latest, mmap=True)["epoch"] == 2  # a look at its metadata alone: unchecked
     # torch.save told to write no CRC-32s (for speed) writes 0 for each: nothing to check, and the file loads.
     from torch.utils.serialization import config
+
     config.save.compute_crc32 = False
     try:
         torch.save(state, tmp_path / "no-crcs.pth")
@@ -234,8 +271,11 @@ def test_a_bit_flipped_checkpoint_is_corrupt_and_resume_auto_falls_back_to_the_o
 
 def test_a_text_file_given_as_checkpoint_raises_usage_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello\n")
-    with pytest.raises(UsageError, match=rf"^cannot read checkpoint {re.escape(str(tmp_path / 'notes.txt'))}: "
-                                         r"truncated or not a PyTorch checkpoint \(\w+\)$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^cannot read checkpoint {re.escape(str(tmp_path / 'notes.txt'))}: "
+        r"truncated or not a PyTorch checkpoint \(\w+\)$",
+    ):
         checkpoint.load_checkpoint(tmp_path / "notes.txt")
 
 
@@ -265,8 +305,11 @@ def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):
     with pytest.raises(UsageError, match=r"^--resume \S+: a directory; give a checkpoint file"):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)  # a directory is not a checkpoint
     (tmp_path / "state.pth").write_bytes(b"x")  # train_fsdp.py's: said so (it said "no such file")
-    with pytest.raises(UsageError, match=r"^--resume \S+: a sharded checkpoint of train_fsdp.py; resume it with "
-                                         r"train_fsdp.py, or write its weights as one file \(python tools/export_checkpoint"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--resume \S+: a sharded checkpoint of train_fsdp.py; resume it with "
+        r"train_fsdp.py, or write its weights as one file \(python tools/export_checkpoint",
+    ):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)
 
 
@@ -288,21 +331,50 @@ def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from(tmp_pa
 
 
 def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_channels_adapted(tmp_path):
-    """--init-from: torchvision's references' checkpoint ("model", DDP's module. prefix, "args") of resnet18 on 5 classes,
-    into a run on 3 classes of 1-channel images: every weight loaded but the head (new, 5 -> 3 classes), conv1's RGB
-    filters summed as --pretrained's are; the header names the file and the changes."""
+    """--init-from: torchvision's references' checkpoint ("model", DDP's module. prefix, "args") of resnet18 on 5
+    classes, into a run on 3 classes of 1-channel images: every weight loaded but the head (new, 5 -> 3 classes),
+    conv1's RGB filters summed as --pretrained's are; the header names the file and the changes."""
     from common.header import start_lines
     from conftest import built_trainer, tensor_datasets
+
     torch.manual_seed(0)
     source = torchvision.models.resnet18(num_classes=5)
     path = tmp_path / "theirs.pth"
     import argparse  # (the references save their flags as a Namespace; older weights lack num_batches_tracked)
-    torch.save({"model": {f"module.{key}": value for key, value in source.state_dict().items()
-                          if not key.endswith("num_batches_tracked")}, "epoch": 7, "args": argparse.Namespace(lr=0.5)},
-               path)
-    trainer = built_trainer("-a", "resnet18", "--init-from", str(path), "--train-crop-size", "16", "--val-resize-size",
-                            "16", "--val-crop-size", "16", "-j", "0", "-b", "4", "--mean", "0.5", "--std", "0.25",
-                            datasets=tensor_datasets(channels=1))
+
+    torch.save(
+        {
+            "model": {
+                f"module.{key}": value
+                for key, value in source.state_dict().items()
+                if not key.endswith("num_batches_tracked")
+            },
+            "epoch": 7,
+            "args": argparse.Namespace(lr=0.5),
+        },
+        path,
+    )
+    trainer = built_trainer(
+        "-a",
+        "resnet18",
+        "--init-from",
+        str(path),
+        "--train-crop-size",
+        "16",
+        "--val-resize-size",
+        "16",
+        "--val-crop-size",
+        "16",
+        "-j",
+        "0",
+        "-b",
+        "4",
+        "--mean",
+        "0.5",
+        "--std",
+        "0.25",
+        datasets=tensor_datasets(channels=1),
+    )
     model = trainer.model
     assert torch.equal(model.layer1[0].conv1.weight, source.layer1[0].conv1.weight)
     assert torch.equal(model.bn1.running_mean, source.bn1.running_mean)
@@ -314,36 +386,77 @@ def test_init_from_loads_another_run_s_weights_as_pretrained_ones_heads_and_chan
 
 def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_another_arch_in_one_line(tmp_path):
     from conftest import built_trainer, tensor_datasets
-    flags = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4", "--mean",
-             "0.5", "--std", "0.25"]
+
+    flags = [
+        "--train-crop-size",
+        "16",
+        "--val-resize-size",
+        "16",
+        "--val-crop-size",
+        "16",
+        "-j",
+        "0",
+        "-b",
+        "4",
+        "--mean",
+        "0.5",
+        "--std",
+        "0.25",
+    ]
     own = built_trainer("-a", "resnet18", *flags, datasets=tensor_datasets(channels=1))  # 1 channel, 3 classes
     path = tmp_path / "ours.pth"
     torch.save({"state_dict": own.model.state_dict()}, path)
     again = built_trainer("-a", "resnet18", "--init-from", str(path), *flags, datasets=tensor_datasets(channels=1))
     assert again._model_changes == ["conv1: 3 -> 1 channels, as in ours.pth"]
     assert all(torch.equal(value, own.model.state_dict()[key]) for key, value in again.model.state_dict().items())
-    with pytest.raises(UsageError, match=rf"^--init-from {re.escape(str(path))} does not fit --arch resnet34: weights "
-                                         r"missing layer1\.2\.conv1\.weight, layer1\.2\.bn1\.weight, .* and \d+ more$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^--init-from {re.escape(str(path))} does not fit --arch resnet34: weights "
+        r"missing layer1\.2\.conv1\.weight, layer1\.2\.bn1\.weight, .* and \d+ more$",
+    ):
         built_trainer("-a", "resnet34", "--init-from", str(path), *flags, datasets=tensor_datasets(channels=1))
     with pytest.raises(UsageError, match=r"^--init-from \S+missing\.pth: no such file$"):
-        built_trainer("-a", "resnet18", "--init-from", str(tmp_path / "missing.pth"), *flags,
-                      datasets=tensor_datasets(channels=1))
+        built_trainer(
+            "-a", "resnet18", "--init-from", str(tmp_path / "missing.pth"), *flags, datasets=tensor_datasets(channels=1)
+        )
     with pytest.raises(UsageError, match=r"^--init-from and --pretrained both give the starting weights: choose one$"):
-        built_trainer("-a", "resnet18", "--init-from", str(path), "--pretrained", *flags,
-                      datasets=tensor_datasets(channels=1))
+        built_trainer(
+            "-a", "resnet18", "--init-from", str(path), "--pretrained", *flags, datasets=tensor_datasets(channels=1)
+        )
 
 
 def test_the_offline_pretrained_line_names_the_file_and_the_folder_it_goes_in(monkeypatch, tmp_path):
     from common.models import offline_message
+
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
     line = offline_message(torchvision.models.ResNet18_Weights.IMAGENET1K_V1, OSError("no network"))
-    assert line == (f"cannot get pretrained weights ResNet18_Weights.IMAGENET1K_V1 (no network): put "
-                    f"resnet18-f37072fd.pth (from https://download.pytorch.org/models/resnet18-f37072fd.pth) into "
-                    f"{tmp_path}/home/hub/checkpoints, or train without --pretrained")
+    assert line == (
+        f"cannot get pretrained weights ResNet18_Weights.IMAGENET1K_V1 (no network): put "
+        f"resnet18-f37072fd.pth (from https://download.pytorch.org/models/resnet18-f37072fd.pth) into "
+        f"{tmp_path}/home/hub/checkpoints, or train without --pretrained"
+    )
 
 
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
-         "-b", "4", "--seed", "1", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-p",
+    "1",
+    "-b",
+    "4",
+    "--seed",
+    "1",
+    "--lr",
+    "0.05",
+    "--dataset",
+    "tests.custom_datasets:uint8_tensors",
+]
 TINY_NET = ["-a", "tests.tiny_models:TinyNet"]
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -355,6 +468,7 @@ class Crash(Exception):
 
 class StopsAt(Trainer):
     """A trainer that crashes before its global step `stop_at` (STOP_AT), as a SIGKILL would."""
+
     stop_at = None
 
     def train_step(self, model, images, labels):
@@ -372,15 +486,30 @@ def started(*argv, trainer=Trainer):
 
 def log_rows(folder):
     with open(folder / "log.csv", newline="") as file:
-        return [{name: value for name, value in row.items() if name not in MEASURED}
-                for row in csv.DictReader(file)]
+        return [{name: value for name, value in row.items() if name not in MEASURED} for row in csv.DictReader(file)]
 
 
 def test_a_run_stopped_mid_epoch_goes_on_bitwise_as_one_that_never_stopped(tmp_path):
     """Weights, optimizer, schedule, EMA, metric sums, random streams (dropout), mixing: every part's own state,
-    put back by checkpoint.restore. 3 steps an epoch, a checkpoint every 2: the crash before step 5 resumes at step 4."""
-    flags = [*SMALL, *TINY_NET, "--epochs", "2", "--checkpoint-interval", "2", "--dropout", "0.3", "--model-ema",
-             "--model-ema-steps", "1", "--mixup-alpha", "0.2", "--lr-schedule", "cosine"]
+    put back by checkpoint.restore. 3 steps an epoch, a checkpoint every 2: the crash before step 5 resumes at step 4.
+    """
+    flags = [
+        *SMALL,
+        *TINY_NET,
+        "--epochs",
+        "2",
+        "--checkpoint-interval",
+        "2",
+        "--dropout",
+        "0.3",
+        "--model-ema",
+        "--model-ema-steps",
+        "1",
+        "--mixup-alpha",
+        "0.2",
+        "--lr-schedule",
+        "cosine",
+    ]
     uninterrupted = started(*flags, "--output-dir", tmp_path / "whole")
     uninterrupted.fit(uninterrupted.model, uninterrupted.model)
     StopsAt.stop_at = 5
@@ -396,12 +525,15 @@ def test_a_run_stopped_mid_epoch_goes_on_bitwise_as_one_that_never_stopped(tmp_p
     for key in ("state_dict", "model_ema"):
         weights = [end[key] if key == "state_dict" else end[key]["state_dict"] for end in ends]
         assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0]), key
-    assert ends[0]["optimizer"]["state"][0]["momentum_buffer"].equal(ends[1]["optimizer"]["state"][0]["momentum_buffer"])
+    assert ends[0]["optimizer"]["state"][0]["momentum_buffer"].equal(
+        ends[1]["optimizer"]["state"][0]["momentum_buffer"]
+    )
     assert log_rows(tmp_path / "whole") == log_rows(tmp_path / "crashed")
 
 
 class TemperatureCrashes(LearnedTemperature):
     """examples/learned_temperature.py's trainer, crashing (as a SIGKILL would) before its step `crash_at`."""
+
     crash_at = 5
 
     def train_step(self, model, images, labels):
@@ -413,8 +545,18 @@ class TemperatureCrashes(LearnedTemperature):
 def test_a_criterion_s_parameters_and_a_trainer_s_own_state_resume_bitwise(tmp_path):
     """The learned temperature (the criterion's parameter, trained in an optimizer group of its own) and the trainer's
     step counter (state_dict) are saved mid-epoch and given back: the resumed run ends as the one never stopped."""
-    flags = [*SMALL, *TINY_NET, "--epochs", "2", "--checkpoint-interval", "2", "--trainer",
-             "examples.learned_temperature:LearnedTemperature", "--temperature-warmup", "2"]
+    flags = [
+        *SMALL,
+        *TINY_NET,
+        "--epochs",
+        "2",
+        "--checkpoint-interval",
+        "2",
+        "--trainer",
+        "examples.learned_temperature:LearnedTemperature",
+        "--temperature-warmup",
+        "2",
+    ]
     whole = started(*flags, "--output-dir", tmp_path / "whole", trainer=LearnedTemperature)
     whole.fit(whole.model, whole.model)
     crashed = started(*flags, "--output-dir", tmp_path / "crashed", trainer=TemperatureCrashes)
@@ -429,21 +571,32 @@ def test_a_criterion_s_parameters_and_a_trainer_s_own_state_resume_bitwise(tmp_p
     for key in ("state_dict", "criterion"):
         assert all(torch.equal(ends[0][key][name], ends[1][key][name]) for name in ends[0][key]), key
     assert log_rows(tmp_path / "whole") == log_rows(tmp_path / "crashed")
-    evaluated = started(*flags, "-e", "--resume", tmp_path / "whole" / "checkpoint.pth", "--output-dir", tmp_path / "e",
-                        trainer=LearnedTemperature)  # -e's loss is the learned temperature's
+    evaluated = started(
+        *flags,
+        "-e",
+        "--resume",
+        tmp_path / "whole" / "checkpoint.pth",
+        "--output-dir",
+        tmp_path / "e",
+        trainer=LearnedTemperature,
+    )  # -e's loss is the learned temperature's
     assert torch.equal(evaluated.criterion.log_temperature.detach(), ends[0]["criterion"]["log_temperature"])
 
 
 class NumpyState(Trainer):
     def state_dict(self):
         import numpy
+
         return {"seen": numpy.float64(1.0)}
 
 
 def test_a_trainer_state_that_a_resume_could_not_load_is_refused_at_the_first_save(tmp_path):
     trainer = built_trainer(*SMALL, *TINY_NET, "--output-dir", tmp_path, trainer=NumpyState)
-    with pytest.raises(UsageError, match=r"^NumpyState.state_dict\(\) returned numpy\.\S+, which a resume cannot load "
-                                         r"\(weights_only\): return plain data and tensors$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^NumpyState.state_dict\(\) returned numpy\.\S+, which a resume cannot load "
+        r"\(weights_only\): return plain data and tensors$",
+    ):
         checkpoint.assemble(trainer, epoch=1, step_in_epoch=0)
 
 
@@ -453,11 +606,40 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
     torch.save(saved, tmp_path / "c.pth")
     loaded = torch.load(tmp_path / "c.pth", weights_only=True)
     assert loaded["format_version"] == checkpoint.FORMAT_VERSION == 1
-    assert {"epoch", "step_in_epoch", "arch", "num_classes", "classes", "seed", "world_size", "deterministic", "args",
-            "samples", "state_dict", "optimizer", "scheduler", "scheduler_type", "scaler", "model_ema", "best_acc1",
-            "best_ema_acc1", "best_epoch", "epoch_lr", "train_totals", "rng_states", "bad_images", "criterion",
-            "trainer_state"} == set(loaded) - {"format_version"}
-    assert loaded["scheduler"] == {"last_epoch": 0, "steps_per_epoch": 3} and loaded["samples"] == {"train": 12, "val": 6, "steps": 3}
+    assert {
+        "epoch",
+        "step_in_epoch",
+        "arch",
+        "num_classes",
+        "classes",
+        "seed",
+        "world_size",
+        "deterministic",
+        "args",
+        "samples",
+        "state_dict",
+        "optimizer",
+        "scheduler",
+        "scheduler_type",
+        "scaler",
+        "model_ema",
+        "best_acc1",
+        "best_ema_acc1",
+        "best_epoch",
+        "epoch_lr",
+        "train_totals",
+        "rng_states",
+        "bad_images",
+        "criterion",
+        "trainer_state",
+    } == set(loaded) - {"format_version"}
+    reference = (Path(__file__).parents[2] / "docs" / "reference.md").read_text().split("## Checkpoint format")[1]
+    assert not [key for key in loaded if f"`{key}`" not in reference.split("\n## ")[0]]  # each key's row there
+    assert loaded["scheduler"] == {"last_epoch": 0, "steps_per_epoch": 3} and loaded["samples"] == {
+        "train": 12,
+        "val": 6,
+        "steps": 3,
+    }
     for key in ("state_dict", "model_ema"):
         plain = TinyNet(num_classes=3)
         plain.load_state_dict(loaded[key] if key == "state_dict" else loaded[key]["state_dict"])  # strict
@@ -465,18 +647,32 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
 
 def old_checkpoint(path, **changes):
     """A checkpoint as this repository wrote them up to commit fa90e47: no format_version, the parts' old keys."""
-    torch.save({"epoch": 1, "step_in_epoch": 0, "arch": "tests.tiny_models:TinyNet", "classes": ["dark", "mid", "light"],
-                "state_dict": TinyNet(num_classes=3).state_dict(), "rng_states": [], "train_totals": None,
-                "checkpoint_id": "x", **changes}, path)
+    torch.save(
+        {
+            "epoch": 1,
+            "step_in_epoch": 0,
+            "arch": "tests.tiny_models:TinyNet",
+            "classes": ["dark", "mid", "light"],
+            "state_dict": TinyNet(num_classes=3).state_dict(),
+            "rng_states": [],
+            "train_totals": None,
+            "checkpoint_id": "x",
+            **changes,
+        },
+        path,
+    )
     return path
 
 
 def test_a_checkpoint_of_an_earlier_format_is_refused_naming_the_commit_that_finishes_it(tmp_path):
     path = old_checkpoint(tmp_path / "old.pth")
     loaded = checkpoint.load_checkpoint(path)
-    with pytest.raises(UsageError, match=rf"^{path} was written by an earlier version of these scripts \(checkpoint "
-                                         r"format without a version; this one resumes format 1\): finish that run with "
-                                         r"the version that wrote it \(git checkout fa90e47\), or start afresh"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^{path} was written by an earlier version of these scripts \(checkpoint "
+        r"format without a version; this one resumes format 1\): finish that run with "
+        r"the version that wrote it \(git checkout fa90e47\), or start afresh",
+    ):
         checkpoint.check_format(loaded, path)
     with pytest.raises(UsageError, match="newer version"):
         checkpoint.check_format({**loaded, "format_version": 2}, path)
@@ -485,8 +681,13 @@ def test_a_checkpoint_of_an_earlier_format_is_refused_naming_the_commit_that_fin
 
 def test_weights_from_elsewhere_are_no_checkpoint_of_ours_and_pass(tmp_path):
     """pytorch/examples' main.py, a bare state_dict: not resumed runs of these scripts, their weights load."""
-    examples = {"epoch": 5, "arch": "resnet18", "state_dict": torchvision.models.resnet18().state_dict(),
-                "best_acc1": torch.tensor(40.0), "optimizer": {}}
+    examples = {
+        "epoch": 5,
+        "arch": "resnet18",
+        "state_dict": torchvision.models.resnet18().state_dict(),
+        "best_acc1": torch.tensor(40.0),
+        "optimizer": {},
+    }
     bare = {"state_dict": TinyNet(3).state_dict()}
     for foreign in (examples, bare):
         assert not checkpoint.is_ours(foreign)
@@ -507,22 +708,35 @@ def test_an_old_checkpoint_is_refused_on_resume_and_its_weights_still_evaluate(t
 def one_epoch(tmp_path):
     """A run of one epoch (3 steps of batch 4) with a checkpoint after step 2, and its output dir."""
     StopsAt.stop_at = 2
-    trainer = started(*SMALL, *TINY_NET, "--epochs", "1", "--checkpoint-interval", "1", "--output-dir", tmp_path,
-                      trainer=StopsAt)
+    trainer = started(
+        *SMALL, *TINY_NET, "--epochs", "1", "--checkpoint-interval", "1", "--output-dir", tmp_path, trainer=StopsAt
+    )
     with pytest.raises(Crash):
         trainer.fit(trainer.model, trainer.model)
     return tmp_path
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--opt", "adamw"], "was trained with --opt sgd: resume it with --opt sgd (its optimizer state is that optimizer's)"),
-    (["--trainer", "examples.extra_metric:WithConfidence"],
-     "was trained without --trainer: resume it so (a trainer's state and steps are its own)"),
-    (["-b", "6"], "stopped part-way through an epoch with global batch 4: resume it with -b 4"),
-    (["--bias-weight-decay", "0"], "holds an optimizer with other parameter groups than this run's: resume it as it was "
-                                   "started, with no --norm-weight-decay and no --bias-weight-decay (and the same "
-                                   "build_optimizer)"),
-    (["--dataset", "tests.custom_datasets:pil_images"], None)])
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            ["--opt", "adamw"],
+            "was trained with --opt sgd: resume it with --opt sgd (its optimizer state is that optimizer's)",
+        ),
+        (
+            ["--trainer", "examples.extra_metric:WithConfidence"],
+            "was trained without --trainer: resume it so (a trainer's state and steps are its own)",
+        ),
+        (["-b", "6"], "stopped part-way through an epoch with global batch 4: resume it with -b 4"),
+        (
+            ["--bias-weight-decay", "0"],
+            "holds an optimizer with other parameter groups than this run's: resume it as it was "
+            "started, with no --norm-weight-decay and no --bias-weight-decay (and the same "
+            "build_optimizer)",
+        ),
+        (["--dataset", "tests.custom_datasets:pil_images"], None),
+    ],
+)
 def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one_epoch, flags, line):
     """Another optimizer or trainer, another batch mid-epoch, other parameter groups; the same data of another kind
     (PIL images, 12 of them: the same counts) goes on."""
@@ -537,14 +751,17 @@ def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one
 
 def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_epoch, tmp_path, capsys):
     more = ["--dataset", "tests.custom_datasets:more_uint8_tensors"]  # 15 training images, not 12
-    with pytest.raises(UsageError, match=r"stopped part-way through an epoch of 12 training images; the data now "
-                                         r"holds 15: the resumed epoch would skip other images"):
+    with pytest.raises(
+        UsageError,
+        match=r"stopped part-way through an epoch of 12 training images; the data now "
+        r"holds 15: the resumed epoch would skip other images",
+    ):
         started(*SMALL, *TINY_NET, "--epochs", "2", "--output-dir", one_epoch, "--resume", "auto", *more)
     whole_epoch = started(*SMALL, *TINY_NET, "--epochs", "1", "--output-dir", tmp_path / "end")
     whole_epoch.fit(whole_epoch.model, whole_epoch.model)
     resumed = started(*SMALL, *TINY_NET, *more, "--epochs", "2", "--output-dir", tmp_path / "end", "--resume", "auto")
     assert resumed.start_epoch == 1 and resumed.start_step == 0
-    assert ("warning: the data changed since " in capsys.readouterr().out)
+    assert "warning: the data changed since " in capsys.readouterr().out
 
 
 class TwoGroups(Trainer):
@@ -552,8 +769,11 @@ class TwoGroups(Trainer):
 
     def build_optimizer(self, model):
         *backbone, head = model
-        return torch.optim.SGD([{"params": nn_parameters(backbone), "lr": self.config.lr / 10},
-                                {"params": head.parameters()}], lr=self.config.lr, momentum=0.9)
+        return torch.optim.SGD(
+            [{"params": nn_parameters(backbone), "lr": self.config.lr / 10}, {"params": head.parameters()}],
+            lr=self.config.lr,
+            momentum=0.9,
+        )
 
 
 def nn_parameters(modules):
@@ -592,6 +812,7 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     full disk, a kill) says so in its line, and the resumed run copies it again. model_best.pth stayed an older, worse
     epoch for good before (the latest recorded the new best accuracy, so no later epoch was 'best')."""
     from common.errors import CheckpointWriteError
+
     flags = [*SMALL, *TINY_NET, "--epochs", "3", "--output-dir", tmp_path]
     trainer = started(*flags)
     trainer.optimizer.step()  # (no gradients: nothing moves; the schedule stands where a trained epoch leaves it)
@@ -606,9 +827,12 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     trainer._best_acc1, trainer._best_epoch = 25.0, 2
     best.unlink()
     best.mkdir()  # model_best.pth cannot be replaced: the copy fails, as on a full disk
-    with pytest.raises(CheckpointWriteError, match=rf"^could not copy {tmp_path / 'checkpoint.pth'} to model_best.pth "
-                                                   r"\(Is a directory\); the checkpoint itself is written and --resume "
-                                                   r"auto writes model_best.pth again from it$"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=rf"^could not copy {tmp_path / 'checkpoint.pth'} to model_best.pth "
+        r"\(Is a directory\); the checkpoint itself is written and --resume "
+        r"auto writes model_best.pth again from it$",
+    ):
         trainer.save(2, is_best=True)
     best.rmdir()
     (tmp_path / "checkpoint_prev.pth").rename(best)  # what the failed copy left: the earlier best (epoch 1)
@@ -616,13 +840,16 @@ def test_a_best_epoch_whose_model_best_copy_failed_is_copied_again_on_resume(tmp
     assert (latest["epoch"], latest["best_epoch"], latest["best_acc1"]) == (2, 2, 25.0)
     capsys.readouterr()
     resumed = started(*flags, "--resume", "auto")
-    assert f"warning: {best} did not hold the best epoch 2: copied again from {tmp_path / 'checkpoint.pth'}" \
+    assert (
+        f"warning: {best} did not hold the best epoch 2: copied again from {tmp_path / 'checkpoint.pth'}"
         in capsys.readouterr().out
+    )
     assert torch.load(best, weights_only=True)["checkpoint_id"] == latest["checkpoint_id"] and resumed._best_epoch == 2
     started(*flags, "--resume", "auto")  # model_best.pth is the best now: left alone
     assert "did not hold the best" not in capsys.readouterr().out
     best.unlink()
     best.mkdir()  # still no room for it: the resume goes on, saying so
     assert started(*flags, "--resume", "auto").start_epoch == 2
-    assert f"warning: could not write model_best.pth again from {tmp_path / 'checkpoint.pth'} (" \
-        in capsys.readouterr().out
+    assert (
+        f"warning: could not write model_best.pth again from {tmp_path / 'checkpoint.pth'} (" in capsys.readouterr().out
+    )

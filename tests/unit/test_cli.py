@@ -1,5 +1,6 @@
 """common/cli.py: the shared flags, each script's own, a --trainer's own flags, and --help and usage errors that come
 before torch is imported."""
+
 import subprocess
 
 import pytest
@@ -28,9 +29,17 @@ for script, argv in CASES:
 
 def test_help_and_usage_errors_come_before_torch_is_imported():
     cases = [(str(REPO / script), argv) for script in SCRIPTS for argv, _ in CASES]
-    result = subprocess.run([PYTHON, "-c", f"CASES = {cases!r}\n{PROBE}"], cwd=REPO, env=clean_env(), timeout=120,
-                            capture_output=True, text=True)
-    expected = [f"{REPO / script} {argv} exit {code} torch imported: False" for script in SCRIPTS for argv, code in CASES]
+    result = subprocess.run(
+        [PYTHON, "-c", f"CASES = {cases!r}\n{PROBE}"],
+        cwd=REPO,
+        env=clean_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    expected = [
+        f"{REPO / script} {argv} exit {code} torch imported: False" for script in SCRIPTS for argv, code in CASES
+    ]
     assert result.stdout.splitlines() == expected, result.stdout + result.stderr
 
 
@@ -42,10 +51,12 @@ def test_the_data_directory_is_a_flag_or_a_positional_argument_and_its_help_name
 
 
 def test_flag_values_that_are_no_values_are_one_line_and_exit_2(capsys):
-    for argv, line in [(["-j", "-1"], "argument -j/--workers: expected auto or a count of 0 or more, got '-1'"),
-                       (["--mean", "a,b"], "argument --mean: expected numbers separated by commas, got 'a,b'"),
-                       (["--res-schedule", "1:2"], "argument --res-schedule: expected START:END:FIRST_EPOCH:LAST_EPOCH"),
-                       (["--no-such-flag"], "unrecognized arguments: --no-such-flag")]:
+    for argv, line in [
+        (["-j", "-1"], "argument -j/--workers: expected auto or a count of 0 or more, got '-1'"),
+        (["--mean", "a,b"], "argument --mean: expected numbers separated by commas, got 'a,b'"),
+        (["--res-schedule", "1:2"], "argument --res-schedule: expected START:END:FIRST_EPOCH:LAST_EPOCH"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ]:
         with pytest.raises(SystemExit) as ended:
             parse(*argv)
         assert ended.value.code == 2

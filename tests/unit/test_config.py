@@ -2,6 +2,7 @@
 the dataset's preset), checked (one line a broken rule), then frozen; the pretrained weights' own validation
 preprocessing; the default output directory; the dataset presets and --preset's layers in their precedence, and the
 header line that says which preset set what."""
+
 import pytest
 from torchvision.models import get_model_weights
 
@@ -33,11 +34,27 @@ def test_datasets_path_alone_is_the_data_dir(no_platform_env, tmp_path):
 
 
 def test_command_line_flags_win_over_environment_variables(no_platform_env, tmp_path):
-    for name, value in dict(EPOCHS="7", LR="0.5", BATCH_SIZE="16", DATASETS_PATH=str(tmp_path),
-                            DATASETS="tiny", WORKSPACE=str(tmp_path / "ws")).items():
+    for name, value in dict(
+        EPOCHS="7",
+        LR="0.5",
+        BATCH_SIZE="16",
+        DATASETS_PATH=str(tmp_path),
+        DATASETS="tiny",
+        WORKSPACE=str(tmp_path / "ws"),
+    ).items():
         no_platform_env.setenv(name, value)
-    args = parse("--epochs", "3", "--lr", "0.2", "-b", "4", "--data", str(tmp_path / "mine"),
-                 "--output-dir", str(tmp_path / "out"))
+    args = parse(
+        "--epochs",
+        "3",
+        "--lr",
+        "0.2",
+        "-b",
+        "4",
+        "--data",
+        str(tmp_path / "mine"),
+        "--output-dir",
+        str(tmp_path / "out"),
+    )
     assert (args.epochs, args.lr, args.batch_size) == (3, 0.2, 4)
     assert args.data == str(tmp_path / "mine")
     assert args.output_dir == str(tmp_path / "out")
@@ -46,7 +63,8 @@ def test_command_line_flags_win_over_environment_variables(no_platform_env, tmp_
 def test_without_environment_the_output_dir_is_under_runs():
     assert parse("--data", "/datasets/imagenet", mode="ddp").output_dir == "runs/ddp-resnet18-imagenet"
     assert parse("--dataset", "examples.csv_dataset:build", "-a", "tests.tiny_models:TinyNet").output_dir == (
-        "runs/dp-tests.tiny_models.TinyNet-examples.csv_dataset.build")  # no colon: TensorBoard's --logdir reads NAME:PATH
+        "runs/dp-tests.tiny_models.TinyNet-examples.csv_dataset.build"
+    )  # no colon: TensorBoard's --logdir reads NAME:PATH
     assert default_output_dir(vars(parse("--dummy")), "spawn") == "runs/spawn-resnet18-dummy"
 
 
@@ -62,18 +80,23 @@ def test_an_invalid_environment_value_raises_usage_error(no_platform_env):
         parse("--data", "/x")
 
 
-@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--epochs", "-3"], ["-b", "0"], ["--batch-size", "-8"],
-                                  ["--lr", "0"], ["--lr", "-1"]])
+@pytest.mark.parametrize(
+    "argv", [["--epochs", "0"], ["--epochs", "-3"], ["-b", "0"], ["--batch-size", "-8"], ["--lr", "0"], ["--lr", "-1"]]
+)
 def test_non_positive_epochs_batch_or_lr_raise_usage_error(argv):
     flag = {"-b": "--batch-size"}.get(argv[0], argv[0])
     with pytest.raises(UsageError, match=f"{flag} must be positive"):
         parse("--data", "/x", *argv)
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--min-crop-scale", "0"], "--min-crop-scale must be in (0, 1], got 0.0"),
-    (["--min-crop-scale", "1.5"], "--min-crop-scale must be in (0, 1], got 1.5"),
-    (["--hflip-prob", "-0.1"], "--hflip-prob must be a probability in [0, 1], got -0.1")])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--min-crop-scale", "0"], "--min-crop-scale must be in (0, 1], got 0.0"),
+        (["--min-crop-scale", "1.5"], "--min-crop-scale must be in (0, 1], got 1.5"),
+        (["--hflip-prob", "-0.1"], "--hflip-prob must be a probability in [0, 1], got -0.1"),
+    ],
+)
 def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
     with pytest.raises(UsageError) as refused:
         parse("--data", "/x", *argv)
@@ -97,11 +120,21 @@ def test_demo_preset_applies_when_no_data_is_given():
     assert args.data == str(DEFAULT_ROOT) and args.dataset == "demo"  # where it is generated on first use
     demo = PRESETS["demo"]
     assert (args.epochs, args.batch_size, args.lr, args.lr_schedule, args.train_crop_size, args.warmup_epochs) == (
-        demo["epochs"], demo["batch_size"], demo["lr"], demo["lr_schedule"], demo["train_crop_size"],
-        demo["warmup_epochs"])
+        demo["epochs"],
+        demo["batch_size"],
+        demo["lr"],
+        demo["lr_schedule"],
+        demo["train_crop_size"],
+        demo["warmup_epochs"],
+    )
     imagenet = parse("--data", "/x")
     assert (imagenet.dataset, imagenet.epochs, imagenet.batch_size, imagenet.lr, imagenet.lr_schedule) == (
-        "imagenet", 90, 256, 0.1, "step")
+        "imagenet",
+        90,
+        256,
+        0.1,
+        "step",
+    )
     assert parse("--dummy").dataset == "dummy"
 
 
@@ -140,9 +173,13 @@ def test_res_schedule_gives_each_epochs_crop_size():
 
 
 # What torchvision's metadata says today, for models whose preprocessing differs from resize 256, crop 224, bilinear.
-PUBLISHED = {"resnet50": (232, 224, "bilinear"), "efficientnet_b0": (256, 224, "bicubic"),
-             "swin_t": (232, 224, "bicubic"), "convnext_tiny": (236, 224, "bilinear"),
-             "efficientnet_v2_s": (384, 384, "bilinear")}
+PUBLISHED = {
+    "resnet50": (232, 224, "bilinear"),
+    "efficientnet_b0": (256, 224, "bicubic"),
+    "swin_t": (232, 224, "bicubic"),
+    "convnext_tiny": (236, 224, "bilinear"),
+    "efficientnet_v2_s": (384, 384, "bilinear"),
+}
 
 
 @pytest.mark.parametrize("arch", PUBLISHED)
@@ -158,23 +195,58 @@ def test_pretrained_validation_takes_the_weights_own_resize_crop_and_interpolati
 
 
 def test_flags_override_the_weights_preprocessing_and_without_weights_nothing_changes(tmp_path):
-    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "-e", "--val-resize-size", "300",
-                  "--interpolation", "nearest")
+    args = parse(
+        "--data",
+        tmp_path,
+        "-a",
+        "efficientnet_b0",
+        "--pretrained",
+        "-e",
+        "--val-resize-size",
+        "300",
+        "--interpolation",
+        "nearest",
+    )
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.interpolation) == (
-        300, 224, "nearest", "nearest")
+        300,
+        224,
+        "nearest",
+        "nearest",
+    )
     assert args.val_preprocessing == "crop from EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()"  # (the header's)
-    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "--val-resize-size", "32",
-                 "--val-crop-size", "32")
+    args = parse(
+        "--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "--val-resize-size", "32", "--val-crop-size", "32"
+    )
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation) == (32, 32, "bicubic")
     assert args.val_preprocessing == "interpolation from EfficientNet_B0_Weights.IMAGENET1K_V1.transforms()"
-    args = parse("--data", tmp_path, "-a", "efficientnet_b0", "--pretrained", "--val-resize-size", "32",
-                 "--val-crop-size", "32", "--interpolation", "bilinear")
+    args = parse(
+        "--data",
+        tmp_path,
+        "-a",
+        "efficientnet_b0",
+        "--pretrained",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        "--interpolation",
+        "bilinear",
+    )
     assert args.val_preprocessing is None and args.val_interpolation == "bilinear"
     args = parse("--data", tmp_path, "-a", "efficientnet_b0")
-    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.weights) == (256, 224, "bilinear", None)
+    assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.weights) == (
+        256,
+        224,
+        "bilinear",
+        None,
+    )
     args = parse("-a", "efficientnet_b0", "--pretrained")  # the demo set keeps its own sizes
     assert (args.val_resize_size, args.val_crop_size, args.val_interpolation, args.val_preprocessing) == (
-        36, 32, "bilinear", None)
+        36,
+        32,
+        "bilinear",
+        None,
+    )
 
 
 def test_weights_names_a_weight_set_as_torchvision_does(tmp_path):
@@ -182,8 +254,11 @@ def test_weights_names_a_weight_set_as_torchvision_does(tmp_path):
         args = parse("--data", tmp_path, "-a", "resnet50", "--weights", name, "-e")
         assert args.pretrained and args.weights == "ResNet50_Weights.IMAGENET1K_V1"
         assert (args.val_resize_size, args.val_crop_size) == (256, 224)  # V1's own, not V2's 232
-    with pytest.raises(UsageError, match=r"^--weights IMAGENET1K_V9: resnet50 has ResNet50_Weights\.IMAGENET1K_V1, "
-                                         r"ResNet50_Weights\.IMAGENET1K_V2$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--weights IMAGENET1K_V9: resnet50 has ResNet50_Weights\.IMAGENET1K_V1, "
+        r"ResNet50_Weights\.IMAGENET1K_V2$",
+    ):
         parse("--data", tmp_path, "-a", "resnet50", "--weights", "IMAGENET1K_V9")
     with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
         parse("--data", tmp_path, "-a", "tests.tiny_models:TinyNet", "--weights", "IMAGENET1K_V1")
@@ -200,6 +275,27 @@ def test_the_layers_come_lowest_precedence_first_and_the_demo_set_keeps_its_own_
 def test_the_header_names_what_the_dataset_preset_set():
     assert describe_preset(parse("-b", "32", "--epochs", "2")) == [
         "preset: demo (the built-in demo set) sets lr 0.04, 32 px crops, val resize 36, val crop 32, cosine schedule; "
-        "flags, the environment and --preset override it"]
-    assert describe_preset(parse("--dummy", "-b", "8", "--epochs", "1", "--lr", "0.1", "--lr-schedule", "step",
-                                 "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16")) == []
+        "flags, the environment and --preset override it"
+    ]
+    assert (
+        describe_preset(
+            parse(
+                "--dummy",
+                "-b",
+                "8",
+                "--epochs",
+                "1",
+                "--lr",
+                "0.1",
+                "--lr-schedule",
+                "step",
+                "--train-crop-size",
+                "16",
+                "--val-resize-size",
+                "16",
+                "--val-crop-size",
+                "16",
+            )
+        )
+        == []
+    )

@@ -3,6 +3,7 @@ shards each image once, the recipe's flags reach the loaders, loader workers sha
 divides over the processes; a file that cannot be decoded is skipped (training: the next one takes its place;
 validation: left out) and named, or ends the run in one line with --strict-data; a dataset's own bug is never
 skipped; the ranks' lists pool at each save; a validation that reads too little ends the run."""
+
 import io
 import re
 import shutil
@@ -19,7 +20,6 @@ from common.preemption import StopNow
 from common.samplers import RepeatedAugmentationSampler
 from common.transforms import Normalise
 from conftest import cpu_runtime, make_image_folder, parse
-
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
@@ -45,8 +45,20 @@ def test_ranks_first_batches_together_are_the_single_process_first_batch(folder)
     # 13 validation images: 2 ranks cannot split them evenly, so padding (DistributedSampler's) would show.
     extra = next((folder / "val" / "circle").glob("0*.jpg"))
     shutil.copy(extra, extra.with_name("extra.jpg"))
-    config = parse("--data", folder, "-j", "0", "--train-crop-size", "24", "--val-resize-size", "32",
-                   "--val-crop-size", "32", "-b", "8")
+    config = parse(
+        "--data",
+        folder,
+        "-j",
+        "0",
+        "--train-crop-size",
+        "24",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        "-b",
+        "8",
+    )
     single, _ = first_batch(config, rank=0, world_size=1)
     rank0, data0 = first_batch(config, rank=0, world_size=2)
     rank1, data1 = first_batch(config, rank=1, world_size=2)
@@ -67,7 +79,9 @@ def test_the_global_batch_must_divide_over_the_processes():
 
 
 def test_the_dataset_crops_at_the_size_of_the_epoch_also_when_resumed(tiny_data):
-    config = parse("--data", tiny_data, "-j", "0", "--res-schedule", "16:32:0:2:8", "--train-crop-size", "20", "-b", "4")
+    config = parse(
+        "--data", tiny_data, "-j", "0", "--res-schedule", "16:32:0:2:8", "--train-crop-size", "20", "-b", "4"
+    )
     data = data_of(config)
     dataset, sizes, images_at = data.train_loader.dataset, [], {}
     for epoch in range(4):
@@ -82,8 +96,23 @@ def test_the_dataset_crops_at_the_size_of_the_epoch_also_when_resumed(tiny_data)
 
 
 def test_build_data_wires_the_recipe_flags(tiny_data):
-    config = parse("--data", tiny_data, "-j", "0", "--train-crop-size", "16", "--ra-sampler", "--ra-reps", "2",
-                   "--auto-augment", "ta_wide", "--random-erase", "0.5", "-b", "8")
+    config = parse(
+        "--data",
+        tiny_data,
+        "-j",
+        "0",
+        "--train-crop-size",
+        "16",
+        "--ra-sampler",
+        "--ra-reps",
+        "2",
+        "--auto-augment",
+        "ta_wide",
+        "--random-erase",
+        "0.5",
+        "-b",
+        "8",
+    )
     data = data_of(config, rank=1, world_size=2)
     assert isinstance(data.train_sampler, RepeatedAugmentationSampler) and data.train_sampler.repetitions == 2
     assert data.train_loader.dataset.transform.augmentation is not None
@@ -91,19 +120,23 @@ def test_build_data_wires_the_recipe_flags(tiny_data):
     images_batch, labels, _ = next(iter(data.train_loader))
     base = data.train_loader.dataset.base
     assert images_batch.shape == (4, 3, 16, 16) and labels.tolist() == [
-        base.dataset.samples[index % len(base)][1] for index in list(data.train_sampler)[:4]]
+        base.dataset.samples[index % len(base)][1] for index in list(data.train_sampler)[:4]
+    ]
 
 
-@pytest.mark.parametrize("cores, processes, expected", [
-    (2, 1, 1),     # this machine, train_dp.py: one worker, the process keeps a core
-    (2, 2, 0),     # this machine, 2 ranks: no core to spare
-    (3, 2, 1),     # a core to spare: at least one worker each
-    (16, 1, 15),   # one GPU on 16 cores: 8 workers fed an H100 half of what 15 did (make benchmark-gpu)
-    (64, 1, 16),   # at most 16 per process
-    (96, 8, 11),   # a GPU node: 12 cores per rank
-    (16, 8, 1),
-    (8, 8, 0),
-])
+@pytest.mark.parametrize(
+    "cores, processes, expected",
+    [
+        (2, 1, 1),  # this machine, train_dp.py: one worker, the process keeps a core
+        (2, 2, 0),  # this machine, 2 ranks: no core to spare
+        (3, 2, 1),  # a core to spare: at least one worker each
+        (16, 1, 15),  # one GPU on 16 cores: 8 workers fed an H100 half of what 15 did (make benchmark-gpu)
+        (64, 1, 16),  # at most 16 per process
+        (96, 8, 11),  # a GPU node: 12 cores per rank
+        (16, 8, 1),
+        (8, 8, 0),
+    ],
+)
 def test_auto_loader_workers_share_the_cores_among_the_processes(cores, processes, expected):
     assert loader_workers("auto", processes, cores=cores) == expected
     assert loader_workers(3, processes, cores=cores) == 3  # a number is kept
@@ -114,12 +147,29 @@ def test_the_training_loader_fills_every_batch_and_the_validation_loader_leaves_
     image took each one's place), each readable validation image once, each bad file named."""
     root = shutil.copytree(tiny_data, tmp_path / "data")
     whole = next((root / "train" / "circle").iterdir())
-    bad = {root / "train" / "circle" / "truncated.jpg": whole.read_bytes()[:300],
-           root / "train" / "square" / "empty.jpg": b"", root / "val" / "ring" / "garbage.jpg": bytes(range(256)) * 8}
+    bad = {
+        root / "train" / "circle" / "truncated.jpg": whole.read_bytes()[:300],
+        root / "train" / "square" / "empty.jpg": b"",
+        root / "val" / "ring" / "garbage.jpg": bytes(range(256)) * 8,
+    }
     for path, content in bad.items():
         path.write_bytes(content)
-    data = data_of(parse("--data", root, "-j", "0", "-b", "8", "--train-crop-size", "16", "--val-resize-size", "16",
-                         "--val-crop-size", "16"))
+    data = data_of(
+        parse(
+            "--data",
+            root,
+            "-j",
+            "0",
+            "-b",
+            "8",
+            "--train-crop-size",
+            "16",
+            "--val-resize-size",
+            "16",
+            "--val-crop-size",
+            "16",
+        )
+    )
     data.train_sampler.set_epoch(0)
     train, val = list(data.train_loader), list(data.val_loader)
     assert sum(len(target) for _, target, _ in train) == len(data.train_loader.dataset) == 26  # every slot filled
@@ -140,9 +190,13 @@ def files(tmp_path_factory):
     root = make_image_folder(tmp_path_factory.mktemp("faulty"), train_per_class=1, val_per_class=1, num_classes=1)
     whole = next((root / "train" / "circle").iterdir())
     bad = {root / "truncated.jpg": whole.read_bytes()[: whole.stat().st_size // 3], root / "empty.jpg": b""}
-    odd = {root / "cmyk.jpg": image_bytes("CMYK", color=(0, 200, 200, 0)), root / "gray.jpg": image_bytes("L"),
-           root / "png-inside.jpg": image_bytes(fmt="PNG"), root / "rgba.png": image_bytes("RGBA", fmt="PNG"),
-           root / "gray16.png": image_bytes("I;16", fmt="PNG")}
+    odd = {
+        root / "cmyk.jpg": image_bytes("CMYK", color=(0, 200, 200, 0)),
+        root / "gray.jpg": image_bytes("L"),
+        root / "png-inside.jpg": image_bytes(fmt="PNG"),
+        root / "rgba.png": image_bytes("RGBA", fmt="PNG"),
+        root / "gray16.png": image_bytes("I;16", fmt="PNG"),
+    }
     for path, content in {**bad, **odd}.items():
         path.write_bytes(content)
     return str(whole), sorted(map(str, bad)), sorted(map(str, odd))
@@ -165,8 +219,11 @@ def test_a_bad_file_is_replaced_and_the_batch_keeps_its_size_in_training_and_lef
     images, target, found = Collate(Normalise())([val[0], val[1], val[2]])
     assert images.shape[0] == 1 and images.dtype == torch.float32 and target.tolist() == [1]
     assert Collate(Normalise())([val[0]])[:2] == (None, None)
-    with pytest.raises(UnreadableImage, match=rf"^cannot decode {re.escape(bad[0])} \(.+\); without --strict-data such "
-                                              r"files are skipped and listed in bad_images.txt$"):
+    with pytest.raises(
+        UnreadableImage,
+        match=rf"^cannot decode {re.escape(bad[0])} \(.+\); without --strict-data such "
+        r"files are skipped and listed in bad_images.txt$",
+    ):
         SkipUnreadable(samples, replace=True, strict=True)[0]
 
 
@@ -190,8 +247,11 @@ def test_a_dataset_s_own_bug_and_a_stop_are_raised_not_skipped():
 
 
 def test_a_data_set_that_reads_nothing_ends_the_run_after_fifty_in_a_row():
-    with pytest.raises(UnreadableImage, match=r"^50 files in a row cannot be decoded, from Failing\[3\] on \(gone\): is "
-                                              r"the data set readable\?$"):
+    with pytest.raises(
+        UnreadableImage,
+        match=r"^50 files in a row cannot be decoded, from Failing\[3\] on \(gone\): is "
+        r"the data set readable\?$",
+    ):
         SkipUnreadable(Failing(OSError("gone")), replace=True, strict=False)[3]
 
 
@@ -222,8 +282,11 @@ def test_the_example_of_a_refused_validation_is_one_of_validation_s_files(capsys
     log = BadImageLog(0, 1)
     log.report([("train-000002.tar:n01/a", "truncated")])
     log.report_validation([("val-000000.tar:n01/b", "broken data stream")])
-    with pytest.raises(UsageError, match=r"could not read 2 of its 3 images \(e\.g\. val-000000\.tar:n01/b: broken data "
-                                         r"stream\), more than 10%"):
+    with pytest.raises(
+        UsageError,
+        match=r"could not read 2 of its 3 images \(e\.g\. val-000000\.tar:n01/b: broken data "
+        r"stream\), more than 10%",
+    ):
         log.check_validation(1, 3)
     assert log.state_dict() == [["train-000002.tar:n01/a", "truncated"], ["val-000000.tar:n01/b", "broken data stream"]]
     log.next_epoch()
@@ -238,9 +301,15 @@ def test_a_file_name_that_is_not_utf8_is_printed_with_its_bytes_escaped():
 def test_the_reason_says_no_file_object_of_pil_s():
     """PIL names the object it read: a file's name is in the warning already, a BytesIO's address means nothing."""
     import io
+
     from PIL import Image, UnidentifiedImageError
+
     from common.data import describe
+
     with pytest.raises(UnidentifiedImageError) as error:
         Image.open(io.BytesIO(b"not an image"))
     assert "BytesIO object at 0x" in str(error.value) and describe(error.value) == "cannot identify image file"
-    assert describe(OSError("cannot identify image file <_io.BufferedReader name='/d/a.jpg'>")) == "cannot identify image file"
+    assert (
+        describe(OSError("cannot identify image file <_io.BufferedReader name='/d/a.jpg'>"))
+        == "cannot identify image file"
+    )

@@ -3,6 +3,7 @@ set), decoded by torchvision or PIL, and what an item must be: each mistake refu
 Face dataset on disk (save_to_disk's, or the Hub's parquet files) gives the items of the image folder it was made
 from, in its order; parquet is read through datasets' arrow copy, made once; what the data lacks, and the missing
 `datasets` package, each get one line; a row that cannot be decoded is named SPLIT[ROW]."""
+
 import re
 import sys
 
@@ -14,11 +15,19 @@ from PIL import Image
 from common import datasets as datasets_module
 from common.config import ResSchedule
 from common.data import build_data
-from common.datasets import (HFImages, ImageFiles, SyntheticImages, UnreadableFile, build_datasets, has_hf_dataset,
-                             load_image, load_splits, parquet_splits)
+from common.datasets import (
+    HFImages,
+    ImageFiles,
+    SyntheticImages,
+    UnreadableFile,
+    build_datasets,
+    has_hf_dataset,
+    load_image,
+    load_splits,
+    parquet_splits,
+)
 from common.errors import BadItem, UsageError
 from conftest import cpu_runtime, hf_copy, make_image_folder, parse
-
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4"]
@@ -33,7 +42,9 @@ def test_load_image_decodes_jpegs_with_torchvision_and_other_formats_png_too_wit
     calls = []
     torchvision_decode, pil_open = datasets_module.decode_image, Image.open
     assert torchvision_decode is not None, "torchvision.io.decode_image is gone: load_image uses PIL alone"
-    monkeypatch.setattr(datasets_module, "decode_image", lambda *a, **k: calls.append("torchvision") or torchvision_decode(*a, **k))
+    monkeypatch.setattr(
+        datasets_module, "decode_image", lambda *a, **k: calls.append("torchvision") or torchvision_decode(*a, **k)
+    )
     monkeypatch.setattr(Image, "open", lambda *a, **k: calls.append("PIL") or pil_open(*a, **k))
     for name, decoder in (("a.jpg", "torchvision"), ("a.png", "PIL"), ("png-inside.jpg", "PIL"), ("a.bmp", "PIL")):
         picture.save(tmp_path / name, format="PNG" if "png" in name else None)
@@ -75,6 +86,7 @@ def test_synthetic_images_take_the_size_of_their_epoch():
 def csv_splits(tiny_data, tmp_path_factory):
     """tiny_data listed in train.csv / val.csv (paths relative to the folder, a header row), and in .tsv."""
     import csv
+
     root = tmp_path_factory.mktemp("splits")
     for suffix, delimiter in ((".csv", ","), (".tsv", "\t")):
         folder = root / suffix[1:]
@@ -96,7 +108,8 @@ def test_csv_and_tsv_splits_list_the_image_folder_s_files_in_its_order(csv_split
         assert classes == folder[0] == ["circle", "ring", "square"]
         for ours, theirs in ((train, folder[1]), (val, folder[2])):
             assert [(name.split("/images/")[1], label) for name, label in ours.samples] == [
-                (name.split(f"{tiny_data.name}/")[1], label) for name, label in theirs.samples]
+                (name.split(f"{tiny_data.name}/")[1], label) for name, label in theirs.samples
+            ]
 
 
 def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
@@ -108,9 +121,11 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
     (tmp_path / "short").mkdir()
     (tmp_path / "short" / "train.csv").write_text("path,label\na.jpg\n")
     (tmp_path / "short" / "val.csv").write_text("b.jpg,cat\n")
-    for name, line in [("one", "has train.csv but no val.csv: give both splits"),
-                       ("unknown", r"val labels dog of \S+ do not occur in its train split"),
-                       ("short", r"train.csv line 2: expected path,label, got 'a.jpg'")]:
+    for name, line in [
+        ("one", "has train.csv but no val.csv: give both splits"),
+        ("unknown", r"val labels dog of \S+ do not occur in its train split"),
+        ("short", r"train.csv line 2: expected path,label, got 'a.jpg'"),
+    ]:
         with pytest.raises(UsageError, match=line):
             build_datasets(parse("--data", tmp_path / name))
 
@@ -118,7 +133,8 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
 # A researcher's dataset (tests/custom_datasets.py) that breaks a rule: the one line that says so.
 REFUSED = {
     "triples": "item 0 of the train set is a tuple of 3; items must be (image, label)",
-    "numpy_images": "the image is a ndarray; expected a PIL image or a CHW tensor (torch.from_numpy(array).permute(2, 0, 1)",
+    "numpy_images": "the image is a ndarray; expected a PIL image or a CHW tensor "
+    "(torch.from_numpy(array).permute(2, 0, 1)",
     "hwc_tensors": "an image of shape [20, 6, 3]; expected channels x height x width",
     "labels_out_of_range": "label 3; expected a class index, an int in 0..2",
     "iterable": "the train set is a Stream: give a map-style dataset",
@@ -145,10 +161,14 @@ def test_an_item_found_bad_later_ends_the_run_in_one_line_naming_it():
         data.train_loader.dataset[5]
 
 
-@pytest.mark.parametrize("name, normalisation", [
-    ("pil_images", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
-    ("float_tensors", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
-    ("gray_with_stats", "mean 0.47, std 0.3 (the dataset's mean/std)")])
+@pytest.mark.parametrize(
+    "name, normalisation",
+    [
+        ("pil_images", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
+        ("float_tensors", "mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"),
+        ("gray_with_stats", "mean 0.47, std 0.3 (the dataset's mean/std)"),
+    ],
+)
 def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, normalisation):
     config = parse(*SMALL, "--dataset", f"tests.custom_datasets:{name}")
     data = build_data(config, build_datasets(config), 0, cpu_runtime())
@@ -156,7 +176,9 @@ def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, no
     images, labels, _ = next(iter(data.val_loader))
     assert images.dtype == torch.float32 and images.shape[1] == (1 if "gray" in name else 3) and len(labels) == 4
     given = parse(*SMALL, "--dataset", "tests.custom_datasets:gray_tensors", "--mean", "0.5", "--std", "0.25")
-    assert build_data(given, build_datasets(given), 0, cpu_runtime()).normalisation == "mean 0.5, std 0.25 (--mean/--std)"
+    assert (
+        build_data(given, build_datasets(given), 0, cpu_runtime()).normalisation == "mean 0.5, std 0.25 (--mean/--std)"
+    )
 
 
 def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
@@ -164,8 +186,17 @@ def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
     channels: normalised on one scale each, they are the same model inputs."""
     inputs = []
     for name in ("pil_images", "float_tensors"):
-        config = parse(*SMALL, "--val-resize-size", "20", "--val-crop-size", "20", "-b", "6",
-                       "--dataset", f"tests.custom_datasets:{name}")
+        config = parse(
+            *SMALL,
+            "--val-resize-size",
+            "20",
+            "--val-crop-size",
+            "20",
+            "-b",
+            "6",
+            "--dataset",
+            f"tests.custom_datasets:{name}",
+        )
         inputs.append(next(iter(build_data(config, build_datasets(config), 0, cpu_runtime()).val_loader))[0])
     from_uint8, from_float = inputs
     assert from_uint8.dtype == from_float.dtype == torch.float32
@@ -177,7 +208,6 @@ def test_a_data_path_the_system_refuses_is_one_line(tmp_path):
     """A name longer than the file system takes (it was a traceback: OSError File name too long)."""
     with pytest.raises(UsageError, match=r"^--data \S+: File name too long$"):
         build_datasets(parse("--data", tmp_path / ("x" * 300)))
-
 
 
 @pytest.fixture
@@ -207,8 +237,9 @@ def theirs_name(files, index):
 
 def test_parquet_is_read_through_the_arrow_copy_datasets_makes_once(folder, tmp_path):
     copy = hf_copy(folder, tmp_path / "hub", "parquet")
-    assert parquet_splits(copy) == {split: [str(copy / "data" / f"{split}-00000-of-00001.parquet")]
-                                    for split in ("train", "validation")}
+    assert parquet_splits(copy) == {
+        split: [str(copy / "data" / f"{split}-00000-of-00001.parquet")] for split in ("train", "validation")
+    }
     _, train, _ = load_splits(copy)
     arrow = [entry["filename"] for entry in train.rows.cache_files]
     assert arrow and all(name.startswith(str(tmp_path / "hf-cache")) and name.endswith(".arrow") for name in arrow)
@@ -221,8 +252,11 @@ def test_a_row_that_cannot_be_decoded_is_unreadable_and_named_by_split_and_row(f
     broken = next((folder / "train" / "ring").iterdir())
     broken.write_bytes(broken.read_bytes()[:40])
     classes, train, _ = build_datasets(parse("--data", hf_copy(folder, tmp_path / "disk")))
-    row = next(index for index in range(len(train))  # (each class's files have the same names)
-               if train.name(index).endswith(broken.name) and train.samples.labels[index] == classes.index("ring"))
+    row = next(
+        index
+        for index in range(len(train))  # (each class's files have the same names)
+        if train.name(index).endswith(broken.name) and train.samples.labels[index] == classes.index("ring")
+    )
     with pytest.raises(UnreadableFile):
         train[row]
     assert train.name(row) == f"{tmp_path / 'disk'}/train[{row}]:{broken.name}"
@@ -230,6 +264,7 @@ def test_a_row_that_cannot_be_decoded_is_unreadable_and_named_by_split_and_row(f
 
 def test_what_the_data_lacks_gets_one_line(folder, tmp_path):
     import datasets
+
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
     image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
     rows = datasets.Dataset.from_dict({"image": [image] * 3, "label": [0, 1, -1]}, features=features)
@@ -249,22 +284,38 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
     """Each was a traceback, or worse, silent: a validation split whose ClassLabel names its classes in another order
     trained on with its labels read as train's classes (val loss 45.78 instead of 44.61)."""
     import datasets
+
     image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
 
     def split(names=("a", "b"), image_column="image", labels=(0, 1)):
         label = datasets.ClassLabel(names=list(names)) if names else datasets.Value("string")
-        return datasets.Dataset.from_dict({image_column: [image] * len(labels), "label": list(labels)},
-                                          features=datasets.Features({image_column: datasets.Image(), "label": label}))
+        return datasets.Dataset.from_dict(
+            {image_column: [image] * len(labels), "label": list(labels)},
+            features=datasets.Features({image_column: datasets.Image(), "label": label}),
+        )
+
     cases = {
-        "reordered": (split(), split(names=("b", "a")),
-                      r"its validation split's class 0 is 'b', its train split's 'a' \(2 and 2 classes\): a label must "
-                      r"name the same class in both$"),
-        "more": (split(), split(names=("a", "b", "c"), labels=(0, 2)),
-                 r"its validation split's class 2 is 'c', its train split's none \(3 and 2 classes\)"),
-        "renamed": (split(), split(image_column="img"),
-                    r"its validation split has no column 'image', which its train split has \(columns: img, label\)"),
-        "strings": (split(names=None, labels=("a", "b")), split(names=None, labels=("a", "b")),
-                    r"train: its label column 'label' holds string, not class indices: make it a ClassLabel"),
+        "reordered": (
+            split(),
+            split(names=("b", "a")),
+            r"its validation split's class 0 is 'b', its train split's 'a' \(2 and 2 classes\): a label must "
+            r"name the same class in both$",
+        ),
+        "more": (
+            split(),
+            split(names=("a", "b", "c"), labels=(0, 2)),
+            r"its validation split's class 2 is 'c', its train split's none \(3 and 2 classes\)",
+        ),
+        "renamed": (
+            split(),
+            split(image_column="img"),
+            r"its validation split has no column 'image', which its train split has \(columns: img, label\)",
+        ),
+        "strings": (
+            split(names=None, labels=("a", "b")),
+            split(names=None, labels=("a", "b")),
+            r"train: its label column 'label' holds string, not class indices: make it a ClassLabel",
+        ),
     }
     for name, (train, val, line) in cases.items():
         datasets.DatasetDict({"train": train, "validation": val}).save_to_disk(str(tmp_path / name))
@@ -272,16 +323,20 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
             load_splits(tmp_path / name)
     # A validation split of train's first classes, in their order: the same labels name the same classes.
     datasets.DatasetDict({"train": split(names=("a", "b", "c"), labels=(0, 2)), "validation": split()}).save_to_disk(
-        str(tmp_path / "fewer"))
+        str(tmp_path / "fewer")
+    )
     assert load_splits(tmp_path / "fewer")[0] == ["a", "b", "c"]
 
 
 def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):
     """A row whose image is None: skipped and named SPLIT[ROW] as any unreadable row (was an AttributeError)."""
     import datasets
+
     image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
-    rows = datasets.Dataset.from_dict({"image": [image, None], "label": [0, 1]}, features=datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}))
+    rows = datasets.Dataset.from_dict(
+        {"image": [image, None], "label": [0, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}),
+    )
     datasets.DatasetDict({"train": rows, "validation": rows}).save_to_disk(str(tmp_path / "holes"))
     _, train, _ = build_datasets(parse("--data", tmp_path / "holes"))
     assert train[0][1] == 0
@@ -292,9 +347,12 @@ def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):
 
 def test_an_integer_label_column_gives_classes_by_number(folder, tmp_path):
     import datasets
+
     image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
-    rows = datasets.Dataset.from_dict({"image": [image] * 3, "label": [0, 2, 1]},
-                                      features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}))
+    rows = datasets.Dataset.from_dict(
+        {"image": [image] * 3, "label": [0, 2, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+    )
     datasets.DatasetDict({"train": rows, "validation": rows}).save_to_disk(str(tmp_path / "ints"))
     classes, train, _ = load_splits(tmp_path / "ints")
     assert classes == ["0", "1", "2"] and train.labels.tolist() == [0, 2, 1]
@@ -303,6 +361,9 @@ def test_an_integer_label_column_gives_classes_by_number(folder, tmp_path):
 def test_without_the_datasets_package_one_line_names_the_file_to_install(folder, tmp_path, monkeypatch):
     copy = hf_copy(folder, tmp_path / "disk")
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed: `import datasets` fails
-    with pytest.raises(UsageError, match=r"is a Hugging Face dataset, which needs the datasets package: "
-                                         r"pip install -r requirements-hf.txt$"):
+    with pytest.raises(
+        UsageError,
+        match=r"is a Hugging Face dataset, which needs the datasets package: "
+        r"pip install -r requirements-hf.txt$",
+    ):
         build_datasets(parse("--data", copy))

@@ -1,5 +1,6 @@
 """common/demo_data.py: the built-in demo set, the same bytes wherever it is generated, made once however many
 processes ask for it at the same time."""
+
 import subprocess
 
 from common import demo_data
@@ -15,8 +16,10 @@ def test_the_demo_set_is_the_same_wherever_it_is_generated(tmp_path):
 
 
 def test_processes_that_ask_for_it_at_once_get_one_whole_set(tmp_path):
-    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from common import demo_data; "
-            f"print(demo_data.ensure_demo_dataset({str(tmp_path / 'demo')!r}, train_per_class=3, val_per_class=1))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); from common import demo_data; "
+        f"print(demo_data.ensure_demo_dataset({str(tmp_path / 'demo')!r}, train_per_class=3, val_per_class=1))"
+    )
     processes = [subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     assert [process.communicate(timeout=120)[0].strip() for process in processes] == [str(tmp_path / "demo")] * 3
     assert len(list((tmp_path / "demo").rglob("*.jpg"))) == 40

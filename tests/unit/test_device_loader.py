@@ -1,6 +1,7 @@
 """common/device_loader.py: batches collated without the files that could not be read, normalised with one
 arithmetic in the loader workers (CPU) and on the device (GPU), channels-last when asked, and a batch lost with its
 worker reported as the dead worker, in one line."""
+
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def test_device_loader_and_the_loader_workers_normalise_alike_uint8_and_float_im
     images = pixels if dtype == torch.uint8 else pixels.float() / 255
     normalise = Normalise()
     loader = DeviceLoader([(images, torch.tensor([1, 2]), [])], torch.device("cpu"), channels_last, normalise=normalise)
-    (batch, target), = list(loader)
+    ((batch, target),) = list(loader)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
     assert torch.allclose(batch, (pixels.float() / 255 - mean) / std, atol=1e-5)
@@ -75,8 +76,10 @@ def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line
     next(batches)
     with pytest.raises(RuntimeError) as raised:
         next(batches)
-    assert known_failure(raised.value) == (f"error: DataLoader worker exited unexpectedly while sending a batch "
-                                           f"({type(error).__name__}) (out of memory? fewer --workers use less)")
+    assert known_failure(raised.value) == (
+        f"error: DataLoader worker exited unexpectedly while sending a batch "
+        f"({type(error).__name__}) (out of memory? fewer --workers use less)"
+    )
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -89,6 +92,7 @@ def test_synthetic_batches_made_on_the_device_are_the_loaders_batches_resumed_an
     from common.datasets import SyntheticImages
     from common.device_loader import SyntheticOnDevice
     from common.samplers import ResumableSampler
+
     dataset = SyntheticImages(23, 8, num_classes=5)
     sampler = ResumableSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=3)
     loader = DataLoader(dataset, sampler=sampler, batch_size=4, collate_fn=Collate(), num_workers=0)
@@ -98,12 +102,17 @@ def test_synthetic_batches_made_on_the_device_are_the_loaders_batches_resumed_an
         made = list(SyntheticOnDevice(loader, cpu, channels_last, normalise=normalise))
         sampler.set_epoch(1, start=start)
         loaded = list(DeviceLoader(loader, cpu, channels_last, normalise=normalise))
-        assert [len(target) for _, target in made] == [len(target) for _, target in loaded] == ([4, 4, 4] if not start else [4, 4])
+        assert (
+            [len(target) for _, target in made]
+            == [len(target) for _, target in loaded]
+            == ([4, 4, 4] if not start else [4, 4])
+        )
         for (images, target), (images_loaded, target_loaded) in zip(made, loaded):
             assert torch.equal(images, images_loaded) and torch.equal(target, target_loaded)
             assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     # The Trainer's choice: made on the device on a GPU only; real data always through its loader.
     from common.device_loader import device_batches
+
     assert type(device_batches(loader, torch.device("cuda"))) is SyntheticOnDevice
     assert type(device_batches(loader, cpu)) is DeviceLoader
     images = DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3, 2, 2)), batch_size=2)

@@ -1,6 +1,7 @@
 """common/diagnostics.py: the FLOPs counted on the meta device against torchvision's own figures, the peak of a GPU
 by its name, the input wait, the memory read from /proc, the profiler's trace, the out-of-memory line and NCCL's
 Flight Recorder settings; and the figures a built Trainer's epoch reports."""
+
 import json
 import mmap
 import time
@@ -12,14 +13,41 @@ import torch.nn as nn
 import torchvision
 from torch.utils.data import DataLoader
 
-from common.diagnostics import (INPUT_BOUND, Diagnostics, StepProfiler, forward_flops, loader_workers, peak_by_name,
-                                peak_rss, peak_tflops, reset_peak_rss)
+from common.diagnostics import (
+    INPUT_BOUND,
+    Diagnostics,
+    StepProfiler,
+    forward_flops,
+    loader_workers,
+    peak_by_name,
+    peak_rss,
+    peak_tflops,
+    reset_peak_rss,
+)
 from common.errors import OutOfMemory, UsageError
 from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
-         "--epochs", "1", "-b", "4", "--seed", "1", "-a", "tests.tiny_models:TinyNet"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-p",
+    "1",
+    "--epochs",
+    "1",
+    "-b",
+    "4",
+    "--seed",
+    "1",
+    "-a",
+    "tests.tiny_models:TinyNet",
+]
 
 
 @pytest.mark.parametrize("arch", ["resnet50", "vit_b_16", "efficientnet_b0", "convnext_tiny", "swin_t"])
@@ -94,8 +122,13 @@ def test_a_model_that_cannot_run_on_meta_gets_n_a_said_once_and_no_rate():
 def test_a_built_trainer_s_epoch_reports_its_wait_rate_and_memory_and_the_header_its_flops():
     """The rate is 3 x the forward's FLOPs per image at the epoch's crop times the images per second, per device;
     on the CPU no peak, no utilisation, no GPU memory; the host's peak resident memory is this process's."""
-    trainer = built_trainer(*SMALL, "--res-schedule", "16:32:0:1:16", "--epochs", "2", datasets=tensor_datasets(size=32))
-    assert sorted(trainer._diagnostics.flops) == [16, 32] and trainer._diagnostics.flops[32] > trainer._diagnostics.flops[16]
+    trainer = built_trainer(
+        *SMALL, "--res-schedule", "16:32:0:1:16", "--epochs", "2", datasets=tensor_datasets(size=32)
+    )
+    assert (
+        sorted(trainer._diagnostics.flops) == [16, 32]
+        and trainer._diagnostics.flops[32] > trainer._diagnostics.flops[16]
+    )
     summary = trainer.train_one_epoch(trainer.model, 1)
     figures = summary["diagnostics"]
     expected = 3 * trainer._diagnostics.flops[32] * summary["images_per_second"] / 1e12
@@ -104,7 +137,9 @@ def test_a_built_trainer_s_epoch_reports_its_wait_rate_and_memory_and_the_header
     assert figures["host_peak_rss_mib"] > 10 and not {"mfu_pct", "gpu_peak_allocated_mib"} & figures.keys()
     assert trainer._diagnostics.describe([100])[0] == (
         f"FLOPs per image: forward {trainer._diagnostics.flops[16] / 1e9:.4g} G at 16 px, "
-        f"{trainer._diagnostics.flops[32] / 1e9:.4g} G at 32 px, training 3 x that; no peak known on the CPU (no mfu_pct)")
+        f"{trainer._diagnostics.flops[32] / 1e9:.4g} G at 32 px, training 3 x that; "
+        "no peak known on the CPU (no mfu_pct)"
+    )
 
 
 def test_the_rate_is_per_device_of_the_job_and_the_summary_counts_the_last_epoch_s_crop():
@@ -138,6 +173,7 @@ def test_the_wait_is_the_time_spent_fetching_batches_against_the_loop_s():
         for index in range(count):
             time.sleep(0.04)
             yield index
+
     for batches, work, low, high in ((slow(5), 0.0, 85, 100), (range(5), 0.04, 0, 15)):
         diagnostics.start_epoch()
         for _ in diagnostics.timed(batches):
@@ -163,16 +199,16 @@ def test_the_first_input_bound_epoch_says_so_once_with_the_levers():
 def test_peak_resident_memory_is_read_reset_and_found_for_the_loader_workers():
     reset_peak_rss()
     before = peak_rss()
-    block = mmap.mmap(-1, 300 * 2 ** 20)  # pages of its own, resident once written, returned when closed
+    block = mmap.mmap(-1, 300 * 2**20)  # pages of its own, resident once written, returned when closed
     block[::4096] = b"x" * len(block[::4096])
-    assert peak_rss() >= before + 250 * 2 ** 20
+    assert peak_rss() >= before + 250 * 2**20
     block.close()
     reset_peak_rss()
-    assert peak_rss() < before + 250 * 2 ** 20
+    assert peak_rss() < before + 250 * 2**20
     loader = iter(DataLoader(range(8), num_workers=1, multiprocessing_context="fork"))
     next(loader)
     workers = loader_workers()
-    assert len(workers) == 1 and peak_rss(workers[0]) > 10 * 2 ** 20
+    assert len(workers) == 1 and peak_rss(workers[0]) > 10 * 2**20
     del loader
 
 
@@ -188,18 +224,27 @@ def test_a_profile_window_that_reaches_an_epoch_s_end_ends_there(tmp_path):
     events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
     steps = {event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}
     assert {"ProfilerStep#1", "ProfilerStep#2"} <= steps and "ProfilerStep#0" not in steps
-    assert said == [f"profile: steps 1 to 2 in {tmp_path}/rank*.json (open in https://ui.perfetto.dev); training goes on"]
+    assert said == [
+        f"profile: steps 1 to 2 in {tmp_path}/rank*.json (open in https://ui.perfetto.dev); training goes on"
+    ]
 
 
 def test_the_header_says_the_profile_window_this_launch_reaches_or_that_none_is(tmp_path):
     """12 train items, batch 4: 3 steps an epoch, 2 epochs: 6 steps. --profile 50:5 said nothing and wrote no trace."""
     from common.header import training_lines
-    for spec, line in (("50:5", "warning: --profile 50:5: this launch runs 6 training steps (0 to 5): no trace will be "
-                                "written; give a START below 6"),
-                       ("4:5", f"profile: steps 4 to 5 of this launch, one Chrome trace per rank in {tmp_path}/profile"),
-                       ("1:4", "profile: steps 1 to 2 of this launch")):  # the first epoch's end cuts it
-        trainer = built_trainer(*SMALL, "--epochs", "2", "--profile", spec, "--output-dir", tmp_path,
-                                datasets=tensor_datasets())
+
+    for spec, line in (
+        (
+            "50:5",
+            "warning: --profile 50:5: this launch runs 6 training steps (0 to 5): no trace will be "
+            "written; give a START below 6",
+        ),
+        ("4:5", f"profile: steps 4 to 5 of this launch, one Chrome trace per rank in {tmp_path}/profile"),
+        ("1:4", "profile: steps 1 to 2 of this launch"),
+    ):  # the first epoch's end cuts it
+        trainer = built_trainer(
+            *SMALL, "--epochs", "2", "--profile", spec, "--output-dir", tmp_path, datasets=tensor_datasets()
+        )
         assert any(said.startswith(line) for said in training_lines(trainer)), training_lines(trainer)
 
 
@@ -229,15 +274,23 @@ def test_running_out_of_memory_ends_the_run_in_one_line_with_the_levers(tmp_path
     assert all(lever in message for lever in ("-b", "--amp bf16", "train_fsdp.py", "--activation-checkpointing"))
     with pytest.raises(OutOfMemory, match=r"cpu memory \(torch.OutOfMemoryError: CUDA out of memory. Tried"):
         with trainer._diagnostics.watching():  # DataParallel's replica re-raises it with its own first line
-            raise torch.OutOfMemoryError("Caught OutOfMemoryError in replica 0 on device 0.\nOriginal Traceback:\n"
-                                         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise torch.OutOfMemoryError(
+                "Caught OutOfMemoryError in replica 0 on device 0.\nOriginal Traceback:\n"
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+            )
 
 
 def test_what_only_a_gpu_has_is_refused_on_the_cpu_and_bad_flags_in_one_line():
     with pytest.raises(UsageError, match="--memory-history records the CUDA allocator's history"):
         built_trainer(*SMALL, "--memory-history", datasets=tensor_datasets())
-    for flags in (["--profile", "3"], ["--profile", "a:2"], ["--profile", "2:0"], ["--peak-tflops", "0"],
-                  ["--peak-tflops", "inf"], ["--peak-tflops", "nan"]):
+    for flags in (
+        ["--profile", "3"],
+        ["--profile", "a:2"],
+        ["--profile", "2:0"],
+        ["--peak-tflops", "0"],
+        ["--peak-tflops", "inf"],
+        ["--peak-tflops", "nan"],
+    ):
         with pytest.raises(SystemExit):
             parse(*flags)
 
@@ -246,9 +299,16 @@ def test_one_slow_rank_among_fast_ones_is_input_bound():
     """4 ranks, one waits 80% of the epoch for its batches, the others none (they wait for it in their collectives):
     the mean, 20%, is below the bound; the slowest rank decides, as it holds up all. One rank: its own share."""
     from common.diagnostics import input_bound
+
     line = input_bound(20.0, 80.0, 4, 3, 8)
-    assert line.startswith("input-bound: the training loop waited for its batches 20% of epoch 3's time (slowest rank "
-                           "80%), its devices idle meanwhile; levers: ") and "-j" in line
+    assert (
+        line.startswith(
+            "input-bound: the training loop waited for its batches 20% of epoch 3's time (slowest rank "
+            "80%), its devices idle meanwhile; levers: "
+        )
+        and "-j" in line
+    )
     assert input_bound(30.0, 30.0, 4, 3, 8) is None
-    assert input_bound(34.0, 34.0, 1, 0, 8).startswith("input-bound: the training loop waited for its batches 34% of "
-                                                       "epoch 0's time, its devices idle meanwhile")
+    assert input_bound(34.0, 34.0, 1, 0, 8).startswith(
+        "input-bound: the training loop waited for its batches 34% of epoch 0's time, its devices idle meanwhile"
+    )

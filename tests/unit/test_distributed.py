@@ -1,6 +1,7 @@
 """common/distributed.py: ranks from torchrun's and Slurm's variables, one process per GPU (the shared-GPU warning
 works), gloo refused on a host named after loopback before the rendezvous, and helpers that are the identity
 without a process group."""
+
 import ipaddress
 import os
 import socket
@@ -9,8 +10,15 @@ import pytest
 import torch
 
 from common import distributed
-from common.distributed import (FLIGHT_RECORDER, _address_of, flight_recorder, flight_recorder_files, gloo_address_problem,
-                                local_world_size_from_env, shared_devices)
+from common.distributed import (
+    FLIGHT_RECORDER,
+    _address_of,
+    flight_recorder,
+    flight_recorder_files,
+    gloo_address_problem,
+    local_world_size_from_env,
+    shared_devices,
+)
 from common.errors import UsageError
 
 
@@ -26,7 +34,11 @@ def test_ranks_come_from_torchrun_or_slurm(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)
     assert distributed.world_info_from_env() == (0, 0, 1)
-    monkeypatch.setenv("SLURM_PROCID", "5"), monkeypatch.setenv("SLURM_NTASKS", "8"), monkeypatch.setenv("SLURM_LOCALID", "1")
+    (
+        monkeypatch.setenv("SLURM_PROCID", "5"),
+        monkeypatch.setenv("SLURM_NTASKS", "8"),
+        monkeypatch.setenv("SLURM_LOCALID", "1"),
+    )
     assert distributed.world_info_from_env() == (5, 1, 8)
     monkeypatch.setenv("RANK", "3"), monkeypatch.setenv("WORLD_SIZE", "4"), monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.world_info_from_env() == (3, 1, 4)  # torchrun's first
@@ -60,10 +72,12 @@ def test_two_ranks_on_one_gpu_are_refused_under_nccl_and_warned_of_otherwise(cap
 
 def test_which_hosts_are_refused_for_gloo():
     line = gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", multi_node=True, interface="eth0")
-    assert line == ("this host's name node7 resolves to 127.0.1.1, a loopback address: gloo (the CPU group that carries "
-                    "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the "
-                    "job would fail at start after a timeout: export GLOO_SOCKET_IFNAME=eth0 on every node (eth0: the "
-                    "interface that reaches 10.1.2.3 here)")
+    assert line == (
+        "this host's name node7 resolves to 127.0.1.1, a loopback address: gloo (the CPU group that carries "
+        "stop signals, and the main group on CPUs) would listen there, out of the other nodes' reach, and the "
+        "job would fail at start after a timeout: export GLOO_SOCKET_IFNAME=eth0 on every node (eth0: the "
+        "interface that reaches 10.1.2.3 here)"
+    )
     assert "`ip route get 10.1.2.3` names it" in gloo_address_problem("node7", "127.0.1.1", "10.1.2.3", True)
     assert gloo_address_problem("node7", "10.1.2.7", "10.1.2.3", True) is None  # resolves to a reachable address
     assert gloo_address_problem("node7", "127.0.1.1", "127.0.0.1", True) is None  # every "node" on this host
@@ -80,8 +94,12 @@ def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_
         pytest.skip(f"this host's name {socket.gethostname()} resolves to a reachable address: nothing to refuse")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.123"), monkeypatch.setenv("MASTER_PORT", "29999")
-    with pytest.raises(UsageError, match=rf"^this host's name {socket.gethostname()} resolves to .*export GLOO_SOCKET_IFNAME="):
-        distributed.init_process_group("gloo", "env://", 0, 2, torch.device("cpu"), timeout_seconds=5, local_world_size=1)
+    with pytest.raises(
+        UsageError, match=rf"^this host's name {socket.gethostname()} resolves to .*export GLOO_SOCKET_IFNAME="
+    ):
+        distributed.init_process_group(
+            "gloo", "env://", 0, 2, torch.device("cpu"), timeout_seconds=5, local_world_size=1
+        )
 
 
 def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_user_set_it(monkeypatch, tmp_path):

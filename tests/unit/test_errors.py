@@ -1,6 +1,7 @@
 """common/errors.py: the errors that end a run in one line, and the stop before training starts; a console line is
 written whole, in one write, then flushed; `package.module:name` names code of your own on the command line (--arch,
 --dataset, --trainer)."""
+
 import contextlib
 import os
 import signal
@@ -13,8 +14,10 @@ from common.errors import BadItem, Preempted, UsageError, import_named, say, sto
 def test_an_error_raised_in_a_loader_worker_still_reads_as_its_one_line():
     """A DataLoader worker's error arrives as "Caught BadItem in DataLoader worker process 0. Original Traceback ...":
     the line is the last one, without its class name."""
-    text = "Caught BadItem in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  ...\n" \
-           "common.errors.BadItem: item 5 of the train set is a tuple of 3"
+    text = (
+        "Caught BadItem in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  ...\n"
+        "common.errors.BadItem: item 5 of the train set is a tuple of 3"
+    )
     assert str(BadItem(text)) == "item 5 of the train set is a tuple of 3"
     assert isinstance(BadItem("x"), UsageError) and BadItem.exit_code == 2
 
@@ -28,7 +31,6 @@ def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted()
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-
 
 
 LAUNCHED = """import os, signal, sys, time
@@ -55,6 +57,7 @@ def test_a_process_that_a_launcher_started_gets_sigterm_when_the_launcher_is_sig
     import time
 
     from conftest import PYTHON, REPO
+
     output, worker = tmp_path / "worker.out", None
     with open(output, "w") as out:
         launcher = subprocess.Popen([PYTHON, "-c", LAUNCHER, LAUNCHED.format(repo=str(REPO))], stdout=out)
@@ -96,6 +99,7 @@ def test_a_console_line_is_written_whole_in_one_write():
 
 def test_a_name_with_a_colon_is_imported_and_one_without_is_a_built_in_name():
     from tests.tiny_models import TinyNet
+
     assert import_named("tests.tiny_models:TinyNet", "--arch") is TinyNet
     assert import_named("resnet18", "--arch") is None
     with pytest.raises(UsageError, match=r"^--dataset tests.nowhere:build: cannot import build from tests.nowhere \("):

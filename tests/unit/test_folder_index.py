@@ -1,4 +1,5 @@
 """common/folder_index.py: one pass lists and checks train/ and val/, in torchvision's ImageFolder's order."""
+
 import shutil
 
 import pytest
@@ -24,8 +25,15 @@ def test_scan_image_folder_lists_the_samples_of_torchvisions_image_folder_in_its
     siblings = [f"square/sub-{name}" for name in "qcxhatme"]  # created out of order: listing order is no help
     for sibling in siblings:
         (train / sibling).mkdir()
-    for path in ("ring/nested/b.jpg", "ring/nested/deeper/a.JPEG", "ring/nested-x.png", "square/UPPER.JPG",
-                 "square/notes.txt", "circle/-first.jpg", *[f"{sibling}/1.jpg" for sibling in siblings]):
+    for path in (
+        "ring/nested/b.jpg",
+        "ring/nested/deeper/a.JPEG",
+        "ring/nested-x.png",
+        "square/UPPER.JPG",
+        "square/notes.txt",
+        "circle/-first.jpg",
+        *[f"{sibling}/1.jpg" for sibling in siblings],
+    ):
         shutil.copy(next((train / "circle").glob("0*.jpg")), train / path)
     (train / "square" / "a-dir.jpg").mkdir()  # a folder with an image's name is no image
     (train / "square" / "a-dir.jpg" / "z.jpg").write_bytes((train / "square" / "UPPER.JPG").read_bytes())

@@ -1,6 +1,7 @@
 """common/fsdp.py: which modules are shard units, in every family torchvision lists and in a model of one's own;
 the sharding's options (bf16 with BatchNorm in float32, activation checkpointing, its refusals) and what the header
 says a rank holds. In-process, in a process group of one."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -12,11 +13,20 @@ from tests.conftest import cpu_runtime, parse, sharded_trainer
 from tests.tiny_models import BlockNet, TinyNet
 
 
-@pytest.mark.parametrize("arch, units", [
-    ("resnet18", "BasicBlock x 8"), ("resnet50", "Bottleneck x 16"), ("vit_b_16", "EncoderBlock x 12"),
-    ("swin_t", "SwinTransformerBlock x 12, PatchMerging x 3"), ("convnext_tiny", "CNBlock x 18"),
-    ("efficientnet_b0", "MBConv x 16"), ("maxvit_t", "MaxVitBlock x 4"), ("densenet121", "_DenseBlock x 4"),
-    ("mobilenet_v3_small", "InvertedResidual x 11")])
+@pytest.mark.parametrize(
+    "arch, units",
+    [
+        ("resnet18", "BasicBlock x 8"),
+        ("resnet50", "Bottleneck x 16"),
+        ("vit_b_16", "EncoderBlock x 12"),
+        ("swin_t", "SwinTransformerBlock x 12, PatchMerging x 3"),
+        ("convnext_tiny", "CNBlock x 18"),
+        ("efficientnet_b0", "MBConv x 16"),
+        ("maxvit_t", "MaxVitBlock x 4"),
+        ("densenet121", "_DenseBlock x 4"),
+        ("mobilenet_v3_small", "InvertedResidual x 11"),
+    ],
+)
 def test_the_units_of_torchvision_models_are_their_blocks(arch, units):
     """Built on the meta device: no weights are made."""
     with torch.device("meta"):
@@ -37,6 +47,7 @@ def test_a_list_of_blocks_is_split_into_its_blocks_and_layers_stay_with_the_root
         def __init__(self):
             super().__init__()
             self.inner = nn.ModuleList([BlockNet(3)[0]])
+
     model = nn.Sequential(Outer(), Norm(4), nn.ModuleList([Outer(), Outer()]))
     assert default_units(model) == [model[0], model[2][0], model[2][1]]
 
@@ -49,11 +60,15 @@ def test_optimizer_slots_count_the_state_tensors_per_parameter():
     assert optimizer_slots(torch.optim.LBFGS(parameters)) is None
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--save-on", "node"], "--save-on node: every rank writes its shard"),
-    (["--amp", "fp16"], "--amp fp16 needs loss scaling"),
-    (["--channels-last", "on"], "--channels-last on: FSDP shards contiguous parameters only"),
-    (["--find-unused-parameters"], "--find-unused-parameters is DDP's")])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--save-on", "node"], "--save-on node: every rank writes its shard"),
+        (["--amp", "fp16"], "--amp fp16 needs loss scaling"),
+        (["--channels-last", "on"], "--channels-last on: FSDP shards contiguous parameters only"),
+        (["--find-unused-parameters"], "--find-unused-parameters is DDP's"),
+    ],
+)
 def test_what_fsdp_cannot_do_is_refused_in_one_line(flags, says):
     with pytest.raises(UsageError, match=f"^{says}"):
         parse(*flags, mode="fsdp")
@@ -62,10 +77,19 @@ def test_what_fsdp_cannot_do_is_refused_in_one_line(flags, says):
 
 def test_a_criterion_with_parameters_is_refused_in_one_line(group_of_one):
     from examples.learned_temperature import LearnedTemperature
-    with pytest.raises(UsageError, match=r"^train_fsdp.py: the criterion \(build_criterion\) has parameters, which FSDP "
-                                         r"neither shards nor checkpoints with its optimizer: make them the model's"):
-        sharded_trainer("-a", "tests.tiny_models:BlockNet", "--trainer", "examples.learned_temperature:LearnedTemperature",
-                        trainer=LearnedTemperature)
+
+    with pytest.raises(
+        UsageError,
+        match=r"^train_fsdp.py: the criterion \(build_criterion\) has parameters, which FSDP "
+        r"neither shards nor checkpoints with its optimizer: make them the model's",
+    ):
+        sharded_trainer(
+            "-a",
+            "tests.tiny_models:BlockNet",
+            "--trainer",
+            "examples.learned_temperature:LearnedTemperature",
+            trainer=LearnedTemperature,
+        )
 
 
 def test_cpu_offload_is_refused_on_the_cpu():
@@ -103,11 +127,16 @@ def test_bf16_computes_in_bf16_with_batchnorm_in_float32(group_of_one):
     computed_with = {}
     for name in ("bn1", "layer1.0.conv1", "layer1.0.bn1", "fc"):
         trainer.model.get_submodule(name).register_forward_hook(
-            lambda module, inputs, output, name=name: computed_with.update({name: module.weight.dtype}))
+            lambda module, inputs, output, name=name: computed_with.update({name: module.weight.dtype})
+        )
     output = trainer.model(torch.randn(2, 3, 16, 16))
     assert output.dtype == torch.bfloat16
-    assert computed_with == {"bn1": torch.float32, "layer1.0.conv1": torch.bfloat16, "layer1.0.bn1": torch.float32,
-                             "fc": torch.bfloat16}
+    assert computed_with == {
+        "bn1": torch.float32,
+        "layer1.0.conv1": torch.bfloat16,
+        "layer1.0.bn1": torch.float32,
+        "fc": torch.bfloat16,
+    }
     assert {parameter.dtype for parameter in trainer.model.parameters()} == {torch.float32}  # the shards
 
 

@@ -1,4 +1,5 @@
 """common/header.py: the lines a run begins with name every part it uses and where each setting came from."""
+
 import pytest
 
 from common.header import start_lines, training_lines, warnings
@@ -10,41 +11,85 @@ TINY_NET = ["-a", "tests.tiny_models:TinyNet", "-j", "0"]
 
 
 def test_data_that_is_not_imagenet_sized_hears_which_preset_applies_and_why():
-    lines = start_lines(built_trainer(*TINY_NET, "--epochs", "1", "-b", "4", "--dataset", "tests.custom_datasets:pil_images"))
-    assert ("preset: imagenet (the default for --data, --dataset and --dummy, made for ImageNet-sized images) sets "
-            "lr 0.1, 224 px crops, val resize 256, val crop 224, step schedule; flags, the environment and --preset "
-            "override it") in lines  # -b and --epochs given: not the preset's
-    assert ("warning: the first training image is 20x20 px, the imagenet preset crops 224 px: for images this small "
-            "give --train-crop-size, --val-resize-size and --val-crop-size near 20 (and --epochs, -b, --lr for your "
-            "data)") in lines
-    assert ("data: --dataset tests.custom_datasets:pil_images (3 classes, 12 train / 6 val images, 0 loader worker(s) per "
-            "process), normalised with mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)") in lines
+    lines = start_lines(
+        built_trainer(*TINY_NET, "--epochs", "1", "-b", "4", "--dataset", "tests.custom_datasets:pil_images")
+    )
+    assert (
+        "preset: imagenet (the default for --data, --dataset and --dummy, made for ImageNet-sized images) sets "
+        "lr 0.1, 224 px crops, val resize 256, val crop 224, step schedule; flags, the environment and --preset "
+        "override it"
+    ) in lines  # -b and --epochs given: not the preset's
+    assert (
+        "warning: the first training image is 20x20 px, the imagenet preset crops 224 px: for images this small "
+        "give --train-crop-size, --val-resize-size and --val-crop-size near 20 (and --epochs, -b, --lr for your "
+        "data)"
+    ) in lines
+    assert (
+        "data: --dataset tests.custom_datasets:pil_images (3 classes, 12 train / 6 val images, 0 loader worker(s) per "
+        "process), normalised with mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"
+    ) in lines
 
 
 def test_dummy_with_the_recipe_says_its_images_skip_the_per_image_augmentation():
     """--dummy images are synthetic tensors: a throughput figure of --dummy --preset tv-v2 leaves out the cost of
     TrivialAugment and erasing, and the header says so."""
-    trainer = built_trainer(*TINY_NET, "--dummy", "--dummy-size", "16", "--preset", "tv-v2", "-b", "8",
-                            "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16")
+    trainer = built_trainer(
+        *TINY_NET,
+        "--dummy",
+        "--dummy-size",
+        "16",
+        "--preset",
+        "tv-v2",
+        "-b",
+        "8",
+        "--train-crop-size",
+        "16",
+        "--val-resize-size",
+        "16",
+        "--val-crop-size",
+        "16",
+    )
     lines = start_lines(trainer)
-    assert ("note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, and "
-            "images/s leaves out their cost (measure it with --data)") in lines
+    assert (
+        "note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, and "
+        "images/s leaves out their cost (measure it with --data)"
+    ) in lines
     assert "recipe: tv-v2 (torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here)" in lines
-    assert ("warning: --ra-sampler with 1 process(es) and --ra-reps 4: copies of an image share a process's batch (and "
-            "its BatchNorm statistics), so a step sees fewer different images; torchvision uses it only with several "
-            "processes") in warnings(trainer)
+    assert (
+        "warning: --ra-sampler with 1 process(es) and --ra-reps 4: copies of an image share a process's batch (and "
+        "its BatchNorm statistics), so a step sees fewer different images; torchvision uses it only with several "
+        "processes"
+    ) in warnings(trainer)
     assert any(line.startswith("model EMA: decay ") for line in training_lines(trainer))
 
 
 def test_a_scheduler_of_one_s_own_and_the_compile_warnings_are_named():
-    trainer = built_trainer(*TINY_NET, "--trainer", "examples.adamw_onecycle:AdamWOneCycle", "--compile",
-                            "--res-schedule", "16:32:0:2:16", "--epochs", "3", "-b", "4", "--val-resize-size", "16",
-                            "--val-crop-size", "16", datasets=tensor_datasets(),
-                            trainer=trainer_class("examples.adamw_onecycle:AdamWOneCycle"))
-    assert ("lr scheduler: OneCycleLR (build_scheduler), stepped every optimizer step, saved in the checkpoints"
-            in training_lines(trainer))
-    assert ("warning: --compile with --res-schedule: each new training size compiles another graph (seconds to minutes "
-            "each)") in warnings(trainer)
+    trainer = built_trainer(
+        *TINY_NET,
+        "--trainer",
+        "examples.adamw_onecycle:AdamWOneCycle",
+        "--compile",
+        "--res-schedule",
+        "16:32:0:2:16",
+        "--epochs",
+        "3",
+        "-b",
+        "4",
+        "--val-resize-size",
+        "16",
+        "--val-crop-size",
+        "16",
+        datasets=tensor_datasets(),
+        trainer=trainer_class("examples.adamw_onecycle:AdamWOneCycle"),
+    )
+    assert (
+        "lr scheduler: OneCycleLR (build_scheduler), stepped every optimizer step, saved in the checkpoints"
+        in training_lines(trainer)
+    )
+    assert (
+        "warning: --compile with --res-schedule: each new training size compiles another graph (seconds to minutes "
+        "each)"
+    ) in warnings(trainer)
     assert "trainer: examples.adamw_onecycle:AdamWOneCycle" in start_lines(trainer)
 
 
@@ -53,6 +98,7 @@ def test_a_pretrained_evaluation_says_where_its_weights_and_preprocessing_came_f
     there without downloading it): the header names the weights and the validation sizes, and it evaluates."""
     import torch
     import torchvision
+
     weights = torchvision.models.ResNet18_Weights.DEFAULT
     cache = tmp_path / "torch-home" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
@@ -61,9 +107,10 @@ def test_a_pretrained_evaluation_says_where_its_weights_and_preprocessing_came_f
     trainer = built_trainer("--data", tiny_data, "-j", "0", "-a", "resnet18", "--pretrained", "-e", "-b", "12")
     lines = start_lines(trainer)
     assert any(line.startswith("model: resnet18 from ResNet18_Weights.IMAGENET1K_V1, ") for line in lines), lines
-    assert ("validation: resize 256, crop 224, bilinear (resize, crop and interpolation from "
-            "ResNet18_Weights.IMAGENET1K_V1.transforms(); --val-resize-size, --val-crop-size, --interpolation override)"
-            ) in lines
+    assert (
+        "validation: resize 256, crop 224, bilinear (resize, crop and interpolation from "
+        "ResNet18_Weights.IMAGENET1K_V1.transforms(); --val-resize-size, --val-crop-size, --interpolation override)"
+    ) in lines
     assert trainer.evaluate(trainer.model)["count"] == 12
 
 
@@ -72,15 +119,32 @@ def test_a_pretrained_model_on_1_channel_images_of_3_classes_says_what_was_chang
     says that the 1000-class head was replaced and the first convolution adapted; a training step runs."""
     import torch
     import torchvision
+
     weights = torchvision.models.ResNet18_Weights.DEFAULT
     cache = tmp_path / "torch-home" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
     torch.save(torchvision.models.resnet18().state_dict(), cache / weights.url.rsplit("/", 1)[1])
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
-    trainer = built_trainer("-a", "resnet18", "--pretrained", "-b", "4", "--mean", "0.5", "--std", "0.25",
-                            "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
-                            datasets=tensor_datasets(size=32, train=4, val=2, channels=1))
+    trainer = built_trainer(
+        "-a",
+        "resnet18",
+        "--pretrained",
+        "-b",
+        "4",
+        "--mean",
+        "0.5",
+        "--std",
+        "0.25",
+        "--train-crop-size",
+        "32",
+        "--val-resize-size",
+        "32",
+        "--val-crop-size",
+        "32",
+        datasets=tensor_datasets(size=32, train=4, val=2, channels=1),
+    )
     [line] = [line for line in start_lines(trainer) if line.startswith("model: ")]
-    assert line.endswith("; changed for this data: fc: 1000 -> 3 classes, new weights; conv1: 3 -> 1 channels, "
-                         "RGB filters summed"), line
+    assert line.endswith(
+        "; changed for this data: fc: 1000 -> 3 classes, new weights; conv1: 3 -> 1 channels, RGB filters summed"
+    ), line
     assert trainer.train_one_epoch(trainer.model, epoch=0)["count"] == 4

@@ -1,7 +1,10 @@
 """The library's shape, which every later change keeps: no module of common/ over 600 lines, no function over 80, one
 concern per module with a unit file of its own, no import circle (in tools/ either), and the command line imported by
 the scripts and tools alone."""
+
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,11 @@ TOOLS = sorted((COMMON.parent / "tools").glob("*.py"))
 def test_a_module_holds_at_most_600_lines_and_a_function_at_most_80(path):
     lines = path.read_text().splitlines()
     assert len(lines) <= 600, f"{path.name}: {len(lines)} lines; split its concerns"
-    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80]
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
+    ]
     assert not long, f"{path.name}: {', '.join(long)}"
 
 
@@ -41,9 +47,12 @@ def imports(path):
 
 def circles(graph):
     """The names of `graph` ({name: names it imports}) that reach themselves."""
+
     def reaches(start, goal, seen=()):
-        return any(name == goal or (name not in seen and reaches(name, goal, (*seen, name)))
-                   for name in graph.get(start, ()))
+        return any(
+            name == goal or (name not in seen and reaches(name, goal, (*seen, name))) for name in graph.get(start, ())
+        )
+
     return {name: sorted(graph[name]) for name in graph if reaches(name, name)}
 
 
@@ -81,3 +90,13 @@ def test_the_library_never_imports_the_command_line_or_a_script():
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda path: path.name)
 def test_a_script_shows_its_launch_mode_in_under_200_lines(path):
     assert len(path.read_text().splitlines()) < 200
+
+
+@pytest.mark.parametrize("command", [["format", "--check"], ["check"]], ids=["ruff format", "ruff check"])
+def test_the_code_is_formatted_and_linted(command):
+    """ruff (ruff.toml: lines of at most 120 characters, pycodestyle, pyflakes, the imports' order) finds nothing to
+    change: `make format` changes what it can."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "."], cwd=COMMON.parent, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

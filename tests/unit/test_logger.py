@@ -1,6 +1,7 @@
 """common/logger.py: log.csv (one row per epoch, named values and the EMA's as columns of their own, kept across a
 resume), TensorBoard's per-step scalars equal to the progress lines and shown once each after a resume, bad_images.txt
 and summary.json; only the writer rank writes."""
+
 import csv
 import re
 from pathlib import Path
@@ -13,12 +14,38 @@ from common.trainer import Trainer
 from conftest import cpu_runtime, parse
 from unit.test_checkpoint import Crash, StopsAt
 
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "2",
-         "-b", "2", "--seed", "1", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a",
-         "tests.tiny_models:TinyNet", "--epochs", "2", "--checkpoint-interval", "4", "--model-ema"]
-PROGRESS = re.compile(r"^Epoch: \[(\d+)\] \[(\d+)/(\d+)\]  loss (\S+)  acc@1\s+(\S+)  acc@5\s+\S+  lr (\S+)\s+(\S+) img/s "
-                      r"\(input wait (\d+)%\)",
-                      re.MULTILINE)
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-p",
+    "2",
+    "-b",
+    "2",
+    "--seed",
+    "1",
+    "--lr",
+    "0.05",
+    "--dataset",
+    "tests.custom_datasets:uint8_tensors",
+    "-a",
+    "tests.tiny_models:TinyNet",
+    "--epochs",
+    "2",
+    "--checkpoint-interval",
+    "4",
+    "--model-ema",
+]
+PROGRESS = re.compile(
+    r"^Epoch: \[(\d+)\] \[(\d+)/(\d+)\]  loss (\S+)  acc@1\s+(\S+)  acc@5\s+\S+  lr (\S+)\s+(\S+) img/s "
+    r"\(input wait (\d+)%\)",
+    re.MULTILINE,
+)
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
@@ -37,17 +64,31 @@ def test_log_csv_gains_the_ema_columns_on_a_resumed_run_and_keeps_them(tmp_path)
     with open(tmp_path / "log.csv", newline="") as file:
         rows = list(csv.reader(file))
     assert rows[0] == CSV_FIELDS + EMA_FIELDS + ["train_margin"]
-    assert rows[1:] == [["0"] * len(CSV_FIELDS) + [""] * 4, ["1"] * len(CSV_FIELDS) + ["2"] * 3 + [""],
-                        ["3"] * len(CSV_FIELDS) + [""] * 3 + ["4"]]
+    assert rows[1:] == [
+        ["0"] * len(CSV_FIELDS) + [""] * 4,
+        ["1"] * len(CSV_FIELDS) + ["2"] * 3 + [""],
+        ["3"] * len(CSV_FIELDS) + [""] * 3 + ["4"],
+    ]
 
 
 def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_values():
-    train = {"loss": 1.0, "acc1": 50.0, "images_per_second": 12.34, "margin": 0.5,
-             "diagnostics": {name: float(index) for index, name in enumerate(DIAGNOSTICS)}}
+    train = {
+        "loss": 1.0,
+        "acc1": 50.0,
+        "images_per_second": 12.34,
+        "margin": 0.5,
+        "diagnostics": {name: float(index) for index, name in enumerate(DIAGNOSTICS)},
+    }
     val = {"loss": 0.9, "acc1": 60.0, "acc5": 100.0, "count": 6, "margin": 0.6}
     row = epoch_row(3, 0.0, [0.1, 0.1], train, val, {**val, "acc1": 70.0}, [["a.jpg", "x"]])
     assert list(row) == [*CSV_FIELDS, *EMA_FIELDS, "ema_val_margin", "train_margin", "val_margin"]
-    assert (row["epoch"], row["lr"], row["images_per_second"], row["bad_images"], row["ema_val_acc1"]) == (3, 0.1, 12.3, 1, 70.0)
+    assert (row["epoch"], row["lr"], row["images_per_second"], row["bad_images"], row["ema_val_acc1"]) == (
+        3,
+        0.1,
+        12.3,
+        1,
+        70.0,
+    )
     assert [row[name] for name in DIAGNOSTICS] == list(range(len(DIAGNOSTICS)))
     assert "ema_val_loss" not in epoch_row(3, 0.0, [0.1], train, val, None, [])
     by_group = epoch_row(3, 0.0, [0.1, 0.01, 0.1], train, val, None, [])  # lr_groupN: each group's, where they differ
@@ -66,16 +107,20 @@ def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
 def scalars(output_dir):
     """{tag: [(step, value)]} of the run's event files, read by TensorBoard's own EventAccumulator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     accumulator = EventAccumulator(str(Path(output_dir) / "tensorboard"), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def printed_steps(output):
     """{global step: (loss, acc1, lr, img/s, input wait %)} of the progress lines."""
-    return {int(epoch) * int(total) + int(done): tuple(map(float, values))
-            for epoch, done, total, *values in PROGRESS.findall(output)}
+    return {
+        int(epoch) * int(total) + int(done): tuple(map(float, values))
+        for epoch, done, total, *values in PROGRESS.findall(output)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +130,7 @@ def runs(tmp_path_factory):
     root, printed = tmp_path_factory.mktemp("tensorboard"), {}
     import contextlib
     import io
+
     for name, trainer in (("whole", Trainer), ("crashed", StopsAt)):
         StopsAt.stop_at = 11
         output = io.StringIO()
@@ -105,8 +151,13 @@ def test_per_step_tensorboard_scalars_are_the_progress_lines_values_every_p_step
     logged, steps = scalars(root / "whole"), printed_steps(printed["whole"])
     assert sorted(steps) == [2, 4, 6, 8, 10, 12]
     # Half a unit of the last digit printed (and a little: 46.875 prints as 46.88).
-    tolerances = {"loss": dict(abs=5.1e-5), "acc1": dict(abs=5.1e-3), "lr": dict(rel=5.1e-4),
-                  "images_per_second": dict(abs=0.051), "input_wait_pct": dict(abs=0.51)}
+    tolerances = {
+        "loss": dict(abs=5.1e-5),
+        "acc1": dict(abs=5.1e-3),
+        "lr": dict(rel=5.1e-4),
+        "images_per_second": dict(abs=0.051),
+        "input_wait_pct": dict(abs=0.51),
+    }
     for index, (key, tag) in enumerate(STEP_TAGS.items()):
         assert [step for step, _ in logged[tag]] == sorted(steps), tag
         for step, value in logged[tag]:
@@ -124,8 +175,9 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(runs):
     resumed, uninterrupted = scalars(root / "crashed"), scalars(root / "whole")
     for tag in ("step/train_loss", "step/train_acc1", "step/lr"):
         assert [step for step, _ in resumed[tag]] == [2, 4, 6, 8, 10, 12], tag
-        assert [value for _, value in resumed[tag]] == pytest.approx([value for _, value in uninterrupted[tag]],
-                                                                      rel=1e-6), tag
+        assert [value for _, value in resumed[tag]] == pytest.approx(
+            [value for _, value in uninterrupted[tag]], rel=1e-6
+        ), tag
     assert [step for step, _ in resumed["val_acc1"]] == [0, 1]
 
 

@@ -2,6 +2,7 @@
 (a confusion matrix), kept by MetricSums beside the loss: the results computed from the summed state, numbers logged by
 name, tensors written per epoch, the state of a partial epoch resumed so that the resumed run's metrics are those of
 the run that never stopped."""
+
 import json
 import re
 from types import SimpleNamespace
@@ -17,10 +18,14 @@ from common.trainer import Trainer
 from unit.test_checkpoint import SMALL, TINY_NET, Crash, StopsAt, log_rows, started
 
 # Four samples, four classes; per row the classes ranked by score are given in the comment.
-SCORES = torch.tensor([[0.9, 0.05, 0.03, 0.02],    # 0 > 1 > 2 > 3
-                       [0.1, 0.2, 0.3, 0.4],       # 3 > 2 > 1 > 0
-                       [0.3, 0.4, 0.2, 0.1],       # 1 > 0 > 2 > 3
-                       [0.25, 0.1, 0.6, 0.05]])    # 2 > 0 > 1 > 3
+SCORES = torch.tensor(
+    [
+        [0.9, 0.05, 0.03, 0.02],  # 0 > 1 > 2 > 3
+        [0.1, 0.2, 0.3, 0.4],  # 3 > 2 > 1 > 0
+        [0.3, 0.4, 0.2, 0.1],  # 1 > 0 > 2 > 3
+        [0.25, 0.1, 0.6, 0.05],
+    ]
+)  # 2 > 0 > 1 > 3
 TARGETS = torch.tensor([0, 2, 3, 0])
 # top-1 hits: sample 0 only; top-2 hits: samples 0, 1, 3; top-3 hits: samples 0, 1, 3; top-4: all.
 
@@ -74,8 +79,12 @@ def test_named_values_are_image_weighted_means_and_their_state_resumes_by_name()
     assert saved == {"loss": 2.0, "hits1": 2.0, "hits5": 2.0, "margin": 4.0, "count": 2.0}
     resumed = MetricSums(torch.device("cpu"))
     resumed.load_state_dict(saved)
-    resumed.update(torch.tensor(3.0), torch.eye(3)[[2, 2, 2, 2]], torch.tensor([2, 2, 2, 0]),
-                   {"margin": 5.0, "new": torch.tensor([1.0])})
+    resumed.update(
+        torch.tensor(3.0),
+        torch.eye(3)[[2, 2, 2, 2]],
+        torch.tensor([2, 2, 2, 0]),
+        {"margin": 5.0, "new": torch.tensor([1.0])},
+    )
     summary = resumed.summary()
     assert summary["count"] == 6 and summary["loss"] == pytest.approx((2 + 12) / 6)
     assert summary["margin"] == pytest.approx((4 + 20) / 6) and summary["new"] == pytest.approx(4 / 6)
@@ -137,7 +146,10 @@ def test_metric_sums_keep_a_metric_s_state_through_a_mid_epoch_checkpoint():
             resumed.load_state_dict(first.state_dict())
     expected, got = whole.summary(), resumed.summary()
     assert torch.equal(expected["confusion"], got["confusion"]) and expected["balanced_acc"] == got["balanced_acc"]
-    assert set(MetricSums.extra(got)) == {"balanced_acc"} and set(MetricSums.tables(got)) == {"per_class_acc", "confusion"}
+    assert set(MetricSums.extra(got)) == {"balanced_acc"} and set(MetricSums.tables(got)) == {
+        "per_class_acc",
+        "confusion",
+    }
 
 
 class WithConfusion(Trainer):
@@ -182,9 +194,12 @@ def test_a_metric_s_results_must_have_names_of_their_own_and_be_numbers_or_tenso
 
         def compute(self, state):
             return self.results
+
     logits, target = torch.eye(3), torch.arange(3)
-    for results, line in [({"loss": 1.0}, "metric 'cm' returned 'loss': that name is taken; name its results otherwise"),
-                          ({"x": "text"}, "metric 'cm' returned str for 'x': compute() returns {name: number or tensor}")]:
+    for results, line in [
+        ({"loss": 1.0}, "metric 'cm' returned 'loss': that name is taken; name its results otherwise"),
+        ({"x": "text"}, "metric 'cm' returned str for 'x': compute() returns {name: number or tensor}"),
+    ]:
         sums = MetricSums(torch.device("cpu"), {"cm": Named(results)})
         sums.update(torch.tensor(1.0), logits, target)
         with pytest.raises(UsageError) as refused:

@@ -2,6 +2,7 @@
 process trains), auxiliary heads' losses, autocast in DataParallel's replica threads, the memory format measured
 faster, a patch embedding computed as a matrix product, the bare model inside its wrappers, and the EMA of the weights
 (--model-ema) as torchvision's train.py keeps it."""
+
 import copy
 import threading
 
@@ -11,9 +12,24 @@ import torch.nn as nn
 import torchvision
 
 from common.errors import UsageError
-from common.models import (AutocastForward, ModelEma, PatchConv2d, adapt_first_conv, adjusted_decay, build_model,
-                           check_input_size, compiled, gradient_sync, loss_with_aux, patch_embedding_as_matmul,
-                           replace_heads, split_output, unwrap, use_channels_last, warn_slow_amp)
+from common.models import (
+    AutocastForward,
+    ModelEma,
+    PatchConv2d,
+    adapt_first_conv,
+    adjusted_decay,
+    build_model,
+    check_input_size,
+    compiled,
+    gradient_sync,
+    loss_with_aux,
+    patch_embedding_as_matmul,
+    replace_heads,
+    split_output,
+    unwrap,
+    use_channels_last,
+    warn_slow_amp,
+)
 from conftest import FAMILIES
 
 
@@ -43,10 +59,18 @@ def test_arch_may_name_your_own_model_as_module_and_callable():
         build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)
 
 
-@pytest.mark.parametrize("arch, size, line", [
-    ("inception_v3", 32, "--arch inception_v3 cannot take 32x32 px images (Calculated padded input size"),
-    ("vit_b_16", 256, "--arch vit_b_16 cannot take 256x256 px images (Wrong image height! Expected 224 but got 256!)"),
-    ("alexnet", 32, "--arch alexnet cannot take 32x32 px images")])
+@pytest.mark.parametrize(
+    "arch, size, line",
+    [
+        ("inception_v3", 32, "--arch inception_v3 cannot take 32x32 px images (Calculated padded input size"),
+        (
+            "vit_b_16",
+            256,
+            "--arch vit_b_16 cannot take 256x256 px images (Wrong image height! Expected 224 but got 256!)",
+        ),
+        ("alexnet", 32, "--arch alexnet cannot take 32x32 px images"),
+    ],
+)
 def test_a_size_a_model_cannot_take_is_refused_in_one_line(arch, size, line):
     with pytest.raises(UsageError) as refused:
         check_input_size(build_model(arch, num_classes=3), arch, [size], size)
@@ -92,8 +116,12 @@ def test_autocast_forward_computes_in_the_amp_dtype_in_any_thread():
         thread = threading.Thread(target=replica_thread)
         thread.start()
         thread.join(timeout=60)
-    assert results == {"bare": torch.float32, "wrapped": torch.bfloat16,
-                       "default": torch.bfloat16, "wrapped fp16": torch.float16}
+    assert results == {
+        "bare": torch.float32,
+        "wrapped": torch.bfloat16,
+        "default": torch.bfloat16,
+        "wrapped fp16": torch.float16,
+    }
     # Checkpoints hold the bare model: no wrapper prefix in its parameter names.
     assert unwrap(nn.DataParallel(AutocastForward(model, "cpu", "bf16"))) is model
 
@@ -111,6 +139,7 @@ def test_compile_turns_inductor_s_layout_optimisation_off_where_ddp_or_fsdp_spli
     # it on, and trained with it off (make gpu-check's compile rows); train_dp.py's one graph keeps it. For that compile
     # only: torch.compile's options, nothing process-wide.
     from torch._inductor import config
+
     asked = []
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: asked.append(kwargs.get("options")) or model)
     model = nn.Conv2d(3, 8, 3)
@@ -126,6 +155,7 @@ def test_gradient_sync_is_off_for_the_micro_batches_before_an_optimizer_step_s_l
     """DDP's no_sync() (through torch.compile's wrapper too) and FSDP2's gradient sync: off, a backward only sums into
     the unsharded gradients; the next backward with it on reduces the sum. One process: nothing to turn off."""
     from torch.distributed.fsdp import fully_shard
+
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
     for model in (ddp, torch.compile(ddp)):
         with gradient_sync(model, enabled=False):
@@ -214,14 +244,19 @@ def test_an_adapted_first_convolution_sees_a_grey_image_as_the_rgb_one_saw_it_gr
     with torch.no_grad():
         assert torch.allclose(one.eval()(grey), rgb(grey.repeat(1, 3, 1, 1)), atol=1e-5)
     four = copy.deepcopy(rgb)
-    assert adapt_first_conv(four, "resnet18", 4, True) == ["conv1: 3 -> 4 channels, RGB filters repeated, scaled by 3/channels"]
+    assert adapt_first_conv(four, "resnet18", 4, True) == [
+        "conv1: 3 -> 4 channels, RGB filters repeated, scaled by 3/channels"
+    ]
     assert torch.equal(four.conv1.weight, torch.cat([rgb.conv1.weight, rgb.conv1.weight[:, :1]], dim=1) * 0.75)
     fresh = copy.deepcopy(rgb)
     assert adapt_first_conv(fresh, "resnet18", 1, False) == ["conv1: 3 -> 1 channels, the fresh filters' first channel"]
     assert torch.equal(fresh.conv1.weight, rgb.conv1.weight[:, :1])
     assert adapt_first_conv(fresh, "resnet18", 1, False) == [] and adapt_first_conv(rgb, "resnet18", 3, True) == []
-    with pytest.raises(UsageError, match=r"^--arch mlp takes RGB images and the data's are 1-channel, and its first "
-                                         r"layer is no RGB convolution to adapt: convert the images in your dataset"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--arch mlp takes RGB images and the data's are 1-channel, and its first "
+        r"layer is no RGB convolution to adapt: convert the images in your dataset",
+    ):
         adapt_first_conv(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 3)), "mlp", 1, False)
 
 
@@ -241,8 +276,11 @@ def test_a_patch_embedding_as_a_matrix_product_is_the_convolution(layout, channe
     torch.testing.assert_close(outputs[1], outputs[0])
     for output in outputs:
         (output * torch.arange(output.numel()).reshape(output.shape).sin()).sum().backward()
-    for a, b in [(conv.weight.grad, patch.weight.grad), (conv.bias.grad, patch.bias.grad),
-                 (inputs[0].grad, inputs[1].grad)]:
+    for a, b in [
+        (conv.weight.grad, patch.weight.grad),
+        (conv.bias.grad, patch.bias.grad),
+        (inputs[0].grad, inputs[1].grad),
+    ]:
         torch.testing.assert_close(b, a)
     assert patch.state_dict().keys() == conv.state_dict().keys()
     torch.testing.assert_close(patch(x[0]), conv(x[0]))  # an unbatched image: nn.Conv2d's own path
@@ -337,6 +375,7 @@ def test_an_ema_saved_and_loaded_mid_run_goes_on_as_one_that_was_not():
         for step in steps:
             train_a_step(model)
             ema.after_step(step, epoch=0)
+
     model = small_bn_net()
     uninterrupted = ModelEma(model, decay=0.7, every=2)
     torch.manual_seed(1)

@@ -1,5 +1,6 @@
 """common/preemption.py: a stop signal is a flag the ranks agree on at a step; a second one a few seconds later, or a
 wait for data longer than its share of the grace, stops at once; the handlers are put back when the run ends."""
+
 import os
 import signal
 import time
@@ -53,6 +54,7 @@ def test_the_sigterm_of_a_launcher_that_ended_is_named_so_and_never_stops_at_onc
     launcher may have passed on already: it is no second request, so the stop still waits for its step and its
     checkpoint. The first signal tells on_first (the output lock's mark)."""
     from common import errors
+
     monkeypatch.setattr(preemption, "SECOND_SIGNAL_AFTER", 0.2)
     stop, told = StopSignal(30), []
     stop.on_first = told.append

@@ -3,6 +3,7 @@ needs weights, a resumed run keeps its seed (saying so when another is given) an
 fails before writing leaves no directory it made, and a Trainer holds its documented attributes alone, none of which a
 subclass may assign; what the ranks of one job compare before they train (arguments, checkpoints) and the one line
 that names the first difference."""
+
 import re
 from pathlib import Path
 
@@ -14,9 +15,26 @@ from common.run import argument_difference, comparable_args, ranks_text, resume_
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
 
-
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
-         "-b", "4", "--lr", "0.05", "--dataset", "tests.custom_datasets:uint8_tensors", "-a", "tests.tiny_models:TinyNet"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-p",
+    "1",
+    "-b",
+    "4",
+    "--lr",
+    "0.05",
+    "--dataset",
+    "tests.custom_datasets:uint8_tensors",
+    "-a",
+    "tests.tiny_models:TinyNet",
+]
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
@@ -41,49 +59,71 @@ def finished(tmp_path_factory):
 
 def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing(finished):
     before = {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()}
-    with pytest.raises(UsageError, match=rf"^{re.escape(str(finished))} holds a run at epoch 1 step 0: continue it with "
-                                         r"--resume auto, or start over with --overwrite \(its checkpoints are deleted\) "
-                                         r"or another --output-dir$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^{re.escape(str(finished))} holds a run at epoch 1 step 0: continue it with "
+        r"--resume auto, or start over with --overwrite \(its checkpoints are deleted\) "
+        r"or another --output-dir$",
+    ):
         started("--epochs", "2", "--output-dir", finished)
-    with pytest.raises(UsageError, match=r"holds checkpoints of another run \(tests.tiny_models:TinyNet, 3 classes\): "
-                                         r"choose another --output-dir"):
+    with pytest.raises(
+        UsageError,
+        match=r"holds checkpoints of another run \(tests.tiny_models:TinyNet, 3 classes\): "
+        r"choose another --output-dir",
+    ):
         started("--epochs", "2", "--output-dir", finished, "--dataset", "tests.custom_datasets:two_classes")
     # (run.lock aside: in this process the lock is this process's own, so the refused starts took it again; a
     # second process is refused by the lock itself: test_cluster_faults.py, test_run_dir.py)
-    assert {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file() and path.name != "run.lock"} \
-        == {name: content for name, content in before.items() if name != "run.lock"}
+    assert {
+        path.name: path.read_bytes() for path in finished.iterdir() if path.is_file() and path.name != "run.lock"
+    } == {name: content for name, content in before.items() if name != "run.lock"}
 
 
-def test_resume_auto_without_a_checkpoint_to_continue_does_not_replace_the_run_that_left_its_outputs(finished, tmp_path):
+def test_resume_auto_without_a_checkpoint_to_continue_does_not_replace_the_run_that_left_its_outputs(
+    finished, tmp_path
+):
     """Its checkpoints gone (deleted, a disk that lost them), the run's model_best.pth and summary.json are still worth
     keeping: --resume auto, finding nothing to continue, is refused as a fresh start would be, not started afresh over
     them. log.csv's rows alone do not count: an epoch's row may outlive its checkpoint (--async-checkpoint's save
     completes at the next one), and a relaunch then starts over."""
     import shutil
+
     out = tmp_path / "run"
     shutil.copytree(finished, out)
     for name in ("checkpoint.pth", "checkpoint_prev.pth", "run.lock"):
         (out / name).unlink(missing_ok=True)
     before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
     assert {"model_best.pth", "log.csv", "summary.json"} <= before.keys()
-    with pytest.raises(UsageError, match=rf"^--resume auto: {re.escape(str(out))} holds a run \(model_best.pth, "
-                                         r"summary.json\) but no checkpoint to continue it from: start over with "
-                                         r"--overwrite \(its outputs are replaced\) or another --output-dir$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^--resume auto: {re.escape(str(out))} holds a run \(model_best.pth, "
+        r"summary.json\) but no checkpoint to continue it from: start over with "
+        r"--overwrite \(its outputs are replaced\) or another --output-dir$",
+    ):
         started("--epochs", "2", "--resume", "auto", "--output-dir", out)
-    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "run.lock"} == before
+    assert {
+        path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "run.lock"
+    } == before
     (out / "model_best.pth").unlink()
     with pytest.raises(UsageError, match=r"holds a run \(summary.json\)"):  # a finished run's summary alone
         started("--epochs", "2", "--resume", "auto", "--output-dir", out)
     (out / "summary.json").unlink()
-    assert started("--epochs", "2", "--resume", "auto", "--output-dir", out).resumed_from is None  # log.csv's rows alone
+    assert (
+        started("--epochs", "2", "--resume", "auto", "--output-dir", out).resumed_from is None
+    )  # log.csv's rows alone
     assert started("--epochs", "2", "--resume", "auto", "--output-dir", finished).resumed_from is not None
 
 
 def test_evaluate_needs_weights_to_evaluate(tmp_path):
-    with pytest.raises(UsageError, match=r"^-e: no checkpoint in \S+ to evaluate \(--resume auto\): give --resume PATH, "
-                                         r"or --pretrained$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^-e: no checkpoint in \S+ to evaluate \(--resume auto\): give --resume PATH, "
+        r"or --pretrained$",
+    ):
         started("-e", "--resume", "auto", "--output-dir", tmp_path / "empty")
-    with pytest.raises(UsageError, match=r"^-e evaluates the weights of --resume PATH or --pretrained: give one of them$"):
+    with pytest.raises(
+        UsageError, match=r"^-e evaluates the weights of --resume PATH or --pretrained: give one of them$"
+    ):
         parse(*SMALL, "-e")
 
 
@@ -95,9 +135,12 @@ def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(
     capsys.readouterr()
     resumed = started("--epochs", "2", "--seed", "2", "--resume", "auto", "--output-dir", out)
     assert resumed.seed == 1
-    assert re.search(r"^warning: --seed 2 ignored: \S+checkpoint\.pth was trained with seed 1, which this run keeps; "
-                     r"another seed is another run \(--overwrite or another --output-dir\)$", capsys.readouterr().out,
-                     re.MULTILINE)
+    assert re.search(
+        r"^warning: --seed 2 ignored: \S+checkpoint\.pth was trained with seed 1, which this run keeps; "
+        r"another seed is another run \(--overwrite or another --output-dir\)$",
+        capsys.readouterr().out,
+        re.MULTILINE,
+    )
 
 
 def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
@@ -120,8 +163,9 @@ def test_a_start_that_fails_before_writing_leaves_no_directory_it_made(tmp_path)
 def documented_attributes():
     """The attribute names of docs/adapting.md's table "The attributes you may read"."""
     from conftest import REPO
+
     text = (REPO / "docs" / "adapting.md").read_text()
-    table = text[text.index("### The attributes you may read"):].split("\n\n")[2]
+    table = text[text.index("### The attributes you may read") :].split("\n\n")[2]
     return {name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
 
 
@@ -129,6 +173,7 @@ def test_a_trainer_holds_the_documented_attributes_and_private_ones_alone(tmp_pa
     """After a run and its resume (--model-ema: every part), what a Trainer holds is PUBLIC_ATTRIBUTES, each in
     docs/adapting.md's table, and PRIVATE_ATTRIBUTES: nothing else a subclass's name could collide with unseen."""
     from common.trainer import OWNED, PUBLIC_ATTRIBUTES
+
     trained("--epochs", "1", "--model-ema", "--output-dir", tmp_path)
     trainer = trained("--epochs", "2", "--model-ema", "--resume", "auto", "--output-dir", tmp_path)
     assert trainer.resumed_from is not None and set(vars(trainer)) <= OWNED, set(vars(trainer)) - OWNED
@@ -138,6 +183,7 @@ def test_a_trainer_holds_the_documented_attributes_and_private_ones_alone(tmp_pa
 
 class Assigns(Trainer):
     """Assigns `name` in the hook `where` (build_model or train_step), and its own names, which are free."""
+
     name, where = "log", "build_model"
 
     def build_model(self, classes):
@@ -155,16 +201,22 @@ class Assigns(Trainer):
 @pytest.mark.parametrize("name, where", [("log", "build_model"), ("seed", "train_step"), ("_data", "build_model")])
 def test_a_subclass_that_assigns_an_attribute_the_trainer_holds_is_refused_in_one_line(tmp_path, name, where):
     from conftest import built_trainer, tensor_datasets
+
     flags = [*SMALL[:-4], "-a", "tests.tiny_models:TinyNet", "--output-dir", tmp_path, "--epochs", "1"]
     Assigns.name, Assigns.where = name, where
-    with pytest.raises(UsageError, match=rf"^Assigns assigns self.{name}, which the Trainer holds for itself "
-                                         r"\(docs/adapting.md lists its attributes\): give yours another name$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^Assigns assigns self.{name}, which the Trainer holds for itself "
+        r"\(docs/adapting.md lists its attributes\): give yours another name$",
+    ):
         trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
         trainer.train_one_epoch(trainer.model, 0)
     Assigns.where = "nowhere"
     trainer = built_trainer(*flags, trainer=Assigns, datasets=tensor_datasets())
     assert trainer.train_one_epoch(trainer.model, 0)["count"] == 12 and trainer.data == "mine"
-    Assigns.where = "build_model"  # through a __setattr__ of its own: still refused, and the library's own assignments not
+    Assigns.where = (
+        "build_model"  # through a __setattr__ of its own: still refused, and the library's own assignments not
+    )
     with pytest.raises(UsageError, match=rf"^OwnSetattr assigns self.{name}, "):
         built_trainer(*flags, trainer=OwnSetattr, datasets=tensor_datasets())
 
@@ -178,20 +230,41 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     """-e --resume of a run trained at 20 px crops (resize 24): validation at those sizes, with the run's last acc@1;
     --val-crop-size overrides the crop alone; the header names the sizes' source and the weights' epoch."""
     import csv
+
     from common.header import start_lines
-    trained("--epochs", "1", "--seed", "1", "--train-crop-size", "20", "--val-resize-size", "24", "--val-crop-size",
-            "20", "--interpolation", "bicubic", "--output-dir", tmp_path)
+
+    trained(
+        "--epochs",
+        "1",
+        "--seed",
+        "1",
+        "--train-crop-size",
+        "20",
+        "--val-resize-size",
+        "24",
+        "--val-crop-size",
+        "20",
+        "--interpolation",
+        "bicubic",
+        "--output-dir",
+        tmp_path,
+    )
     last = list(csv.DictReader(open(tmp_path / "log.csv")))[-1]
-    unsized = [flag for i, flag in enumerate(SMALL) if not {flag, SMALL[i - 1]} & {"--val-resize-size", "--val-crop-size"}]
+    unsized = [
+        flag for i, flag in enumerate(SMALL) if not {flag, SMALL[i - 1]} & {"--val-resize-size", "--val-crop-size"}
+    ]
 
     def evaluate(*argv):
         return start_run(Trainer(parse(*unsized, "-e", "--resume", tmp_path / "checkpoint.pth", *argv), cpu_runtime()))
+
     evaluating = evaluate()
     config = evaluating.config
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 20, "bicubic")
     lines = start_lines(evaluating)
-    assert ("validation: resize 24, crop 20, bicubic (resize, crop and interpolation of the checkpoint's run; "
-            "--val-resize-size, --val-crop-size, --interpolation override)") in lines, lines
+    assert (
+        "validation: resize 24, crop 20, bicubic (resize, crop and interpolation of the checkpoint's run; "
+        "--val-resize-size, --val-crop-size, --interpolation override)"
+    ) in lines, lines
     assert f"evaluating {tmp_path / 'checkpoint.pth'}: its weights after 1 epoch(s)" in lines, lines
     assert not any(line.startswith("preset:") and "val " in line for line in lines), lines  # (not the preset's sizes)
     assert evaluating.evaluate(evaluating.model)["acc1"] == pytest.approx(float(last["val_acc1"]))
@@ -211,8 +284,9 @@ def test_the_ranks_text_and_the_first_difference():
     loaded = resume_facts(Path("a/checkpoint.pth"), {"epoch": 2, "seed": 1, "checkpoint_id": "x"})
     assert resume_difference([loaded, dict(loaded)]) is None
     assert resume_difference([fresh, fresh]) is None
-    assert ("a/checkpoint.pth (epoch 2, seed 1) on rank 0, no checkpoint (a fresh start) on rank 1"
-            in resume_difference([loaded, fresh]))
+    assert "a/checkpoint.pth (epoch 2, seed 1) on rank 0, no checkpoint (a fresh start) on rank 1" in resume_difference(
+        [loaded, fresh]
+    )
     assert resume_difference([loaded, {**loaded, "id": "y"}]) is not None  # same place, other bytes
 
 
@@ -220,6 +294,7 @@ def test_the_per_node_arguments_may_differ(no_platform_env):
     node = [parse("--data", f"/d{k}", "--output-dir", f"/n{k}", "-j", k) for k in (0, 1)]
     assert argument_difference([comparable_args(config) for config in node]) is None
     node[1] = node[1].replace(lr=0.2)
-    assert ("--lr is 0.1 on rank 0, 0.2 on rank 1; every process takes the same ones (only --workers, --data and "
-            "--output-dir may differ between nodes)") in argument_difference(
-        [comparable_args(config) for config in node])
+    assert (
+        "--lr is 0.1 on rank 0, 0.2 on rank 1; every process takes the same ones (only --workers, --data and "
+        "--output-dir may differ between nodes)"
+    ) in argument_difference([comparable_args(config) for config in node])

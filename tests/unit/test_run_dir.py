@@ -1,6 +1,7 @@
 """common/run_dir.py: a file written is whole or absent (a write that fails half-way leaves the old one, and no
 temporary), temporaries of names no other process may take, and the output directory's lock: one run at a time, the
 second refused in one line naming the first, released however the first ends, waited for by a restarted job."""
+
 import os
 import subprocess
 import time
@@ -20,6 +21,7 @@ def test_a_write_that_fails_half_way_leaves_the_old_file_whole_and_no_temporary(
     def half_then_full_disk(file):
         file.write(b"the new fi")
         raise OSError(28, "No space left on device")
+
     with pytest.raises(OSError, match="No space left"):
         atomic_write(path, half_then_full_disk)
     assert path.read_bytes() == b"the old file\n" and os.listdir(tmp_path) == ["log.csv"]
@@ -30,6 +32,7 @@ def test_a_checkpoint_s_temporary_file_never_takes_a_name_another_process_may_wr
     """Temporary names once held only the PID, which a process in another container can share: its half-written
     file would have been renamed over the checkpoint."""
     import torch
+
     state = {"state_dict": {"w": torch.ones(2)}, "epoch": 1}
     others = [tmp_path / f".checkpoint.pth.tmp-{os.getpid()}", tmp_path / f".checkpoint_prev.pth.tmp-{os.getpid()}"]
     for other in others:
@@ -40,14 +43,17 @@ def test_a_checkpoint_s_temporary_file_never_takes_a_name_another_process_may_wr
     saved = checkpoint.load_checkpoint(tmp_path / "checkpoint.pth")
     assert saved["epoch"] == 1 and len(saved["checkpoint_id"]) == 32
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
-        ["checkpoint.pth", "checkpoint_prev.pth", "model_best.pth", *(other.name for other in others)])
+        ["checkpoint.pth", "checkpoint_prev.pth", "model_best.pth", *(other.name for other in others)]
+    )
     assert (tmp_path / "checkpoint.pth").stat().st_mode & 0o777 == 0o666 & ~run_dir._UMASK
 
 
 def test_link_or_copy_gives_a_second_name_to_the_same_bytes(tmp_path):
     (tmp_path / "a").write_bytes(b"bytes")
     link_or_copy(tmp_path / "a", tmp_path / "b")
-    assert (tmp_path / "b").read_bytes() == b"bytes" and (tmp_path / "b").stat().st_ino == (tmp_path / "a").stat().st_ino
+    assert (tmp_path / "b").read_bytes() == b"bytes" and (tmp_path / "b").stat().st_ino == (
+        tmp_path / "a"
+    ).stat().st_ino
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
 
 
@@ -64,8 +70,9 @@ time.sleep(60)
 def held(tmp_path):
     """A process of its own that holds the lock of tmp_path/run (lockf: locks are a process's), and that directory."""
     out = tmp_path / "run"
-    holder = subprocess.Popen([PYTHON, "-c", HOLDER.format(repo=str(REPO), out=str(out))], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [PYTHON, "-c", HOLDER.format(repo=str(REPO), out=str(out))], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         yield holder, out
@@ -76,9 +83,12 @@ def held(tmp_path):
 
 def test_a_second_run_is_refused_in_one_line_naming_the_first_until_the_first_ends(held):
     holder, out = held
-    with pytest.raises(UsageError, match=rf"^{out} is in use by another run \(host \S+, PID {holder.pid}, started \S+\): "
-                                         r"one run at a time writes an output directory; wait for that one to end, or "
-                                         r"give this one another --output-dir$"):
+    with pytest.raises(
+        UsageError,
+        match=rf"^{out} is in use by another run \(host \S+, PID {holder.pid}, started \S+\): "
+        r"one run at a time writes an output directory; wait for that one to end, or "
+        r"give this one another --output-dir$",
+    ):
         OutputLock(out)
     holder.kill()  # SIGKILL: no exit handler runs; the kernel drops the lock
     holder.wait()
@@ -92,7 +102,9 @@ def test_a_restarted_job_waits_for_the_lock_of_the_one_it_replaces(held):
     with pytest.raises(UsageError, match="is in use by another run"):
         OutputLock(out, wait=1.5, say=said.append)
     assert time.monotonic() - start >= 1.5
-    assert len(said) == 1 and said[0].startswith(f"waiting up to 2 s for the run this job replaces to release {out}/run.lock")
+    assert len(said) == 1 and said[0].startswith(
+        f"waiting up to 2 s for the run this job replaces to release {out}/run.lock"
+    )
 
 
 def test_a_run_that_ends_before_it_wrote_leaves_no_directory_it_made(tmp_path):
@@ -121,8 +133,9 @@ def test_a_run_started_while_the_holder_is_stopping_waits_for_it_instead_of_bein
     """A holder that marked its lock as stopping (its launcher ended, a stop signal came) and ends 2 s later: a new
     run (no restart: wait 0) waits for it, says so once, and then holds the lock."""
     out = tmp_path / "run"
-    holder = subprocess.Popen([PYTHON, "-c", STOPPING_HOLDER.format(repo=str(REPO), out=str(out))],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [PYTHON, "-c", STOPPING_HOLDER.format(repo=str(REPO), out=str(out))], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "stopping\n"
         said, asked = [], time.monotonic()
@@ -130,8 +143,9 @@ def test_a_run_started_while_the_holder_is_stopping_waits_for_it_instead_of_bein
         waited = time.monotonic() - asked
         assert holder.wait(timeout=10) == 0 and waited >= 1.5  # taken once the holder ended, not before
         assert lock.warning is None and len(said) == 1
-        assert said[0].startswith(f"waiting up to 180 s for the run this job replaces to release {out}/run.lock "
-                                  f"(host ") and said[0].endswith(", stopping on SIGTERM)")
+        assert said[0].startswith(
+            f"waiting up to 180 s for the run this job replaces to release {out}/run.lock (host "
+        ) and said[0].endswith(", stopping on SIGTERM)")
     finally:
         holder.kill()
         holder.wait()

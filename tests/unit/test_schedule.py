@@ -1,6 +1,7 @@
 """common/schedule.py: the optimizer (--opt) and its weight-decay groups as torchvision builds them, and the lr
 schedule: LrFactor per step or per epoch (against torchvision's schedulers), LrSchedule's state (its step) on resume,
 each parameter group's lr kept."""
+
 import functools
 
 import pytest
@@ -74,8 +75,20 @@ def test_constant_schedule_keeps_the_lr():
 
 
 def config(schedule="cosine", *argv):
-    return parse("--dummy", "--lr-schedule", schedule, "--lr", "0.1", "--epochs", "10", "--warmup-epochs", "1",
-                 "--lr-step-size", "3", *argv)
+    return parse(
+        "--dummy",
+        "--lr-schedule",
+        schedule,
+        "--lr",
+        "0.1",
+        "--epochs",
+        "10",
+        "--warmup-epochs",
+        "1",
+        "--lr-step-size",
+        "3",
+        *argv,
+    )
 
 
 def stepped(scheduler, optimizer, steps):
@@ -108,8 +121,12 @@ def test_a_resumed_schedule_follows_this_run_s_flags_over_the_optimizer_s_saved_
     """The optimizer's state holds the lr of the run that saved it; a resumed run may change --lr or --epochs."""
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.05)
     scheduler = build_scheduler(optimizer, config("constant", "--warmup-epochs", "0", "--lr", "0.05"), 5)
-    optimizer.load_state_dict({**optimizer.state_dict(), "param_groups": [
-        {**optimizer.state_dict()["param_groups"][0], "lr": 0.3, "initial_lr": 0.3}]})  # the saved run's
+    optimizer.load_state_dict(
+        {
+            **optimizer.state_dict(),
+            "param_groups": [{**optimizer.state_dict()["param_groups"][0], "lr": 0.3, "initial_lr": 0.3}],
+        }
+    )  # the saved run's
     scheduler.load_state_dict({"last_epoch": 10, "steps_per_epoch": 5})
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
     assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(0.05)
@@ -118,9 +135,12 @@ def test_a_resumed_schedule_follows_this_run_s_flags_over_the_optimizer_s_saved_
 def test_each_parameter_group_keeps_its_own_lr_through_the_schedule_and_a_resume():
     """A backbone at a tenth of the head's lr stays at a tenth: the schedule multiplies each group's lr (it once
     set every group's to --lr), and so does a resumed run's."""
+
     def optimizer_of(model):
-        return torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.01}, {"params": model[1].parameters()}],
-                               lr=0.1, momentum=0.9)
+        return torch.optim.SGD(
+            [{"params": model[0].parameters(), "lr": 0.01}, {"params": model[1].parameters()}], lr=0.1, momentum=0.9
+        )
+
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     optimizer = optimizer_of(model)
     scheduler = build_scheduler(optimizer, config("cosine"), 5)
@@ -133,7 +153,8 @@ def test_each_parameter_group_keeps_its_own_lr_through_the_schedule_and_a_resume
     assert [group["lr"] for group in resumed_optimizer.param_groups] == pytest.approx(lrs)
     assert stepped(resumed, resumed_optimizer, 4) == pytest.approx(stepped(scheduler, optimizer, 4))
     assert describe_optimizer(optimizer_of(model), config("cosine")).startswith(
-        "optimizer: SGD, lr by parameter group 0.01, 0.1, momentum 0.9")  # the header: each group's
+        "optimizer: SGD, lr by parameter group 0.01, 0.1, momentum 0.9"
+    )  # the header: each group's
 
 
 def test_the_schedule_s_state_loads_with_weights_only(tmp_path):
@@ -146,6 +167,7 @@ def test_the_schedule_s_state_loads_with_weights_only(tmp_path):
 
 
 # ----------------------------------------------------------------------------- weight-decay groups
+
 
 class EveryNorm(nn.Module):
     def __init__(self):
@@ -180,7 +202,11 @@ def test_norm_and_bias_weight_decay_groups_hold_every_parameter_once_where_it_be
     everything = [name for names in named.values() for name in names]
     assert sorted(everything) == sorted(name for name, _ in model.named_parameters())  # each exactly once
     assert set(named["norm"]) == NORM_WEIGHTS and set(named["bias"]) == NORM_BIASES | OTHER_BIASES
-    assert [(group["name"], group["weight_decay"]) for group in groups] == [("other", 1e-4), ("norm", 0.0), ("bias", 0.0)]
+    assert [(group["name"], group["weight_decay"]) for group in groups] == [
+        ("other", 1e-4),
+        ("norm", 0.0),
+        ("bias", 0.0),
+    ]
     order = [name for name, _ in model.named_parameters()]
     assert all(names == sorted(names, key=order.index) for names in named.values())  # model order in each group
     assert group_names(model, parameter_groups(model, 1e-4, 0.0, 0.0)) == named  # deterministic
@@ -201,8 +227,11 @@ def decay_of_each_parameter(model, groups, weight_decay):
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    return {names[id(parameter)]: group.get("weight_decay", weight_decay) for group in groups
-            for parameter in group["params"]}
+    return {
+        names[id(parameter)]: group.get("weight_decay", weight_decay)
+        for group in groups
+        for parameter in group["params"]
+    }
 
 
 @pytest.mark.parametrize("arch", ["resnet50", "vit_b_16"])
@@ -210,6 +239,7 @@ def test_every_parameter_has_the_weight_decay_torchvision_s_set_weight_decay_giv
     """torchvision's references/classification utils.set_weight_decay, called as its train.py calls it from the
     same flags (tests/torchvision_reference.py), against ours: the same decay for each parameter."""
     from tests.torchvision_reference import torchvision_parameter_groups
+
     model = getattr(torchvision.models, arch)()
     for norm, bias in [(None, None), (0.0, None), (None, 0.0), (0.0, 0.0), (1e-5, 0.0), (0.0, 2e-5), (2e-5, 2e-5)]:
         theirs = decay_of_each_parameter(model, torchvision_parameter_groups(model, 2e-5, norm, bias), 2e-5)
@@ -237,13 +267,35 @@ def test_without_other_decays_every_trainable_parameter_is_in_one_group():
         groups = parameter_groups(model, 1e-4, norm, bias)
         assert [(group["name"], group["weight_decay"]) for group in groups] == [("other", 1e-4)]
         assert group_names(model, groups)["other"] == [name for name, p in model.named_parameters() if p.requires_grad]
-        assert len(build_optimizer(model, parse("--wd", "1e-4", *(["--norm-weight-decay", norm] if norm else []))).param_groups) == 1
+        assert (
+            len(
+                build_optimizer(
+                    model, parse("--wd", "1e-4", *(["--norm-weight-decay", norm] if norm else []))
+                ).param_groups
+            )
+            == 1
+        )
 
 
 def test_the_schedule_sets_the_lr_of_every_group():
     model = EveryNorm()
-    settings = parse("--dummy", "--lr", "0.2", "--wd", "1e-4", "--norm-weight-decay", "0", "--bias-weight-decay", "0",
-                     "--lr-schedule", "cosine", "--epochs", "2", "--warmup-epochs", "0")
+    settings = parse(
+        "--dummy",
+        "--lr",
+        "0.2",
+        "--wd",
+        "1e-4",
+        "--norm-weight-decay",
+        "0",
+        "--bias-weight-decay",
+        "0",
+        "--lr-schedule",
+        "cosine",
+        "--epochs",
+        "2",
+        "--warmup-epochs",
+        "0",
+    )
     optimizer = build_optimizer(model, settings)
     scheduler = build_scheduler(optimizer, settings, steps_per_epoch=4)
     stepped(scheduler, optimizer, 3)
@@ -261,17 +313,20 @@ def test_lr_scaling_linear_shows_the_scaled_lr_and_how():
     assert "lr 0.1, " in describe_optimizer(build_optimizer(nn.Linear(2, 2), settings), settings)
 
 
-@pytest.mark.parametrize("argv, env, header", [
-    # A preset's lr is scaled from the batch it was set for, not from 256.
-    (["--dummy", "--preset", "tv-v2"], {}, "lr 0.5 (--preset tv-v2's lr 0.5 x 1024/1024"),
-    (["--dummy", "--preset", "tv-v2", "-b", "2048"], {}, "lr 1 (--preset tv-v2's lr 0.5 x 2048/1024"),
-    ([], {}, "lr 0.04 (the demo preset's lr 0.04 x 64/64"),
-    (["-b", "32", "--preset", "tv-v2"], {}, "lr 0.02 (the demo preset's lr 0.04 x 32/64"),
-    (["--dummy", "-b", "512"], {}, "lr 0.2 (the imagenet preset's lr 0.1 x 512/256"),
-    # The user's lr, from the command line or the platform's LR, is for 256 images, over any preset.
-    (["--dummy", "--preset", "tv-v2", "--lr", "0.1", "-b", "1024"], {}, "lr 0.4 (--lr 0.1 x 1024/256"),
-    (["--dummy", "--preset", "tv-v2", "-b", "512"], {"LR": "0.2"}, "lr 0.4 (LR 0.2 x 512/256"),
-])
+@pytest.mark.parametrize(
+    "argv, env, header",
+    [
+        # A preset's lr is scaled from the batch it was set for, not from 256.
+        (["--dummy", "--preset", "tv-v2"], {}, "lr 0.5 (--preset tv-v2's lr 0.5 x 1024/1024"),
+        (["--dummy", "--preset", "tv-v2", "-b", "2048"], {}, "lr 1 (--preset tv-v2's lr 0.5 x 2048/1024"),
+        ([], {}, "lr 0.04 (the demo preset's lr 0.04 x 64/64"),
+        (["-b", "32", "--preset", "tv-v2"], {}, "lr 0.02 (the demo preset's lr 0.04 x 32/64"),
+        (["--dummy", "-b", "512"], {}, "lr 0.2 (the imagenet preset's lr 0.1 x 512/256"),
+        # The user's lr, from the command line or the platform's LR, is for 256 images, over any preset.
+        (["--dummy", "--preset", "tv-v2", "--lr", "0.1", "-b", "1024"], {}, "lr 0.4 (--lr 0.1 x 1024/256"),
+        (["--dummy", "--preset", "tv-v2", "-b", "512"], {"LR": "0.2"}, "lr 0.4 (LR 0.2 x 512/256"),
+    ],
+)
 def test_lr_scaling_linear_scales_an_lr_from_the_batch_it_was_given_for(no_platform_env, argv, env, header):
     for name, value in env.items():
         no_platform_env.setenv(name, value)
@@ -281,6 +336,7 @@ def test_lr_scaling_linear_scales_an_lr_from_the_batch_it_was_given_for(no_platf
 
 
 # ----------------------------------------------------------------------------- --lr-step-unit epoch
+
 
 def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1, lr_min=0.0):
     """The lr of each epoch as torchvision's references/classification/train.py schedules it: its schedulers
@@ -303,13 +359,33 @@ def torchvision_epoch_lrs(lr, schedule, epochs, warmup, step_size=30, gamma=0.1,
     return lrs
 
 
-@pytest.mark.parametrize("schedule, epochs, warmup, lr_min", [("cosine", 12, 3, 0.0), ("cosine", 10, 0, 0.0),
-                                                               ("cosine", 12, 3, 0.02), ("step", 70, 5, 0.0),
-                                                               ("step", 65, 0, 0.0)])
+@pytest.mark.parametrize(
+    "schedule, epochs, warmup, lr_min",
+    [
+        ("cosine", 12, 3, 0.0),
+        ("cosine", 10, 0, 0.0),
+        ("cosine", 12, 3, 0.02),
+        ("step", 70, 5, 0.0),
+        ("step", 65, 0, 0.0),
+    ],
+)
 def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(schedule, epochs, warmup, lr_min):
     """--lr-min is CosineAnnealingLR's eta_min (torchvision's --lr-min)."""
-    settings = parse("--dummy", "--lr", "0.5", "--lr-schedule", schedule, "--epochs", epochs, "--warmup-epochs", warmup,
-                     "--lr-step-unit", "epoch", "--lr-min", lr_min)
+    settings = parse(
+        "--dummy",
+        "--lr",
+        "0.5",
+        "--lr-schedule",
+        schedule,
+        "--epochs",
+        epochs,
+        "--warmup-epochs",
+        warmup,
+        "--lr-step-unit",
+        "epoch",
+        "--lr-min",
+        lr_min,
+    )
     optimizer = build_optimizer(nn.Linear(2, 2), settings)
     scheduler = build_scheduler(optimizer, settings, steps_per_epoch=3)
     ours = []
@@ -325,11 +401,16 @@ def test_lr_step_unit_epoch_follows_torchvision_s_schedulers_stepped_per_epoch(s
 
 # ----------------------------------------------------------------------------- optimizers and clipping
 
-@pytest.mark.parametrize("opt, expected", [
-    ("sgd", functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=1e-4, nesterov=False)),
-    ("sgd-nesterov", functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=1e-4, nesterov=True)),
-    ("rmsprop", functools.partial(torch.optim.RMSprop, momentum=0.9, weight_decay=1e-4, eps=0.0316, alpha=0.9)),
-    ("adamw", functools.partial(torch.optim.AdamW, weight_decay=1e-4))])
+
+@pytest.mark.parametrize(
+    "opt, expected",
+    [
+        ("sgd", functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=1e-4, nesterov=False)),
+        ("sgd-nesterov", functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=1e-4, nesterov=True)),
+        ("rmsprop", functools.partial(torch.optim.RMSprop, momentum=0.9, weight_decay=1e-4, eps=0.0316, alpha=0.9)),
+        ("adamw", functools.partial(torch.optim.AdamW, weight_decay=1e-4)),
+    ],
+)
 def test_opt_builds_the_optimizer_torchvisions_train_py_builds(opt, expected):
     """torchvision's references/classification/train.py: SGD(momentum, weight_decay, nesterov="nesterov" in opt),
     RMSprop(momentum, weight_decay, eps=0.0316, alpha=0.9), AdamW(weight_decay); the header names it."""

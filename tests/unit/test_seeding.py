@@ -1,5 +1,6 @@
 """common/seeding.py: every rank starts from the same weights and draws its own dropout masks (seed + rank); a
 process's random streams are a state of their own, saved and put back."""
+
 import random
 
 import torch
@@ -7,8 +8,24 @@ import torch
 from common.seeding import RandomStreams, seed_all, seed_this_rank
 from conftest import built_trainer, cpu_runtime
 
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4",
-         "--seed", "0", "--dataset", "tests.custom_datasets:uint8_tensors", "-a", "tests.tiny_models:TinyNet"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-b",
+    "4",
+    "--seed",
+    "0",
+    "--dataset",
+    "tests.custom_datasets:uint8_tensors",
+    "-a",
+    "tests.tiny_models:TinyNet",
+]
 
 
 def test_the_streams_of_a_process_are_saved_and_put_back():

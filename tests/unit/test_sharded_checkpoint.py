@@ -1,6 +1,7 @@
 """common/sharded_checkpoint.py in-process, in a process group of one: each save a new directory made the latest by
 switching links once complete, the older ones removed; resume (auto falls back to the previous one); the one-line
 refusals; the single-file export; --async-checkpoint's switch after its write; a failed write leaves the links."""
+
 import errno
 import re
 import shutil
@@ -28,8 +29,10 @@ def trained(tmp_path, *flags):
 
 
 def whole(model):
-    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-            for name, value in model.state_dict().items()}
+    return {
+        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, value in model.state_dict().items()
+    }
 
 
 def test_each_save_is_a_new_directory_behind_switched_links_and_older_ones_go(group_of_one, tmp_path):
@@ -42,7 +45,8 @@ def test_each_save_is_a_new_directory_behind_switched_links_and_older_ones_go(gr
     assert latest.is_symlink() and str(latest.readlink()).startswith("sharded/e0002-s000000-")
     assert str(previous.readlink()).startswith("sharded/e0001-s000002-")
     assert sorted(path.name for path in (tmp_path / "sharded").iterdir()) == sorted(
-        [latest.resolve().name, previous.resolve().name])
+        [latest.resolve().name, previous.resolve().name]
+    )
     assert sorted(path.name for path in latest.iterdir()) == [".metadata", "__0_0.distcp", "state.pth"]
     saved = torch.load(latest / "state.pth", weights_only=True)
     assert (saved["epoch"], saved["step_in_epoch"]) == (2, 0) and "state_dict" not in saved and "optimizer" not in saved
@@ -58,8 +62,12 @@ def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(grou
     restore(resumed, checkpoint, path)
     for mine, theirs in ((resumed.model, trainer.model), (resumed.ema.module, trainer.ema.module)):
         assert all(torch.equal(value, whole(theirs)[name]) for name, value in whole(mine).items())
-    moments = [[value.full_tensor() for value in entry.values() if value.dim()] for entry in trainer.optimizer.state.values()]
-    loaded = [[value.full_tensor() for value in entry.values() if value.dim()] for entry in resumed.optimizer.state.values()]
+    moments = [
+        [value.full_tensor() for value in entry.values() if value.dim()] for entry in trainer.optimizer.state.values()
+    ]
+    loaded = [
+        [value.full_tensor() for value in entry.values() if value.dim()] for entry in resumed.optimizer.state.values()
+    ]
     assert len(moments) == 8 and all(torch.equal(a, b) for pair in zip(moments, loaded) for a, b in zip(*pair))
     assert (resumed.start_epoch, resumed.start_step) == (0, 1)
 
@@ -84,15 +92,19 @@ def test_what_is_no_sharded_checkpoint_is_refused_in_one_line(group_of_one, tmp_
         trainer._checkpoints.load_resume(str(tmp_path / "nothing"), tmp_path, warn=print)
     single = tmp_path / "single.pth"
     torch.save({"state_dict": whole(trainer.model), "format_version": 1}, single)
-    with pytest.raises(UsageError, match="single.pth holds an optimizer state of a single-file checkpoint: train_fsdp.py"):
+    with pytest.raises(
+        UsageError, match="single.pth holds an optimizer state of a single-file checkpoint: train_fsdp.py"
+    ):
         trainer._checkpoints.load_optimizer(trainer.model, trainer.optimizer, {}, single)
 
 
 def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_one, tmp_path):
     trainer = trained(tmp_path)
     trainer.save(1, is_best=True)
-    for exported in (torch.load(tmp_path / "model_best.pth", weights_only=True),
-                     export(tmp_path / LATEST, tmp_path / "exported.pth")):
+    for exported in (
+        torch.load(tmp_path / "model_best.pth", weights_only=True),
+        export(tmp_path / LATEST, tmp_path / "exported.pth"),
+    ):
         model = BlockNet(3)
         model.load_state_dict(exported["state_dict"])
         assert all(torch.equal(value, model.state_dict()[name]) for name, value in whole(trainer.model).items())
@@ -117,7 +129,9 @@ def test_a_failed_write_says_so_and_leaves_the_checkpoints_there(group_of_one, t
         folder.rename(tmp_path / folder.name)
     (tmp_path / "sharded").rmdir()
     (tmp_path / "sharded").write_text("in the way")
-    with pytest.raises(CheckpointWriteError, match="^could not write a sharded checkpoint to .*the checkpoints already"):
+    with pytest.raises(
+        CheckpointWriteError, match="^could not write a sharded checkpoint to .*the checkpoints already"
+    ):
         trainer.save(2)
     assert (tmp_path / LATEST).readlink() == before
 
@@ -137,8 +151,11 @@ def test_a_best_epoch_whose_export_failed_is_exported_again_on_resume(group_of_o
     kept = best.read_bytes()
     best.unlink()
     best.mkdir()  # model_best.pth cannot be replaced: the export fails, as on a full disk
-    with pytest.raises(CheckpointWriteError, match=r"^could not export \S+ to model_best.pth \(Is a directory\); the "
-                                                   r"checkpoint itself is complete and --resume auto exports"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"^could not export \S+ to model_best.pth \(Is a directory\); the "
+        r"checkpoint itself is complete and --resume auto exports",
+    ):
         trainer.save(2, is_best=True)
     best.rmdir()
     best.write_bytes(kept)  # the earlier best (epoch 1), as the failed export left it
@@ -155,6 +172,7 @@ def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one
     """train_fsdp.py --resume auto where train_ddp.py's checkpoint.pth is, and train_ddp.py's where train_fsdp.py's
     checkpoint/ is: one line each, not a fresh start that would delete that run's files."""
     from common.checkpoint import CHECKPOINT, SingleFile
+
     trainer = trained(tmp_path)
     (tmp_path / "ddp").mkdir()
     torch.save({"state_dict": whole(trainer.model)}, tmp_path / "ddp" / CHECKPOINT)
@@ -178,17 +196,19 @@ def damage(checkpoint, how):
     elif how == "16 flipped bytes":
         data = bytearray(shard.read_bytes())
         middle = len(data) // 2
-        data[middle:middle + 16] = bytes(byte ^ 0xFF for byte in data[middle:middle + 16])
+        data[middle : middle + 16] = bytes(byte ^ 0xFF for byte in data[middle : middle + 16])
         shard.write_bytes(bytes(data))
     elif how == "deleted directory":
         shutil.rmtree(folder)
 
 
-DAMAGE = {"truncated shard": r"corrupt \(its __0_0\.distcp holds \d+ bytes of \d+\)",
-          "missing shard": r"its __0_0\.distcp is unreadable \(No such file or directory\)",
-          "missing .metadata": r"its \.metadata is unreadable \(No such file or directory\)",
-          "16 flipped bytes": r"corrupt \(its __0_0\.distcp fails its CRC-32 check\)",
-          "deleted directory": r"its directory sharded/e0002-s000000-\w+ is gone"}
+DAMAGE = {
+    "truncated shard": r"corrupt \(its __0_0\.distcp holds \d+ bytes of \d+\)",
+    "missing shard": r"its __0_0\.distcp is unreadable \(No such file or directory\)",
+    "missing .metadata": r"its \.metadata is unreadable \(No such file or directory\)",
+    "16 flipped bytes": r"corrupt \(its __0_0\.distcp fails its CRC-32 check\)",
+    "deleted directory": r"its directory sharded/e0002-s000000-\w+ is gone",
+}
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -203,8 +223,11 @@ def test_a_damaged_sharded_checkpoint_is_said_and_auto_resumes_from_the_one_befo
     warned = []
     path, checkpoint = trainer._checkpoints.load_resume("auto", tmp_path, warn=warned.append)
     assert path == (tmp_path / PREVIOUS).resolve() and checkpoint["epoch"] == 1
-    assert len(warned) == 1 and re.search(rf"^warning: cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}; resuming from "
-                                          rf"the previous checkpoint \S+/{PREVIOUS}$", warned[0]), warned
+    assert len(warned) == 1 and re.search(
+        rf"^warning: cannot read checkpoint \S+/{LATEST}: {DAMAGE[how]}; resuming from "
+        rf"the previous checkpoint \S+/{PREVIOUS}$",
+        warned[0],
+    ), warned
     resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "resumed")
     resumed._checkpoints.load_weights(resumed.model, checkpoint, resumed.config.arch, resumed.classes, path)
     resumed._checkpoints.load_optimizer(resumed.model, resumed.optimizer, checkpoint, path)  # the one before: whole
@@ -220,12 +243,18 @@ def test_a_dcp_failure_is_one_line_that_names_the_rank_and_the_system_s_words(gr
     """What DCP raises (a CheckpointException with each rank's traceback) in one line: the first rank's error, an
     OSError by its message; a load of another shape too."""
     from torch.distributed.checkpoint.api import CheckpointException
+
     from common.sharded_checkpoint import _reason
-    full = CheckpointException("save failed", {1: (OSError(errno.ENOSPC, "No space left on device", "/x/.tmp"), None),
-                                               0: (ValueError("bad\nvalue"), None)})
+
+    full = CheckpointException(
+        "save failed",
+        {1: (OSError(errno.ENOSPC, "No space left on device", "/x/.tmp"), None), 0: (ValueError("bad\nvalue"), None)},
+    )
     assert _reason(full) == "rank 0: ValueError: bad value"
-    assert _reason(CheckpointException("", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})) == \
-        "rank 1: No space left on device"
+    assert (
+        _reason(CheckpointException("", {1: (OSError(errno.ENOSPC, "No space left on device"), None)}))
+        == "rank 1: No space left on device"
+    )
     trainer = trained(tmp_path)
     trainer.save(1)
     other = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "other", "--opt", "sgd")
@@ -252,8 +281,11 @@ def test_a_full_disk_during_a_sharded_save_says_so_and_leaves_the_checkpoints_th
                 while True:
                     filler.write(b"\0" * 65536)
                     filler.flush()
-        with pytest.raises(CheckpointWriteError, match=r"^could not write a sharded checkpoint to \S+ \(rank 0: No space "
-                                                       r"left on device\); the checkpoints already there are intact$"):
+        with pytest.raises(
+            CheckpointWriteError,
+            match=r"^could not write a sharded checkpoint to \S+ \(rank 0: No space "
+            r"left on device\); the checkpoints already there are intact$",
+        ):
             trainer.save(2)
         (disk / "filler").unlink()
         assert (disk / LATEST).readlink() == before
@@ -263,7 +295,9 @@ def test_a_full_disk_during_a_sharded_save_says_so_and_leaves_the_checkpoints_th
         subprocess.run(["umount", "-l", disk], timeout=30)
 
 
-def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from_and_drops_the_damaged_one(group_of_one, tmp_path):
+def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from_and_drops_the_damaged_one(
+    group_of_one, tmp_path
+):
     """The latest damaged, --resume auto took the one before: the next save makes that one checkpoint_prev (it made the
     damaged one checkpoint_prev and removed the good one)."""
     trainer = trained(tmp_path)
@@ -279,11 +313,14 @@ def test_after_a_fallback_the_next_save_keeps_the_checkpoint_resumed_from_and_dr
     assert (tmp_path / PREVIOUS).resolve() != good and not good.exists()
 
 
-def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the_save_in_one_line(group_of_one, tmp_path):
+def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the_save_in_one_line(
+    group_of_one, tmp_path
+):
     """sharded/ deleted: --resume auto finds no checkpoint (run.refuse_to_replace_a_run then says what is left), not
     an error about the link before. A file of the new checkpoint that cannot be read back fails the save on every
     rank in one line (a rank's OSError left the others waiting in the gather)."""
     from common.sharded_checkpoint import _checksums
+
     trainer = trained(tmp_path)
     trainer.save(1)
     trainer.save(2)
@@ -291,6 +328,9 @@ def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the
     assert trainer._checkpoints.load_resume("auto", tmp_path, warn=pytest.fail) == (None, None)
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / "__0_0.distcp").symlink_to(tmp_path / "nowhere")
-    with pytest.raises(CheckpointWriteError, match=r"^could not read back the sharded checkpoint \S+new \(No such file "
-                                                   r"or directory\); the checkpoints already there are intact$"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"^could not read back the sharded checkpoint \S+new \(No such file "
+        r"or directory\); the checkpoints already there are intact$",
+    ):
         _checksums(tmp_path / "new")

@@ -1,6 +1,7 @@
 """common/shards.py and datasets.ShardedImages: shards written by tools/make_shards.py list the folder's samples in its
 order, read back bitwise the images a folder gives; indexes that do not fit their shard, samples without a label and
 shards cut short are named in one line."""
+
 import io
 import os
 import shutil
@@ -14,8 +15,16 @@ import torch
 from common.datasets import ImageFiles, ShardedImages, UnreadableFile, build_datasets
 from common.errors import UsageError
 from common.folder_index import scan_image_folder
-from common.shards import (ShardReader, index_path, index_tar, read_index, scan_shards, shard_stamp, split_member,
-                           write_index)
+from common.shards import (
+    ShardReader,
+    index_path,
+    index_tar,
+    read_index,
+    scan_shards,
+    shard_stamp,
+    split_member,
+    write_index,
+)
 from conftest import REPO, parse
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -44,7 +53,8 @@ def test_shards_list_the_folder_s_samples_in_its_order_and_read_back_the_same_im
     for split, sharded, files in (("train", train, folder.train), ("val", val, folder.val)):
         assert len(sharded) == len(files)
         assert [sharded.name(i).split(":", 1)[1] for i in range(len(files))] == [
-            str(Path(files[i][0]).relative_to(tiny_data / split).with_suffix("")) for i in range(len(files))]
+            str(Path(files[i][0]).relative_to(tiny_data / split).with_suffix("")) for i in range(len(files))
+        ]
         from_shards, from_files = ShardedImages(sharded), ImageFiles(files)
         for i in range(len(files)):
             (image, label), (expected, expected_label) = from_shards[i], from_files[i]
@@ -88,22 +98,37 @@ def webdataset_tar(path, samples):
 
 def test_a_tar_is_indexed_by_key_with_each_image_s_offset_and_its_label(tmp_path):
     shard = tmp_path / "s.tar"
-    webdataset_tar(shard, [("x/a.jpg", b"AAAA"), ("x/a.cls", b"2"), ("b.png", b"BB"), ("b.cls", b" 0\n"),
-                           ("b.json", b"{}")])
+    webdataset_tar(
+        shard, [("x/a.jpg", b"AAAA"), ("x/a.cls", b"2"), ("b.png", b"BB"), ("b.cls", b" 0\n"), ("b.json", b"{}")]
+    )
     index, cut = index_tar(shard)
     assert cut is None
     assert [(key, extension, label, size) for key, extension, label, _, size in index] == [
-        ("x/a", "jpg", 2, 4), ("b", "png", 0, 2)]
+        ("x/a", "jpg", 2, 4),
+        ("b", "png", 0, 2),
+    ]
     raw = shard.read_bytes()
-    assert [raw[offset:offset + size] for *_, offset, size in index] == [b"AAAA", b"BB"]
+    assert [raw[offset : offset + size] for *_, offset, size in index] == [b"AAAA", b"BB"]
 
 
 def test_a_sample_without_a_label_is_refused_naming_it_and_a_json_label_counts(tmp_path):
     shard = tmp_path / "s.tar"
-    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("j.png", b"J"), ("j.json", b'{"label": 2, "w": 5}'),
-                           ("nolabel.jpg", b"B"), ("nolabel.json", b'{"caption": "a dog"}')])
-    with pytest.raises(UsageError, match=rf"{shard}:nolabel has no label \(no nolabel\.cls, no class index in a "
-                                         r"nolabel\.json\)"):
+    webdataset_tar(
+        shard,
+        [
+            ("a.jpg", b"A"),
+            ("a.cls", b"1"),
+            ("j.png", b"J"),
+            ("j.json", b'{"label": 2, "w": 5}'),
+            ("nolabel.jpg", b"B"),
+            ("nolabel.json", b'{"caption": "a dog"}'),
+        ],
+    )
+    with pytest.raises(
+        UsageError,
+        match=rf"{shard}:nolabel has no label \(no nolabel\.cls, no class index in a "
+        r"nolabel\.json\)",
+    ):
         index_tar(shard)
     webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("j.png", b"J"), ("j.json", b'{"label": 2, "w": 5}')])
     assert [(key, label) for key, _, label, *_ in index_tar(shard)[0]] == [("a", 1), ("j", 2)]
@@ -114,6 +139,7 @@ def test_a_sample_that_cannot_be_decoded_is_an_unreadable_file_named_shard_key(s
     webdataset_tar(shard, [("broken.jpg", b"not a jpeg"), ("broken.cls", b"0")])
     write_index(shard, index_tar(shard)[0], shard_stamp(shard))
     from common.shards import ShardIndex
+
     dataset = ShardedImages(ShardIndex([shard], [read_index(shard)]))
     with pytest.raises(UnreadableFile):
         dataset[0]
@@ -124,8 +150,14 @@ def test_shards_written_elsewhere_are_indexed_once_beside_them_and_a_stale_index
     root = tmp_path / "foreign"
     for split, count in (("train", 3), ("val", 2)):
         (root / split).mkdir(parents=True)
-        webdataset_tar(root / split / f"{split}-0.tar", [item for n in range(count) for item in (
-            (f"s{n}.jpg", b"x" * (n + 1)), (f"s{n}.cls", str(n % 2).encode()))])
+        webdataset_tar(
+            root / split / f"{split}-0.tar",
+            [
+                item
+                for n in range(count)
+                for item in ((f"s{n}.jpg", b"x" * (n + 1)), (f"s{n}.cls", str(n % 2).encode()))
+            ],
+        )
     classes, train, val = scan_shards(root)  # no classes.txt: the labels' numbers
     assert classes == ["0", "1"] and (len(train), len(val)) == (3, 2)
     index = root / "train" / "train-0.idx"
@@ -147,10 +179,19 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it
     samples, cut = index_tar(shard)
     assert [sample[0] for sample in samples] == ["k0", "k1"] and cut == "k2"
     from common.shards import shard_samples
+
     assert shard_samples(shard)["names"].tobytes() == b"k0.jpg\0k1.jpg\0"
-    assert capsys.readouterr().out.strip() == (f"warning: {shard} is cut short (a crash while it was written?): its 2 "
-                                               "samples before the cut are read; k2 and what followed it are lost")
-    for cut_at, samples_left in ((whole[2][3] - 512, 2), (whole[2][3] - 300, 2), (whole[2][3] + 3072, 2), (200, 0), (0, 0)):
+    assert capsys.readouterr().out.strip() == (
+        f"warning: {shard} is cut short (a crash while it was written?): its 2 "
+        "samples before the cut are read; k2 and what followed it are lost"
+    )
+    for cut_at, samples_left in (
+        (whole[2][3] - 512, 2),
+        (whole[2][3] - 300, 2),
+        (whole[2][3] + 3072, 2),
+        (200, 0),
+        (0, 0),
+    ):
         shard.write_bytes(raw[:cut_at])  # at a member's boundary, in a header, between an image and its label, ...
         samples, cut = index_tar(shard)
         assert len(samples) == samples_left and cut is not None, cut_at
@@ -160,6 +201,7 @@ def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it
 
 def test_a_folder_with_tars_beside_its_class_folders_stays_an_image_folder(tiny_data, tmp_path):
     from common.shards import has_shards
+
     folder = shutil.copytree(tiny_data, tmp_path / "data")
     (folder / "train" / "ILSVRC2012_img_train.tar").write_bytes(b"left by an interrupted extraction")
     assert not has_shards(folder)
@@ -176,7 +218,9 @@ def test_an_index_cut_short_or_of_another_kind_is_built_again(shards, tmp_path):
 
 def test_a_reader_keeps_the_most_recently_read_shards_open_and_no_more(shards, monkeypatch):
     import os
+
     import common.shards
+
     _, train, _ = scan_shards(shards)
     opened = []
     real_open = os.open
@@ -198,7 +242,12 @@ def immutable(folder, on):
     stop); False where the file system cannot."""
     import array
     import fcntl
-    get_flags, set_flags, immutable_flag = 0x80086601, 0x40086602, 0x10  # FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
+
+    get_flags, set_flags, immutable_flag = (
+        0x80086601,
+        0x40086602,
+        0x10,
+    )  # FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL
     fd = os.open(folder, os.O_RDONLY)
     try:
         flags = array.array("l", [0])
@@ -245,8 +294,14 @@ def test_two_shards_that_swapped_places_are_indexed_again_not_read_with_each_oth
     (root / "val").mkdir()
     shards = [root / "train" / f"train-{n}.tar" for n in range(2)]
     for n, shard in enumerate(shards):  # the same sizes, other keys, images and labels
-        webdataset_tar(shard, [item for k in range(3) for item in (
-            (f"shard{n}-{k}.png", bytes([n]) * (10 + k)), (f"shard{n}-{k}.cls", str(n).encode()))])
+        webdataset_tar(
+            shard,
+            [
+                item
+                for k in range(3)
+                for item in ((f"shard{n}-{k}.png", bytes([n]) * (10 + k)), (f"shard{n}-{k}.cls", str(n).encode()))
+            ],
+        )
         os.utime(shard, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
     webdataset_tar(root / "val" / "val-0.tar", [("v.png", b"v"), ("v.cls", b"0")])
     _, train, _ = scan_shards(root)
@@ -256,17 +311,26 @@ def test_two_shards_that_swapped_places_are_indexed_again_not_read_with_each_oth
     shards[0].rename(moved)
     shards[1].rename(shards[0])
     moved.rename(shards[1])  # the .idx files stay: each now stands beside the other shard
-    with pytest.raises(UsageError, match=r"train-0\.idx no longer matches train-0\.tar \(the shard holds "
-                                         r"'shard1-0\.png' \(10 bytes\) where its index says 'shard0-0\.png'"):
+    with pytest.raises(
+        UsageError,
+        match=r"train-0\.idx no longer matches train-0\.tar \(the shard holds "
+        r"'shard1-0\.png' \(10 bytes\) where its index says 'shard0-0\.png'",
+    ):
         read_index(shards[0])
     import numpy as np
+
     from common.shards import ShardIndex
+
     with np.load(index_path(shards[0])) as stale:  # the index as it is, past the check: each read checks too
         misread = ShardedImages(ShardIndex([shards[0]], [{name: stale[name] for name in stale.files}]))
-    with pytest.raises(UnreadableFile, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"):
+    with pytest.raises(
+        UnreadableFile, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"
+    ):
         misread[1]
     _, train, _ = scan_shards(root)  # indexed again: each sample under its own name and label
-    assert [train[i] for i in range(6)] == [(f"{shards[n]}:shard{1 - n}-{k}", 1 - n) for n in range(2) for k in range(3)]
+    assert [train[i] for i in range(6)] == [
+        (f"{shards[n]}:shard{1 - n}-{k}", 1 - n) for n in range(2) for k in range(3)
+    ]
     # A read at an offset whose header names another member (an index that passed as its shard's) is no image.
     offset, size = int(train.offsets[1]), int(train.sizes[1])
     with pytest.raises(OSError, match=r"holds 'shard1-1\.png' \(11 bytes\) where its index says 'shard0-1\.png'"):
@@ -279,13 +343,21 @@ def test_names_a_tar_header_cannot_hold_as_they_are_are_checked_by_size(tmp_path
     the first 100 bytes): those samples' headers are checked by their size, and read; a short ASCII name must match."""
     shard = tmp_path / "s.tar"
     long_name = "d" * 60 + "/" + "e" * 80
-    samples = [("café.png", b"\x01" * 5), ("café.cls", b"0"), (f"{long_name}.png", b"\x02" * 7), (f"{long_name}.cls", b"1"),
-               ("x" * 96 + ".png", b"\x03" * 9), ("x" * 96 + ".cls", b"0")]  # (a name of exactly 100 bytes)
+    samples = [
+        ("café.png", b"\x01" * 5),
+        ("café.cls", b"0"),
+        (f"{long_name}.png", b"\x02" * 7),
+        (f"{long_name}.cls", b"1"),
+        ("x" * 96 + ".png", b"\x03" * 9),
+        ("x" * 96 + ".cls", b"0"),
+    ]  # (a name of exactly 100 bytes)
     webdataset_tar(shard, samples)
     write_index(shard, index_tar(shard)[0], shard_stamp(shard))
     index = read_index(shard)  # its first and last samples' headers: checked, and it stays
     reader, names = ShardReader(), bytes(index["names"]).split(b"\0")
     for k, expected in enumerate((b"\x01" * 5, b"\x02" * 7, b"\x03" * 9)):
-        assert reader.read(str(shard), int(index["offsets"][k]), int(index["sizes"][k]), os.fsdecode(names[k])) == expected
+        assert (
+            reader.read(str(shard), int(index["offsets"][k]), int(index["sizes"][k]), os.fsdecode(names[k])) == expected
+        )
     with pytest.raises(OSError, match="where its index says 'y.png'"):
         reader.read(str(shard), int(index["offsets"][2]), int(index["sizes"][2]), "y.png")

@@ -1,6 +1,7 @@
 """common/trainer.py: a Trainer made and built in-process from its parts, with no side effects; its hooks get what
 they use as arguments; one step of the loop, in the order it runs (mixing, loss, clipping after unscaling, the
 optimizer and scheduler steps, the sums, the progress line), for the smallest model of every torchvision family."""
+
 import copy
 import os
 
@@ -15,8 +16,28 @@ from common.errors import UsageError
 from common.trainer import Trainer, trainer_class
 from conftest import FAMILIES, built_trainer, cpu_runtime, parse, tensor_datasets
 
-SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-p", "1",
-         "--epochs", "1", "-b", "4", "--seed", "1", "--lr-schedule", "constant", "--warmup-epochs", "0"]
+SMALL = [
+    "--train-crop-size",
+    "16",
+    "--val-resize-size",
+    "16",
+    "--val-crop-size",
+    "16",
+    "-j",
+    "0",
+    "-p",
+    "1",
+    "--epochs",
+    "1",
+    "-b",
+    "4",
+    "--seed",
+    "1",
+    "--lr-schedule",
+    "constant",
+    "--warmup-epochs",
+    "0",
+]
 TINY_NET = ["-a", "tests.tiny_models:TinyNet"]
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -74,18 +95,32 @@ def test_each_hook_gets_what_it_uses_as_arguments():
 
 class OwnGroups(Trainer):
     """An optimizer of the researcher's own that holds the criterion's parameters already."""
+
     def build_criterion(self):
         from examples.learned_temperature import TemperatureLoss
+
         return TemperatureLoss()
 
     def build_optimizer(self, model):
-        return torch.optim.SGD([{"params": model.parameters()}, {"params": self.criterion.parameters(), "lr": 0.5}], lr=0.1)
+        return torch.optim.SGD(
+            [{"params": model.parameters()}, {"params": self.criterion.parameters(), "lr": 0.5}], lr=0.1
+        )
 
 
 def test_a_criterion_s_parameters_are_trained_in_a_group_of_their_own_unless_build_optimizer_holds_them():
     from examples.learned_temperature import LearnedTemperature
-    trainer = built_trainer(*SMALL, *TINY_NET, "--trainer", "examples.learned_temperature:LearnedTemperature",
-                            "--temperature-warmup", "0", "--wd", "0.01", trainer=LearnedTemperature)
+
+    trainer = built_trainer(
+        *SMALL,
+        *TINY_NET,
+        "--trainer",
+        "examples.learned_temperature:LearnedTemperature",
+        "--temperature-warmup",
+        "0",
+        "--wd",
+        "0.01",
+        trainer=LearnedTemperature,
+    )
     temperature = trainer.criterion.log_temperature
     group = trainer.optimizer.param_groups[-1]
     assert group["params"] == [temperature] and group["weight_decay"] == 0.0 and group["lr"] == trainer.config.lr
@@ -98,18 +133,23 @@ def test_a_criterion_s_parameters_are_trained_in_a_group_of_their_own_unless_bui
 
 class WideHead(Trainer):
     """A model whose head has 1000 outputs, for data of 3 classes."""
+
     def build_model(self, classes):
         if self.config.arch == "resnet18":
             return torchvision.models.resnet18(num_classes=1000)
         from tests.tiny_models import TinyNet
+
         return TinyNet(num_classes=5)
 
 
 def test_a_head_of_another_width_than_the_classes_is_refused_in_one_line():
     """A torchvision model at build (the meta device's forward); a model of your own at its first step (cross-entropy
     would take 1000 logits for 3 classes and train on, silently)."""
-    with pytest.raises(UsageError, match=r"^the model \(build_model\) gives logits of shape \(2, 1000\); the data has 3 "
-                                         r"classes: expected \(batch, 3\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"^the model \(build_model\) gives logits of shape \(2, 1000\); the data has 3 "
+        r"classes: expected \(batch, 3\)",
+    ):
         built_trainer(*SMALL, "-a", "resnet18", trainer=WideHead, datasets=tensor_datasets())
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=WideHead, datasets=tensor_datasets())
     with pytest.raises(UsageError, match=r"^train_step gives logits of shape \(4, 5\); the data has 3 classes"):
@@ -122,19 +162,26 @@ def test_micro_batches_summed_into_one_step_train_as_the_whole_batch():
     """--grad-accum-steps 4 on 11 images, -b 8: a step of 4 micro-batches of 2, then one of 2 and one of 1, each
     loss weighted by its share: the weights, losses and accuracy of -b 8 in one piece, within float rounding."""
     flags = [*SMALL, *TINY_NET, "-b", "8", "--dropout", "0", "--lr", "0.2"]
-    runs = {accumulate: built_trainer(*flags, "--grad-accum-steps", str(accumulate), datasets=tensor_datasets(train=11))
-            for accumulate in (1, 4)}
+    runs = {
+        accumulate: built_trainer(*flags, "--grad-accum-steps", str(accumulate), datasets=tensor_datasets(train=11))
+        for accumulate in (1, 4)
+    }
     assert runs[1].steps_per_epoch == runs[4].steps_per_epoch == 2 and runs[4]._data.train_loader.batch_size == 2
     initial = {name: tensor.clone() for name, tensor in runs[1].model.state_dict().items()}
-    results = {accumulate: [trainer.train_one_epoch(trainer.model, epoch) for epoch in range(3)]
-               for accumulate, trainer in runs.items()}
+    results = {
+        accumulate: [trainer.train_one_epoch(trainer.model, epoch) for epoch in range(3)]
+        for accumulate, trainer in runs.items()
+    }
     for whole, accumulated in zip(results[1], results[4]):
         assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-6) and accumulated["acc1"] == whole["acc1"]
     weights = [trainer.model.state_dict() for trainer in runs.values()]
     assert all(torch.allclose(weights[0][name], weights[1][name], atol=1e-6) for name in weights[0])
     assert max((weights[0][name] - initial[name]).abs().max() for name in initial) > 1e-3  # (it trained)
-    with pytest.raises(UsageError, match=r"^--grad-accum-steps 3 must divide each process's share of the global batch "
-                                         r"\(-b 8 over 1 process\(es\): 8\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--grad-accum-steps 3 must divide each process's share of the global batch "
+        r"\(-b 8 over 1 process\(es\): 8\)$",
+    ):
         built_trainer(*flags, "--grad-accum-steps", "3", datasets=tensor_datasets(train=10))
 
 
@@ -142,6 +189,7 @@ def test_ddp_syncs_the_gradients_at_each_optimizer_step_s_last_micro_batch_alone
     """--grad-accum-steps 3: DDP's all-reduce, counted by a communication hook, runs once per optimizer step (its
     no_sync() must hold the forward too: DDP decides there whether the backward syncs)."""
     from torch.nn.parallel import DistributedDataParallel
+
     trainer = built_trainer(*SMALL, *TINY_NET, "-b", "6", "--grad-accum-steps", "3", datasets=tensor_datasets(train=12))
     model, reduced = DistributedDataParallel(trainer.model), []
 
@@ -150,6 +198,7 @@ def test_ddp_syncs_the_gradients_at_each_optimizer_step_s_last_micro_batch_alone
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+
     model.register_comm_hook(None, count)
     trainer.train_one_epoch(model, epoch=0)
     buckets = max(reduced) + 1
@@ -158,6 +207,7 @@ def test_ddp_syncs_the_gradients_at_each_optimizer_step_s_last_micro_batch_alone
 
 class BareStep(Trainer):
     """A train_step that calls the bare model, its gradients then skipping DDP's all-reduce; `no_grad` only for it."""
+
     no_grad = False
 
     def train_step(self, model, images, labels):
@@ -170,10 +220,14 @@ class BareStep(Trainer):
 
 def test_train_step_that_calls_the_bare_model_inside_ddp_is_refused_in_one_line(group_of_one):
     from torch.nn.parallel import DistributedDataParallel
+
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
-    with pytest.raises(UsageError, match=r"^train_step called the bare model \(self.model\), not the "
-                                         r"DistributedDataParallel `model` it is given: its gradients would skip the "
-                                         r"all-reduce over the ranks; call `model`$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^train_step called the bare model \(self.model\), not the "
+        r"DistributedDataParallel `model` it is given: its gradients would skip the "
+        r"all-reduce over the ranks; call `model`$",
+    ):
         trainer.train_one_epoch(DistributedDataParallel(trainer.model), 0)
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=BareStep, datasets=tensor_datasets())
     trainer.no_grad = True
@@ -185,7 +239,7 @@ def test_train_step_that_calls_the_bare_model_inside_ddp_is_refused_in_one_line(
 
 
 class Teacher(Trainer):
-    """A teacher copied from the model in train_step, frozen by requires_grad_(False) (no no_grad): not the bare model."""
+    """A teacher copied from the model in train_step, frozen by requires_grad_(False): not the bare model."""
 
     def train_step(self, model, images, labels):
         if not hasattr(self, "teacher"):
@@ -196,21 +250,31 @@ class Teacher(Trainer):
 
 def test_a_copy_of_the_model_made_in_train_step_is_no_bare_model(group_of_one):
     from torch.nn.parallel import DistributedDataParallel
+
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=Teacher, datasets=tensor_datasets())
     assert trainer.train_one_epoch(DistributedDataParallel(trainer.model), 0)["count"] == 12
 
 
 def test_a_trainer_that_is_no_trainer_is_refused_in_one_line():
-    with pytest.raises(UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"):
+    with pytest.raises(
+        UsageError, match=r"^--trainer tests.tiny_models:TinyNet is not a subclass of common.trainer.Trainer$"
+    ):
         trainer_class("tests.tiny_models:TinyNet")
-    assert trainer_class(None) is Trainer and trainer_class("examples.extra_metric:WithConfidence").__name__ == "WithConfidence"
+    assert (
+        trainer_class(None) is Trainer
+        and trainer_class("examples.extra_metric:WithConfidence").__name__ == "WithConfidence"
+    )
 
 
 def test_a_train_step_that_returns_the_wrong_thing_is_refused_in_one_line():
-    trainer = built_trainer(*SMALL, *TINY_NET, trainer=trainer_class("tests.tiny_models:ReturnsLogitsOnly"),
-                            datasets=tensor_datasets())
-    with pytest.raises(UsageError, match=r"^train_step returned Tensor: return \(loss, logits\) or \(loss, logits, "
-                                         r"\{name: scalar value\}\)$"):
+    trainer = built_trainer(
+        *SMALL, *TINY_NET, trainer=trainer_class("tests.tiny_models:ReturnsLogitsOnly"), datasets=tensor_datasets()
+    )
+    with pytest.raises(
+        UsageError,
+        match=r"^train_step returned Tensor: return \(loss, logits\) or \(loss, logits, "
+        r"\{name: scalar value\}\)$",
+    ):
         trainer.train_one_epoch(trainer.model, 0)
 
 
@@ -229,6 +293,7 @@ class OneHot(nn.Module):
 
 class WithMix(Trainer):
     """A batch transform of its own: every image given the next class's label, the keys it is called with kept."""
+
     def build_model(self, classes):
         return OneHot(len(classes))
 
@@ -238,6 +303,7 @@ class WithMix(Trainer):
         def mix(images, target, key):
             self.keys.append(key)
             return images, F.one_hot((target + 1) % len(classes), len(classes)).float()
+
         return mix
 
 
@@ -254,21 +320,38 @@ def test_the_loss_is_taken_on_the_mixed_targets_and_the_accuracy_on_each_image_s
     assert summary["acc1"] == 100.0 and summary["count"] == 12
     assert summary["loss"] == pytest.approx(expected.item(), rel=1e-5) and summary["loss"] > 5  # not the own labels'
     from common.augment import batch_mix_key
+
     assert trainer.seed == 1 and trainer.keys == [batch_mix_key(1, 0, step, 0) for step in range(3)]
     from common.header import start_lines
-    assert "batch transform: WithMix.build_batch_transform (build_batch_transform), seeded per batch" in start_lines(trainer)
+
+    assert "batch transform: WithMix.build_batch_transform (build_batch_transform), seeded per batch" in start_lines(
+        trainer
+    )
 
 
 def test_clipping_clips_the_unscaled_gradients_under_fp16():
     """Under --amp fp16 the gradients are those of the loss times the scale (2**16 at first): clipping them before
     unscaling would clip to a norm 65536 times too small. The loop unscales first."""
+
     def step_taken(scaled):
-        trainer = built_trainer(*SMALL, *TINY_NET, "--clip-grad-norm", "0.5", "--lr", "1", "--momentum", "0",
-                                "--wd", "0", datasets=tensor_datasets(train=4))
+        trainer = built_trainer(
+            *SMALL,
+            *TINY_NET,
+            "--clip-grad-norm",
+            "0.5",
+            "--lr",
+            "1",
+            "--momentum",
+            "0",
+            "--wd",
+            "0",
+            datasets=tensor_datasets(train=4),
+        )
         trainer.scaler = torch.amp.GradScaler("cpu", enabled=scaled)
         before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         trainer.train_one_epoch(trainer.model, epoch=0)
         return torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - before
+
     unscaled, scaled = step_taken(False), step_taken(True)
     assert unscaled.norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to 0.5, lr 1
     assert torch.allclose(scaled, unscaled, rtol=1e-4, atol=1e-6)
@@ -285,8 +368,17 @@ def test_the_smallest_model_of_each_family_trains_one_step_at_a_size_it_takes(fa
     and Inception's named tuples), on 2 images."""
     arch, size = FAMILIES[family]
     size_flags = ["--train-crop-size", size, "--val-resize-size", size, "--val-crop-size", size]
-    trainer = built_trainer(*SMALL, *size_flags, "-a", arch, "-b", "2", "--clip-grad-norm", "1",
-                            datasets=tensor_datasets(size=size, train=2, val=1))
+    trainer = built_trainer(
+        *SMALL,
+        *size_flags,
+        "-a",
+        arch,
+        "-b",
+        "2",
+        "--clip-grad-norm",
+        "1",
+        datasets=tensor_datasets(size=size, train=2, val=1),
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     summary = trainer.train_one_epoch(trainer.model, epoch=0)
     assert summary["count"] == 2 and torch.isfinite(torch.tensor(summary["loss"]))
@@ -296,6 +388,7 @@ def test_the_smallest_model_of_each_family_trains_one_step_at_a_size_it_takes(fa
 def one_colour_images(count=24):
     """(classes, train, val): image i filled with the grey 5 + 10 i, whatever the crop, flip and resize."""
     from tests.custom_datasets import Items
+
     make = lambda index: (torch.full((3, 12, 12), 5 + 10 * index, dtype=torch.uint8), index % 3)  # noqa: E731
     return ["a", "b", "c"], Items(count, make), Items(3, make)
 
@@ -315,7 +408,7 @@ def test_each_epoch_trains_in_a_new_order_of_every_image_and_a_resumed_epoch_goe
     trainer = built_trainer(*SMALL, *TINY_NET, "-b", "8", trainer=RecordsOrder, datasets=one_colour_images())
     for epoch in range(3):
         trainer.train_one_epoch(trainer.model, epoch)
-    epochs = [sum(trainer.order[start:start + 3], []) for start in (0, 3, 6)]
+    epochs = [sum(trainer.order[start : start + 3], []) for start in (0, 3, 6)]
     assert all(sorted(epoch) == list(range(24)) for epoch in epochs)
     assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
     resumed = built_trainer(*SMALL, *TINY_NET, "-b", "8", trainer=RecordsOrder, datasets=one_colour_images())
@@ -336,7 +429,9 @@ def test_channels_last_and_bf16_change_the_kernels_and_the_rounding_not_the_trai
     conv = next(trainer.model.parameters())  # the first conv's weight
     assert trainer._channels_last and conv.ndim == 4 and conv.is_contiguous(memory_format=torch.channels_last)
     nchw, nchw_losses, plain = weights_after("--channels-last", "off")
-    assert not plain._channels_last and not next(plain.model.parameters()).is_contiguous(memory_format=torch.channels_last)
+    assert not plain._channels_last and not next(plain.model.parameters()).is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert max((a - b).abs().max().item() for a, b in zip(nhwc, nchw)) < 1e-4
     assert nhwc_losses == pytest.approx(nchw_losses, abs=1e-5)
     _, bf16_losses, _ = weights_after("--amp", "bf16")
@@ -346,6 +441,7 @@ def test_channels_last_and_bf16_change_the_kernels_and_the_rounding_not_the_trai
 def test_a_torchvision_model_s_patch_embedding_is_built_as_a_matrix_product():
     """The Trainer's model: ConvNeXt's stem a PatchConv2d (common/models.py), its state dict torchvision's."""
     from common.models import PatchConv2d
+
     sizes = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32"]
     trainer = built_trainer(*SMALL, *sizes, "-a", "convnext_tiny", datasets=tensor_datasets(size=32))
     assert type(trainer.model.features[0][0]) is PatchConv2d
@@ -354,6 +450,7 @@ def test_a_torchvision_model_s_patch_embedding_is_built_as_a_matrix_product():
 
 class OwnResNet(Trainer):
     """build_model: a torchvision resnet18 of its own, for `built_for`-channel images (None: the library's)."""
+
     built_for = 3
 
     def build_model(self, classes):
@@ -370,8 +467,11 @@ def test_only_a_model_the_library_built_gets_its_first_convolution_adapted_to_th
     flags = [*SMALL, "-a", "resnet18", "--mean", "0.5", "--std", "0.25"]
     grey = tensor_datasets(channels=1)
     OwnResNet.built_for = 3
-    with pytest.raises(UsageError, match=r"^the model \(build_model\) takes 3-channel images \(its first convolution, "
-                                         r"conv1\) and the data's are 1-channel: build it for them$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^the model \(build_model\) takes 3-channel images \(its first convolution, "
+        r"conv1\) and the data's are 1-channel: build it for them$",
+    ):
         built_trainer(*flags, trainer=OwnResNet, datasets=grey)
     OwnResNet.built_for = 1
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """common/transforms.py: the uint8 presets (against torchvision's RandomResizedCrop as it was pinned, and the
 pretrained weights' own transforms()), seeded per image by (seed, epoch, index), and the normalisation."""
+
 import math
 import random
 
@@ -29,6 +30,7 @@ def seeded_dataset(seed=0):
 
 def test_train_preset_crops_inside_the_image_and_returns_the_crop_size():
     import random
+
     preset = TrainPreset(24, min_scale=0.08)
     rng = random.Random(0)
     for height, width in [(375, 500), (500, 375), (40, 40), (30, 300)]:
@@ -122,9 +124,13 @@ def test_repeats_are_augmented_differently_and_copy_0_as_without_the_sampler():
 
 
 # What torchvision's metadata says today, for models whose preprocessing differs from resize 256, crop 224, bilinear.
-PUBLISHED = {"resnet50": (232, 224, "bilinear"), "efficientnet_b0": (256, 224, "bicubic"),
-             "swin_t": (232, 224, "bicubic"), "convnext_tiny": (236, 224, "bilinear"),
-             "efficientnet_v2_s": (384, 384, "bilinear")}
+PUBLISHED = {
+    "resnet50": (232, 224, "bilinear"),
+    "efficientnet_b0": (256, 224, "bicubic"),
+    "swin_t": (232, 224, "bicubic"),
+    "convnext_tiny": (236, 224, "bilinear"),
+    "efficientnet_v2_s": (384, 384, "bilinear"),
+}
 
 
 @pytest.mark.parametrize("arch", PUBLISHED)
@@ -183,8 +189,10 @@ def test_build_transforms_extends_the_default_pipeline_seeded_per_image_as_the_r
     way in another process (another build) and differently at another index or epoch; crop and flip stay those of
     the run without it, and the flags the default applies still apply."""
     flags = ("-b", "4", "--train-crop-size", "16", "--auto-augment", "ta_wide")
-    plain, first, again = (built_trainer(*flags, trainer=trainer, datasets=tensor_datasets(size=16))
-                           for trainer in (Trainer, Rotated, Rotated))
+    plain, first, again = (
+        built_trainer(*flags, trainer=trainer, datasets=tensor_datasets(size=16))
+        for trainer in (Trainer, Rotated, Rotated)
+    )
     train = [made._data.train_loader.dataset for made in (plain, first, again)]
     assert train[1].transform.augmentation is not None and len(train[1].transform.added) == 1
     assert all(torch.equal(train[1][index][0], train[2][index][0]) for index in range(4))
@@ -198,12 +206,15 @@ def test_a_replaced_training_transform_refuses_the_flags_it_no_longer_applies():
     class Replaced(Trainer):
         def build_transforms(self, train, val):
             return (lambda image, rng: F.resize(image, [16, 16])), val
+
     trainer = built_trainer("-b", "4", trainer=Replaced, datasets=tensor_datasets(size=16))  # no such flag: fine
     assert trainer._data.train_loader.dataset[0][0].shape == (3, 16, 16)
     with pytest.raises(UsageError) as refused:
-        built_trainer("-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced,
-                      datasets=tensor_datasets(size=16))
+        built_trainer(
+            "-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced, datasets=tensor_datasets(size=16)
+        )
     assert str(refused.value) == (
         "build_transforms replaced the training transform, which does not apply --auto-augment ta_wide, "
-        "--random-erase 0.1, --hflip-prob 0 (some from --preset tv-v2): extend the default one instead (train.then(...)), "
-        "or leave those flags out")
+        "--random-erase 0.1, --hflip-prob 0 (some from --preset tv-v2): "
+        "extend the default one instead (train.then(...)), or leave those flags out"
+    )
