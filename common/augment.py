@@ -1,13 +1,9 @@
-"""The augmentations of today's ImageNet recipes, built from torchvision.transforms.v2, drawn from seeds
-of their own.
+"""The augmentations of today's ImageNet recipes, built from torchvision.transforms.v2, drawn from seeds of their own.
 
-torchvision's v2 transforms draw from torch's global RNG. Here every draw happens inside
-`seeded(key)`, which seeds a forked RNG from `key` and gives the global one back untouched:
-- per image (TrivialAugmentWide / RandAugment / AutoAugment, RandomErasing): the key is the image's
-  own random.Random (seeded by seed, epoch and index in common/data.py), so an image's augmentation
-  depends on nothing else: not on the world size, the loader worker, or what ran before;
-- per batch (MixUp / CutMix): the key is (seed, epoch, step, rank), so a resumed run mixes as an
-  uninterrupted one did, and dropout's RNG stream is left alone.
+torchvision's v2 transforms draw from torch's global RNG; here every draw happens inside `seeded(key)`, which forks it,
+seeds it from `key` and gives the global one back untouched. Per image (TrivialAugmentWide, RandAugment, AutoAugment,
+RandomErasing) the key is the image's own random.Random (seed, epoch, index): not the world size, the worker or what ran
+before. Per batch (MixUp, CutMix) it is (seed, epoch, step, rank): a resumed run mixes as an uninterrupted one did.
 """
 
 import contextlib

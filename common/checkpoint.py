@@ -1,14 +1,10 @@
 """Checkpoints: their files, written atomically by one process and read with weights_only=True, and their format,
-assembled in one place (assemble) from the state of each part of a run and checked and restored in one (restore).
+assembled in one place (assemble) and checked and restored in one (restore).
 
-checkpoint.pth is the latest; checkpoint_prev.pth the one before it, kept in case the latest is damaged;
-model_best.pth a copy of the one with the best validation acc@1. Weights from elsewhere load too: pytorch/examples'
-checkpoints and DataParallel's (`module.` keys), torchvision's references' (`model`), a bare state_dict.
-
-A checkpoint is a dict of plain data and tensors (torch.load(..., weights_only=True) reads it); docs/reference.md,
-"Checkpoint format", says what each key holds. FORMAT_VERSION: a checkpoint of these scripts in another format is
-refused (WRITTEN_BY). The sampler's position is (epoch, step_in_epoch): the data order is a function of the seed and
-the epoch.
+checkpoint.pth is the latest; checkpoint_prev.pth the one before, kept in case the latest is damaged; model_best.pth a
+copy of the best one. Weights from elsewhere load too: pytorch/examples' and DataParallel's (`module.` keys),
+torchvision's references' (`model`), a bare state_dict. docs/reference.md, "Checkpoint format", says what each key
+holds; a checkpoint of these scripts in another FORMAT_VERSION is refused (WRITTEN_BY).
 """
 
 import argparse

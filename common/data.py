@@ -1,14 +1,10 @@
 """The data of one process, assembled: the datasets (common/datasets.py) checked and wrapped with the skipping of
-unreadable items (below) and seeded per-image transforms (common/transforms.py), sampled exactly and resumably
-(common/samplers.py), in DataLoaders whose batches DeviceLoader (common/device_loader.py) takes to the device. A
-single process is rank 0 of a world of 1.
+unreadable items and seeded per-image transforms (common/transforms.py), sampled exactly and resumably
+(common/samplers.py), in DataLoaders whose batches DeviceLoader (common/device_loader.py) takes to the device.
 
-Files that cannot be decoded are skipped and reported, or (--strict-data) end the run. In training another image
-takes a skipped one's place, so every batch keeps its size and every rank its number of steps; in validation it is
-left out, so no other image is counted twice. Each process warns once per file; at each checkpoint the ranks pool
-what they found into OUTPUT/bad_images.txt, and log.csv / summary.json carry their number. A skipped file is read
-again each time it comes up (the list is the epoch's). A validation that cannot read more than MAX_UNREADABLE_SHARE
-of its images ends the run: its accuracy would mean nothing.
+A file that cannot be decoded is skipped and named (or ends the run: --strict-data): in training another image takes its
+place, so batches keep their size; in validation it is left out. At each checkpoint the ranks pool the files into
+OUTPUT/bad_images.txt. A validation that cannot read more than MAX_UNREADABLE_SHARE of its images ends the run.
 """
 
 import multiprocessing

@@ -1,12 +1,10 @@
-"""Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, webdataset
-shards, a Hugging Face dataset on disk (below), a researcher's own dataset (--dataset package.module:function),
---dummy's synthetic tensors, or the built-in demo set; and what an item must be: (image, label), the image a PIL
-image or a CHW tensor, the label a class index.
+"""Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, webdataset shards, a
+Hugging Face dataset on disk, your own dataset (--dataset package.module:function), --dummy's tensors, or the built-in
+demo set; and what an item must be: (image, label), a PIL image or a CHW tensor and a class index.
 
-A Hugging Face dataset is a DatasetDict written by `datasets`' save_to_disk (dataset_dict.json, train/,
-validation/), or the parquet files the Hub distributes (data/train-00000-of-00294.parquet, ...), with a column of
-images and one of class labels; `datasets` is optional (requirements-hf.txt). Parquet is converted once into arrow
-files in `datasets`' cache (HF_DATASETS_CACHE), on rank 0 first; the rows keep their order on disk.
+A Hugging Face dataset: a DatasetDict saved by `datasets`' save_to_disk, or the Hub's parquet files (converted once into
+arrow files in HF_DATASETS_CACHE, on rank 0 first), with a column of images and one of class labels; `datasets` is
+optional (requirements-hf.txt).
 """
 
 import csv

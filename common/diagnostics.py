@@ -1,11 +1,10 @@
 """What limits a run, said in its own output (docs/benchmarks.md, "Why is my run slow?"): the share of its time the
-training loop waited for its next batch, the model's FLOPs and the rate it achieved (and the utilisation, on a GPU
-whose peak is known), peak memory per epoch, a profiler trace on demand (--profile), and the evidence a GPU job
-leaves when it dies: an allocator snapshot on out-of-memory, NCCL's Flight Recorder dump on a collective's timeout.
+training loop waited for its next batch, the model's FLOPs, its rate and utilisation (on a GPU whose peak is known),
+peak memory per epoch, a profiler trace (--profile), and the evidence a GPU job leaves when it dies (an allocator
+snapshot on out-of-memory, NCCL's Flight Recorder dump).
 
-Nothing here reads a value back from the device per step: the wait is the host's wall clock around fetching each
-batch, and the figures are gathered over the ranks at progress lines and epoch ends, where the loop reads its
-metrics anyway."""
+Nothing reads a value back from the device per step: the figures are gathered at progress lines and epoch ends.
+"""
 
 import contextlib
 import os

@@ -266,11 +266,10 @@ def report_shared_gpus(owners, backend, device, rank, warn=say):
 
 def destroy_process_group(finished=False):
     """End this process's groups. finished=True where every rank ends its run normally: one last all-reduce first, on a
-    tensor held here until the groups are gone. Else gloo's thread may still be freeing the last collective's tensors,
-    which takes Python's lock, while the group's destructor holds that lock and waits for the thread: with torch 2.11,
-    3 of 14 two-process runs hung at exit (and 3 of 12 with torch 2.4, before the floor was raised); none of 55 with
-    the fence. A stop ends with a barrier, which does as well (its work holds no tensor). Not on an error's way out,
-    where a rank that failed would never join it."""
+    tensor held here until the groups are gone, so that gloo's thread is not still freeing the last collective's tensors
+    while the group's destructor holds Python's lock and waits for that thread (a hang at exit: docs/development.md). A
+    stop ends with a barrier, which does as well. Not on an error's way out, where a rank that failed would never join
+    it."""
     if not is_initialized():
         return
     if finished:

@@ -1,14 +1,9 @@
 """The exceptions that end a run with one line instead of a traceback (common/launch.py reports them); that line,
-written whole (say); and `package.module:name` on the command line (--arch, --dataset, --trainer name code of your
-own this way), imported or refused in one line.
+written whole (say); and `package.module:name` on the command line (--arch, --dataset, --trainer), imported or refused
+in one line. It imports nothing of this repository, nor torch.
 
-A module of its own, importing nothing of this repository (nor torch): every part of common/ raises them, and none
-needs the command line for it.
-
-say: print() writes a line's text and its newline in two writes. The processes of a job share one terminal or pipe
-(ranks, loader workers, torchrun, libraries printing warnings), and another process's output landing between the two
-writes glues itself onto the end of our line, or our next line onto it. A line written at once (under the pipe's
-4 KiB atomic size) arrives whole.
+say writes a line and its newline in one write: print() makes two, and another process sharing the terminal or pipe
+(ranks, loader workers, torchrun) could land between them, gluing its output onto our line.
 """
 
 import ctypes
@@ -85,12 +80,10 @@ _launcher = None  # the launcher's process id, once end_with_launcher ran
 
 
 def end_with_launcher():
-    """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends,
-    however it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM: at once before training,
-    else at the next step with its checkpoint and exit code 75, rather than train on as an orphan that holds the
-    output directory (launcher_ended() tells that SIGTERM apart: it never escalates to a stop without a
-    checkpoint). Linux (prctl PR_SET_PDEATHSIG, which the kernel sends when the parent ends); elsewhere nothing. A
-    launcher that ended before this ran (a spawn child's start-up imports torch first): the process sends it itself."""
+    """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends, however
+    it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM, rather than train on as an orphan
+    that holds the output directory; launcher_ended() tells that SIGTERM apart. Linux (prctl PR_SET_PDEATHSIG);
+    elsewhere nothing. A launcher that ended before this ran: the process sends it itself."""
     global _launcher
     if not sys.platform.startswith("linux"):
         return

@@ -1,12 +1,9 @@
 """The file list of an ImageNet-style folder: listed once per job, held compactly.
 
-torchvision's ImageFolder lists every file through os.walk and keeps a Python list of (path, label)
-tuples. On ImageNet's 1.33 million files that took 4-6 CPU-seconds in every process (plus 1.3 s for
-the checks that the folder can train), and held 250 MiB per process, which forked loader workers
-copy bit by bit as reference counts touch the tuples (tools/benchmark_startup.py measures it).
-Here one pass lists and checks the folder, on rank 0 only (build_data gives the result to the other
-ranks), and the samples are one bytes blob of file names with numpy offsets and labels. The
-order of the samples is ImageFolder's, so sample i is datasets.ImageFolder(root)[i].
+One pass lists and checks the folder, on rank 0 only (build_data gives the result to the other ranks), and the samples
+are one bytes blob of file names with numpy offsets and labels, not ImageFolder's Python list of tuples, which forked
+loader workers copy as reference counts touch it (250 MiB per process on ImageNet: tools/benchmark_startup.py). The
+order is ImageFolder's: sample i is datasets.ImageFolder(root)[i].
 """
 
 import os

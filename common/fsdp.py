@@ -1,19 +1,11 @@
 """FSDP2 for train_fsdp.py: which modules become shard units, and the wrap with its options.
 
-fully_shard (torch.distributed.fsdp) splits each parameter of a unit into world_size pieces, one per rank, as
-DTensors: a rank holds 1/N of the weights, of their gradients and (the optimizer being made over the pieces) of the
-optimizer state. Before a unit's forward and backward its parameters are all-gathered, and freed after them;
-gradients are reduce-scattered (averaged, as DDP's all-reduce averages them). The units are the model's blocks, then
-the root (whatever is left: stem, head); a unit's parameters are whole only while it computes, so the memory of
-the largest unit, not of the model, is what a rank needs beyond its shard.
-
-The units of a model (default_units): the outermost modules that are items of an nn.Sequential or nn.ModuleList, hold
-parameters, are not themselves such a list, and are not one of torch.nn's layers (or a subclass of one): the repeated
-blocks of a network. ResNet's BasicBlock and Bottleneck, ViT's EncoderBlock, Swin's SwinTransformerBlock (and
-PatchMerging), ConvNeXt's CNBlock, EfficientNet's MBConv, RegNet's ResBottleneckBlock, MobileNet's InvertedResidual;
-MaxViT's and DenseNet's stages (MaxVitBlock, _DenseBlock). Small layers outside them (stems, heads) stay with the root.
-A model of your own with its blocks in such a list is sharded by them; choose others with the Trainer's shard_units hook
-(docs/adapting.md)."""
+fully_shard splits each parameter of a unit over the ranks (DTensors): a rank holds 1/N of the weights, their gradients
+and the optimizer state, and a unit's parameters are gathered whole only while it computes. The units (default_units)
+are a model's repeated blocks: the outermost modules that are items of an nn.Sequential or nn.ModuleList, hold
+parameters, and are not torch.nn layers (ResNet's Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock, ...); what is left
+(stem, head) stays with the root. The Trainer's shard_units hook chooses others (docs/adapting.md).
+"""
 
 from collections import Counter
 

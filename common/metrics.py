@@ -71,15 +71,11 @@ RUN_OWN = ("loss", "acc1", "acc5", "count", "images_per_second")  # a summary's 
 
 
 class MetricSums:
-    """The loss, top-1/top-5 hits and any named value (Trainer.train_step / evaluate_step), summed on the
-    device, without a host sync per step. A named value is a batch mean (a scalar); its sum is weighted by
-    the batch's images, so its epoch value is the mean over every image of every rank.
-
-    `metrics` ({name: SummedMetric}, Trainer.build_metrics) keep states of their own here, summed the same way and
-    turned into results by the metric once summed.
-
-    Values are read (and summed over all ranks) only when `summary()` is called. `base` holds totals over
-    all ranks carried over from before a mid-epoch resume, by name (load_state_dict)."""
+    """The loss, top-1/top-5 hits and any named value (Trainer.train_step / evaluate_step), summed on the device without
+    a host sync per step. A named value is a batch mean; its sum is weighted by the batch's images, so its epoch value
+    is the mean over every image of every rank. `metrics` ({name: SummedMetric}, Trainer.build_metrics) keep states of
+    their own here, summed alike. Values are read, and summed over the ranks, only by summary(); `base` holds the totals
+    carried over from before a mid-epoch resume (load_state_dict)."""
 
     def __init__(self, device, metrics=None):
         self.device, self.names = device, list(BUILT_IN)

@@ -1,11 +1,9 @@
-"""Models: any torchvision classification model by name, or your own as `package.module:callable`; what concerns
-a model's outputs (auxiliary heads' losses), its precision (autocast, and the wrapper DataParallel needs) and its
-memory format; the bare model inside its wrappers; --model-ema, the moving average of its weights.
+"""Models: any torchvision classification model by name, or your own as `package.module:callable`; auxiliary heads'
+losses, autocast (and the wrapper DataParallel needs), the memory format, the bare model inside its wrappers.
 
-The EMA is built as torchvision's references/classification/train.py builds it: AveragedModel with its EMA helper,
-over parameters and buffers, updated every --model-ema-steps optimizer steps (after the steps whose index in the
-epoch is a multiple of it, so a run resumed mid-epoch updates where an uninterrupted one did), its decay adjusted
-for the batch, the interval and the epochs, restarted from the weights during the warmup epochs.
+--model-ema keeps the moving average of the weights as torchvision's train.py does: AveragedModel over parameters and
+buffers, updated every --model-ema-steps optimizer steps (at the steps whose index in the epoch is a multiple of it, so
+a resumed run updates where an uninterrupted one did), its decay adjusted for the batch, the interval and the epochs.
 """
 
 import contextlib

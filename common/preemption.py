@@ -1,23 +1,10 @@
 """Stopping cleanly when the cluster asks, and never hanging on the way out.
 
-SIGTERM (sent by torchrun, Slurm and Kubernetes before they kill) and SIGUSR1
-(Slurm's `--signal` warning) set a flag. The ranks agree on it with an
-all-reduce that is started at one step and read at the next, so no step
-waits for it; every rank then stops after the same step, rank 0 saves a
-checkpoint, and the process exits with args.PREEMPTED_EXIT_CODE (75).
-
-A signal at the end of an epoch's training (or in its last steps) stops before validation, with a
-checkpoint of the trained epoch: validation runs on resume. Before training starts, a stop signal ends the
-process at once with the same exit code (errors.stop_at_once_until_training).
-
-A step that never comes must not keep the process alive: when the main
-thread has waited for data for a third of --stop-grace after the signal (a
-hung network file system, say; 10 s at the default 30 s), or when another SIGTERM / SIGUSR1 comes
-SECOND_SIGNAL_AFTER seconds or more after the first (sooner, it is a copy of
-the same request: Slurm and torchrun both pass one on), the process stops at
-once with the same exit code, and --resume auto continues from the last
-checkpoint written; never while a checkpoint is being written. SIGINT (Ctrl-C)
-stops at once with 130.
+SIGTERM (torchrun, Slurm, Kubernetes) and SIGUSR1 (Slurm's --signal) set a flag; the ranks agree on it with an
+all-reduce started at one step and read at the next, stop after the same step (in an epoch's last steps, before
+validation), checkpoint, and exit with PREEMPTED_EXIT_CODE (75). Still waiting for data a third of --stop-grace after
+the signal, or given a second signal SECOND_SIGNAL_AFTER s after the first, a process stops at once, never while a
+checkpoint is written. SIGINT stops at once (130). docs/failures.md has it all.
 """
 
 import contextlib

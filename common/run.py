@@ -1,15 +1,10 @@
 """Starting a run: what happens between a Trainer made and a Trainer that trains.
 
-start_run(trainer), on every rank of the job, in this order: the writer rank takes the output directory's lock;
-the ranks agree on their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is
-chosen (the checkpoint's, --seed, or one drawn by rank 0); the data is scanned (build_datasets); a fresh start
-that would replace a run's checkpoints is refused; the trainer's parts are built (Trainer.build) and take the
-checkpoint's state (common/checkpoint.py).
-
-The ranks' agreement: ranks started with different arguments would meet in a collective of another size (gloo
-aborts, NCCL may hang), and ranks that loaded different checkpoints would train on with their own momentum, epoch
-and data order. So the first collective compares both, and a mismatch ends every rank with one line that names the
-first difference and the ranks on each side (exit code 2). Every refusal is one line on every rank.
+start_run(trainer), on every rank, in order: the writer rank takes the output directory's lock; the ranks agree on
+their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is chosen; the data is
+scanned; a fresh start that would replace a run is refused; Trainer.build, then the checkpoint's state. Ranks that
+disagree would meet in collectives of other sizes or train apart: a difference ends every rank with one line naming it
+and the ranks on each side (exit code 2).
 """
 
 import os

@@ -1,12 +1,9 @@
 """Files that are whole or absent: atomic writes with fsync; the output directory's lock, and a file:// rendezvous's.
 
-A file written here is never seen half-written, even after a crash or a power loss: its bytes go to a new
-temporary file beside it, are fsynced, and the temporary is renamed over the final name (atomic), then the
-folder is fsynced (its entries: the rename). Without the first fsync the rename may reach the disk before
-the bytes do: an empty file under the final name. The logger, the checkpoints and tools/prepare_imagenet.py
-all write this way.
-
-One run at a time writes an output directory: OutputLock (run.lock there) refuses a second.
+A file written here is never seen half-written, even after a crash or a power loss: its bytes go to a temporary file
+beside it, are fsynced, and the temporary is renamed over the final name, then the folder is fsynced (without the first
+fsync the rename may reach the disk first: an empty file). OutputLock (run.lock) lets one run at a time write an output
+directory.
 """
 
 import contextlib
@@ -106,13 +103,11 @@ def _describe_holder(path):
 
 
 class OutputLock:
-    """The output directory's lock, held from a run's start to its process's end (the kernel drops it then,
-    however the process ends: a requeued or restarted job takes it again). A second run that would write
-    the same directory (a duplicate submission, a requeue while the lost node's step still runs, a fine-tune
-    whose default --output-dir is its parent's) is refused in one line naming the first. A POSIX lock
-    (lockf): it works over NFS, and a forked loader worker does not inherit it. `wait`: seconds to wait for
-    the holder (a restarted job's predecessor); a holder that is stopping (mark_stopping: its launcher ended,
-    a stop signal came) is waited for up to LOCK_WAIT_ON_RESTART s anyway. `say` tells that it waits."""
+    """The output directory's lock (run.lock), held from a run's start to its process's end (the kernel drops it then,
+    however the process ends). A second run that would write the same directory is refused in one line naming the first.
+    A POSIX lock (lockf): it works over NFS, and a forked loader worker does not inherit it. `wait`: seconds to wait for
+    the holder (a restarted job's predecessor); a holder that is stopping (mark_stopping) is waited for up to
+    LOCK_WAIT_ON_RESTART s anyway; `say` tells that it waits."""
 
     def __init__(self, output_dir, wait=0.0, say=None):
         self.directory = Path(output_dir)

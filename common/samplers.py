@@ -37,16 +37,12 @@ class ResumableSampler(DistributedSampler):
 
 
 class RepeatedAugmentationSampler(ResumableSampler):
-    """--ra-sampler: repeated augmentation (Hoffer et al. 2020; torchvision's RASampler). The epoch's
-    global order is the seeded permutation of DistributedSampler (seed + epoch) with each image
-    `repetitions` times in a row, cut to len(dataset) images, so an epoch has as many steps as without
-    it (about len / repetitions different images, each seen `repetitions` times). It is then split as
-    DistributedSampler splits (padded to a multiple of the world size, rank r takes positions r, r + world,
-    ...): batch k of all ranks together is batch k of a single process whatever the world size, and the
-    copies of an image, being consecutive, go to different ranks when world_size >= repetitions.
-    Copy j of image i is yielded as the index i + j * len(dataset), which SeededTransform reads as image i
-    seeded by that number: every copy is augmented differently, and copy 0 as without this sampler.
-    Unlike torchvision's RASampler the epoch is not rounded down to a multiple of 256 images."""
+    """--ra-sampler: repeated augmentation (Hoffer et al. 2020; torchvision's RASampler). The epoch's order is
+    DistributedSampler's seeded permutation with each image `repetitions` times in a row, cut to len(dataset) (as many
+    steps as without it), then split as DistributedSampler splits: batch k of all ranks together is a single process's
+    batch k, and an image's copies go to different ranks. Copy j of image i is the index i + j * len(dataset), which
+    SeededTransform augments by that seed; copy 0 as without this sampler. Unlike RASampler, the epoch is not rounded
+    down to a multiple of 256."""
 
     def __init__(self, dataset, num_replicas, rank, repetitions, seed=0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)

@@ -1,15 +1,12 @@
-"""The optimizer (--opt, with weight-decay groups) and its learning-rate schedule, a function of the optimizer
-step (so a resumed run recomputes it).
+"""The optimizer (--opt, with weight-decay groups) and its learning-rate schedule, a function of the optimizer step (so
+a resumed run recomputes it), each optionally after a linear warmup from 1% of lr over `warmup_epochs`:
 
-- step:     lr x gamma every `step_size` epochs (the articles' x0.1 every 30 epochs)
-- cosine:   half a cosine from lr to --lr-min (0) over the run
-- constant: lr throughout
-each optionally after a linear warmup from 1% of lr over `warmup_epochs`.
+    step:     lr x gamma every `step_size` epochs
+    cosine:   half a cosine from lr to --lr-min over the run
+    constant: lr throughout
 
---lr-step-unit step (the default): the lr changes at every step, warmup and cosine included, and the step
-schedule decays at epochs 30, 60, ... counted from the start (pytorch/examples' StepLR). epoch: the lr is
-constant within an epoch and follows torchvision's train.py, whose schedulers step once per epoch: LinearLR
-warmup over the first W epochs, then CosineAnnealingLR(T_max = epochs - W) or StepLR counted from the warmup's end.
+--lr-step-unit step (the default) changes the lr at every step; epoch keeps it constant within an epoch, as
+torchvision's train.py's schedulers (LinearLR warmup, then CosineAnnealingLR or StepLR counted from its end).
 """
 
 import math

@@ -1,24 +1,10 @@
 """Sharded checkpoints for train_fsdp.py: every rank writes its shard through Distributed Checkpoint (DCP).
 
-A checkpoint is a directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/, holding DCP's files (one __0_0.distcp per rank
-and .metadata) for the weights, the optimizer state and the EMA's weights, and state.pth: the rest of
-common/checkpoint.py's checkpoint (position, seed, scheduler, random streams, metric sums, ...), written by rank 0 and
-read with weights_only=True. The random streams, metric sums and unreadable files are gathered from all ranks into lists
-by rank, or summed over the ranks (checkpoint.assemble), so no rank's value stands in for another's (DCP keeps one copy
-of a value that every rank saves under the same key).
-
-DCP writes in place, so each save goes to a new directory; once every rank's shard and DCP's .metadata are on disk
-and rank 0 has written state.pth, the links OUTPUT/checkpoint (the latest) and OUTPUT/checkpoint_prev (the one
-before) are switched (a new symbolic link renamed over the old: atomic), and the directories neither names are
-removed. A save that dies half-way leaves the links as they were. state.pth records the size and CRC-32 of each of
-DCP's files (each rank reads a share of them back after the save); a resume checks them (each rank a share, all
-agreeing), so a truncated, missing or bit-flipped file is "corrupt" and --resume auto takes the checkpoint before,
-as for a single file (DCP itself checks none). model_best.pth is a plain single file: the best
-checkpoint's weights (and EMA) exported (export(), tools/export_checkpoint.py for any checkpoint), loadable with
-weights_only=True into the torchvision model.
-
-DCP reads .metadata with pickle: a sharded checkpoint runs code when loaded, so trust it as you trust code
-(docs/failures.md); state.pth and model_best.pth hold tensors and plain data only.
+A checkpoint is a new directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/: DCP's files (the weights, the optimizer state, the
+EMA's weights) and state.pth (the rest of common/checkpoint.py's dict, with the size and CRC-32 of each of DCP's files;
+weights_only). Once all are on disk, the links OUTPUT/checkpoint and OUTPUT/checkpoint_prev are switched atomically. A
+resume checks the CRCs and falls back as for a single file. model_best.pth is a plain single file (export). DCP reads
+.metadata with pickle: trust a sharded checkpoint as you trust code. docs/reference.md says the rest.
 """
 
 import shutil

@@ -1,18 +1,11 @@
 """Images in webdataset-format tar shards, read at their offsets: a map-style dataset with every guarantee a folder has.
 
-A cluster's shared file system (NFS, Lustre, GPFS, a bucket mounted by FUSE) serves a million small files slowly:
-each open is a metadata round trip. The field stores images for clusters in tar shards of the webdataset format
-(`KEY.jpg` beside `KEY.cls` in `train-000123.tar`), which timm, DALI, the webdataset library and the Hugging Face Hub
-read. Streamed, they lose exact epochs, exact validation, the order's independence of the world size and bitwise
-resume. Here each shard has an index beside it (`train-000123.idx`, written by tools/make_shards.py after the shard:
-each sample's key, extension, label, byte offset and size), so the shards are a map-style dataset: the samplers index
-them as they index a folder's files, and a loader worker opens each shard once and reads each image at its offset.
-The same images in shards and in the folder they came from give bitwise the same run.
+Each shard has an index beside it (train-000123.idx, written by tools/make_shards.py or at first use: each sample's key,
+extension, label, byte offset and size), so the samplers index shards as they index a folder's files (exact epochs and
+validation, bitwise resume), and a loader worker opens a shard once and reads each image at its offset. The same images
+in shards and their folder train bitwise alike.
 
---data DIR holding shards:
-    DIR/classes.txt              the class names, one a line: label k is line k (the folder's sorted class folders)
-    DIR/train/NAME.tar, .idx     the training shards (their order: sorted by name) and their indexes
-    DIR/val/NAME.tar, .idx       the validation shards
+--data DIR: DIR/classes.txt (label k is line k), DIR/train/NAME.tar with NAME.idx, DIR/val/NAME.tar with NAME.idx.
 """
 
 import os
@@ -305,11 +298,10 @@ def split_member(name):
 
 def index_tar(shard):
     """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
-    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls: a class index in text; else KEY.json's "cls",
-    "label", "class" or "class_index", an int). A shard cut short (a crash
-    while it was written: no end-of-archive blocks, or a member cut) gives the samples before the cut, and in `cut`
-    the key of the sample it cut, or "" where it cut none (None: a whole shard). UsageError for a sample without a
-    label in a whole shard, or a label that is not a class index."""
+    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls, a class index in text; else KEY.json's "cls", "label",
+    "class" or "class_index"). A shard cut short (a crash while it was written) gives the samples before the cut, and in
+    `cut` the key of the sample it cut, or "" (None: a whole shard). UsageError for a sample without a label in a whole
+    shard, or a label that is no class index."""
     import tarfile
 
     samples, labels, json_labels, cut, size = {}, {}, {}, None, os.stat(shard).st_size

@@ -1,15 +1,11 @@
-"""The Trainer: the parts of a run, each built by a hook a researcher may override, and the loops that use them,
-read top to bottom.
+"""The Trainer: the parts of a run, each built by a hook a researcher may override, and the loops that use them, read
+top to bottom.
 
-A script sets up its launch mode (process group, device, Runtime), makes a Trainer (which does nothing yet),
-starts the run with common/run.py (output lock, ranks' agreement, resume, data scan, then Trainer.build and the
-checkpoint's state), wraps `trainer.model` its own way (DataParallel or DistributedDataParallel; train_fsdp.py gives
-the Trainer a `shard` that Trainer.build applies, and sharded checkpoints) and calls `trainer.fit(train_model,
-eval_model)`.
-
-A run can stop at any step and go on from its last checkpoint as if it had not stopped: checkpoints hold the
-position in the epoch, the partial epoch's metric sums and every rank's random streams (common/checkpoint.py); the
-data order and augmentation are functions of (seed, epoch, index) alone.
+A script sets up its launch mode (process group, device, Runtime), makes a Trainer, starts the run (common/run.py),
+wraps `trainer.model` its own way (DataParallel, DistributedDataParallel, or a `shard` for FSDP) and calls
+`trainer.fit(train_model, eval_model)`. A run can stop at any step and go on from its last checkpoint as if it had not
+stopped: the data order and augmentation are functions of (seed, epoch, index) alone, and checkpoints hold the rest
+(common/checkpoint.py).
 """
 
 import math
@@ -56,15 +52,15 @@ def trainer_class(name):
 
 
 class Trainer:
-    """A training run. The parts a researcher changes are the hooks below (add_arguments to after_validation):
-    override them in a subclass, and select it with --trainer package.module:Class (docs/adapting.md). Each hook
-    gets what it uses as arguments, besides self.config (the frozen flags) and self.runtime (device, rank, world
-    size). What keeps a run exact and resumable stays here: seeding, sampling, exact validation, bad files,
-    checkpoints, stops, AMP, clipping and logging.
+    """A training run. The parts a researcher changes are the hooks below (add_arguments to after_validation): override
+    them in a subclass and select it with --trainer package.module:Class (docs/adapting.md). Each hook gets what it uses
+    as arguments, besides self.config (the frozen flags) and self.runtime (device, rank, world size). What keeps a run
+    exact and resumable stays here: seeding, sampling, exact validation, bad files, checkpoints, stops, AMP, clipping
+    and logging.
 
-    Trainer(config, runtime) has no side effects; build(datasets, seed) makes the parts in-process (a test can
-    build one on tiny in-memory data); common/run.py's start_run does both for a script, with the lock, the ranks'
-    agreement and the resume around them."""
+    Trainer(config, runtime) has no side effects; build(datasets, seed) makes the parts in-process (a test can build one
+    on tiny data); common/run.py's start_run does both for a script.
+    """
 
     def __setattr__(self, name, value):
         if name in OWNED:  # assigned by a method of a subclass (not of common/): refused
