@@ -28,6 +28,20 @@ def test_a_module_holds_at_most_600_lines_and_a_function_at_most_80(path):
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
+def test_a_docstring_says_what_and_why_in_at_most_100_words(path):
+    """Measurements, incident stories and long lists go to docs/ or the commit message, where they are kept."""
+    tree = ast.parse(path.read_text())
+    long = [
+        f"{getattr(node, 'name', 'the module')} ({len(ast.get_docstring(node).split())} words)"
+        for node in [tree, *ast.walk(tree)]
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and ast.get_docstring(node)
+        and len(ast.get_docstring(node).split()) > 100
+    ]
+    assert not long, f"{path.name}: {', '.join(sorted(set(long)))}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: path.name)
 def test_every_module_has_a_unit_file_of_its_own(path):
     assert (Path(__file__).parent / f"test_{path.stem}.py").is_file(), f"tests/unit/test_{path.stem}.py"
 
