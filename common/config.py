@@ -38,6 +38,11 @@ class Config(argparse.Namespace):
     def replace(self, **changes):
         return Config(**{**vars(self), **changes})
 
+    @property
+    def crop_schedule(self):
+        """--res-schedule as a ResSchedule (None without one): the flag stays text, so that args load weights_only."""
+        return ResSchedule.parse(self.res_schedule)
+
 
 def flag(name):
     """The command-line flag of argument `name` (its dest): weight_decay -> --weight-decay."""

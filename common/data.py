@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import distributed
 from .augment import image_augmentation
-from .config import PRESETS, ResSchedule
+from .config import PRESETS
 from .datasets import ImageFiles, ItemCheck, SyntheticImages, first_item
 from .device_loader import Collate
 from .errors import BadItem, Preempted, UnreadableImage, UsageError, say
@@ -91,7 +91,7 @@ def default_transforms(config, floating, mean):
         config.train_crop_size,
         config.min_crop_scale,
         augmentation=augmentation,
-        res_schedule=ResSchedule.parse(config.res_schedule),
+        res_schedule=config.crop_schedule,
         interpolation=config.interpolation,
         hflip_prob=config.hflip_prob,
     )

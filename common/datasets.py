@@ -27,7 +27,6 @@ except ImportError:
 from torchvision.transforms.v2 import functional as F
 
 from . import distributed, run
-from .config import ResSchedule
 from .demo_data import ensure_demo_dataset
 from .errors import BadItem, Preempted, UsageError, import_named
 from .folder_index import FolderIndex, scan_image_folder
@@ -227,7 +226,7 @@ def build_datasets(config):
     if config.dummy:
         val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
         train_set = SyntheticImages(
-            config.dummy_size, config.train_crop_size, res_schedule=ResSchedule.parse(config.res_schedule)
+            config.dummy_size, config.train_crop_size, res_schedule=config.crop_schedule
         )
         return (
             [str(i) for i in range(train_set.num_classes)],

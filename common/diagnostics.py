@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import distributed
-from .config import ResSchedule, profile_steps
+from .config import profile_steps
 from .distributed import flight_recorder_files
 from .errors import OutOfMemory, UsageError
 
@@ -164,7 +164,7 @@ class Diagnostics:
 
     def crop(self, epoch):
         """The training crop of `epoch`."""
-        schedule = ResSchedule.parse(self.config.res_schedule)
+        schedule = self.config.crop_schedule
         return schedule.size(epoch) if schedule else self.config.train_crop_size
 
     def describe(self, epoch_ends):

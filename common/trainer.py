@@ -18,7 +18,6 @@ import torch.nn as nn
 from . import data, distributed, fsdp, models, schedule, seeding
 from .augment import batch_mix_key, build_batch_mix
 from .checkpoint import SingleFile, assemble, init_from
-from .config import ResSchedule
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
@@ -279,7 +278,7 @@ class Trainer:
         sizes = (
             []
             if config.evaluate
-            else ResSchedule.parse(config.res_schedule).sizes()
+            else config.crop_schedule.sizes()
             if config.res_schedule
             else [config.train_crop_size]
         )
