@@ -225,9 +225,7 @@ def build_datasets(config):
     Rank 0 lists a folder (1.33 M files on ImageNet) or reads the split files, once for the job: a collective."""
     if config.dummy:
         val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
-        train_set = SyntheticImages(
-            config.dummy_size, config.train_crop_size, res_schedule=config.crop_schedule
-        )
+        train_set = SyntheticImages(config.dummy_size, config.train_crop_size, res_schedule=config.crop_schedule)
         return (
             [str(i) for i in range(train_set.num_classes)],
             train_set,

@@ -54,16 +54,6 @@ def describe_units(units):
     return ", ".join(f"{name} x {count}" for name, count in counts.items()) or "none (the root alone)"
 
 
-def _replace(model, old, new):
-    """Put `new` where `old` is among the submodules of `model`."""
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if child is old:
-                setattr(parent, name, new)
-                return
-    raise UsageError(f"shard_units returned a {type(old).__name__} that is not a submodule of the model")
-
-
 class Sharding:
     """How train_fsdp.py shards a model: its device mesh (all ranks in one dimension) and its flags. Made once the
     process group is up; sharding(model, units) shards a bare model in place and returns it (Trainer.build calls it
@@ -115,11 +105,15 @@ class Sharding:
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            wrapped = []
+            wrapped, names = [], {module: name for name, module in model.named_modules()}
             for unit in units:
+                if not names.get(unit):
+                    raise UsageError(
+                        f"shard_units returned a {type(unit).__name__} that is not a submodule of the model"
+                    )
                 # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
                 wrapper = checkpoint_wrapper(unit, preserve_rng_state=True)
-                _replace(model, unit, wrapper)
+                model.set_submodule(names[unit], wrapper)
                 wrapped.append(wrapper)
             units = wrapped
         if self.bf16 is not None:

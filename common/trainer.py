@@ -276,11 +276,7 @@ class Trainer:
         ]
         models.patch_embedding_as_matmul(model)
         sizes = (
-            []
-            if config.evaluate
-            else config.crop_schedule.sizes()
-            if config.res_schedule
-            else [config.train_crop_size]
+            [] if config.evaluate else config.crop_schedule.sizes() if config.res_schedule else [config.train_crop_size]
         )
         models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
         self._aux_weight = getattr(model, "aux_loss_weight", None)

@@ -120,6 +120,13 @@ def test_activation_checkpointing_gives_the_same_gradients(group_of_one):
     assert "--activation-checkpointing on" in trainer.shard.describe(trainer.model, trainer.optimizer)[0]
 
 
+def test_a_unit_that_is_not_a_submodule_is_refused_in_one_line(group_of_one):
+    """--activation-checkpointing puts each unit's wrapper where the unit is: shard_units' stray module is named."""
+    sharding = Sharding(parse("--activation-checkpointing", mode="fsdp"), cpu_runtime(mode="fsdp"))
+    with pytest.raises(UsageError, match="^shard_units returned a Linear that is not a submodule of the model$"):
+        sharding(BlockNet(3), [nn.Linear(2, 2)])
+
+
 def test_bf16_computes_in_bf16_with_batchnorm_in_float32(group_of_one):
     """--amp bf16 as FSDP's policy: bf16 compute, the sharded parameters float32; BatchNorm's its own unit in
     float32, which its kernels need (bf16 weights with float32 running statistics fail)."""
