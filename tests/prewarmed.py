@@ -1,9 +1,9 @@
 """Run scripts, each run a process of its own forked from this interpreter after it imported torch,
 torchvision, common/ and what else the script imports.
 
-    python tests/prewarmed.py --serve SOCKET    # a run per request on a unix socket: conftest.Prewarmed
-    python tests/prewarmed.py SPEC.json         # one script, several runs: conftest.run_prewarmed
-    torchrun ... --no-python PYTHON tests/prewarmed.py --worker SOCKET SCRIPT ARGS...   # conftest.torchrun_command
+    python tests/prewarmed.py --serve SOCKET    # a run per request on a unix socket: harness.prewarm.Prewarmed
+    python tests/prewarmed.py SPEC.json         # one script, several runs: harness.jobs.run_prewarmed
+    torchrun ... --no-python PYTHON tests/prewarmed.py --worker SOCKET SCRIPT ARGS...   # harness.jobs.torchrun_command
 
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
@@ -130,11 +130,11 @@ def read_request(connection):
 
 def serve(socket_path):
     """Fork a run for each request on the unix socket `socket_path`: a JSON line {script, argv, env, cwd} with the
-    write end of the run's output pipe attached (SCM_RIGHTS; conftest.Prewarmed), or {..., "worker": true} with
+    write end of the run's output pipe attached (SCM_RIGHTS; harness.prewarm.Prewarmed), or {..., "worker": true} with
     stdout and stderr of a torchrun worker (`--worker`), which falls back to a new interpreter ({"exec": true})
     when its environment differs from this one's in what is read at import. Replies {"pid": ...}, then {"exit":
     code} once the run ended (negative: killed by that signal). A run whose client goes away first (SIGKILLed) is
-    killed, with its session. Each run of a job is listed as SOCKET.runs/JOB_MARKER/PID for conftest.Job to find."""
+    killed, with its session. Each run of a job is listed as SOCKET.runs/JOB_MARKER/PID for harness.jobs.Job to find."""
     repo = str(Path(__file__).resolve().parents[1])
     sys.path[0] = repo
     environment = dict(os.environ)  # (importing torch sets TORCHINDUCTOR_CACHE_DIR)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import assert_ok, no_traceback_of_ours, run_prewarmed, run_together, torchrun_command
+from harness.jobs import assert_ok, no_traceback_of_ours, run_prewarmed, run_together, torchrun_command
 
 pytestmark = pytest.mark.e2e
 SMALL = [

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from common.metrics import ProgressMeter
-from conftest import PYTHON, REPO, assert_ok, clean_env, run
+from harness.jobs import assert_ok, run
+from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
 from benchmark_gpu import gpu_rows, progress_points, selected, steady, steady_start, trace_summary, window_figures  # noqa: E402

@@ -14,23 +14,11 @@ import time
 import pytest
 import torch
 
-from conftest import (
-    PYTHON,
-    REPO,
-    TINY,
-    Job,
-    SideBySide,
-    ahead,
-    assert_ok,
-    clean_env,
-    free_port,
-    make_image_folder,
-    no_traceback_of_ours,
-    once,
-    run_prewarmed,
-    torchrun_command,
-    worker_command,
-)
+from conftest import TINY, make_image_folder
+from harness.ahead import SideBySide, ahead, once
+from harness.jobs import Job, assert_ok, no_traceback_of_ours, run_prewarmed, torchrun_command
+from harness.prewarm import worker_command
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 pytestmark = pytest.mark.faults
 

@@ -19,22 +19,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from conftest import (
-    PYTHON,
-    REPO,
-    Job,
-    SideBySide,
-    ahead,
-    clean_env,
-    free_port,
-    make_image_folder,
-    no_traceback_of_ours,
-    once,
-    process_stat,
-    run,
-    tiny_folder,
-    worker_command,
-)
+from conftest import make_image_folder, tiny_folder
+from harness.ahead import SideBySide, ahead, once
+from harness.jobs import Job, no_traceback_of_ours, run
+from harness.prewarm import worker_command
+from harness.processes import PYTHON, REPO, clean_env, free_port, process_stat
 
 RUN = [
     "-a",

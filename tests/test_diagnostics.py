@@ -10,16 +10,9 @@ import pytest
 
 from common.diagnostics import INPUT_BOUND
 from common.logger import DIAGNOSTICS
-from conftest import (
-    TINY,
-    ahead,
-    assert_ok,
-    log_rows,
-    no_traceback_of_ours,
-    run_together,
-    script_command,
-    torchrun_command,
-)
+from conftest import TINY, log_rows
+from harness.ahead import ahead
+from harness.jobs import assert_ok, no_traceback_of_ours, run_together, script_command, torchrun_command
 from tests.unit.test_logger import scalars
 
 pytestmark = pytest.mark.e2e

@@ -11,29 +11,11 @@ import pytest
 import torch
 
 from common.logger import DIAGNOSTICS
-from conftest import (
-    EXACT_MODEL,
-    PYTHON,
-    RECIPE,
-    REPO,
-    TINY,
-    Job,
-    ahead,
-    assert_ok,
-    clean_env,
-    exact_folder,
-    exact_run,
-    free_port,
-    log_rows,
-    once,
-    run_prewarmed,
-    run_script,
-    run_together,
-    script_command,
-    single_node_launches,
-    torchrun_command,
-    worker_command,
-)
+from conftest import EXACT_MODEL, RECIPE, TINY, exact_folder, exact_run, log_rows, single_node_launches
+from harness.ahead import ahead, once
+from harness.jobs import Job, assert_ok, run_prewarmed, run_script, run_together, script_command, torchrun_command
+from harness.prewarm import worker_command
+from harness.processes import PYTHON, REPO, clean_env, free_port
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e
@@ -66,7 +48,7 @@ def runs_to_their_end(tmp_path_factory):
     """The module's runs that go to their end by themselves: the same run (12 steps of global batch 8, the recipe
     without mixing) in the three launch modes, started through run_scripts/ as a user starts them
     (conftest.single_node_runs, shared with tests/test_run_scripts.py); and, together, the legacy launcher, and
-    torchrun and train_ddp.py given what they must refuse (prewarmed: conftest.Prewarmed). (output dir of the
+    torchrun and train_ddp.py given what they must refuse (prewarmed: harness.prewarm.Prewarmed). (output dir of the
     three, name -> CompletedProcess)."""
     exact_data, (out, results) = once(exact_folder, tmp_path_factory), once(single_node_launches, tmp_path_factory)
     others = tmp_path_factory.mktemp("launches")
@@ -323,7 +305,7 @@ SPAWN_REFUSALS = {  # name: (flags, the one error line's text)
 @pytest.fixture(scope="module")
 def spawn_refusals(tiny_data, tmp_path_factory):
     """Each refusal of train_spawn.py, each a process of its own (forked from one that imported torch:
-    conftest.run_prewarmed); name -> (result, output dir that must not appear)."""
+    harness.jobs.run_prewarmed); name -> (result, output dir that must not appear)."""
     root = tmp_path_factory.mktemp("spawn-refusals")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

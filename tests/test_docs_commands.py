@@ -55,7 +55,7 @@ import pytest
 
 import common.cli as cli  # conftest puts the repository on sys.path
 from common.errors import UsageError
-from conftest import REPO, clean_env
+from harness.processes import REPO, clean_env
 
 pytestmark = pytest.mark.e2e
 

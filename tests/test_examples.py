@@ -14,19 +14,11 @@ import pytest
 import torch
 
 from common.logger import MEASURED
-from conftest import (
-    PYTHON,
-    REPO,
-    Job,
-    SideBySide,
-    ahead,
-    clean_env,
-    free_port,
-    log_rows,
-    once,
-    tiny_folder,
-    worker_command,
-)
+from conftest import log_rows, tiny_folder
+from harness.ahead import SideBySide, ahead, once
+from harness.jobs import Job
+from harness.prewarm import worker_command
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -20,27 +20,11 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (
-    PYTHON,
-    REPO,
-    TINY,
-    Job,
-    PrewarmedProcess,
-    SideBySide,
-    ahead,
-    alive,
-    assert_ok,
-    clean_env,
-    free_port,
-    make_image_folder,
-    once,
-    process_stat,
-    processes_marked,
-    run,
-    run_prewarmed,
-    run_script,
-    worker_command,
-)
+from conftest import TINY, make_image_folder
+from harness.ahead import SideBySide, ahead, once
+from harness.jobs import Job, assert_ok, run, run_prewarmed, run_script
+from harness.prewarm import PrewarmedProcess, worker_command
+from harness.processes import PYTHON, REPO, alive, clean_env, free_port, process_stat, processes_marked
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
 # for the weights to match. 120 training images, global batch 8: 15 steps an epoch, a checkpoint every
@@ -500,7 +484,7 @@ def test_a_stalled_rank_fails_the_job_after_the_dist_timeout(side_by_side):
 
 def test_a_line_of_ours_written_into_another_process_s_unfinished_line_is_read_apart():
     """A library that writes a line in two parts (text, then newline), ours landing between them: the job's
-    output has our line on a line of its own, found by its start (conftest.our_lines_apart)."""
+    output has our line on a line of its own, found by its start (harness.jobs.our_lines_apart)."""
     other = "See https://nanobind.readthedocs.io/en/latest/refleaks.html"
     writes = [
         other,
@@ -624,7 +608,7 @@ def mtimes(folder):
 def finished_runs(data, root):
     """TinyNet trained 2 epochs (a checkpoint per epoch: checkpoint.pth and checkpoint_prev.pth), then, side
     by side: the relaunches that must be refused, each a process of its own (forked from one that imported
-    torch already: conftest.run_prewarmed): the same command without --resume; the same with the latest
+    torch already: harness.jobs.run_prewarmed): the same command without --resume; the same with the latest
     checkpoint damaged; another --arch; other data; an --output-dir that cannot be created. And, on copies
     of the run's directory: --resume auto with the latest checkpoint damaged; --resume auto where no file
     may grow past 64 KiB (as on a full disk); and --overwrite."""

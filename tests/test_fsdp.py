@@ -12,23 +12,10 @@ import pytest
 import torch
 
 from common.sharded_checkpoint import export
-from conftest import (
-    EXACT_MODEL,
-    PYTHON,
-    RECIPE,
-    REPO,
-    TINY,
-    Job,
-    ahead,
-    assert_ok,
-    clean_env,
-    exact_folder,
-    exact_run,
-    once,
-    script_command,
-    single_node_launches,
-    torchrun_command,
-)
+from conftest import EXACT_MODEL, RECIPE, TINY, exact_folder, exact_run, single_node_launches
+from harness.ahead import ahead, once
+from harness.jobs import Job, assert_ok, script_command, torchrun_command
+from harness.processes import PYTHON, REPO, clean_env
 
 pytestmark = pytest.mark.e2e
 VAL_LINE = re.compile(r"^ \* Acc@1 (\S+)  Acc@5 (\S+)  Loss (\S+)  \((\d+) images\)", re.M)

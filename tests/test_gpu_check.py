@@ -6,7 +6,9 @@ import re
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, ahead, assert_ok, clean_env, run, run_together
+from harness.ahead import ahead
+from harness.jobs import assert_ok, run, run_together
+from harness.processes import PYTHON, REPO, clean_env
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from conftest import TINY, assert_ok, make_image_folder, run_script
+from conftest import TINY, make_image_folder
+from harness.jobs import assert_ok, run_script
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ACC = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss ([\d.]+)  \((\d+) images\)$", re.MULTILINE)

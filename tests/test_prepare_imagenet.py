@@ -22,7 +22,8 @@ import torch
 from PIL import Image
 
 from common.datasets import load_image
-from conftest import PYTHON, REPO, alive, assert_ok, clean_env, process_stat, run
+from harness.jobs import assert_ok, run
+from harness.processes import PYTHON, REPO, alive, clean_env, process_stat
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
 

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from conftest import TINY, assert_ok, run_together, script_command, torchrun_command
+from conftest import TINY
+from harness.jobs import assert_ok, run_together, script_command, torchrun_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.quick]
 RUN = [

@@ -14,7 +14,9 @@ import torchvision
 
 from common.logger import CSV_FIELDS, EMA_FIELDS
 from common.models import adjusted_decay
-from conftest import PYTHON, REPO, TINY, Job, make_image_folder, torchrun_command
+from conftest import TINY, make_image_folder
+from harness.jobs import Job, torchrun_command
+from harness.processes import PYTHON, REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -6,21 +6,10 @@ import re
 import pytest
 import torch
 
-from conftest import (
-    EXACT_MODEL,
-    PYTHON,
-    REPO,
-    ahead,
-    assert_ok,
-    clean_env,
-    exact_folder,
-    exact_run,
-    free_port,
-    once,
-    run,
-    run_together,
-    tiny_folder,
-)
+from conftest import EXACT_MODEL, exact_folder, exact_run, tiny_folder
+from harness.ahead import ahead, once
+from harness.jobs import assert_ok, run, run_together
+from harness.processes import PYTHON, REPO, clean_env, free_port
 from tests.tiny_models import TinyNet
 
 pytestmark = pytest.mark.e2e

@@ -14,25 +14,11 @@ from subprocess import CompletedProcess
 import pytest
 import torch
 
-from conftest import (
-    EXACT_MODEL,
-    PYTHON,
-    REPO,
-    TINY,
-    Job,
-    ahead,
-    assert_ok,
-    clean_env,
-    free_port,
-    hf_copy,
-    make_image_folder,
-    no_traceback_of_ours,
-    once,
-    run_prewarmed,
-    script_command,
-    torchrun_command,
-    worker_command,
-)
+from conftest import EXACT_MODEL, TINY, hf_copy, make_image_folder
+from harness.ahead import ahead, once
+from harness.jobs import Job, assert_ok, no_traceback_of_ours, run_prewarmed, script_command, torchrun_command
+from harness.prewarm import worker_command
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards  # noqa: E402

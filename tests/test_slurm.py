@@ -16,7 +16,9 @@ import uuid
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, assert_ok, clean_env, free_port, make_image_folder, torchrun
+from conftest import TINY, make_image_folder
+from harness.jobs import assert_ok, torchrun
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 pytestmark = pytest.mark.slurm
 

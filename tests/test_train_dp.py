@@ -12,7 +12,9 @@ import torch
 import torchvision
 
 from common.logger import CSV_FIELDS
-from conftest import TINY, assert_ok, clean_env, run_prewarmed, run_script, run_together, script_command
+from conftest import TINY
+from harness.jobs import assert_ok, run_prewarmed, run_script, run_together, script_command
+from harness.processes import clean_env
 
 pytestmark = pytest.mark.e2e
 SCRIPT = "train_dp.py"
@@ -47,7 +49,7 @@ def snapshot(directory):
 @pytest.fixture(scope="module")
 def first_runs(tiny_data, tmp_path_factory):
     """The module's two training runs, at once (one process each, a core each), each started as a user
-    starts it (not prewarmed: conftest.Prewarmed): two epochs of resnet18 on the tiny set; and one epoch,
+    starts it (not prewarmed: harness.prewarm.Prewarmed): two epochs of resnet18 on the tiny set; and one epoch,
     the count taken from the EPOCHS environment variable (no --epochs)."""
     two, one = tmp_path_factory.mktemp("dp-run") / "out", tmp_path_factory.mktemp("dp-run-env") / "out"
     results = run_together(
@@ -305,7 +307,7 @@ def bad_runs(tiny_data, tmp_path_factory):
     assert cases.keys() == BAD_INPUTS.keys()
 
     # Later flags win in argparse: each case overrides the good defaults given first. Each case is a
-    # process of its own, forked from one that imported torch already (conftest.run_prewarmed).
+    # process of its own, forked from one that imported torch already (harness.jobs.run_prewarmed).
     names = list(cases)
     results = run_prewarmed(
         SCRIPT, [[*train_args(tiny_data, root / f"out-{name}", "--epochs", "1"), *cases[name]] for name in names]

@@ -7,7 +7,8 @@ import pytest
 
 from common import cli
 from common.errors import UsageError
-from conftest import PYTHON, REPO, clean_env, parse
+from conftest import parse
+from harness.processes import PYTHON, REPO, clean_env
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 

@@ -4,7 +4,7 @@ processes ask for it at the same time."""
 import subprocess
 
 from common import demo_data
-from conftest import PYTHON, REPO
+from harness.processes import PYTHON, REPO
 
 
 def test_the_demo_set_is_the_same_wherever_it_is_generated(tmp_path):

@@ -56,7 +56,7 @@ def test_a_process_that_a_launcher_started_gets_sigterm_when_the_launcher_is_sig
     import subprocess
     import time
 
-    from conftest import PYTHON, REPO
+    from harness.processes import PYTHON, REPO
 
     output, worker = tmp_path / "worker.out", None
     with open(output, "w") as out:

@@ -9,7 +9,7 @@ import torchvision
 
 from common.errors import UsageError
 from common.fsdp import Sharding, default_units, describe_units, optimizer_slots, state_bytes
-from tests.conftest import cpu_runtime, parse, sharded_trainer
+from conftest import cpu_runtime, parse, sharded_trainer
 from tests.tiny_models import BlockNet, TinyNet
 
 

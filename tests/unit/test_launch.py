@@ -9,7 +9,7 @@ import pytest
 
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
 from common.launch import known_failure, outcome
-from conftest import PYTHON, REPO, clean_env
+from harness.processes import PYTHON, REPO, clean_env
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ def test_a_start_that_fails_before_writing_leaves_no_directory_it_made(tmp_path)
 
 def documented_attributes():
     """The attribute names of docs/adapting.md's table "The attributes you may read"."""
-    from conftest import REPO
+    from harness.processes import REPO
 
     text = (REPO / "docs" / "adapting.md").read_text()
     table = text[text.index("### The attributes you may read") :].split("\n\n")[2]

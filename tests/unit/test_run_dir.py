@@ -11,7 +11,7 @@ import pytest
 from common import checkpoint, run_dir
 from common.errors import UsageError
 from common.run_dir import OutputLock, atomic_write, link_or_copy
-from conftest import PYTHON, REPO
+from harness.processes import PYTHON, REPO
 
 
 def test_a_write_that_fails_half_way_leaves_the_old_file_whole_and_no_temporary(tmp_path):

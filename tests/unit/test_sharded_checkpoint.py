@@ -13,7 +13,7 @@ import torch
 from common.checkpoint import restore
 from common.errors import CheckpointWriteError, UsageError
 from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
-from tests.conftest import sharded_trainer
+from conftest import sharded_trainer
 from tests.tiny_models import BlockNet
 
 BLOCKS = ["-a", "tests.tiny_models:BlockNet", "--model-ema", "--opt", "adamw", "--lr", "0.01"]

@@ -25,7 +25,8 @@ from common.shards import (
     split_member,
     write_index,
 )
-from conftest import REPO, parse
+from conftest import parse
+from harness.processes import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards  # noqa: E402

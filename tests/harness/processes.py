@@ -1,0 +1,123 @@
+"""The processes of the tests' jobs: a user's environment, free ports, and what /proc says of a process."""
+
+import os
+import random
+import socket
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+# The environment the session started with: what a job inherits (clean_env), whatever an in-process test running
+# at the same time sets in os.environ (monkeypatch).
+SESSION_ENV = dict(os.environ)
+session_over = threading.Event()  # no job starts after it: a run started ahead may still be going on
+
+
+# The managed platform's variables that set the scripts' defaults.
+PLATFORM_VARIABLES = (
+    "EPOCHS",
+    "LR",
+    "BATCH_SIZE",
+    "DATASETS_PATH",
+    "DATASETS",
+    "WORKSPACE",
+    "BACKEND",
+    "WORKER_PER_NODE",
+)
+
+
+def clean_env(gpu=False, **extra):
+    """The environment of a user's shell: no launcher or platform variables leaking in
+    (and no GPU unless `gpu`: the CPU paths are tested on every machine)."""
+    env = {
+        key: value
+        for key, value in SESSION_ENV.items()
+        if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *PLATFORM_VARIABLES)
+        and not key.startswith("SLURM_")
+    }
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.update({key: str(value) for key, value in extra.items()})
+    return env
+
+
+# A generator of its own (tests may seed the global one); the lock: runs are started from several threads.
+_ports_given, _port_choice, _port_lock = set(), random.Random(), threading.Lock()
+
+
+def free_port():
+    """A free port on 127.0.0.1, below the range the kernel picks from for port 0 (the sockets gloo
+    opens, outgoing connections): launches started side by side bind theirs seconds later, and no other
+    process's socket can take it in the meantime. Never the same port twice in a session."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    while True:
+        with _port_lock:
+            port = _port_choice.randint(max(1024, low - 12000), low - 1)
+            if port in _ports_given:
+                continue
+            _ports_given.add(port)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
+def process_stat(pid):
+    """The fields of /proc/PID/stat after the command name ([0] state, [1] parent, [3] session), or None
+    once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid):
+    """Whether process `pid` exists and is not a zombie."""
+    fields = process_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def processes_marked(marker, name="JOB_MARKER"):
+    """Live processes whose environment holds name=marker: a job and every descendant (torchrun's
+    workers, spawn's children, loader workers), whatever session or process group they moved to."""
+    needle = f"{name}={marker}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            marked = needle in (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marked and alive(entry.name):
+            found.append(int(entry.name))
+    return found
+
+
+def processes_in_session(sid):
+    """Live processes of the session `sid` (not zombies)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = process_stat(entry.name)
+        if fields is not None and fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+JOB_NICENESS = 5
+
+
+def lower_priority(pid):
+    """Run process `pid` (and what it starts from now on) at a lower CPU priority than the tests: a test that waits
+    for a job's line to signal it then reads the line and signals at once, though the cores are busy with jobs (a
+    job that runs on too far meanwhile may end before its signal comes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, JOB_NICENESS)
+    except OSError:  # ended already
+        pass
