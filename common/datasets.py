@@ -265,7 +265,7 @@ def build_datasets(config):
 
 def _first_difference(split, classes, own, rank_0s):
     """Where this node's FolderIndex of `split` differs from rank 0's, in words; None where they list the same files."""
-    if own.blob == rank_0s.blob and np.array_equal(own.labels, rank_0s.labels):
+    if own.names.blob == rank_0s.names.blob and np.array_equal(own.labels, rank_0s.labels):
         return None
     here, there = (np.bincount(index.labels, minlength=len(classes)) for index in (own, rank_0s))
     for name, count_here, count_there in zip(classes, here, there):

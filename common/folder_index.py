@@ -16,24 +16,34 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from .errors import UsageError
 
 
+class NameTable:
+    """Names held compactly: one blob of NUL-terminated names (NUL is the one byte no file name holds) and a numpy
+    array of where each ends, so that the per-name work is left to C. table[i] is name i."""
+
+    def __init__(self, blob):
+        self.blob = blob
+        self.ends = np.flatnonzero(np.frombuffer(blob, dtype=np.uint8) == 0)
+
+    def __getitem__(self, index):
+        start = self.ends[index - 1] + 1 if index else 0
+        return os.fsdecode(self.blob[start : self.ends[index]])
+
+
 class FolderIndex:
-    """(path, label) of every image file under root/<class>/, as a sequence. `names[k]` lists the
-    files of class k relative to its folder. The per-file work is left to C: one NUL-separated
-    blob (NUL is the one byte no file name holds) and numpy arrays of where each name ends."""
+    """(path, label) of every image file under root/<class>/, as a sequence. `names[k]` lists the files of class k
+    relative to its folder; they are held in a NameTable."""
 
     def __init__(self, root, classes, names):
         self.root, self.classes = str(root), list(classes)
-        self.blob = os.fsencode("\0".join(["\0".join(class_names) for class_names in names])) + b"\0"
-        self.ends = np.flatnonzero(np.frombuffer(self.blob, dtype=np.uint8) == 0)
+        self.names = NameTable(os.fsencode("\0".join(["\0".join(class_names) for class_names in names])) + b"\0")
         self.labels = np.repeat(np.arange(len(names), dtype=np.int32), [len(class_names) for class_names in names])
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, index):
-        start = self.ends[index - 1] + 1 if index else 0
         label = int(self.labels[index])
-        return os.path.join(self.root, self.classes[label], os.fsdecode(self.blob[start : self.ends[index]])), label
+        return os.path.join(self.root, self.classes[label], self.names[index]), label
 
 
 def image_files(class_dir):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError, say
+from .folder_index import NameTable
 
 INDEX_VERSION = 1
 CLASSES = "classes.txt"
@@ -164,24 +165,22 @@ def has_shards(root):
 
 class ShardIndex:
     """The samples of a split's shards as a sequence of (SHARD:KEY, label), held compactly: the shard of each sample,
-    its offset and size, its label, and its KEY.EXTENSION in one NUL-separated blob (as FolderIndex holds file
-    names). `location(i)` gives (shard path, offset, size, extension)."""
+    its offset and size, its label, and its KEY.EXTENSION (in a NameTable, as FolderIndex holds file names).
+    `location(i)` gives (shard path, offset, size, extension)."""
 
     def __init__(self, shards, indexes):
         self.shards = [str(shard) for shard in shards]
         self.shard_of = np.repeat(np.arange(len(indexes), dtype=np.int32), [len(index["labels"]) for index in indexes])
         for name in ("labels", "offsets", "sizes"):
             setattr(self, name, np.concatenate([index[name] for index in indexes]))
-        self.blob = b"".join(index["names"].tobytes() for index in indexes)
-        self.ends = np.flatnonzero(np.frombuffer(self.blob, dtype=np.uint8) == 0)
+        self.names = NameTable(b"".join(index["names"].tobytes() for index in indexes))
 
     def __len__(self):
         return len(self.labels)
 
     def member(self, index):
         """KEY.EXTENSION of sample `index`."""
-        start = self.ends[index - 1] + 1 if index else 0
-        return os.fsdecode(self.blob[start : self.ends[index]])
+        return self.names[index]
 
     def name(self, index):
         """SHARD:KEY, as warnings and bad_images.txt name a sample."""
