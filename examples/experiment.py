@@ -1,10 +1,9 @@
-"""A whole experiment in one file: grey images held in memory, resnet18 from a weights file of your own with a new
-10-way head, a focal loss, the backbone at a tenth of the head's lr, a random rotation, a confusion matrix.
+"""A whole experiment in one file: grey images held in memory, resnet18 from a weights file of your own (the library
+gives it a 10-way head and a 1-channel conv1, and the header says so), a focal loss, the backbone at a tenth of the
+head's lr, a random rotation, a confusion matrix.
 
     torchrun --standalone --nproc-per-node 2 train_ddp.py -a resnet18 --init-from my_resnet18.pth \
         --trainer examples.experiment:Experiment --train-crop-size 16 --val-resize-size 16 --val-crop-size 16
-
-The library replaces the file's 1000-way head and adapts its conv1 to one channel (the header says both).
 """
 
 import torch
@@ -44,12 +43,8 @@ class Experiment(Trainer):
 
     def build_optimizer(self, model):
         backbone = [parameter for name, parameter in model.named_parameters() if not name.startswith("fc.")]
-        return torch.optim.SGD(
-            [{"params": model.fc.parameters()}, {"params": backbone, "lr": self.config.lr / 10}],
-            lr=self.config.lr,
-            momentum=0.9,
-            weight_decay=self.config.weight_decay,
-        )
+        groups = [{"params": model.fc.parameters()}, {"params": backbone, "lr": self.config.lr / 10}]
+        return torch.optim.SGD(groups, lr=self.config.lr, momentum=0.9, weight_decay=self.config.weight_decay)
 
     def build_metrics(self, split, classes):
         return {"confusion": ConfusionMatrix(len(classes))}

@@ -1,6 +1,7 @@
 """Jobs: the real processes a test starts (as a user starts them, or forked from the prewarm server), their output
 read as it comes, and none left running after its test, or after the session."""
 
+import contextlib
 import json
 import os
 import queue
@@ -24,6 +25,7 @@ from harness.processes import (
     clean_env,
     free_port,
     lower_priority,
+    process_stat,
     processes_in_session,
     processes_marked,
     session_over,
@@ -99,6 +101,7 @@ class Job:
         lower_priority(self.process.pid)
         self.lines, self.output = queue.Queue(), []
         self.left_behind = None  # processes of the job alive after it ended (set by finish)
+        self.at_timeout = None  # where its processes waited when it timed out (set by finish)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.jobs = _background_jobs if in_background() else _jobs
@@ -165,7 +168,11 @@ class Job:
         subprocess.TimeoutExpired raised). The processes of the job still alive `grace` s after it
         ended are in self.left_behind, then killed."""
         try:
-            self.process.wait(timeout=timeout)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.at_timeout = described(self.leftovers())
+                raise
             deadline = time.monotonic() + grace
             while self.leftovers() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -184,8 +191,32 @@ def run(args, timeout=300, env=None, cwd=REPO, prewarmed=True):
     try:
         returncode, output = job.finish(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise subprocess.TimeoutExpired(job.process.args, timeout, output="".join(job.output)) from None
+        raise TimedOut(job.process.args, timeout, "".join(job.output), job.at_timeout) from None
     return subprocess.CompletedProcess(job.process.args, returncode, output)
+
+
+class TimedOut(subprocess.TimeoutExpired):
+    """A job that did not end in time: its message has the job's last output and where each of its processes waited
+    (state, kernel wait channel, command), taken before it was killed."""
+
+    def __init__(self, command, timeout, output, processes):
+        super().__init__(command, timeout, output=output)
+        self.processes = processes
+
+    def __str__(self):
+        return f"{super().__str__()}; its processes then: {self.processes}\n{self.output[-3000:]}"
+
+
+def described(pids):
+    """State, kernel wait channel and command line of each of `pids` that is still there."""
+    found = []
+    for pid in pids:
+        fields = process_stat(pid)
+        with contextlib.suppress(OSError):
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid} ({fields[0] if fields else '?'}, in {wchan}): {command[:150]}")
+    return "; ".join(found) or "none"
 
 
 def run_together(commands, timeout=300):
