@@ -6,13 +6,8 @@ say writes a line and its newline in one write: print() makes two, and another p
 (ranks, loader workers, torchrun) could land between them, gluing its output onto our line.
 """
 
-import ctypes
 import importlib
-import multiprocessing
-import os
-import signal
 import sys
-import time
 
 
 class UsageError(Exception):
@@ -56,59 +51,6 @@ class Preempted(Exception):
 
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --resume auto
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a launcher's or scheduler's request to stop
-
-
-def _stop_during_start_up(signum, _frame):
-    raise Preempted(
-        f"stopped on {signal.Signals(signum).name} before training started: nothing was trained, nothing "
-        "written; start it again as it was started"
-    )
-
-
-def stop_at_once_until_training():
-    """From process start to the first step (imports, the folder scan, the checkpoint load: minutes on ImageNet
-    over NFS) a stop signal ends the process at once with PREEMPTED_EXIT_CODE, as a stop in training does
-    (not 143, a death by SIGTERM); preemption.StopSignal takes over when training starts."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _stop_during_start_up)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_launcher = None  # the launcher's process id, once end_with_launcher ran
-
-
-def end_with_launcher():
-    """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends, however
-    it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM, rather than train on as an orphan
-    that holds the output directory; launcher_ended() tells that SIGTERM apart. Linux (prctl PR_SET_PDEATHSIG);
-    elsewhere nothing. A launcher that ended before this ran: the process sends it itself."""
-    global _launcher
-    if not sys.platform.startswith("linux"):
-        return
-    spawned_by = multiprocessing.parent_process()  # a spawn child: its parent, known from before its start-up
-    _launcher = spawned_by.pid if spawned_by is not None else os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        _launcher = None
-        return
-    if launcher_ended():  # (a launcher that is PID 1, in a container, is no sign of one that ended)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def launcher_ended(wait=0.0):
-    """Whether this process's launcher (end_with_launcher) has ended, waiting up to `wait` s for it to: the kernel
-    sends the SIGTERM as soon as the launcher's thread that started this process ends, which under SIGKILL comes a
-    moment before the whole launcher is gone and this process re-parented."""
-    deadline = time.monotonic() + wait
-    while _launcher is not None:
-        if os.getppid() != _launcher:
-            return True
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.01)
-    return False
 
 
 def say(message, file=None):

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
-from .errors import STOP_SIGNALS, Preempted, launcher_ended
+from .errors import Preempted
+from .launch import STOP_SIGNALS, launcher_ended
 
 SECOND_SIGNAL_AFTER = 5  # seconds
 LAUNCHER_EXIT_WAIT = 0.5  # seconds a SIGTERM waits to tell whether it is the kernel's for an ended launcher

@@ -434,7 +434,7 @@ def test_workers_whose_torchrun_is_sigkilled_stop_at_a_step_with_their_checkpoin
     torchrun_interrupted,
 ):
     """torchrun SIGKILLed at epoch 2 step 11 cannot pass a signal on: its workers get SIGTERM from the kernel as their
-    parent ends (common/errors.py end_with_launcher), agree on a step, save its checkpoint and end within seconds
+    parent ends (common/launch.py end_with_launcher), agree on a step, save its checkpoint and end within seconds
     instead of training on as orphans; a relaunch started at once resumes from that step (bitwise equal at the end:
     the test below)."""
     stages = torchrun_interrupted

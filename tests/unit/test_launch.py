@@ -1,14 +1,18 @@
 """common/launch.py: the one exception ladder of the three scripts: bad input one line and exit 2 (a checkpoint that
 could not be written: 1), a stop on request 75, Ctrl-C 130, a lost peer or loader worker one line and 1, a bug its
-traceback; a spawned worker ends through the same ladder, its usage line handed to the parent."""
+traceback; a spawned worker ends through the same ladder, its usage line handed to the parent; a stop signal before
+training ends the process at once, and a launcher's end (even SIGKILLed) reaches its workers as SIGTERM."""
 
+import contextlib
 import errno
+import os
+import signal
 import subprocess
 
 import pytest
 
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
-from common.launch import known_failure, outcome
+from common.launch import known_failure, outcome, stop_at_once_until_training
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -107,3 +111,61 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
         "error: --lr must be positive",
         "error: rank 3: another process of this job ended, see its error; this one stops too",
     ], result.stderr
+
+
+def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted():
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop_at_once_until_training()
+        with pytest.raises(Preempted, match="stopped on SIGTERM before training started: nothing was trained"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+LAUNCHED = """import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from common.launch import end_with_launcher
+launcher = os.getppid()
+signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM, launcher gone:", os.getppid() != launcher, flush=True),
+                                          sys.exit(0)))
+end_with_launcher()
+print("ready", os.getpid(), flush=True)
+time.sleep(30)
+"""
+
+LAUNCHER = """import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)  # a session of its own, as torchrun's
+time.sleep(60)
+"""
+
+
+def test_a_process_that_a_launcher_started_gets_sigterm_when_the_launcher_is_sigkilled(tmp_path):
+    """end_with_launcher in the worker of a stand-in launcher that starts it as torchrun does (a session of its own):
+    SIGKILL to the launcher alone, and the worker gets SIGTERM from the kernel, as if the launcher had sent it."""
+    import subprocess
+    import time
+
+    from harness.processes import PYTHON, REPO
+
+    output, worker = tmp_path / "worker.out", None
+    with open(output, "w") as out:
+        launcher = subprocess.Popen([PYTHON, "-c", LAUNCHER, LAUNCHED.format(repo=str(REPO))], stdout=out)
+    try:
+        deadline = time.monotonic() + 30
+        while not output.read_text().endswith("\n") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ready, worker = output.read_text().split()
+        assert ready == "ready"
+        launcher.kill()
+        launcher.wait()
+        while output.read_text().count("\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert output.read_text().splitlines()[1:] == ["SIGTERM, launcher gone: True"]
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(worker), signal.SIGKILL)

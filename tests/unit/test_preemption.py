@@ -50,17 +50,17 @@ def test_a_wait_for_data_longer_than_its_share_of_the_grace_stops_at_once():
 
 
 def test_the_sigterm_of_a_launcher_that_ended_is_named_so_and_never_stops_at_once(monkeypatch):
-    """The kernel's SIGTERM when the launcher ends (common/errors.py end_with_launcher) comes on top of the stop the
+    """The kernel's SIGTERM when the launcher ends (common/launch.py end_with_launcher) comes on top of the stop the
     launcher may have passed on already: it is no second request, so the stop still waits for its step and its
     checkpoint. The first signal tells on_first (the output lock's mark)."""
-    from common import errors
+    from common import launch
 
     monkeypatch.setattr(preemption, "SECOND_SIGNAL_AFTER", 0.2)
     stop, told = StopSignal(30), []
     stop.on_first = told.append
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # passed on by the launcher, which then dies
-        monkeypatch.setattr(errors, "_launcher", os.getppid() + 1)  # (not this process's parent any more)
+        monkeypatch.setattr(launch, "_launcher", os.getppid() + 1)  # (not this process's parent any more)
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGTERM)  # the kernel's: no StopNow
         time.sleep(0.1)
