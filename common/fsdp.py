@@ -54,6 +54,22 @@ def describe_units(units):
     return ", ".join(f"{name} x {count}" for name, count in counts.items()) or "none (the root alone)"
 
 
+def unit_names(model, units):
+    """The names of `units` in `model`; a unit that is not a submodule, or that is inside another, refused in one
+    line (each unit is sharded, and wrapped, whole)."""
+    names = {module: name for name, module in model.named_modules()}
+    found = []
+    for unit in units:
+        if not names.get(unit):
+            raise UsageError(f"shard_units returned a {type(unit).__name__} that is not a submodule of the model")
+        found.append(names[unit])
+    for name in found:
+        outer = next((other for other in found if name.startswith(other + ".")), None)
+        if outer is not None:
+            raise UsageError(f"shard_units returned {name} inside {outer}: units must not nest (docs/adapting.md)")
+    return found
+
+
 class Sharding:
     """How train_fsdp.py shards a model: its device mesh (all ranks in one dimension) and its flags. Made once the
     process group is up; sharding(model, units) shards a bare model in place and returns it (Trainer.build calls it
@@ -101,19 +117,16 @@ class Sharding:
         from torch.distributed.fsdp import fully_shard
 
         units = list(units)
+        names = unit_names(model, units)
         self.described = describe_units(units)
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            wrapped, names = [], {module: name for name, module in model.named_modules()}
-            for unit in units:
-                if not names.get(unit):
-                    raise UsageError(
-                        f"shard_units returned a {type(unit).__name__} that is not a submodule of the model"
-                    )
+            wrapped = []
+            for unit, name in zip(units, names):
                 # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
                 wrapper = checkpoint_wrapper(unit, preserve_rng_state=True)
-                model.set_submodule(names[unit], wrapper)
+                model.set_submodule(name, wrapper)
                 wrapped.append(wrapper)
             units = wrapped
         if self.bf16 is not None:

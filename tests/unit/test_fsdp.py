@@ -120,11 +120,15 @@ def test_activation_checkpointing_gives_the_same_gradients(group_of_one):
     assert "--activation-checkpointing on" in trainer.shard.describe(trainer.model, trainer.optimizer)[0]
 
 
-def test_a_unit_that_is_not_a_submodule_is_refused_in_one_line(group_of_one):
-    """--activation-checkpointing puts each unit's wrapper where the unit is: shard_units' stray module is named."""
+def test_a_unit_that_is_not_a_submodule_or_is_inside_another_is_refused_in_one_line(group_of_one):
+    """--activation-checkpointing puts each unit's wrapper where the unit is: a stray module, or a unit inside
+    another, is named."""
     sharding = Sharding(parse("--activation-checkpointing", mode="fsdp"), cpu_runtime(mode="fsdp"))
     with pytest.raises(UsageError, match="^shard_units returned a Linear that is not a submodule of the model$"):
         sharding(BlockNet(3), [nn.Linear(2, 2)])
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    with pytest.raises(UsageError, match=r"^shard_units returned 0\.0 inside 0: units must not nest \(docs/adapting"):
+        sharding(model, [model[0], model[0][0]])  # (wrapped, the inner one was left out; sharded, a TypeError)
 
 
 def test_bf16_computes_in_bf16_with_batchnorm_in_float32(group_of_one):
