@@ -26,7 +26,7 @@ except ImportError:
     decode_image = None
 from torchvision.transforms.v2 import functional as F
 
-from . import distributed, run
+from . import distributed
 from .demo_data import ensure_demo_dataset
 from .errors import BadItem, Preempted, UsageError, import_named
 from .folder_index import FolderIndex, scan_image_folder
@@ -308,7 +308,7 @@ def this_node_s_copy(root, classes, train_files, val_files):
                 )
             else:
                 train_files, val_files = own_train, own_val
-    run.raise_any(error)
+    distributed.raise_any(error)
     return train_files, val_files
 
 
@@ -429,7 +429,7 @@ def load_splits(root):
     distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
     classes, train, val = first[0] if first else _splits(root)
     found = distributed.all_gather_object((classes, len(train), len(val)))
-    run.raise_any(
+    distributed.raise_any(
         None
         if all(other == found[0] for other in found)
         else (

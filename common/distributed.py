@@ -430,3 +430,19 @@ def flight_recorder_files():
     size, dump, files = ([os.environ.get(name) for name in names if os.environ.get(name)] for names in FLIGHT_RECORDER)
     on = (size or ["2000"])[0] != "0" and (dump or ["1"])[0] not in ("0", "false")
     return (files or [None])[0] if on else None
+
+
+def first_error(gathered):
+    """The first rank's error line (prefixed with its rank on the others), or None."""
+    for rank, facts in enumerate(gathered):
+        if facts["error"] is not None:
+            return facts["error"] if rank == get_rank() else f"rank {rank}: {facts['error']}"
+    return None
+
+
+def raise_any(error):
+    """A collective: every rank gives the error (a line) that stops it, or None; the first rank's is raised on
+    every rank, so none is left waiting for another."""
+    line = first_error(all_gather_object({"error": error}))
+    if line is not None:
+        raise UsageError(line)

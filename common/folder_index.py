@@ -30,8 +30,8 @@ class NameTable:
 
 
 class FolderIndex:
-    """(path, label) of every image file under root/<class>/, as a sequence. `names[k]` lists the files of class k
-    relative to its folder; they are held in a NameTable."""
+    """(path, label) of every image file under root/<class>/, as a sequence. The argument `names[k]` lists the files
+    of class k relative to its folder; they are held in one NameTable, `self.names`, by sample."""
 
     def __init__(self, root, classes, names):
         self.root, self.classes = str(root), list(classes)

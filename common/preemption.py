@@ -2,9 +2,9 @@
 
 SIGTERM (torchrun, Slurm, Kubernetes) and SIGUSR1 (Slurm's --signal) set a flag; the ranks agree on it with an
 all-reduce started at one step and read at the next, stop after the same step (in an epoch's last steps, before
-validation), checkpoint, and exit with PREEMPTED_EXIT_CODE (75). Still waiting for data a third of --stop-grace after
-the signal, or given a second signal SECOND_SIGNAL_AFTER s after the first, a process stops at once, never while a
-checkpoint is written. SIGINT stops at once (130). docs/failures.md has it all.
+validation), checkpoint, and exit 75 (before training: at once, common/launch.py). Waiting for data a third of
+--stop-grace after the signal, or given another signal SECOND_SIGNAL_AFTER s or more after the first (sooner: a copy), a
+process stops at once, never while writing a checkpoint. SIGINT: at once, 130.
 """
 
 import contextlib

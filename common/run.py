@@ -232,20 +232,12 @@ def resume_difference(per_rank):
     )
 
 
-def _first_error(gathered):
-    """The first rank's error line (prefixed with its rank on the others), or None."""
-    for rank, facts in enumerate(gathered):
-        if facts["error"] is not None:
-            return facts["error"] if rank == distributed.get_rank() else f"rank {rank}: {facts['error']}"
-    return None
-
-
 def check_start(config, error):
     """The job's first collective: every rank gives its arguments and the error that stopped its start-up (the
     writer's --output-dir locked by another run) or None. A difference, or any rank's error, is raised on every
     rank as one UsageError, so no rank is left waiting for another."""
     gathered = distributed.all_gather_object({"args": comparable_args(config), "error": error})
-    line = argument_difference([rank["args"] for rank in gathered]) or _first_error(gathered)
+    line = argument_difference([rank["args"] for rank in gathered]) or distributed.first_error(gathered)
     if line is not None:
         raise UsageError(line)
 
@@ -254,14 +246,6 @@ def check_resume(resumed_from, error):
     """Every rank gives the checkpoint it loaded (resume_facts) and the error of its loading or None: a rank's
     error, or ranks that loaded different checkpoints, are raised on every rank (a collective)."""
     gathered = distributed.all_gather_object({"resume": resumed_from, "error": error})
-    line = _first_error(gathered) or resume_difference([rank["resume"] for rank in gathered])
-    if line is not None:
-        raise UsageError(line)
-
-
-def raise_any(error):
-    """A collective: every rank gives the error (a line) that stops it, or None; the first rank's is raised on
-    every rank, so none is left waiting for another."""
-    line = _first_error(distributed.all_gather_object({"error": error}))
+    line = distributed.first_error(gathered) or resume_difference([rank["resume"] for rank in gathered])
     if line is not None:
         raise UsageError(line)

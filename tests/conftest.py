@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO))
 # In-process tests compute on one thread, as every job does (OMP_NUM_THREADS=1: clean_env): the other core is the jobs'
 # (started ahead, in the background), and OpenMP's threads would spin waiting for a core.
 os.environ["OMP_NUM_THREADS"] = "1"
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 from common import demo_data  # noqa: E402

@@ -12,7 +12,7 @@ from harness.jobs import assert_ok, run
 from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
-from benchmark_gpu import gpu_rows, progress_points, selected, steady, steady_start, trace_summary, window_figures  # noqa: E402
+from benchmark_gpu import gpu_rows, progress_points, selected, steady, steady_start, trace_summary, window_figures
 
 pytestmark = pytest.mark.e2e
 

@@ -577,8 +577,8 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
 
 def one_error_line(capsys, *args):
     """main() with these arguments, in this process (no second torch import): exit code 2 and one
-    line, no traceback."""
-    stop_handler = signal.getsignal(signal.SIGTERM)
+    line, no traceback; this process's signal handlers given back (pytest's SIGINT, what a fork inherits)."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(sys, "argv", [str(SCRIPT), *map(str, args)])
@@ -586,8 +586,10 @@ def one_error_line(capsys, *args):
                 code = prepare_imagenet.main()
             except SystemExit as exit:  # argparse's
                 code = exit.code
+        assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     finally:
-        signal.signal(signal.SIGTERM, stop_handler)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     out, err = capsys.readouterr()
     lines = (out + err).strip().splitlines()
     assert code == 2 and len(lines) == 1 and re.match(r"(prepare_imagenet\.py: )?error: ", lines[0]), (

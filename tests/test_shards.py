@@ -21,8 +21,8 @@ from harness.prewarm import worker_command
 from harness.processes import PYTHON, REPO, clean_env, free_port
 
 sys.path.insert(0, str(REPO / "tools"))
-import make_shards  # noqa: E402
-from common.shards import read_index, scan_shards  # noqa: E402
+import make_shards
+from common.shards import read_index, scan_shards
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.errors import UsageError  # noqa: E402
+from common.errors import UsageError
 
 
 def main(argv=None):

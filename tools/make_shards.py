@@ -30,21 +30,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.cli import Parser  # noqa: E402
-from common.datasets import scan_split_files, split_files  # noqa: E402
-from common.errors import UsageError  # noqa: E402
-from common.folder_index import scan_image_folder  # noqa: E402
-from common.run_dir import atomic_write  # noqa: E402
+from common.cli import Parser
+from common.datasets import scan_split_files, split_files
+from common.errors import UsageError
+from common.folder_index import scan_image_folder
+from common.run_dir import atomic_write
 from common.shards import (
     CLASSES,
     IMAGE_EXTENSIONS,
     MANIFEST,
     index_tar,
     read_index,
-    shard_stamp,  # noqa: E402
+    shard_stamp,
     write_index,
 )
-from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
+from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 
 def sample_key(relative):

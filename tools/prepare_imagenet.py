@@ -38,6 +38,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
@@ -51,11 +52,11 @@ from torchvision.datasets import imagenet
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import Parser  # noqa: E402
-from common.run_dir import atomic_write, link_or_copy  # noqa: E402  (written whole or not at all)
+from common.cli import Parser
+from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
-from common.shards import MANIFEST  # noqa: E402
-from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool  # noqa: E402
+from common.shards import MANIFEST
+from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 TRAIN_TAR, VAL_TAR, DEVKIT = (imagenet.ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
 OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
@@ -691,7 +692,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    stop_on_signals()
+    before = stop_on_signals()
     try:
         prepare(args)
         return 0
@@ -704,6 +705,9 @@ def main():
     except (KeyboardInterrupt, Stopped) as stopped:
         say("stopped: run the same command again to carry on")
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143
+    finally:  # (main() is called in-process by the tests)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

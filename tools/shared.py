@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.launch import end_with_launcher  # noqa: E402
+from common.launch import end_with_launcher
 
 
 class Stopped(BaseException):  # not an Exception, as KeyboardInterrupt: no `except Exception` takes it

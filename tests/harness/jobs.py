@@ -164,22 +164,26 @@ class Job:
             self.jobs.remove(self)
 
     def finish(self, timeout=300, grace=5):
-        """(returncode, output) once the job ended by itself within `timeout` s (else it is killed and
-        subprocess.TimeoutExpired raised). The processes of the job still alive `grace` s after it
-        ended are in self.left_behind, then killed."""
+        """(returncode, output) once the job ended by itself within `timeout` s (else it is killed and TimedOut, a
+        subprocess.TimeoutExpired, raised). The processes of the job still alive `grace` s after it ended are in
+        self.left_behind, then killed."""
         try:
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.at_timeout = described(self.leftovers())
-                raise
-            deadline = time.monotonic() + grace
-            while self.leftovers() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self.left_behind = self.leftovers()
+                self.at_timeout = "(not known)"
+                with contextlib.suppress(Exception):  # (the processes may end meanwhile)
+                    self.at_timeout = described(self.leftovers())
+            else:
+                deadline = time.monotonic() + grace
+                while self.leftovers() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.left_behind = self.leftovers()
         finally:
             self.kill()
             self.reader.join(timeout=30)  # the last lines: the pipe is closed once every process is gone
+        if self.at_timeout is not None:
+            raise TimedOut(self.process.args, timeout, "".join(self.output), self.at_timeout)
         return self.process.returncode, "".join(self.output)
 
 
@@ -188,10 +192,7 @@ def run(args, timeout=300, env=None, cwd=REPO, prewarmed=True):
     runs as a Job: on a timeout it is killed with every process it started (torchrun's workers,
     spawn's children, loader workers), whatever session they moved to."""
     job = Job(args, env=env, cwd=cwd, prewarmed=prewarmed)
-    try:
-        returncode, output = job.finish(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise TimedOut(job.process.args, timeout, "".join(job.output), job.at_timeout) from None
+    returncode, output = job.finish(timeout=timeout)
     return subprocess.CompletedProcess(job.process.args, returncode, output)
 
 

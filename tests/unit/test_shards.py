@@ -29,7 +29,7 @@ from conftest import parse
 from harness.processes import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
-import make_shards  # noqa: E402
+import make_shards
 
 
 @pytest.fixture(scope="module")
