@@ -21,8 +21,7 @@ from PIL import Image, ImageDraw
 
 from conftest import make_image_folder, tiny_folder
 from harness.ahead import SideBySide, ahead, once
-from harness.jobs import Job, no_traceback_of_ours, run
-from harness.prewarm import worker_command
+from harness.jobs import Job, no_traceback_of_ours, run, torchrun_command
 from harness.processes import PYTHON, REPO, clean_env, free_port, process_stat
 
 RUN = [
@@ -48,16 +47,7 @@ def launch(mode, *args):
     if mode == "dp":
         return [PYTHON, REPO / "train_dp.py", *args]
     if mode == "ddp":
-        return [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            *worker_command("train_ddp.py"),
-            *args,
-        ]
+        return torchrun_command("train_ddp.py", 2, *args)
     return [PYTHON, REPO / "train_spawn.py", "--nproc-per-node", "2", "--master-port", free_port(), *args]
 
 

@@ -14,7 +14,6 @@ from common.logger import DIAGNOSTICS
 from conftest import EXACT_MODEL, RECIPE, TINY, exact_folder, exact_run, log_rows, single_node_launches
 from harness.ahead import ahead, once
 from harness.jobs import Job, assert_ok, run_prewarmed, run_script, run_together, script_command, torchrun_command
-from harness.prewarm import worker_command
 from harness.processes import PYTHON, REPO, clean_env, free_port
 from tests.tiny_models import TinyNet
 
@@ -263,16 +262,7 @@ def test_a_rank_that_raises_ends_the_whole_job_quickly(tiny_data, tmp_path, laun
         "2",
     ]  # rank 1 raises at its third step; rank 0 waits
     if launcher == "torchrun":
-        command = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            *worker_command("train_ddp.py"),
-            *common,
-        ]
+        command = torchrun_command("train_ddp.py", 2, *common)
     else:
         command = [PYTHON, REPO / "train_spawn.py", *common, "--nproc-per-node", "2", "--master-port", free_port()]
     job = Job(command)

@@ -16,9 +16,8 @@ import torch
 from common.logger import MEASURED
 from conftest import log_rows, tiny_folder
 from harness.ahead import SideBySide, ahead, once
-from harness.jobs import Job
-from harness.prewarm import worker_command
-from harness.processes import PYTHON, REPO, clean_env, free_port
+from harness.jobs import Job, torchrun_command
+from harness.processes import PYTHON, REPO, clean_env
 
 pytestmark = pytest.mark.e2e
 
@@ -133,16 +132,7 @@ def tables(folder):
 
 
 def torchrun(*args):
-    return [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        *worker_command("train_ddp.py"),
-        *args,
-    ]
+    return torchrun_command("train_ddp.py", 2, *args)
 
 
 def finished(job):

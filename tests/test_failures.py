@@ -22,8 +22,8 @@ import torchvision
 
 from conftest import TINY, make_image_folder
 from harness.ahead import SideBySide, ahead, once
-from harness.jobs import Job, assert_ok, run, run_prewarmed, run_script
-from harness.prewarm import PrewarmedProcess, worker_command
+from harness.jobs import Job, assert_ok, run, run_prewarmed, run_script, torchrun_command
+from harness.prewarm import PrewarmedProcess
 from harness.processes import PYTHON, REPO, alive, clean_env, free_port, process_stat, processes_marked
 
 # mobilenet_v3_small keeps learning here and has dropout and BatchNorm: resuming must restore the RNG
@@ -156,24 +156,7 @@ def uninterrupted_runs(data, out):
     """The reference runs: single process, and two processes under torchrun."""
     jobs = {
         "dp": Job([PYTHON, REPO / "train_dp.py", *RUN, "-j", "1", "--data", data, "--output-dir", out / "dp"]),
-        "ddp": Job(
-            [
-                PYTHON,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-                *worker_command("train_ddp.py"),
-                *RUN,
-                "-j",
-                "0",
-                "--data",
-                data,
-                "--output-dir",
-                out / "ddp",
-            ]
-        ),
+        "ddp": Job(torchrun_command("train_ddp.py", 2, *RUN, "-j", "0", "--data", data, "--output-dir", out / "ddp")),
     }
     for job in jobs.values():
         returncode, output = job.finish()
@@ -206,15 +189,9 @@ def torchrun_interrupted_runs(data, out):
     SIGKILL to torchrun alone at epoch 2 step 11 and at once a relaunch, which goes on to the end."""
 
     def command(*extra, prewarmed=True):
-        return [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            *extra,
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            *worker_command("train_ddp.py", prewarmed=prewarmed),
+        return torchrun_command(
+            "train_ddp.py",
+            2,
             *RUN,
             "-j",
             "0",
@@ -224,7 +201,9 @@ def torchrun_interrupted_runs(data, out):
             out,
             "--resume",
             "auto",
-        ]
+            extra=extra,
+            prewarmed=prewarmed,
+        )
 
     stages = SimpleNamespace()
     job = Job(command("--max-restarts=1"))
@@ -295,14 +274,9 @@ def stalled_rank_run(data, out):
     from the stall to the first timeout message, from that message to the end of the job, and the job's
     (returncode, output)."""
     job = Job(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            *worker_command("train_ddp.py", prewarmed=False),
+        torchrun_command(
+            "train_ddp.py",
+            2,
             *TINY_NET,
             "--data",
             data,
@@ -312,7 +286,8 @@ def stalled_rank_run(data, out):
             "5",
             "--epochs",
             "50",
-        ]
+            prewarmed=False,
+        )
     )
     job.wait_for(at(0, 3), timeout=WAIT)
     os.kill(training_processes(job)[1], signal.SIGSTOP)
@@ -513,24 +488,9 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     """Fails on purpose, three times, and shows that nothing of the failed jobs is left. A job whose line
     never comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
     job = Job(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            *worker_command("train_ddp.py"),
-            *TINY_NET,
-            "-j",
-            "1",
-            "--data",
-            data,
-            "--output-dir",
-            tmp_path / "out",
-            "--epochs",
-            "50",
-        ]
+        torchrun_command(
+            "train_ddp.py", 2, *TINY_NET, "-j", "1", "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"
+        )
     )
     job.wait_for(at(0, 2))
     running = job.leftovers()
