@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from common.datasets import load_image
-from harness.jobs import assert_ok, run
+from harness.jobs import assert_ok, described, run
 from harness.processes import PYTHON, REPO, alive, clean_env, process_stat
 
 scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.mat is written with scipy")
@@ -279,19 +279,16 @@ def output_once_ended(process, timeout):
     try:
         return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        left = []
-        for entry in Path("/proc").glob("[0-9]*"):
-            fields = process_stat(entry.name)
-            if fields is not None and int(fields[2]) == process.pid:
-                with contextlib.suppress(OSError):
-                    left.append(
-                        f"{entry.name} ({fields[0]}, in {(entry / 'wchan').read_text()}): "
-                        + (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-                    )
+        group = [
+            int(entry.name)
+            for entry in Path("/proc").glob("[0-9]*")
+            if (fields := process_stat(entry.name)) is not None and int(fields[2]) == process.pid
+        ]
+        left = described(group)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGABRT)
         output, _ = process.communicate(timeout=30)
-        pytest.fail(f"not ended {timeout} s after: " + "; ".join(left) + f"\n{output}")
+        pytest.fail(f"not ended {timeout} s after: {left}\n{output}")
 
 
 def kill_group(process):
