@@ -153,6 +153,14 @@ def _data_flags(add):
         metavar="PKG.MOD:CLASS",
         help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)",
     )
+    add(
+        "--decode",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where JPEGs are decoded: cpu, in the loader workers; gpu, in batches on the training device, then "
+        "cropped and flipped there (nvJPEG on a GPU; no --auto-augment or --random-erase; measured slower than 15 "
+        "workers on an H200: docs/reference.md) (%(default)s)",
+    )
     add("--dummy", action="store_true", help="random tensors instead of images, for throughput only")
     add("--dummy-size", type=int, default=1281167, metavar="N", help="training images per --dummy epoch (%(default)s)")
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import distributed
+from . import device_loader, distributed
 from .augment import image_augmentation
 from .config import PRESETS
 from .datasets import ImageFiles, ItemCheck, SyntheticImages, first_item
@@ -123,6 +123,40 @@ def check_replaced(config, train):
         )
 
 
+def check_device_decode(datasets, train, val):
+    """--decode gpu: the JPEGs of our image sets, cropped, resized and flipped on the device by the default
+    transforms; anything else refused in one line."""
+    if device_loader.decode_jpeg is None:
+        import torchvision
+
+        raise UsageError(
+            f"--decode gpu needs torchvision.io.decode_jpeg, which torchvision {torchvision.__version__} lacks"
+        )
+    _, train_set, val_set = datasets
+    for split, dataset in (("train", train_set), ("val", val_set)):
+        if not isinstance(dataset, ImageFiles):
+            raise UsageError(
+                f"--decode gpu decodes the image files of --data, and the {split} set is a {type(dataset).__name__}: "
+                "leave --decode gpu out"
+            )
+    other = (
+        "build_transforms' own transform"
+        if not isinstance(train, TrainPreset)
+        else "the transforms added by build_transforms"
+        if train.added
+        else "--auto-augment or --random-erase"
+        if train.augmentation is not None
+        else None
+    )
+    if other:
+        raise UsageError(
+            f"--decode gpu crops and flips on the device after decoding, and runs no other transform: {other} "
+            "needs the images decoded in the loader workers (leave --decode gpu out)"
+        )
+    if not isinstance(val, EvalPreset):
+        raise UsageError("--decode gpu resizes and crops on the device: build_transforms replaced the validation one")
+
+
 def _wrapped(config, datasets, first, mean, seed, build_transforms):
     """The train and val sets as the loaders read them: unreadable items skipped (in training the next one takes
     a bad one's place, so every batch keeps its size; in validation it is left out, so none is counted twice;
@@ -131,6 +165,9 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
     floating = bool(first and first[3].is_floating_point)
     train_transform, val_transform = build_transforms(*default_transforms(config, floating, mean))
     check_replaced(config, train_transform)
+    if config.decode == "gpu":
+        check_device_decode(datasets, train_transform, val_transform)
+        train_set.defer_jpegs = val_set.defer_jpegs = True
 
     def skipping(dataset, split, replace):
         check = (
@@ -172,8 +209,8 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
         num_workers=workers,
         pin_memory=gpu,
         worker_init_fn=ignore_stop_signals,
-        # On the CPU the workers also normalise; on a GPU the batch goes there as it is.
-        collate_fn=Collate(normalise=None if gpu else normalise),
+        # On the CPU the workers also normalise; on a GPU (or decoded on the device) the batch goes there as it is.
+        collate_fn=Collate(normalise=None if gpu or config.decode == "gpu" else normalise),
         batch_size=micro_batch(config.batch_size, world_size, config.grad_accum_steps),
     )
     if workers and "fork" in multiprocessing.get_all_start_methods():

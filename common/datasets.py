@@ -14,6 +14,7 @@ import os
 import re
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +63,41 @@ def decode_bytes(data, extension):
 # then SIGSEGV: torchvision 0.29), where PIL raises an error that skips the file. A file is a JPEG by its first bytes.
 DECODED_BY_TORCHVISION = (".jpg", ".jpeg")
 JPEG_START = (0xFF, 0xD8, 0xFF)
+
+
+class EncodedJPEG(NamedTuple):
+    """--decode gpu: a JPEG read but not decoded, its size from its header. `plan` (transforms.py's (function, args))
+    says how its image is cropped once the device has decoded it; `name` is what a report calls it."""
+
+    data: torch.Tensor  # its bytes, uint8
+    height: int
+    width: int
+    name: str
+    plan: tuple = None
+
+    @property
+    def shape(self):
+        return (3, self.height, self.width)
+
+
+JPEG_END = (0xFF, 0xD9)
+DEVICE_DECODED_MODES = ("RGB", "L")  # YCbCr and greyscale; CMYK and YCCK JPEGs are decoded by the loader worker
+
+
+def encoded_jpeg(data, name):
+    """The EncodedJPEG of the bytes `data` where they are a whole JPEG (its first and last markers) of three or one
+    channels, as its header says; else None: a PNG under a .jpg name, CMYK, a file cut short stay the loader
+    worker's to decode (or to skip and name)."""
+    if bytes(data[:3]) != bytes(JPEG_START) or bytes(data[-2:]) != bytes(JPEG_END):
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != "JPEG" or image.mode not in DEVICE_DECODED_MODES:
+                return None
+            width, height = image.size
+    except Exception:  # (PIL raises OSError, ValueError, SyntaxError, ...: the worker's decoder says why)
+        return None
+    return EncodedJPEG(torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width, name)
 
 
 def _torchvision_decoded(encoded):
@@ -127,6 +163,8 @@ class ImageFiles(Dataset):
     load_image. A file that cannot be decoded raises UnreadableFile: SkipUnreadable skips it
     (common/data.py)."""
 
+    defer_jpegs = False  # --decode gpu (build_data sets it): a JPEG goes to the device as an EncodedJPEG
+
     def __init__(self, samples):
         self.samples = samples
 
@@ -135,7 +173,20 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index):
         path, label = self.samples[index]
+        if self.defer_jpegs and path.lower().endswith(DECODED_BY_TORCHVISION):
+            found = decoded(lambda: encoded_jpeg(Path(path).read_bytes(), path))
+            if found is not None:
+                return found, label
         return decoded(lambda: load_image(path)), label
+
+    def _decoded(self, data, extension, index):
+        """The image of a sample's encoded bytes, decoded as load_image decodes a file; with defer_jpegs, a JPEG the
+        device can decode is its EncodedJPEG instead."""
+        if self.defer_jpegs and f".{extension.lower()}" in DECODED_BY_TORCHVISION:
+            found = encoded_jpeg(data, self.name(index))
+            if found is not None:
+                return found
+        return decode_bytes(data, extension)
 
     def name(self, index):
         return self.samples[index][0]
@@ -153,7 +204,7 @@ class ShardedImages(ImageFiles):
     def __getitem__(self, index):
         shard, offset, size, extension = self.samples.location(index)
         member = self.samples.member(index)  # (its tar header, read with it, must name it: the index is this shard's)
-        image = decoded(lambda: decode_bytes(self.reader.read(shard, offset, size, member), extension))
+        image = decoded(lambda: self._decoded(self.reader.read(shard, offset, size, member), extension, index))
         return image, int(self.samples.labels[index])
 
 
@@ -162,7 +213,7 @@ class HFImages(ImageFiles):
     load_image decodes a file. A row that cannot be read or decoded raises UnreadableFile, named SPLIT[ROW]."""
 
     def __getitem__(self, index):
-        return decoded(lambda: decode_bytes(*self.samples.encoded(index))), int(self.samples.labels[index])
+        return decoded(lambda: self._decoded(*self.samples.encoded(index), index)), int(self.samples.labels[index])
 
     def name(self, index):
         return self.samples.name(index)

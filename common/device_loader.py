@@ -6,8 +6,14 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
-from .datasets import SyntheticImages
+from .datasets import EncodedJPEG, SyntheticImages, decode_bytes
 from .preemption import waiting_for_data
+from .transforms import planned
+
+try:
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:  # (gone from a torchvision to come: --decode gpu then says so, common/data.py)
+    decode_jpeg = None
 
 
 class Collate:
@@ -23,10 +29,62 @@ class Collate:
         samples = [(image, label) for image, label, _ in samples if image is not None]
         if not samples:
             return None, None, bad
+        if any(isinstance(image, EncodedJPEG) for image, _ in samples):
+            return EncodedBatch(samples), torch.tensor([label for _, label in samples]), bad
         images, target = default_collate(samples)
         if self.normalise is not None:
             images = self.normalise(images)
         return images, target, bad
+
+
+class EncodedBatch:
+    """--decode gpu: a batch whose JPEGs travel encoded (their bytes in one buffer), to be decoded on the device; the
+    images its loader worker decoded (those the device does not: CMYK, a PNG) travel as they are."""
+
+    def __init__(self, samples):
+        jpegs = [(k, image) for k, (image, _) in enumerate(samples) if isinstance(image, EncodedJPEG)]
+        ready = [(k, image) for k, (image, _) in enumerate(samples) if not isinstance(image, EncodedJPEG)]
+        self.size, self.data = len(samples), torch.cat([image.data for _, image in jpegs])
+        self.jpegs = [(k, len(image.data), image.plan, image.name) for k, image in jpegs]
+        self.ready_at = [k for k, _ in ready]
+        self.ready = torch.stack([image for _, image in ready]) if ready else None
+
+    def pin_memory(self):  # (DataLoader's pin_memory: the decoded part; nvJPEG reads the bytes where they are)
+        self.ready = self.ready.pin_memory() if self.ready is not None else None
+        return self
+
+    def decode(self, device):
+        """(images, kept, bad) on `device`: the JPEGs decoded there in one call (nvJPEG on a GPU), each cropped as its
+        plan says, with the ready images in their places. A JPEG the device cannot decode is decoded by the CPU; one
+        that neither can is left out (`kept`: the positions that remain; `bad`: (name, reason) of the others)."""
+        parts = list(torch.split(self.data, [size for _, size, _, _ in self.jpegs]))
+        try:
+            images = decode_jpeg(parts, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # one JPEG fails the whole call: each on its own
+            images = [_decoded_one(part, device) for part in parts]
+        slots = [None] * self.size
+        for (k, _, plan, _), image in zip(self.jpegs, images):
+            slots[k] = planned(image, plan) if image is not None else None
+        if self.ready is not None:
+            for k, image in zip(self.ready_at, self.ready.to(device, non_blocking=True)):
+                slots[k] = image
+        kept = [k for k, image in enumerate(slots) if image is not None]
+        bad = [
+            (name, "neither the device nor the CPU can decode it") for k, _, _, name in self.jpegs if slots[k] is None
+        ]
+        return (torch.stack([slots[k] for k in kept]) if kept else None), kept, bad
+
+
+def _decoded_one(encoded, device):
+    """One JPEG decoded on `device`, else by the CPU as a loader worker decodes it, else None."""
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        pass
+    try:
+        return decode_bytes(encoded.numpy().tobytes(), "jpg").to(device)
+    except Exception:  # (decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...)
+        return None
 
 
 class DeviceLoader:
@@ -46,6 +104,11 @@ class DeviceLoader:
         return len(self.loader)
 
     def _prepare(self, images, target):
+        if isinstance(images, EncodedBatch):
+            images, kept, bad = images.decode(self.device)
+            if bad and self.on_bad is not None:
+                self.on_bad(bad)
+            target = target[kept] if len(kept) < len(target) else target
         if images is None:
             return None, None
         images = images.to(self.device, non_blocking=True)
@@ -78,7 +141,8 @@ class DeviceLoader:
 
     def __iter__(self):
         if self.device.type != "cuda":
-            return (self._prepare(images, target) for images, target in self._batches())
+            batches = (self._prepare(images, target) for images, target in self._batches())
+            return (batch for batch in batches if batch[0] is not None or self.keep_empty)
         return self._prefetching()
 
     def _prefetching(self):
@@ -100,7 +164,8 @@ class DeviceLoader:
                 images.record_stream(torch.cuda.current_stream(self.device))
                 target.record_stream(torch.cuda.current_stream(self.device))
             upcoming = load_next()
-            yield images, target
+            if images is not None or self.keep_empty:  # (a batch of JPEGs that no decoder could read is none)
+                yield images, target
 
 
 class SyntheticOnDevice(DeviceLoader):

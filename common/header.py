@@ -46,6 +46,9 @@ def start_lines(trainer):
         if isinstance(trainer._train_batches, SyntheticOnDevice)
         else f"{data.train_loader.num_workers} loader worker(s) per process"
     )
+    if config.decode == "gpu":
+        on = "the GPU (nvJPEG)" if runtime.device.type == "cuda" else "the CPU, by the training process"
+        made += f", JPEGs decoded, cropped and flipped on {on}: --decode gpu"
     lines.append(
         f"data: {source} ({len(data.classes)} classes, {len(data.train_loader.dataset)} train / "
         f"{len(data.val_loader.dataset)} val images, {made}), normalised with {data.normalisation}"

@@ -243,7 +243,8 @@ class Trainer:
             seeding.RandomStreams(runtime.devices),
             data.BadImageLog(runtime.rank, runtime.world_size),
         )
-        on_device = self._data.normalise if device.type == "cuda" else None  # on the CPU the loader workers did it
+        # On the CPU the loader workers normalise, unless the batches are decoded here (--decode gpu).
+        on_device = self._data.normalise if device.type == "cuda" or config.decode == "gpu" else None
         self._train_batches, self._val_batches = (
             device_batches(loader, device, self._channels_last, report, on_device, keep_empty=self.shard is not None)
             for loader, report in (

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as F
 
 from .augment import seeded
+from .datasets import EncodedJPEG
 from .errors import UsageError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -80,19 +81,11 @@ class TrainPreset:
         return (height - h) // 2, (width - w) // 2, h, w
 
     def __call__(self, image, rng):
-        top, left, height, width = self.crop_box(*image.shape[-2:], rng)
-        image = F.resized_crop(
-            image,
-            top,
-            left,
-            height,
-            width,
-            [self.crop_size, self.crop_size],
-            interpolation=self.interpolation,
-            antialias=True,
-        )
-        if rng.random() < self.hflip_prob:
-            image = F.horizontal_flip(image)
+        box = self.crop_box(*image.shape[-2:], rng)
+        plan = (crop_and_flip, (box, self.crop_size, rng.random() < self.hflip_prob, self.interpolation))
+        if isinstance(image, EncodedJPEG):  # --decode gpu: cropped and flipped where it is decoded (build_data
+            return image._replace(plan=plan)  # refuses the transforms below with it)
+        image = planned(image, plan)
         if self.added:
             with seeded(rng):
                 for transform in self.added:
@@ -112,9 +105,26 @@ class EvalPreset:
         self.interpolation = F.InterpolationMode(interpolation)
 
     def __call__(self, image, _rng=None):
-        return F.center_crop(
-            F.resize(image, [self.resize_size], interpolation=self.interpolation, antialias=True), [self.crop_size]
-        )
+        plan = (resize_and_crop, (self.resize_size, self.crop_size, self.interpolation))
+        return image._replace(plan=plan) if isinstance(image, EncodedJPEG) else planned(image, plan)
+
+
+def crop_and_flip(image, box, size, flip, interpolation):
+    """TrainPreset's crop of `box` (top, left, height, width) resized to size x size, flipped where `flip`."""
+    image = F.resized_crop(image, *box, [size, size], interpolation=interpolation, antialias=True)
+    return F.horizontal_flip(image) if flip else image
+
+
+def resize_and_crop(image, resize_size, crop_size, interpolation):
+    """EvalPreset's: the shorter side resized to `resize_size`, the centre `crop_size` square cut out."""
+    return F.center_crop(F.resize(image, [resize_size], interpolation=interpolation, antialias=True), [crop_size])
+
+
+def planned(image, plan):
+    """`image` transformed by a preset's plan, (function, args): in the loader worker, or on the device after it
+    decoded an EncodedJPEG (--decode gpu)."""
+    function, args = plan
+    return function(image, *args)
 
 
 class SeededTransform(Dataset):

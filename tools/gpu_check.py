@@ -397,6 +397,56 @@ def check_profile(setup, row):
     row.result = f"PASS ({len(events)} events, {len(kernels)} CUDA kernels)"
 
 
+# --decode gpu against the loader workers' decoding: nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's, so
+# pixels differ by a few levels; a wrong crop, flip or channel order differs by tens on average.
+MAX_MEAN_DECODE_DIFFERENCE = 2.0  # levels of 255
+
+
+def check_decode_pixels(setup, row):
+    """--decode gpu's training and validation images of 500x375 photo-like JPEGs (and a greyscale one) against those of
+    the loader workers (the CPU's decoder, the same seeded crops and flips); then the rate of EncodedBatch.decode on
+    a batch of 256 (the training process's share of the work)."""
+    import random
+
+    import torch
+    from PIL import Image
+
+    from benchmark import make_jpegs  # (tools/benchmark.py)
+    from common.datasets import decode_bytes, encoded_jpeg
+    from common.device_loader import EncodedBatch
+    from common.transforms import EvalPreset, TrainPreset
+
+    device = torch.device("cpu" if setup.cpu else "cuda")
+    paths = sorted(make_jpegs(setup.workdir / "photos", per_class=24, classes=1).rglob("*.jpg"))
+    Image.open(paths[0]).convert("L").save(setup.workdir / "grey.jpg", quality=90)
+    paths.append(setup.workdir / "grey.jpg")
+    worst, mean = 0, 0.0
+    for preset in (TrainPreset(224), EvalPreset(256, 224)):
+        encoded = [encoded_jpeg(path.read_bytes(), path.name) for path in paths]
+        if None in encoded:
+            raise CheckFailed(f"{paths[encoded.index(None)].name} would be decoded by the loader workers")
+        samples = [(preset(jpeg, random.Random(k)), 0) for k, jpeg in enumerate(encoded)]
+        expected = torch.stack(
+            [preset(decode_bytes(path.read_bytes(), "jpg"), random.Random(k)) for k, path in enumerate(paths)]
+        )
+        images, kept, bad = EncodedBatch(samples).decode(device)
+        if bad or len(kept) != len(paths):
+            raise CheckFailed(f"not decoded on the device: {bad}")
+        difference = (images.cpu().int() - expected.int()).abs()
+        worst, mean = max(worst, int(difference.max())), max(mean, float(difference.float().mean()))
+    if mean > MAX_MEAN_DECODE_DIFFERENCE:
+        raise CheckFailed(f"pixels differ by {mean:.2f} levels on average (at most {worst}) from the CPU's")
+    batch = EncodedBatch([samples[k % len(samples)] for k in range(256)])
+    batch.decode(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        batch.decode(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rate = 5 * 256 / (time.perf_counter() - start)
+    row.result = f"PASS (pixels: at most {worst}, on average {mean:.2f} levels from the CPU's; decode {rate:.0f} img/s)"
+
+
 def check_out_of_memory(setup, row):
     """A step that runs out of memory: exit 1 and one line with the levers; on a GPU, the snapshot it names holds the
     allocator's segments and (--memory-history) its history."""
@@ -490,6 +540,8 @@ def rows_for(setup, quick):
                         ("--trainer", "examples.confusion_matrix:PerClass"),
                     )
                 )
+            if mode in ("dp1", "ddp") and data == "jpeg" and not setup.cpu:  # JPEGs decoded by nvJPEG, on the GPU
+                rows.append(Row(f"{mode} {data} decode-gpu", mode, data, ("--decode", "gpu", "--amp", amp)))
             if mode in ("ddp", "fsdp") and data == "jpeg" and not setup.cpu:  # (the CPU's: make test)
                 # Accumulation skips the sync on all but each step's last micro-batch: DDP's no_sync around a compiled
                 # model, FSDP2's set_requires_gradient_sync.
@@ -537,6 +589,7 @@ def main(argv=None):
         (Row("fsdp losses = ddp losses", "fsdp", "jpeg"), check_fsdp_matches_ddp),
         (Row("profile trace", "ddp", "jpeg"), check_profile),
         (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory),
+        (Row("decode-gpu pixels vs the CPU's", "dp1", "jpeg"), check_decode_pixels),
     ]
     if setup.gpus > 1:
         checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))

@@ -484,6 +484,26 @@ def started(*argv, trainer=Trainer):
     return start_run(trainer(parse(*argv), cpu_runtime()))
 
 
+def test_decode_gpu_trains_the_weights_of_the_loader_workers_decoding_and_resumes_mid_epoch_alike(tiny_data, tmp_path):
+    """--decode gpu on the CPU (the training process decodes, crops and flips; the Trainer normalises there): the run
+    of the loader workers' decoding, bit for bit, also when it crashed mid-epoch and resumed."""
+    flags = [*SMALL[: SMALL.index("--dataset")], *TINY_NET, "--epochs", "2", "--checkpoint-interval", "2"]
+    whole = started(*flags, "--data", tiny_data, "--output-dir", tmp_path / "whole")
+    whole.fit(whole.model, whole.model)
+    StopsAt.stop_at = 9
+    crashed = started(*flags, "--data", tiny_data, "--decode", "gpu", "--output-dir", tmp_path / "gpu", trainer=StopsAt)
+    with pytest.raises(Crash):
+        crashed.fit(crashed.model, crashed.model)
+    resumed = started(
+        *flags, "--data", tiny_data, "--decode", "gpu", "--output-dir", tmp_path / "gpu", "--resume", "auto"
+    )
+    assert (resumed.start_epoch, resumed.start_step) == (1, 2)  # (6 steps an epoch; the checkpoint after the 8th)
+    resumed.fit(resumed.model, resumed.model)
+    ends = [torch.load(tmp_path / name / "checkpoint.pth", weights_only=True) for name in ("whole", "gpu")]
+    assert all(torch.equal(ends[0]["state_dict"][name], ends[1]["state_dict"][name]) for name in ends[0]["state_dict"])
+    assert log_rows(tmp_path / "whole")[-1] == log_rows(tmp_path / "gpu")[-1]
+
+
 def log_rows(folder):
     with open(folder / "log.csv", newline="") as file:
         return [{name: value for name, value in row.items() if name not in MEASURED} for row in csv.DictReader(file)]

@@ -14,7 +14,7 @@ from PIL import Image
 
 from common.data import BadImageLog, SkipUnreadable, build_data, loader_workers, per_process_batch, printable
 from common.datasets import ImageFiles, build_datasets, load_image
-from common.device_loader import Collate
+from common.device_loader import Collate, DeviceLoader
 from common.errors import UnreadableImage, UsageError
 from common.preemption import StopNow
 from common.samplers import RepeatedAugmentationSampler
@@ -313,3 +313,63 @@ def test_the_reason_says_no_file_object_of_pil_s():
         describe(OSError("cannot identify image file <_io.BufferedReader name='/d/a.jpg'>"))
         == "cannot identify image file"
     )
+
+
+def decode_gpu_batches(root, decode, reported):
+    """Every training batch of epoch 1 and every validation batch of `root` with --decode `decode`, on the CPU, as
+    the Trainer makes them: a loader worker (a real process), then DeviceLoader (channels-last)."""
+    config = parse("--data", root, "--decode", decode, "-j", "1", "-b", "4", "--seed", "0", "--train-crop-size", "48")
+    data = build_data(config, build_datasets(config), 0, cpu_runtime())
+    data.train_sampler.set_epoch(1)
+    data.train_loader.dataset.set_epoch(1)
+    normalise = data.normalise if decode == "gpu" else None
+    val_set = data.val_loader.dataset
+    kinds = sorted(type(val_set[k][0]).__name__ for k in range(len(val_set)))  # (what the workers hand over)
+    return kinds, [
+        list(DeviceLoader(loader, torch.device("cpu"), True, reported.extend, normalise))
+        for loader in (data.train_loader, data.val_loader)
+    ]
+
+
+def test_decode_gpu_on_the_cpu_gives_the_loader_workers_batches_bit_for_bit(files, tmp_path):
+    """--decode gpu: the JPEGs travel encoded and are decoded, cropped and flipped where the model is (here the CPU:
+    the same decoder), with each image's own seeded box and flip; a CMYK JPEG and a PNG under a .jpg name are the
+    loader worker's, a truncated file is skipped and named in both. Once the flip was drawn after the crop's
+    transform ran in one path and before it in the other."""
+    root = shutil.copytree(files[0].rsplit("/train/", 1)[0], tmp_path / "data")
+    make_image_folder(root, train_per_class=3, val_per_class=2, num_classes=2)  # (adds classes beside circle)
+    for split in ("train", "val"):
+        for name in ("cmyk.jpg", "gray.jpg", "png-inside.jpg", "truncated.jpg"):
+            shutil.copy(root / name, root / split / "circle" / f"odd-{name}")
+    found = {decode: [] for decode in ("cpu", "gpu")}
+    kinds, batches = {}, {}
+    for decode in found:
+        kinds[decode], batches[decode] = decode_gpu_batches(root, decode, found[decode])
+    count = len(kinds["cpu"])
+    assert kinds["cpu"] == ["NoneType"] + ["Tensor"] * (count - 1)
+    assert kinds["gpu"] == ["EncodedJPEG"] * (count - 3) + ["NoneType"] + ["Tensor"] * 2  # (CMYK, PNG: the worker's)
+    for split, (cpu, gpu) in enumerate(zip(batches["cpu"], batches["gpu"])):
+        assert len(cpu) == len(gpu) > 1, split
+        for (images, target), (images_gpu, target_gpu) in zip(cpu, gpu):
+            assert torch.equal(images, images_gpu) and torch.equal(target, target_gpu)
+            assert images_gpu.is_contiguous(memory_format=torch.channels_last)
+    assert sorted(found["gpu"]) == sorted(found["cpu"]) and len(found["cpu"]) == 2  # the truncated one, twice
+
+
+def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatch):
+    with pytest.raises(UsageError, match=r"^--decode gpu decodes JPEGs, and --dummy has none"):
+        parse("--dummy", "--decode", "gpu")
+    config = parse("--data", tiny_data, "--decode", "gpu", "--auto-augment", "ta_wide")
+    with pytest.raises(UsageError, match=r"^--decode gpu crops and flips .*: --auto-augment or --random-erase needs"):
+        build_data(config, build_datasets(config), 0, cpu_runtime())
+    config = parse("--data", tiny_data, "--decode", "gpu")
+    classes, train_set, val_set = build_datasets(config)
+    with pytest.raises(UsageError, match=r"^--decode gpu decodes the image files of --data, and the train set is a"):
+        build_data(config, (classes, [(torch.zeros(3, 8, 8), 0)], val_set), 0, cpu_runtime())
+    with pytest.raises(UsageError, match=r"^--decode gpu .*: the transforms added by build_transforms needs"):
+        build_data(config, (classes, train_set, val_set), 0, cpu_runtime(), lambda t, v: (t.then(lambda x: x), v))
+    monkeypatch.setattr("common.device_loader.decode_jpeg", None)  # (torchvision's decoders are deprecated)
+    with pytest.raises(
+        UsageError, match=r"^--decode gpu needs torchvision.io.decode_jpeg, which torchvision \S+ lacks$"
+    ):
+        build_data(config, (classes, train_set, val_set), 0, cpu_runtime())

@@ -4,6 +4,7 @@ Face dataset on disk (save_to_disk's, or the Hub's parquet files) gives the item
 from, in its order; parquet is read through datasets' arrow copy, made once; what the data lacks, and the missing
 `datasets` package, each get one line; a row that cannot be decoded is named SPLIT[ROW]."""
 
+import io
 import re
 import sys
 
@@ -367,3 +368,21 @@ def test_without_the_datasets_package_one_line_names_the_file_to_install(folder,
         r"pip install -r requirements-hf.txt$",
     ):
         build_datasets(parse("--data", copy))
+
+
+def test_a_jpeg_goes_to_the_device_encoded_only_where_it_is_whole_and_of_one_or_three_channels():
+    """--decode gpu: the loader worker reads a JPEG's size from its header and hands over its bytes; a CMYK JPEG, a PNG
+    under a .jpg name and a file cut short (no end marker) are the worker's to decode, as without the flag."""
+    from common.datasets import encoded_jpeg
+
+    def saved(mode, fmt="JPEG"):
+        buffer = io.BytesIO()
+        Image.new(mode, (30, 20), {"L": 90, "CMYK": (0, 200, 200, 0)}.get(mode, (200, 30, 30))).save(buffer, fmt)
+        return buffer.getvalue()
+
+    found = encoded_jpeg(saved("RGB"), "a.jpg")
+    assert (found.height, found.width, found.name, found.shape) == (20, 30, "a.jpg", (3, 20, 30))
+    assert bytes(found.data.numpy()) == saved("RGB") and found.plan is None
+    assert encoded_jpeg(saved("L"), "grey.jpg").shape == (3, 20, 30)
+    for data in (saved("CMYK"), saved("RGB", "PNG"), saved("RGB")[:-2], b"", b"\xff\xd8\xff\xd9"):
+        assert encoded_jpeg(data, "x.jpg") is None

@@ -2,12 +2,17 @@
 arithmetic in the loader workers (CPU) and on the device (GPU), channels-last when asked, and a batch lost with its
 worker reported as the dead worker, in one line."""
 
+import io
+import random
+
+import numpy as np
 import pytest
 import torch
 
+from common.datasets import encoded_jpeg
 from common.device_loader import Collate, DeviceLoader, equal_forwards
 from common.launch import known_failure
-from common.transforms import Normalise
+from common.transforms import Normalise, TrainPreset
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -117,3 +122,35 @@ def test_synthetic_batches_made_on_the_device_are_the_loaders_batches_resumed_an
     assert type(device_batches(loader, cpu)) is DeviceLoader
     images = DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 3, 2, 2)), batch_size=2)
     assert type(device_batches(images, torch.device("cuda"))) is DeviceLoader
+
+
+def jpeg(seed, size=(24, 32)):
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def test_a_jpeg_that_no_decoder_reads_is_left_out_of_its_batch_and_named():
+    """--decode gpu: a JPEG whose header passes (the loader worker does not decode it) but whose Huffman table is
+    broken fails the device's decoder and the CPU's; it is left out of its batch and reported, its label with it.
+    A batch of it alone is no batch."""
+    good = jpeg(0)
+    start = good.index(b"\xff\xc4") + 5  # (the first Huffman table's counts)
+    broken = good[:start] + b"\xff" * 16 + good[start + 16 :]
+    samples = [encoded_jpeg(data, name) for data, name in [(good, "good.jpg"), (broken, "broken.jpg")]]
+    assert None not in samples
+    preset = TrainPreset(16)
+    batch = Collate()(
+        [(preset(image, random.Random(k)), label, ()) for k, (image, label) in enumerate(zip(samples, [3, 4]))]
+    )
+    reported = []
+    ((images, target),) = list(
+        DeviceLoader([batch], torch.device("cpu"), on_bad=reported.extend, normalise=Normalise())
+    )
+    assert images.shape == (1, 3, 16, 16) and target.tolist() == [3]
+    assert reported == [("broken.jpg", "neither the device nor the CPU can decode it")]
+    alone = Collate()([(preset(samples[1], random.Random(0)), 4, ())])
+    assert list(DeviceLoader([alone], torch.device("cpu"), on_bad=reported.extend, normalise=Normalise())) == []

@@ -148,3 +148,12 @@ def test_a_pretrained_model_on_1_channel_images_of_3_classes_says_what_was_chang
         "; changed for this data: fc: 1000 -> 3 classes, new weights; conv1: 3 -> 1 channels, RGB filters summed"
     ), line
     assert trainer.train_one_epoch(trainer.model, epoch=0)["count"] == 4
+
+
+def test_decode_gpu_says_where_the_jpegs_are_decoded(tiny_data):
+    lines = start_lines(built_trainer(*TINY_NET, "--epochs", "1", "-b", "4", "--data", tiny_data, "--decode", "gpu"))
+    data = next(line for line in lines if line.startswith("data: "))
+    assert data.endswith(
+        "0 loader worker(s) per process, JPEGs decoded, cropped and flipped on the CPU, by the training process: "
+        "--decode gpu), normalised with mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"
+    )
