@@ -53,7 +53,7 @@ benchmark: $(STAMP)
 	$(PY) tools/benchmark.py
 
 # The GPU at steady state (ResNet-50, ViT-B/16, from synthetic data and JPEGs): one table under OUT/benchmark-gpu or
-# ./benchmark-gpu, about 7 min on one H100. Without a GPU it says so and exits 0.
+# ./benchmark-gpu, about 8 min on one H100 or H200 (estimated from its rows' times). Without a GPU it says so and exits 0.
 benchmark-gpu: $(STAMP)
 	$(PY) tools/benchmark_gpu.py
 
