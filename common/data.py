@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from . import device_loader, distributed
 from .augment import image_augmentation
 from .config import PRESETS
-from .datasets import ImageFiles, ItemCheck, SyntheticImages, first_item
+from .datasets import HFImages, ImageFiles, ItemCheck, ShardedImages, SyntheticImages, first_item, printable
 from .device_loader import Collate
 from .errors import BadItem, Preempted, UnreadableImage, UsageError, say
 from .preemption import ignore_stop_signals
@@ -134,7 +134,7 @@ def check_device_decode(datasets, train, val):
         )
     _, train_set, val_set = datasets
     for split, dataset in (("train", train_set), ("val", val_set)):
-        if not isinstance(dataset, ImageFiles):
+        if type(dataset) not in (ImageFiles, ShardedImages, HFImages):  # (a subclass may read its files its own way)
             raise UsageError(
                 f"--decode gpu decodes the image files of --data, and the {split} set is a {type(dataset).__name__}: "
                 "leave --decode gpu out"
@@ -243,11 +243,6 @@ MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but 
 
 # Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
-
-
-def printable(path):
-    """A file name that is not UTF-8 (its bytes kept as surrogates), with those bytes escaped."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def describe(error):

@@ -100,6 +100,11 @@ def encoded_jpeg(data, name):
     return EncodedJPEG(torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width, name)
 
 
+def printable(path):
+    """A file name that is not UTF-8 (its bytes kept as surrogates), with those bytes escaped."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _torchvision_decoded(encoded):
     """torchvision.io's RGB uint8 image of JPEG bytes (a uint8 tensor), or None where they are no JPEG (a PNG under a
     .jpg name) or it cannot decode them."""

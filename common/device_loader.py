@@ -6,7 +6,8 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
-from .datasets import EncodedJPEG, SyntheticImages, decode_bytes
+from .datasets import EncodedJPEG, SyntheticImages, decode_bytes, printable
+from .errors import UnreadableImage
 from .preemption import waiting_for_data
 from .transforms import planned
 
@@ -57,11 +58,15 @@ class EncodedBatch:
         """(images, kept, bad) on `device`: the JPEGs decoded there in one call (nvJPEG on a GPU), each cropped as its
         plan says, with the ready images in their places. A JPEG the device cannot decode is decoded by the CPU; one
         that neither can is left out (`kept`: the positions that remain; `bad`: (name, reason) of the others)."""
-        parts = list(torch.split(self.data, [size for _, size, _, _ in self.jpegs]))
+        parts, reasons = list(torch.split(self.data, [size for _, size, _, _ in self.jpegs])), {}
+        if device.type == "cuda":
+            # nvJPEG writes its outputs on a stream of its own, taken from this stream's free memory without waiting
+            # for the work queued here (pytorch/vision#9606): a batch's crops still running would be overwritten.
+            torch.cuda.current_stream(device).synchronize()
         try:
             images = decode_jpeg(parts, mode=ImageReadMode.RGB, device=device)
         except RuntimeError:  # one JPEG fails the whole call: each on its own
-            images = [_decoded_one(part, device) for part in parts]
+            images = [_decoded_one(part, device, reasons, k) for k, part in enumerate(parts)]
         slots = [None] * self.size
         for (k, _, plan, _), image in zip(self.jpegs, images):
             slots[k] = planned(image, plan) if image is not None else None
@@ -69,21 +74,21 @@ class EncodedBatch:
             for k, image in zip(self.ready_at, self.ready.to(device, non_blocking=True)):
                 slots[k] = image
         kept = [k for k, image in enumerate(slots) if image is not None]
-        bad = [
-            (name, "neither the device nor the CPU can decode it") for k, _, _, name in self.jpegs if slots[k] is None
-        ]
+        bad = [(name, reasons[j]) for j, (k, _, _, name) in enumerate(self.jpegs) if slots[k] is None]
         return (torch.stack([slots[k] for k in kept]) if kept else None), kept, bad
 
 
-def _decoded_one(encoded, device):
-    """One JPEG decoded on `device`, else by the CPU as a loader worker decodes it, else None."""
+def _decoded_one(encoded, device, reasons, index):
+    """One JPEG decoded on `device`, else by the CPU as a loader worker decodes it, else None (the CPU decoder's
+    reason in reasons[index])."""
     try:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
         pass
     try:
         return decode_bytes(encoded.numpy().tobytes(), "jpg").to(device)
-    except Exception:  # (decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...)
+    except Exception as error:  # (decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...)
+        reasons[index] = " ".join(str(error).split()) or type(error).__name__
         return None
 
 
@@ -95,10 +100,15 @@ class DeviceLoader:
     GPU, and the copy of the next batch runs on a side stream while the current one computes. On the CPU
     the loader workers have normalised them. The files skipped as undecodable go to on_bad(list of (path, reason))."""
 
-    def __init__(self, loader, device, channels_last=False, on_bad=None, normalise=None, keep_empty=False):
+    def __init__(
+        self, loader, device, channels_last=False, on_bad=None, normalise=None, keep_empty=False, undecodable="skip"
+    ):
         self.loader, self.device, self.channels_last, self.on_bad = loader, device, channels_last, on_bad
         self.keep_empty = keep_empty  # a batch of unreadable files alone as (None, None), not left out
         self.normalise = normalise.to(device) if normalise is not None else None
+        # --decode gpu, a JPEG that no decoder reads: "skip" (validation: left out, reported), "end" (training: no other
+        # image can take its place here, so the run ends), "strict" (--strict-data's end)
+        self.undecodable = undecodable
 
     def __len__(self):
         return len(self.loader)
@@ -106,6 +116,16 @@ class DeviceLoader:
     def _prepare(self, images, target):
         if isinstance(images, EncodedBatch):
             images, kept, bad = images.decode(self.device)
+            if bad and self.undecodable != "skip":
+                raise UnreadableImage(
+                    f"cannot decode {printable(bad[0][0])} ({bad[0][1]}); "
+                    + (
+                        "without --strict-data such files are skipped and listed in bad_images.txt"
+                        if self.undecodable == "strict"
+                        else "--decode gpu found it in a training batch, where no other image can take its place: "
+                        "--decode cpu skips such a file and lists it in bad_images.txt"
+                    )
+                )
             if bad and self.on_bad is not None:
                 self.on_bad(bad)
             target = target[kept] if len(kept) < len(target) else target

@@ -246,10 +246,18 @@ class Trainer:
         # On the CPU the loader workers normalise, unless the batches are decoded here (--decode gpu).
         on_device = self._data.normalise if device.type == "cuda" or config.decode == "gpu" else None
         self._train_batches, self._val_batches = (
-            device_batches(loader, device, self._channels_last, report, on_device, keep_empty=self.shard is not None)
-            for loader, report in (
-                (self._data.train_loader, self._bad_images.report),
-                (self._data.val_loader, self._bad_images.report_validation),
+            device_batches(
+                loader,
+                device,
+                self._channels_last,
+                report,
+                on_device,
+                keep_empty=self.shard is not None,
+                undecodable="strict" if config.strict_data else undecodable,
+            )
+            for loader, report, undecodable in (
+                (self._data.train_loader, self._bad_images.report, "end"),
+                (self._data.val_loader, self._bad_images.report_validation, "skip"),
             )
         )
         return self

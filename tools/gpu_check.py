@@ -447,6 +447,43 @@ def check_decode_pixels(setup, row):
     row.result = f"PASS (pixels: at most {worst}, on average {mean:.2f} levels from the CPU's; decode {rate:.0f} img/s)"
 
 
+def check_decode_while_busy(setup, row):
+    """--decode gpu's decoding while its stream still has work queued on memory it has freed (the prefetch's crops of
+    the batch before): the decoder must not write there first (pytorch/vision#9606: it did, 211 wrong sums of 240)."""
+    import contextlib
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from common.datasets import encoded_jpeg
+    from common.device_loader import EncodedBatch
+    from common.transforms import EvalPreset
+
+    cuda = not setup.cpu
+    device, side = torch.device("cuda" if cuda else "cpu"), torch.cuda.Stream() if cuda else None
+    buffer, size = io.BytesIO(), 3 * 480 * 640
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    samples = [(EvalPreset(480, 480)(encoded_jpeg(buffer.getvalue(), "random.jpg")), 0)] * 8
+    expected, wrong = EncodedBatch(samples).decode(device)[0], 0
+    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+        for _ in range(20):
+            held = [torch.full((size,), 7, dtype=torch.uint8, device=device) for _ in range(8)]
+            if cuda:
+                torch.cuda.synchronize()
+            product = torch.randn(4096 if cuda else 64, 4096 if cuda else 64, device=device)
+            for _ in range(30):  # (work that keeps the stream busy while `held` is freed)
+                product = product @ product / product.norm()
+            sums = [tensor.sum() for tensor in held]
+            del held
+            images = EncodedBatch(samples).decode(device)[0]
+            wrong += sum(int(total) != 7 * size for total in sums) + int(not torch.equal(images, expected))
+    if wrong:
+        raise CheckFailed(f"{wrong} of 180 results wrong: the decoder wrote into memory still in use")
+    row.result = "PASS (180 results right)"
+
+
 def check_out_of_memory(setup, row):
     """A step that runs out of memory: exit 1 and one line with the levers; on a GPU, the snapshot it names holds the
     allocator's segments and (--memory-history) its history."""
@@ -590,6 +627,7 @@ def main(argv=None):
         (Row("profile trace", "ddp", "jpeg"), check_profile),
         (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory),
         (Row("decode-gpu pixels vs the CPU's", "dp1", "jpeg"), check_decode_pixels),
+        (Row("decode-gpu while the stream is busy", "dp1", "jpeg"), check_decode_while_busy),
     ]
     if setup.gpus > 1:
         checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))

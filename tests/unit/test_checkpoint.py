@@ -8,6 +8,7 @@ with."""
 import collections
 import csv
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -502,6 +503,27 @@ def test_decode_gpu_trains_the_weights_of_the_loader_workers_decoding_and_resume
     ends = [torch.load(tmp_path / name / "checkpoint.pth", weights_only=True) for name in ("whole", "gpu")]
     assert all(torch.equal(ends[0]["state_dict"][name], ends[1]["state_dict"][name]) for name in ends[0]["state_dict"])
     assert log_rows(tmp_path / "whole")[-1] == log_rows(tmp_path / "gpu")[-1]
+
+
+def test_decode_gpu_leaves_a_jpeg_no_decoder_reads_out_of_validation_and_ends_training_on_it(tiny_data, tmp_path):
+    """--decode gpu: a JPEG found undecodable in the training process is left out of validation (named in
+    bad_images.txt, the run goes on); in training it ends the run in one line, as --strict-data does."""
+    from common.errors import UnreadableImage
+    from tests.unit.test_device_loader import broken_jpeg
+
+    flags = [*SMALL[: SMALL.index("--dataset")], *TINY_NET, "--epochs", "1", "--decode", "gpu"]
+    root = shutil.copytree(tiny_data, tmp_path / "data")
+    (root / "val" / "circle" / "broken.jpg").write_bytes(broken_jpeg())
+    run = started(*flags, "--data", root, "--output-dir", tmp_path / "val")
+    run.fit(run.model, run.model)
+    assert (tmp_path / "val" / "bad_images.txt").read_text().startswith(f"{root / 'val' / 'circle' / 'broken.jpg'}\t")
+    (root / "train" / "circle" / "broken.jpg").write_bytes(broken_jpeg())
+    for extra, ending in [("--overwrite", "--decode gpu found it in a training batch"), ("--strict-data", "without")]:
+        run = started(*flags, "--data", root, "--output-dir", tmp_path / extra, extra)
+        with pytest.raises(
+            UnreadableImage, match=rf"^cannot decode {re.escape(str(root))}/\w+/circle/broken.jpg .*; {ending}"
+        ):
+            run.fit(run.model, run.model)
 
 
 def log_rows(folder):

@@ -11,6 +11,7 @@ import torch
 
 from common.datasets import encoded_jpeg
 from common.device_loader import Collate, DeviceLoader, equal_forwards
+from common.errors import UnreadableImage
 from common.launch import known_failure
 from common.transforms import Normalise, TrainPreset
 
@@ -133,14 +134,19 @@ def jpeg(seed, size=(24, 32)):
     return buffer.getvalue()
 
 
-def test_a_jpeg_that_no_decoder_reads_is_left_out_of_its_batch_and_named():
-    """--decode gpu: a JPEG whose header passes (the loader worker does not decode it) but whose Huffman table is
-    broken fails the device's decoder and the CPU's; it is left out of its batch and reported, its label with it.
-    A batch of it alone is no batch."""
+def broken_jpeg():
+    """A JPEG whose header passes (the loader worker hands it over encoded) but whose Huffman table is broken: the
+    device's decoder and the CPU's both fail on it."""
     good = jpeg(0)
     start = good.index(b"\xff\xc4") + 5  # (the first Huffman table's counts)
-    broken = good[:start] + b"\xff" * 16 + good[start + 16 :]
-    samples = [encoded_jpeg(data, name) for data, name in [(good, "good.jpg"), (broken, "broken.jpg")]]
+    return good[:start] + b"\xff" * 16 + good[start + 16 :]
+
+
+def test_a_jpeg_that_no_decoder_reads_is_left_out_of_a_validation_batch_and_ends_a_training_run():
+    """--decode gpu: such a JPEG is found in the training process, after its batch was made. In validation it is left
+    out and reported with the CPU decoder's reason, its label with it (a batch of it alone is no batch); in training,
+    where no other image can take its place, and under --strict-data, it ends the run in one line."""
+    samples = [encoded_jpeg(data, name) for data, name in [(jpeg(0), "good.jpg"), (broken_jpeg(), "broken.jpg")]]
     assert None not in samples
     preset = TrainPreset(16)
     batch = Collate()(
@@ -151,6 +157,18 @@ def test_a_jpeg_that_no_decoder_reads_is_left_out_of_its_batch_and_named():
         DeviceLoader([batch], torch.device("cpu"), on_bad=reported.extend, normalise=Normalise())
     )
     assert images.shape == (1, 3, 16, 16) and target.tolist() == [3]
-    assert reported == [("broken.jpg", "neither the device nor the CPU can decode it")]
+    assert reported == [("broken.jpg", "broken data stream when reading image file")]  # (PIL's words)
     alone = Collate()([(preset(samples[1], random.Random(0)), 4, ())])
     assert list(DeviceLoader([alone], torch.device("cpu"), on_bad=reported.extend, normalise=Normalise())) == []
+    for undecodable, ending in [
+        (
+            "end",
+            "--decode gpu found it in a training batch, where no other image can take its place: --decode cpu "
+            "skips such a file and lists it in bad_images.txt",
+        ),
+        ("strict", "without --strict-data such files are skipped and listed in bad_images.txt"),
+    ]:
+        loader = DeviceLoader([batch], torch.device("cpu"), normalise=Normalise(), undecodable=undecodable)
+        with pytest.raises(UnreadableImage) as raised:
+            list(loader)
+        assert str(raised.value) == f"cannot decode broken.jpg (broken data stream when reading image file); {ending}"
