@@ -1,5 +1,6 @@
 """Batches from the loader workers to the device: collated (files that could not be read left out, and
-reported), normalised, moved, prefetched on a side stream on GPUs. No value is read back from the device.
+reported), decoded there with --decode gpu (EncodedBatch), normalised, moved, prefetched on a side stream on GPUs.
+No value is read back from the device; with --decode gpu the host waits for that side stream before each decode.
 """
 
 import torch
