@@ -8,7 +8,6 @@ OUTPUT/bad_images.txt. A validation that cannot read more than MAX_UNREADABLE_SH
 """
 
 import multiprocessing
-import re
 from typing import NamedTuple
 
 import torch
@@ -17,7 +16,16 @@ from torch.utils.data import DataLoader, Dataset
 from . import device_loader, distributed
 from .augment import image_augmentation
 from .config import PRESETS
-from .datasets import HFImages, ImageFiles, ItemCheck, ShardedImages, SyntheticImages, first_item, printable
+from .datasets import (
+    HFImages,
+    ImageFiles,
+    ItemCheck,
+    ShardedImages,
+    SyntheticImages,
+    describe,
+    first_item,
+    printable,
+)
 from .device_loader import Collate
 from .errors import BadItem, Preempted, UnreadableImage, UsageError, say
 from .preemption import ignore_stop_signals
@@ -243,13 +251,6 @@ MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but 
 
 # Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
-
-
-def describe(error):
-    """The decoder's reason, on one line and without PIL's file-object repr (a file's, or the BytesIO of a shard's
-    sample or a Hugging Face row)."""
-    reason = re.sub(r" ?<_io\.\w+ (?:name=[^>]*|object at 0x[0-9a-fA-F]+)>", "", " ".join(str(error).split()))
-    return (reason or type(error).__name__)[:200]
 
 
 class SkipUnreadable(Dataset):

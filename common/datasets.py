@@ -105,6 +105,13 @@ def printable(path):
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def describe(error):
+    """The decoder's reason, on one line and without PIL's file-object repr (a file's, or the BytesIO of a shard's
+    sample or a Hugging Face row)."""
+    reason = re.sub(r" ?<_io\.\w+ (?:name=[^>]*|object at 0x[0-9a-fA-F]+)>", "", " ".join(str(error).split()))
+    return (reason or type(error).__name__)[:200]
+
+
 def _torchvision_decoded(encoded):
     """torchvision.io's RGB uint8 image of JPEG bytes (a uint8 tensor), or None where they are no JPEG (a PNG under a
     .jpg name) or it cannot decode them."""

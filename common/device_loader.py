@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
-from .datasets import EncodedJPEG, SyntheticImages, decode_bytes, printable
+from .datasets import EncodedJPEG, SyntheticImages, UnreadableFile, decode_bytes, decoded, describe, printable
 from .errors import UnreadableImage
 from .preemption import waiting_for_data
 from .transforms import planned
@@ -87,9 +87,9 @@ def _decoded_one(encoded, device, reasons, index):
     except RuntimeError:
         pass
     try:
-        return decode_bytes(encoded.numpy().tobytes(), "jpg").to(device)
-    except Exception as error:  # (decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...)
-        reasons[index] = " ".join(str(error).split()) or type(error).__name__
+        return decoded(lambda: decode_bytes(encoded.numpy().tobytes(), "jpg")).to(device)
+    except UnreadableFile as error:  # (the reason as SkipUnreadable gives a loader worker's)
+        reasons[index] = describe(error)
         return None
 
 

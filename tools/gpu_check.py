@@ -421,14 +421,14 @@ def check_decode_pixels(setup, row):
     Image.open(paths[0]).convert("L").save(setup.workdir / "grey.jpg", quality=90)
     paths.append(setup.workdir / "grey.jpg")
     worst, mean = 0, 0.0
+    files = [path.read_bytes() for path in paths]
+    encoded = [encoded_jpeg(data, path.name) for data, path in zip(files, paths)]
+    if None in encoded:
+        raise CheckFailed(f"{paths[encoded.index(None)].name} would be decoded by the loader workers")
+    cpu_decoded = [decode_bytes(data, "jpg") for data in files]
     for preset in (TrainPreset(224), EvalPreset(256, 224)):
-        encoded = [encoded_jpeg(path.read_bytes(), path.name) for path in paths]
-        if None in encoded:
-            raise CheckFailed(f"{paths[encoded.index(None)].name} would be decoded by the loader workers")
         samples = [(preset(jpeg, random.Random(k)), 0) for k, jpeg in enumerate(encoded)]
-        expected = torch.stack(
-            [preset(decode_bytes(path.read_bytes(), "jpg"), random.Random(k)) for k, path in enumerate(paths)]
-        )
+        expected = torch.stack([preset(image, random.Random(k)) for k, image in enumerate(cpu_decoded)])
         images, kept, bad = EncodedBatch(samples).decode(device)
         if bad or len(kept) != len(paths):
             raise CheckFailed(f"not decoded on the device: {bad}")
