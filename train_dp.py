@@ -20,7 +20,7 @@ def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--gpus",
-        type=lambda text: [int(i) for i in text.split(",")],
+        type=cli.indices,
         default=None,
         metavar="0,1,..",
         help="GPU ids to use (default: every visible GPU)",

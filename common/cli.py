@@ -1,4 +1,5 @@
-"""The command line the three scripts share: parsing alone, into a frozen Config (common/config.py).
+"""The command line the three scripts share: parsing alone, into a frozen Config (common/config.py). argparse
+converts each value to its type; the rules on the values, whatever gave them, are checked in config.py alone.
 
 Flag names follow pytorch/examples' imagenet/main.py where they overlap. Defaults come, in order of
 precedence, from: the command line, the platform's environment variables (EPOCHS, LR, BATCH_SIZE,
@@ -7,9 +8,8 @@ and the presets (common/config.py). This module imports no torch: --help and usa
 """
 
 import argparse
-import math
 
-from .config import RECIPES, ResSchedule, env_default, profile_steps, resolve
+from .config import RECIPES, env_default, resolve
 from .errors import import_named
 
 
@@ -20,51 +20,30 @@ class Parser(argparse.ArgumentParser):
 
 
 def floats(text):
-    """--mean / --std: comma-separated numbers (an argparse type)."""
+    """--mean / --std: numbers separated by commas (an argparse type)."""
+    return _numbers(text, float, "numbers")
+
+
+def indices(text):
+    """train_dp.py's --gpus: whole numbers separated by commas (an argparse type)."""
+    return _numbers(text, int, "whole numbers")
+
+
+def _numbers(text, kind, what):
     try:
-        return [float(part) for part in text.split(",")]
+        return [kind(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
 
 
 def workers_count(text):
-    """-j: 'auto' or a count of 0 or more (an argparse type)."""
+    """-j: 'auto' or a whole number (an argparse type; config checks that it is 0 or more)."""
     if text == "auto":
         return text
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected auto or a count of 0 or more, got {text!r}")
-    return value
-
-
-def res_schedule(text):
-    """--res-schedule START:END:FIRST:LAST[:STEP] (an argparse type): the text, checked (a plain string, so
-    that checkpoints holding the arguments load with weights_only=True). ResSchedule.parse reads it."""
-    ResSchedule.parse(text)
-    return text
-
-
-def profile_spec(text):
-    """--profile START:STEPS (an argparse type): the text, checked (diagnostics.profile_steps reads it)."""
-    try:
-        profile_steps(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
-def positive(text):
-    """A finite number above 0 (an argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number, got {text!r}") from None
 
 
 def build_parser(description):
@@ -395,7 +374,6 @@ def _diagnostics_flags(add):
     """What limits the run (common/diagnostics.py; docs/benchmarks.md, "Why is my run slow?")."""
     add(
         "--profile",
-        type=profile_spec,
         default=None,
         metavar="START:STEPS",
         help="record torch.profiler over STEPS training steps from step START of this launch (its first is 0): "
@@ -403,7 +381,7 @@ def _diagnostics_flags(add):
     )
     add(
         "--peak-tflops",
-        type=positive,
+        type=float,
         default=None,
         metavar="TFLOPS",
         help="one device's peak TFLOP/s at this run's precision, for the utilisation (mfu_pct) of a GPU whose peak "
@@ -502,7 +480,6 @@ def _recipe_schedule_flags(add):
         "--res-schedule",
         default=None,
         metavar="START:END:FIRST:LAST[:STEP]",
-        type=res_schedule,
         help="progressive resizing: the training crop grows from START px at epoch FIRST to END px at epoch "
         "LAST, linearly, rounded to a multiple of STEP px (32); overrides --train-crop-size",
     )

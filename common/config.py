@@ -9,6 +9,7 @@ Precedence, highest first: the command line, the platform's environment (EPOCHS,
 
 import argparse
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -85,7 +86,7 @@ class ResSchedule(NamedTuple):
 
     @staticmethod
     def parse(text):
-        """The ResSchedule of a --res-schedule text (ArgumentTypeError if it is not one); None for none."""
+        """The ResSchedule of a --res-schedule text (ValueError if it is not one); None for none."""
         if not text:
             return None
         try:
@@ -93,12 +94,10 @@ class ResSchedule(NamedTuple):
         except ValueError:
             values = []
         if len(values) not in (4, 5) or any(value < 0 for value in values):
-            raise argparse.ArgumentTypeError(
-                f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], whole numbers, got {text!r}"
-            )
+            raise ValueError(f"expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], whole numbers, got {text!r}")
         schedule = ResSchedule(*values)
         if min(schedule.start, schedule.end, schedule.step) <= 0 or schedule.first_epoch > schedule.last_epoch:
-            raise argparse.ArgumentTypeError(f"{text!r}: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH")
+            raise ValueError(f"sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH, got {text!r}")
         return schedule
 
 
@@ -192,8 +191,18 @@ def _layered_defaults(values):
 
 def _positive(values, names):
     for name in names:
-        if values[name] is None or values[name] <= 0:
+        if values[name] is None or not values[name] > 0:
             raise UsageError(f"{flag(name)} must be positive, got {values[name]}")
+        if not math.isfinite(values[name]):
+            raise UsageError(f"{flag(name)} must be finite, got {values[name]}")
+
+
+def _parsed(values, name, parse):
+    """`parse` of a flag kept as text (None: not given), its ValueError a UsageError naming the flag."""
+    try:
+        return values[name] is None or parse(values[name])
+    except ValueError as error:
+        raise UsageError(f"{flag(name)}: {error}") from None
 
 
 def _at_least(values, names, low, requirement):
@@ -227,6 +236,12 @@ def _check(values):
             "grad_accum_steps",
         ],
     )
+    if values["peak_tflops"] is not None:
+        _positive(values, ["peak_tflops"])
+    if values["workers"] != "auto":
+        _at_least(values, ["workers"], 0, "auto or 0 or more")
+    _parsed(values, "res_schedule", ResSchedule.parse)
+    _parsed(values, "profile", profile_steps)
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
     if values["warmup_epochs"] < 0 or (values["warmup_epochs"] > 0 and values["warmup_epochs"] >= values["epochs"]):

@@ -53,9 +53,9 @@ def test_the_data_directory_is_a_flag_or_a_positional_argument_and_its_help_name
 
 def test_flag_values_that_are_no_values_are_one_line_and_exit_2(capsys):
     for argv, line in [
-        (["-j", "-1"], "argument -j/--workers: expected auto or a count of 0 or more, got '-1'"),
+        (["-j", "x"], "argument -j/--workers: expected auto or a whole number, got 'x'"),
         (["--mean", "a,b"], "argument --mean: expected numbers separated by commas, got 'a,b'"),
-        (["--res-schedule", "1:2"], "argument --res-schedule: expected START:END:FIRST_EPOCH:LAST_EPOCH"),
+        (["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ]:
         with pytest.raises(SystemExit) as ended:

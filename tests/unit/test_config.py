@@ -110,6 +110,36 @@ def test_non_positive_environment_value_raises_usage_error(no_platform_env):
         parse("--data", "/x")
 
 
+@pytest.mark.parametrize(
+    "argv, env, line",
+    [
+        (["-j", "-1"], {}, "--workers must be auto or 0 or more, got -1"),
+        (["--lr", "inf"], {}, "--lr must be finite, got inf"),
+        ([], {"LR": "inf"}, "--lr must be finite, got inf"),
+        ([], {"EPOCHS": "-2"}, "--epochs must be positive, got -2"),
+        (
+            ["--res-schedule", "1:2"],
+            {},
+            "--res-schedule: expected START:END:FIRST_EPOCH:LAST_EPOCH[:STEP], whole numbers, got '1:2'",
+        ),
+        (
+            ["--res-schedule", "64:32:3:1"],
+            {},
+            "--res-schedule: sizes and STEP must be positive and FIRST_EPOCH <= LAST_EPOCH, got '64:32:3:1'",
+        ),
+    ],
+)
+def test_each_rule_is_checked_once_whether_the_value_came_from_a_flag_or_the_environment(
+    no_platform_env, argv, env, line
+):
+    """argparse only converts types; every rule on a value is config.py's, so the environment's values meet it too."""
+    for name, value in env.items():
+        no_platform_env.setenv(name, value)
+    with pytest.raises(UsageError) as refused:
+        parse("--data", "/x", *argv)
+    assert str(refused.value) == line
+
+
 def test_unknown_arch_suggests_close_names():
     with pytest.raises(UsageError, match=r"unknown --arch 'resnet19': did you mean resnet18"):
         parse("--data", "/x", "--arch", "resnet19")

@@ -283,16 +283,17 @@ def test_running_out_of_memory_ends_the_run_in_one_line_with_the_levers(tmp_path
 def test_what_only_a_gpu_has_is_refused_on_the_cpu_and_bad_flags_in_one_line():
     with pytest.raises(UsageError, match="--memory-history records the CUDA allocator's history"):
         built_trainer(*SMALL, "--memory-history", datasets=tensor_datasets())
-    for flags in (
-        ["--profile", "3"],
-        ["--profile", "a:2"],
-        ["--profile", "2:0"],
-        ["--peak-tflops", "0"],
-        ["--peak-tflops", "inf"],
-        ["--peak-tflops", "nan"],
+    for flags, line in (
+        (["--profile", "3"], "--profile: expected START:STEPS, whole numbers, STEPS at least 1, got '3'"),
+        (["--profile", "a:2"], "--profile: expected START:STEPS, whole numbers, STEPS at least 1, got 'a:2'"),
+        (["--profile", "2:0"], "--profile: expected START:STEPS, whole numbers, STEPS at least 1, got '2:0'"),
+        (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+        (["--peak-tflops", "inf"], "--peak-tflops must be finite, got inf"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be positive, got nan"),
     ):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError) as refused:
             parse(*flags)
+        assert str(refused.value) == line
 
 
 def test_one_slow_rank_among_fast_ones_is_input_bound():
