@@ -500,37 +500,3 @@ def preset_layers(dataset, preset_name, recipe_name, from_env, lr_flag):
         ("LR", {name: value for name, value in from_env.items() if value is not None}),
         ("--lr", {"lr": lr_flag} if lr_flag is not None else {}),
     ]
-
-
-def describe_preset(config, first_image=None):
-    """Header lines: which dataset preset set which defaults of this run, and why; a warning where the
-    ImageNet preset's crop is far larger than the images (first_image: (channels, height, width, dtype))."""
-    names = {
-        "epochs": "{} epochs",
-        "batch_size": "-b {}",
-        "lr": "lr {:g}",
-        "train_crop_size": "{} px crops",
-        "val_resize_size": "val resize {}",
-        "val_crop_size": "val crop {}",
-        "lr_schedule": "{} schedule",
-    }
-    given = [text.format(getattr(config, name)) for name, text in names.items() if name in config.from_data_preset]
-    if not given:
-        return []
-    why = (
-        "the built-in demo set"
-        if config.data_preset == "demo"
-        else "the default for --data, --dataset and --dummy, made for ImageNet-sized images"
-    )
-    lines = [
-        f"preset: {config.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset override it"
-    ]
-    crop = config.train_crop_size
-    if first_image and "train_crop_size" in config.from_data_preset and 2 * min(first_image[1:3]) <= crop:
-        height, width = first_image[1:3]
-        lines.append(
-            f"warning: the first training image is {width}x{height} px, the {config.data_preset} preset crops "
-            f"{crop} px: for images this small give --train-crop-size, --val-resize-size and "
-            f"--val-crop-size near {min(height, width)} (and --epochs, -b, --lr for your data)"
-        )
-    return lines

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import distributed, schedule
-from .config import RECIPES, describe_preset
+from .config import RECIPES
 from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
 from .models import warn_slow_amp
@@ -131,7 +131,7 @@ def warnings(trainer):
 def training_lines(trainer):
     """What a training run says before its first step: optimizer, scheduler, EMA, outputs."""
     config = trainer.config
-    lines = [schedule.describe_optimizer(trainer.optimizer, config)]
+    lines = [describe_optimizer(trainer.optimizer, config)]
     if config.grad_accum_steps > 1:
         lines.append(
             f"gradient accumulation: each optimizer step of global batch {config.batch_size} sums "
@@ -223,3 +223,71 @@ def trained_already(trainer, eval_model):
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary
+
+
+# The hyperparameters the header names, where an optimizer has them.
+DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
+
+
+def describe_optimizer(optimizer, config):
+    """One header line: the optimizer's class and its own settings, the lr (each group's, where they differ; how
+    --lr-scaling got it), the weight decay of each group, and --clip-grad-norm."""
+    lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+    lr = f"lr {lrs[0]:g}" if len(set(lrs)) == 1 else f"lr by parameter group {', '.join(f'{value:g}' for value in lrs)}"
+    if config.lr_scaling == "linear":
+        scaled = f"{config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}"
+        lr += f" ({config.lr_source} {scaled}, --lr-scaling linear)"
+    settings = []
+    for name in DESCRIBED:
+        value = optimizer.defaults.get(name)
+        if name == "nesterov":
+            settings += ["nesterov"] if value else []
+        elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
+            settings.append(
+                f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}"
+            )
+    where = {
+        "norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights",
+        "bias": " on biases",
+    }
+    decay = ", ".join(
+        f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
+        + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
+        for group in optimizer.param_groups
+    )
+    clip = f", gradients clipped to norm {config.clip_grad_norm:g}" if config.clip_grad_norm else ""
+    return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
+
+
+def describe_preset(config, first_image=None):
+    """Header lines: which dataset preset set which defaults of this run, and why; a warning where the
+    ImageNet preset's crop is far larger than the images (first_image: (channels, height, width, dtype))."""
+    names = {
+        "epochs": "{} epochs",
+        "batch_size": "-b {}",
+        "lr": "lr {:g}",
+        "train_crop_size": "{} px crops",
+        "val_resize_size": "val resize {}",
+        "val_crop_size": "val crop {}",
+        "lr_schedule": "{} schedule",
+    }
+    given = [text.format(getattr(config, name)) for name, text in names.items() if name in config.from_data_preset]
+    if not given:
+        return []
+    why = (
+        "the built-in demo set"
+        if config.data_preset == "demo"
+        else "the default for --data, --dataset and --dummy, made for ImageNet-sized images"
+    )
+    lines = [
+        f"preset: {config.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset override it"
+    ]
+    crop = config.train_crop_size
+    if first_image and "train_crop_size" in config.from_data_preset and 2 * min(first_image[1:3]) <= crop:
+        height, width = first_image[1:3]
+        lines.append(
+            f"warning: the first training image is {width}x{height} px, the {config.data_preset} preset crops "
+            f"{crop} px: for images this small give --train-crop-size, --val-resize-size and "
+            f"--val-crop-size near {min(height, width)} (and --epochs, -b, --lr for your data)"
+        )
+    return lines

@@ -70,40 +70,6 @@ def build_optimizer(model, config):
     return torch.optim.AdamW(groups, lr=lr, weight_decay=decay)
 
 
-# The hyperparameters the header names, where an optimizer has them.
-DESCRIBED = ("momentum", "nesterov", "betas", "alpha", "eps")
-
-
-def describe_optimizer(optimizer, config):
-    """One header line: the optimizer's class and its own settings, the lr (each group's, where they differ; how
-    --lr-scaling got it), the weight decay of each group, and --clip-grad-norm."""
-    lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-    lr = f"lr {lrs[0]:g}" if len(set(lrs)) == 1 else f"lr by parameter group {', '.join(f'{value:g}' for value in lrs)}"
-    if config.lr_scaling == "linear":
-        scaled = f"{config.lr_given:g} x {config.batch_size}/{config.lr_reference_batch}"
-        lr += f" ({config.lr_source} {scaled}, --lr-scaling linear)"
-    settings = []
-    for name in DESCRIBED:
-        value = optimizer.defaults.get(name)
-        if name == "nesterov":
-            settings += ["nesterov"] if value else []
-        elif value is not None and not (name == "momentum" and value == 0 and type(optimizer).__name__ != "SGD"):
-            settings.append(
-                f"{name} {', '.join(f'{v:g}' for v in value) if isinstance(value, tuple) else f'{value:g}'}"
-            )
-    where = {
-        "norm": " on norm layers" if config.bias_weight_decay is None else " on norm weights",
-        "bias": " on biases",
-    }
-    decay = ", ".join(
-        f"{group.get('weight_decay', 0):g}{where.get(group.get('name'), '')}"
-        + (f" ({len(group['params'])} tensors)" if len(optimizer.param_groups) > 1 else "")
-        for group in optimizer.param_groups
-    )
-    clip = f", gradients clipped to norm {config.clip_grad_norm:g}" if config.clip_grad_norm else ""
-    return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
-
-
 @dataclass
 class LrFactor:
     """The multiplier of the base lr at a given optimizer step. Plain fields only, so

@@ -6,7 +6,7 @@ header line that says which preset set what."""
 import pytest
 from torchvision.models import get_model_weights
 
-from common.config import PRESETS, RECIPE_DEFAULTS, ResSchedule, default_output_dir, describe_preset, preset_layers
+from common.config import PRESETS, RECIPE_DEFAULTS, ResSchedule, default_output_dir, preset_layers
 from common.demo_data import DEFAULT_ROOT
 from common.errors import UsageError
 from conftest import parse
@@ -300,32 +300,3 @@ def test_the_layers_come_lowest_precedence_first_and_the_demo_set_keeps_its_own_
     assert preset_layers("imagenet", "imagenet", None, {}, None)[0][1] is RECIPE_DEFAULTS
     assert preset_layers("demo", "demo", "tv-v2", {}, None)[3][1] == {}  # on the demo set, no ImageNet scale
     assert preset_layers("imagenet", "imagenet", "tv-v2", {"lr": 0.3, "epochs": None}, None)[4][1] == {"lr": 0.3}
-
-
-def test_the_header_names_what_the_dataset_preset_set():
-    assert describe_preset(parse("-b", "32", "--epochs", "2")) == [
-        "preset: demo (the built-in demo set) sets lr 0.04, 32 px crops, val resize 36, val crop 32, cosine schedule; "
-        "flags, the environment and --preset override it"
-    ]
-    assert (
-        describe_preset(
-            parse(
-                "--dummy",
-                "-b",
-                "8",
-                "--epochs",
-                "1",
-                "--lr",
-                "0.1",
-                "--lr-schedule",
-                "step",
-                "--train-crop-size",
-                "16",
-                "--val-resize-size",
-                "16",
-                "--val-crop-size",
-                "16",
-            )
-        )
-        == []
-    )

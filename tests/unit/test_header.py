@@ -2,9 +2,9 @@
 
 import pytest
 
-from common.header import start_lines, training_lines, warnings
+from common.header import describe_preset, start_lines, training_lines, warnings
 from common.trainer import trainer_class
-from conftest import built_trainer, tensor_datasets
+from conftest import built_trainer, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 TINY_NET = ["-a", "tests.tiny_models:TinyNet", "-j", "0"]
@@ -157,3 +157,12 @@ def test_decode_gpu_says_where_the_jpegs_are_decoded(tiny_data):
         "0 loader worker(s) per process, JPEGs decoded, cropped and flipped on the CPU, by the training process: "
         "--decode gpu), normalised with mean 0.485, 0.456, 0.406, std 0.229, 0.224, 0.225 (ImageNet's)"
     )
+
+
+def test_the_header_names_what_the_dataset_preset_set():
+    assert describe_preset(parse("-b", "32", "--epochs", "2")) == [
+        "preset: demo (the built-in demo set) sets lr 0.04, 32 px crops, val resize 36, val crop 32, cosine schedule; "
+        "flags, the environment and --preset override it"
+    ]
+    flags = "--dummy -b 8 --epochs 1 --lr 0.1 --lr-schedule step --train-crop-size 16 --val-resize-size 16"
+    assert describe_preset(parse(*flags.split(), "--val-crop-size", "16")) == []

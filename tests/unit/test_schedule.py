@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from common.schedule import LrFactor, LrSchedule, build_optimizer, build_scheduler, describe_optimizer, parameter_groups
+from common.header import describe_optimizer
+from common.schedule import LrFactor, LrSchedule, build_optimizer, build_scheduler, parameter_groups
 from conftest import parse
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
