@@ -564,7 +564,7 @@ def _load_optimizer(trainer, checkpoint, path):
 def _restore_scheduler(trainer, checkpoint, path):
     """The scheduler's own state, which must stand at the run's step (stepped once per optimizer step). The
     default schedule's state is its place alone: it recomputes its lr from the flags (a resumed run may change
-    --epochs or --lr; schedule.LrSchedule). Weights from elsewhere: the default schedule at their epoch's start."""
+    --epochs or --lr; optim.LrSchedule). Weights from elsewhere: the default schedule at their epoch's start."""
     done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
     scheduler, kind = trainer.scheduler, type(trainer.scheduler).__name__
     if not is_ours(checkpoint):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, schedule
+from . import distributed, optim
 from .config import RECIPES
 from .device_loader import SyntheticOnDevice
 from .fsdp import state_bytes
@@ -141,7 +141,7 @@ def training_lines(trainer):
         )
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
         lines += trainer.shard.describe(trainer.model, trainer.optimizer)
-    if not isinstance(trainer.scheduler, schedule.LrSchedule):
+    if not isinstance(trainer.scheduler, optim.LrSchedule):
         lines.append(
             f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
             "step, saved in the checkpoints"

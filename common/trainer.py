@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn as nn
 
-from . import data, distributed, fsdp, models, schedule, seeding
+from . import data, distributed, fsdp, models, optim, seeding
 from .augment import batch_mix_key, build_batch_mix
 from .checkpoint import SingleFile, assemble, init_from
 from .datasets import build_datasets
@@ -132,12 +132,12 @@ class Trainer:
     def build_optimizer(self, model):
         """The optimizer over `model`'s parameters (--opt, --lr, --wd, their weight-decay groups). Groups of their
         own lr keep it: the schedule multiplies each group's lr, on resume too."""
-        return schedule.build_optimizer(model, self.config)
+        return optim.build_optimizer(model, self.config)
 
     def build_scheduler(self, optimizer, steps_per_epoch):
         """The lr scheduler, stepped once per optimizer step (`steps_per_epoch` of them an epoch); its state_dict
-        is saved in every checkpoint and loaded on resume. The default: --lr-schedule (schedule.LrSchedule)."""
-        return schedule.build_scheduler(optimizer, self.config, steps_per_epoch)
+        is saved in every checkpoint and loaded on resume. The default: --lr-schedule (optim.LrSchedule)."""
+        return optim.build_scheduler(optimizer, self.config, steps_per_epoch)
 
     def build_metrics(self, split, classes):
         """{name: metric} kept beside the loss and accuracy in `split` ("train" or "val") for the class names

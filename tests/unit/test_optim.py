@@ -1,4 +1,4 @@
-"""common/schedule.py: the optimizer (--opt) and its weight-decay groups as torchvision builds them, and the lr
+"""common/optim.py: the optimizer (--opt) and its weight-decay groups as torchvision builds them, and the lr
 schedule: LrFactor per step or per epoch (against torchvision's schedulers), LrSchedule's state (its step) on resume,
 each parameter group's lr kept."""
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 import torchvision
 
 from common.header import describe_optimizer
-from common.schedule import LrFactor, LrSchedule, build_optimizer, build_scheduler, parameter_groups
+from common.optim import LrFactor, LrSchedule, build_optimizer, build_scheduler, parameter_groups
 from conftest import parse
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
