@@ -1,7 +1,10 @@
 """Batches from the loader workers to the device: collated (files that could not be read left out, and
 reported), decoded there with --decode gpu (EncodedBatch), normalised, moved, prefetched on a side stream on GPUs.
-No value is read back from the device; with --decode gpu the host waits for that side stream before each decode.
+No value is read back from the device. With --decode gpu a thread of its own decodes each batch, one ahead, and
+waits for that side stream before each decode.
 """
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.utils.data import default_collate
@@ -115,6 +118,9 @@ class DeviceLoader:
         return len(self.loader)
 
     def _prepare(self, images, target):
+        """(images, target, bad): the batch on the device, normalised; `bad`, the JPEGs of an EncodedBatch that no
+        decoder could read (the caller reports them: this may run in the decode thread)."""
+        bad = []
         if isinstance(images, EncodedBatch):
             images, kept, bad = images.decode(self.device)
             if bad and self.undecodable != "skip":
@@ -127,17 +133,15 @@ class DeviceLoader:
                         "--decode cpu skips such a file and lists it in bad_images.txt"
                     )
                 )
-            if bad and self.on_bad is not None:
-                self.on_bad(bad)
             target = target[kept] if len(kept) < len(target) else target
         if images is None:
-            return None, None
+            return None, None, bad
         images = images.to(self.device, non_blocking=True)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         if self.normalise is not None:
             images = self.normalise(images)
-        return images, target.to(self.device, non_blocking=True)
+        return images, target.to(self.device, non_blocking=True), bad
 
     def _batches(self):
         """The loader's non-empty (images, target), reporting skipped files on the way."""
@@ -162,31 +166,62 @@ class DeviceLoader:
 
     def __iter__(self):
         if self.device.type != "cuda":
-            batches = (self._prepare(images, target) for images, target in self._batches())
-            return (batch for batch in batches if batch[0] is not None or self.keep_empty)
-        return self._prefetching()
+            return self._handed_over(_one_ahead(self._prepare, self._batches()))
+        return self._handed_over(self._prefetching(), on_device=True)
 
-    def _prefetching(self):
-        stream, batches = torch.cuda.Stream(self.device), self._batches()
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # mean and std were made on that one
-
-        def load_next():
-            batch = next(batches, None)
-            if batch is None:
-                return None
-            with torch.cuda.stream(stream):
-                return self._prepare(*batch)
-
-        upcoming = load_next()
-        while upcoming is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            images, target = upcoming
-            if images is not None:  # These tensors were made on the side stream; the main stream uses them.
-                images.record_stream(torch.cuda.current_stream(self.device))
-                target.record_stream(torch.cuda.current_stream(self.device))
-            upcoming = load_next()
+    def _handed_over(self, prepared, on_device=False):
+        """The batches of `prepared` ((images, target, bad[, ready]): _prepare's, and on GPUs the event that marks the
+        end of its work on the side stream), their bad files reported here, in the training process's thread."""
+        for images, target, bad, *ready in prepared:
+            if on_device:
+                torch.cuda.current_stream(self.device).wait_event(ready[0])
+                if images is not None:  # These tensors were made on the side stream; the main stream uses them.
+                    images.record_stream(torch.cuda.current_stream(self.device))
+                    target.record_stream(torch.cuda.current_stream(self.device))
+            if bad and self.on_bad is not None:
+                self.on_bad(bad)
             if images is not None or self.keep_empty:  # (a batch of JPEGs that no decoder could read is none)
                 yield images, target
+
+    def _prefetching(self):
+        """_prepare's batches on a side stream, each begun before the one before is handed over."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # mean and std were made on that one
+
+        def prepare(images, target):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):  # (the decode thread's device too)
+                batch, ready = self._prepare(images, target), torch.cuda.Event()
+                ready.record(stream)
+            return *batch, ready
+
+        return _one_ahead(prepare, self._batches(), always=True)
+
+
+def _one_ahead(prepare, batches, always=False):
+    """prepare(*batch) of each of `batches`, in order. An EncodedBatch (--decode gpu) is prepared in a thread of its
+    own, and the next batch is taken and begun before it is handed over: its decode waits for the device while the
+    caller queues this one's step (torchvision's decoder releases the GIL). `always`: every batch one ahead (on GPUs:
+    the next batch's copy runs while this one computes); else another batch is prepared when it is asked for."""
+    pool, upcoming = None, None
+    try:
+        for images, target in batches:
+            if isinstance(images, EncodedBatch):
+                pool = pool or ThreadPoolExecutor(1, thread_name_prefix="decode")
+                begun = pool.submit(prepare, images, target)
+            else:
+                begun = Future()
+                begun.set_result(prepare(images, target))
+            if upcoming is not None:
+                yield upcoming.result()
+            upcoming = begun
+            if not (always or isinstance(images, EncodedBatch)):
+                yield upcoming.result()
+                upcoming = None
+        if upcoming is not None:
+            yield upcoming.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)  # (waits for a decode under way: its tensors are in use)
 
 
 class SyntheticOnDevice(DeviceLoader):
@@ -199,7 +234,7 @@ class SyntheticOnDevice(DeviceLoader):
         images = dataset.image.to(self.device).expand(self.loader.batch_size, *dataset.image.shape)
         for indices in self.loader.batch_sampler:
             target = torch.as_tensor(indices) % dataset.num_classes
-            yield self._prepare(images[: len(indices)], target)
+            yield self._prepare(images[: len(indices)], target)[:2]
 
 
 def device_batches(loader, device, *args, **kwargs):

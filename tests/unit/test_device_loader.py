@@ -4,6 +4,7 @@ worker reported as the dead worker, in one line."""
 
 import io
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -172,3 +173,41 @@ def test_a_jpeg_that_no_decoder_reads_is_left_out_of_a_validation_batch_and_ends
         with pytest.raises(UnreadableImage) as raised:
             list(loader)
         assert str(raised.value) == f"cannot decode broken.jpg (broken data stream when reading image file); {ending}"
+
+
+def decode_threads():
+    return [thread for thread in threading.enumerate() if thread.name.startswith("decode")]
+
+
+def test_decode_gpu_decodes_in_a_thread_one_batch_ahead_and_hands_the_batches_over_in_order():
+    """The decode waits for the device: the training process takes the next batch from the loader, and a thread of
+    its own begins decoding it, before this one is handed over (on a GPU its step is queued meanwhile). Batches come
+    in the loader's order, one the worker decoded among them; unreadable files are reported in the training process's
+    thread, each with its batch; the thread ends with the iteration, also one left early."""
+    preset, taken, reported = TrainPreset(16), [], []
+    encoded = lambda data, label: (preset(encoded_jpeg(data, f"{label}.jpg"), random.Random(label)), label, ())  # noqa: E731
+    batches = [
+        Collate()([encoded(jpeg(0), 0)]),
+        Collate()([encoded(jpeg(1), 1), encoded(broken_jpeg(), 9)]),
+        Collate()([(torch.zeros(3, 16, 16, dtype=torch.uint8), 2, ())]),  # (decoded by the worker)
+        Collate()([encoded(jpeg(3), 3)]),
+    ]
+
+    def loader():
+        for k, batch in enumerate(batches):
+            taken.append(k)
+            yield batch
+
+    def on_bad(bad):
+        reported.append((len(taken), threading.current_thread() is threading.main_thread(), bad))
+
+    handed = iter(DeviceLoader(loader(), torch.device("cpu"), on_bad=on_bad, normalise=Normalise()))
+    first = next(handed)
+    assert taken == [0, 1] and len(decode_threads()) == 1
+    labels = [target.tolist() for _, target in [first, *handed]]
+    assert labels == [[0], [1], [2], [3]] and decode_threads() == []
+    assert reported == [(3, True, [("9.jpg", "broken data stream when reading image file")])]
+    handed = iter(DeviceLoader(loader(), torch.device("cpu"), normalise=Normalise()))
+    next(handed)
+    handed.close()
+    assert decode_threads() == []
