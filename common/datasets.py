@@ -29,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 
 from . import distributed
 from .demo_data import ensure_demo_dataset
-from .errors import BadItem, Preempted, UsageError, import_named
+from .errors import BadItem, Preempted, UnreadableFile, UsageError, import_named
 from .folder_index import FolderIndex, scan_image_folder
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -154,10 +154,6 @@ class SyntheticImages(Dataset):
 
     def __getitem__(self, index):
         return self.image, index % self.length % self.num_classes, ()
-
-
-class UnreadableFile(OSError):
-    """An image file that cannot be decoded (whatever its decoder raised): skipped, or --strict-data's end."""
 
 
 def decoded(read):

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
-from .datasets import EncodedJPEG, SyntheticImages, UnreadableFile, decode_bytes, decoded, describe, printable
-from .errors import UnreadableImage
+from .datasets import EncodedJPEG, SyntheticImages, decode_bytes, decoded, describe, printable
+from .errors import UnreadableFile, UnreadableImage
 from .preemption import waiting_for_data
 from .transforms import planned
 

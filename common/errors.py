@@ -1,4 +1,5 @@
-"""The exceptions that end a run with one line instead of a traceback (common/launch.py reports them); that line,
+"""The exceptions of this repository: those that end a run with one line instead of a traceback (common/launch.py
+reports them), and UnreadableFile (an image skipped, or --strict-data's end); that line,
 written whole (say); and `package.module:name` on the command line (--arch, --dataset, --trainer), imported or refused
 in one line. It imports nothing of this repository, nor torch.
 
@@ -44,6 +45,10 @@ class UnreadableImage(WorkerUsageError):
 class BadItem(WorkerUsageError):
     """A dataset's item is not what the loaders take: (image, label) of a PIL image or a CHW tensor and a
     class index."""
+
+
+class UnreadableFile(OSError):
+    """An image file that cannot be decoded (whatever its decoder raised): skipped, or --strict-data's end."""
 
 
 class Preempted(Exception):

@@ -245,7 +245,8 @@ def test_a_damaged_png_is_an_unreadable_file_in_a_process_that_goes_on(tmp_path)
     path.write_bytes(damaged_png())
     (tmp_path / "damaged-png.jpg").write_bytes(damaged_png())
     script = f"""
-from common.datasets import UnreadableFile, decode_bytes, decoded, load_image
+from common.datasets import decode_bytes, decoded, load_image
+from common.errors import UnreadableFile
 data = open({str(path)!r}, "rb").read()
 for name, read in [("file", lambda: load_image({str(path)!r})),
                    ("file named .jpg", lambda: load_image({str(tmp_path / "damaged-png.jpg")!r})),

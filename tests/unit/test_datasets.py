@@ -20,14 +20,13 @@ from common.datasets import (
     HFImages,
     ImageFiles,
     SyntheticImages,
-    UnreadableFile,
     build_datasets,
     has_hf_dataset,
     load_image,
     load_splits,
     parquet_splits,
 )
-from common.errors import BadItem, UsageError
+from common.errors import BadItem, UnreadableFile, UsageError
 from conftest import cpu_runtime, hf_copy, make_image_folder, parse
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.datasets import ImageFiles, ShardedImages, UnreadableFile, build_datasets
-from common.errors import UsageError
+from common.datasets import ImageFiles, ShardedImages, build_datasets
+from common.errors import UnreadableFile, UsageError
 from common.folder_index import scan_image_folder
 from common.shards import (
     ShardReader,
