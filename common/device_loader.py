@@ -4,6 +4,7 @@ No value is read back from the device. With --decode gpu a thread of its own dec
 waits for that side stream before each decode.
 """
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -172,16 +173,17 @@ class DeviceLoader:
     def _handed_over(self, prepared, on_device=False):
         """The batches of `prepared` ((images, target, bad[, ready]): _prepare's, and on GPUs the event that marks the
         end of its work on the side stream), their bad files reported here, in the training process's thread."""
-        for images, target, bad, *ready in prepared:
-            if on_device:
-                torch.cuda.current_stream(self.device).wait_event(ready[0])
-                if images is not None:  # These tensors were made on the side stream; the main stream uses them.
-                    images.record_stream(torch.cuda.current_stream(self.device))
-                    target.record_stream(torch.cuda.current_stream(self.device))
-            if bad and self.on_bad is not None:
-                self.on_bad(bad)
-            if images is not None or self.keep_empty:  # (a batch of JPEGs that no decoder could read is none)
-                yield images, target
+        with contextlib.closing(prepared):  # (left early: the decode thread ends here)
+            for images, target, bad, *ready in prepared:
+                if on_device:
+                    torch.cuda.current_stream(self.device).wait_event(ready[0])
+                    if images is not None:  # These tensors were made on the side stream; the main stream uses them.
+                        images.record_stream(torch.cuda.current_stream(self.device))
+                        target.record_stream(torch.cuda.current_stream(self.device))
+                if bad and self.on_bad is not None:
+                    self.on_bad(bad)
+                if images is not None or self.keep_empty:  # (a batch of JPEGs that no decoder could read is none)
+                    yield images, target
 
     def _prefetching(self):
         """_prepare's batches on a side stream, each begun before the one before is handed over."""
@@ -198,14 +200,14 @@ class DeviceLoader:
 
 
 def _one_ahead(prepare, batches, always=False):
-    """prepare(*batch) of each of `batches`, in order. An EncodedBatch (--decode gpu) is prepared in a thread of its
-    own, and the next batch is taken and begun before it is handed over: its decode waits for the device while the
-    caller queues this one's step (torchvision's decoder releases the GIL). `always`: every batch one ahead (on GPUs:
-    the next batch's copy runs while this one computes); else another batch is prepared when it is asked for."""
+    """prepare(*batch) of each of `batches`, in order. From the first EncodedBatch (--decode gpu) on, batches are
+    prepared in a thread of its own, and after an EncodedBatch the next batch is taken and begun before it is handed
+    over: its decode waits for the device while the caller queues this one's step (torchvision's decoder releases the
+    GIL). `always`: every batch one ahead (on GPUs: the next batch's copy runs while this one computes)."""
     pool, upcoming = None, None
     try:
         for images, target in batches:
-            if isinstance(images, EncodedBatch):
+            if isinstance(images, EncodedBatch) or pool is not None:  # (then one thread queues all on the stream)
                 pool = pool or ThreadPoolExecutor(1, thread_name_prefix="decode")
                 begun = pool.submit(prepare, images, target)
             else:

@@ -201,11 +201,15 @@ def test_decode_gpu_decodes_in_a_thread_one_batch_ahead_and_hands_the_batches_ov
     def on_bad(bad):
         reported.append((len(taken), threading.current_thread() is threading.main_thread(), bad))
 
-    handed = iter(DeviceLoader(loader(), torch.device("cpu"), on_bad=on_bad, normalise=Normalise()))
-    first = next(handed)
-    assert taken == [0, 1] and len(decode_threads()) == 1
-    labels = [target.tolist() for _, target in [first, *handed]]
-    assert labels == [[0], [1], [2], [3]] and decode_threads() == []
+    with torch.inference_mode():  # (a tensor made in the decode thread is not an inference tensor: where it was made)
+        handed = iter(DeviceLoader(loader(), torch.device("cpu"), on_bad=on_bad, normalise=Normalise()))
+        first = next(handed)
+        assert taken == [0, 1] and len(decode_threads()) == 1
+        handed = [first, *handed]
+        assert [target.tolist() for _, target in handed] == [[0], [1], [2], [3]] and decode_threads() == []
+        # every batch from the first EncodedBatch on, the workers' too: one thread queues all on the device's stream
+        assert [images.is_inference() for images, _ in handed] == [False] * 4
+        assert next(iter(DeviceLoader(batches[2:3], torch.device("cpu"), normalise=Normalise())))[0].is_inference()
     assert reported == [(3, True, [("9.jpg", "broken data stream when reading image file")])]
     handed = iter(DeviceLoader(loader(), torch.device("cpu"), normalise=Normalise()))
     next(handed)
