@@ -9,7 +9,7 @@ and the presets (common/config.py). This module imports no torch: --help and usa
 
 import argparse
 
-from .config import RECIPES, env_default, resolve
+from .config import RECIPES, resolve
 from .errors import import_named
 
 
@@ -331,11 +331,11 @@ def _device_flags(add):
     add(
         "--stop-grace",
         type=float,
-        default=env_default("STOP_GRACE", float) or 30,
+        default=None,
         metavar="SECONDS",
         help="how long the launcher lets a stop signal's clean stop take before it kills (torchrun's "
         "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
-        "third of it for a batch (default: %(default)s, torchrun's own)",
+        "third of it for a batch (default: env STOP_GRACE, else 30, torchrun's own)",
     )
     add(
         "--dist-timeout",

@@ -185,6 +185,9 @@ def _layered_defaults(values):
             values[name] = value
     if values["min_crop_scale"] is None:
         values["min_crop_scale"] = preset["min_crop_scale"]
+    if values["stop_grace"] is None:  # (the flag, else the environment's STOP_GRACE, else torchrun's own 30 s)
+        grace = env_default("STOP_GRACE", float)
+        values["stop_grace"] = 30.0 if grace is None else grace
     if not warmup_given and values["warmup_epochs"] >= values["epochs"]:
         values["warmup_epochs"] = 0.0  # the preset's warmup does not fit a run this short
 
@@ -206,9 +209,10 @@ def _parsed(values, name, parse):
 
 
 def _at_least(values, names, low, requirement):
-    """UsageError "--NAME must be <requirement>" for the first of `names` below `low` (None: not given)."""
+    """UsageError "--NAME must be <requirement>" for the first of `names` below `low` or not finite (None: not
+    given)."""
     for name in names:
-        if values[name] is not None and values[name] < low:
+        if values[name] is not None and not (values[name] >= low and math.isfinite(values[name])):
             raise UsageError(f"{flag(name)} must be {requirement}, got {values[name]}")
 
 
@@ -234,6 +238,7 @@ def _check(values):
             "lr_step_size",
             "dist_timeout",
             "grad_accum_steps",
+            "stop_grace",
         ],
     )
     if values["peak_tflops"] is not None:
@@ -244,7 +249,7 @@ def _check(values):
     _parsed(values, "profile", profile_steps)
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
-    if values["warmup_epochs"] < 0 or (values["warmup_epochs"] > 0 and values["warmup_epochs"] >= values["epochs"]):
+    if not 0 <= values["warmup_epochs"] < values["epochs"]:
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {values['warmup_epochs']}")
     if values["lr_step_unit"] == "epoch" and values["warmup_epochs"] != int(values["warmup_epochs"]):
         raise UsageError(f"--warmup-epochs {values['warmup_epochs']:g} with --lr-step-unit epoch: give whole epochs")
@@ -259,8 +264,8 @@ def _check(values):
     _within(values, "ra_magnitude", 0, 30, "in [0, 30]")
     _within(values, "augmix_severity", 1, 10, "in [1, 10]")
     _at_least(values, ["weight_decay", "norm_weight_decay", "bias_weight_decay", "momentum", "lr_min"], 0, "0 or more")
-    if values["clip_grad_norm"] is not None and values["clip_grad_norm"] <= 0:
-        raise UsageError(f"--clip-grad-norm must be positive, got {values['clip_grad_norm']}")
+    if values["clip_grad_norm"] is not None:
+        _positive(values, ["clip_grad_norm"])
     if values["lr_min"] and values["lr_schedule"] != "cosine":
         raise UsageError(
             f"--lr-min is where the cosine schedule ends: add --lr-schedule cosine (not {values['lr_schedule']})"

@@ -25,6 +25,7 @@ PLATFORM_VARIABLES = (
     "WORKSPACE",
     "BACKEND",
     "WORKER_PER_NODE",
+    "STOP_GRACE",
 )
 
 

@@ -21,8 +21,10 @@ def test_environment_variables_set_the_defaults(no_platform_env, tmp_path):
     no_platform_env.setenv("DATASETS_PATH", str(tmp_path))
     no_platform_env.setenv("DATASETS", "tiny,other")
     no_platform_env.setenv("WORKSPACE", str(tmp_path / "ws"))
+    no_platform_env.setenv("STOP_GRACE", "120")
     args = parse()
-    assert (args.epochs, args.lr, args.batch_size) == (7, 0.5, 16)
+    assert (args.epochs, args.lr, args.batch_size, args.stop_grace) == (7, 0.5, 16, 120.0)
+    assert parse("--stop-grace", "9").stop_grace == 9.0
     assert args.data == str(tmp_path / "tiny") and args.dataset == "imagenet"
     assert args.output_dir == str(tmp_path / "ws" / "dp-resnet18-tiny")
     assert parse(mode="ddp").output_dir == str(tmp_path / "ws" / "ddp-resnet18-tiny")
@@ -117,6 +119,11 @@ def test_non_positive_environment_value_raises_usage_error(no_platform_env):
         (["--lr", "inf"], {}, "--lr must be finite, got inf"),
         ([], {"LR": "inf"}, "--lr must be finite, got inf"),
         ([], {"EPOCHS": "-2"}, "--epochs must be positive, got -2"),
+        ([], {"STOP_GRACE": "0"}, "--stop-grace must be positive, got 0.0"),
+        (["--stop-grace", "nan"], {}, "--stop-grace must be positive, got nan"),
+        (["--warmup-epochs", "nan"], {}, "--warmup-epochs must be in [0, --epochs), got nan"),
+        (["--clip-grad-norm", "inf"], {}, "--clip-grad-norm must be finite, got inf"),
+        (["--wd", "nan"], {}, "--weight-decay must be 0 or more, got nan"),
         (
             ["--res-schedule", "1:2"],
             {},
