@@ -239,6 +239,7 @@ def _check(values):
             "dist_timeout",
             "grad_accum_steps",
             "stop_grace",
+            "lr_gamma",
         ],
     )
     if values["peak_tflops"] is not None:
@@ -247,6 +248,8 @@ def _check(values):
         _at_least(values, ["workers"], 0, "auto or 0 or more")
     _parsed(values, "res_schedule", ResSchedule.parse)
     _parsed(values, "profile", profile_steps)
+    if values["seed"] is not None:  # (torch's seeds take 64 bits; every rank adds its rank)
+        _within(values, "seed", 0, 2**63, "a whole number from 0 to 2**63 - 1", high_open=True)
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
     if not 0 <= values["warmup_epochs"] < values["epochs"]:

@@ -199,7 +199,7 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
     first = None if synthetic else first_item(train_set, "train", len(classes))
     if not synthetic:
         first_item(val_set, "val", len(classes))
-    mean, std, source = choose_normalisation(config, train_set, first[0] if first else None)
+    mean, std, source = choose_normalisation(config, train_set, first[0] if first else 3)  # (ours are RGB)
     if not synthetic:
         train_set, val_set = _wrapped(config, (classes, train_set, val_set), first, mean, seed, build_transforms)
     # The same permutation (seed + epoch) on every rank; rank r takes every world_size-th

@@ -124,6 +124,8 @@ def test_non_positive_environment_value_raises_usage_error(no_platform_env):
         (["--warmup-epochs", "nan"], {}, "--warmup-epochs must be in [0, --epochs), got nan"),
         (["--clip-grad-norm", "inf"], {}, "--clip-grad-norm must be finite, got inf"),
         (["--wd", "nan"], {}, "--weight-decay must be 0 or more, got nan"),
+        (["--lr-gamma", "nan"], {}, "--lr-gamma must be positive, got nan"),
+        (["--seed", str(2**63)], {}, f"--seed must be a whole number from 0 to 2**63 - 1, got {2**63}"),
         (
             ["--res-schedule", "1:2"],
             {},

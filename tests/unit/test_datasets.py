@@ -181,6 +181,17 @@ def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, no
     )
 
 
+def test_our_image_sets_are_rgb_and_take_three_values_of_mean_and_std(tiny_data):
+    """An image folder is not read at the start (a hung file system would block it), nor is --dummy: both are RGB,
+    so --mean and --std of another length are refused in one line (they were a broadcasting traceback at step 1)."""
+    for source in (["--data", tiny_data], ["--dummy"]):
+        config = parse(*SMALL, *source, "--mean", "0.5,0.5", "--std", "0.2,0.2")
+        with pytest.raises(
+            UsageError, match=r"^mean \(0\.5, 0\.5\) and std \(0\.2, 0\.2\) must have one value per image"
+        ):
+            build_data(config, build_datasets(config), 0, cpu_runtime())
+
+
 def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
     """pil_images' items are grey PIL images (converted to RGB), float_tensors' the same pixels / 255 in 3
     channels: normalised on one scale each, they are the same model inputs."""
