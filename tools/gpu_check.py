@@ -485,6 +485,40 @@ def check_decode_while_busy(setup, row):
     row.result = "PASS (180 results right)"
 
 
+def check_decode_through_the_loader(setup, row):
+    """--decode gpu through DeviceLoader, as training takes it: each batch decoded by its thread one batch ahead on the
+    side stream, handed to the main stream behind an event while that stream is busy; batch for batch, the images
+    EncodedBatch.decode gives directly (a missing wait would show the crops half written)."""
+    import io
+    import random
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from common.datasets import encoded_jpeg
+    from common.device_loader import DeviceLoader, EncodedBatch
+    from common.transforms import TrainPreset
+
+    device, (count, size, side) = (
+        torch.device("cpu" if setup.cpu else "cuda"),
+        (4, 8, 64) if setup.cpu else (12, 64, 4096),
+    )
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    jpeg, preset = encoded_jpeg(buffer.getvalue(), "random.jpg"), TrainPreset(224)
+    batches = [EncodedBatch([(preset(jpeg, random.Random(f"{b}-{k}")), 0) for k in range(size)]) for b in range(count)]
+    expected = [batch.decode(device)[0].cpu() for batch in batches]
+    product, wrong = torch.randn(side, side, device=device), 0
+    for (images, _), want in zip(DeviceLoader([(b, torch.zeros(size), []) for b in batches], device), expected):
+        for _ in range(10):  # (the main stream busy, the side stream's crops of the next batch queued meanwhile)
+            product = product @ product / product.norm()
+        wrong += int(not torch.equal(images.cpu(), want))
+    if wrong:
+        raise CheckFailed(f"{wrong} of {count} batches differ from their direct decode")
+    row.result = f"PASS ({count} batches of {size} equal to their direct decode)"
+
+
 def check_out_of_memory(setup, row):
     """A step that runs out of memory: exit 1 and one line with the levers; on a GPU, the snapshot it names holds the
     allocator's segments and (--memory-history) its history."""
@@ -629,6 +663,7 @@ def main(argv=None):
         (Row("out of memory: snapshot", "dp1", "jpeg"), check_out_of_memory),
         (Row("decode-gpu pixels vs the CPU's", "dp1", "jpeg"), check_decode_pixels),
         (Row("decode-gpu while the stream is busy", "dp1", "jpeg"), check_decode_while_busy),
+        (Row("decode-gpu through the loader's thread", "dp1", "jpeg"), check_decode_through_the_loader),
     ]
     if setup.gpus > 1:
         checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))
