@@ -38,7 +38,7 @@ def cpu_harness_runs(tmp_path_factory):
     with DDP."""
     return run_together(
         [
-            [PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory"],
+            [PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory|decode-gpu"],
             [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
             [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"],
         ],
@@ -52,8 +52,8 @@ cpu_runs = ahead(cpu_harness_runs, "cpu_runs")
 def test_its_checks_pass_on_the_cpu(cpu_runs):
     """The harness itself, on the CPU: a DDP row (trains, loss falls, the checkpoint loads into a plain
     model), a synthetic row's rate at steady state (make benchmark-gpu's window), validation by 1 and by 2 processes,
-    the exact-resume check, a --profile trace of the asked steps, and a step out of memory ending the run in one line.
-    """
+    the exact-resume check, a --profile trace of the asked steps, a step out of memory ending the run in one line, and
+    --decode gpu's rows (here their code on the CPU, where the CPU's decoder is compared with itself)."""
     result = cpu_runs[0]
     rows = table(assert_ok(result))
     assert set(rows) == {
@@ -63,6 +63,9 @@ def test_its_checks_pass_on_the_cpu(cpu_runs):
         "exact resume (ddp --deterministic)",
         "profile trace",
         "out of memory: snapshot",
+        "decode-gpu pixels vs the CPU's",
+        "decode-gpu while the stream is busy",
+        "decode-gpu through the loader's thread",
     }
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
     assert float(rows["ddp jpeg"]["rate"]) > 0
@@ -74,7 +77,7 @@ def test_its_checks_pass_on_the_cpu(cpu_runs):
     assert rows["dp1 synthetic"]["target"] == "-"
     assert re.search(r"PASS \(12 images, acc@1 ([\d.]+) / \1\)", rows["validation 1 vs N processes"]["result"])
     assert rows["ddp jpeg"]["mfu"] == "-" and "0 CUDA kernels" in rows["profile trace"]["result"]
-    assert "6 passed, 0 failed" in result.stdout
+    assert "9 passed, 0 failed" in result.stdout
 
 
 def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):
