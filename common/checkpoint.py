@@ -212,8 +212,8 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
         and isinstance(checkpoint.get("model"), dict)
     ):
         checkpoint["state_dict"] = checkpoint["model"]
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict'")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict' of tensors")
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
     return checkpoint
 

@@ -61,7 +61,8 @@ def parse_args(parser, argv=None, mode="dp"):
     chosen_trainer = argparse.ArgumentParser(add_help=False)
     chosen_trainer.add_argument("--trainer")
     name = chosen_trainer.parse_known_args(argv)[0].trainer
-    add_arguments = getattr(import_named(name or "", "--trainer"), "add_arguments", None)  # imports torch, if any
+    found = import_named(name, "--trainer", builtin=False) if name else None  # (imports torch, if any)
+    add_arguments = getattr(found, "add_arguments", None)
     if add_arguments is not None:
         add_arguments(parser.add_argument_group(f"--trainer {name}"))
     if mode == "fsdp":

@@ -29,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 
 from . import distributed
 from .demo_data import ensure_demo_dataset
-from .errors import BadItem, Preempted, UnreadableFile, UsageError, import_named
+from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
 from .folder_index import FolderIndex, scan_image_folder
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -290,8 +290,9 @@ def build_datasets(config):
             train_set,
             SyntheticImages(val_length, config.val_crop_size),
         )
-    function = import_named(config.dataset_fn or "", "--dataset")
-    if function is not None:
+    if config.dataset_fn:
+        function = import_named(config.dataset_fn, "--dataset", builtin=False)
+        check_call(function, "--dataset", config.dataset_fn, "FN(args) -> (classes, train_set, val_set)", config)
         result = function(config)
         if not (isinstance(result, (tuple, list)) and len(result) == 3):
             raise UsageError(

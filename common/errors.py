@@ -8,6 +8,7 @@ say writes a line and its newline in one write: print() makes two, and another p
 """
 
 import importlib
+import inspect
 import sys
 
 
@@ -65,12 +66,26 @@ def say(message, file=None):
     stream.flush()
 
 
-def import_named(text, flag):
-    """The object that `package.module:name` names (None for a text without a colon: a built-in name)."""
-    if ":" not in text:
+def import_named(text, flag, builtin=True):
+    """The object that `package.module:name` names (None for a text without a colon: a built-in name, if `builtin`)."""
+    if ":" not in text and builtin:
         return None
     module_name, _, name = text.partition(":")
+    if not (module_name and name.isidentifier()):
+        raise UsageError(f"{flag} {text}: expected package.module:name")
     try:
         return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError, TypeError) as error:  # (TypeError: a relative module name)
         raise UsageError(f"{flag} {text}: cannot import {name} from {module_name} ({error})") from None
+
+
+def check_call(function, flag, text, call, *args, **kwargs):
+    """UsageError unless `function` (what `flag` `text` named) can be called with these arguments (`call` says how)."""
+    if not callable(function):
+        raise UsageError(f"{flag} {text} is a {type(function).__name__}: expected {call}")
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+    except ValueError:  # (no signature to read)
+        return
+    except TypeError as error:
+        raise UsageError(f"{flag} {text} cannot be called as {call}: {error}") from None

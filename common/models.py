@@ -15,7 +15,7 @@ import torch.nn as nn
 import torchvision
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .errors import UsageError, import_named
+from .errors import UsageError, check_call, import_named
 
 
 def _classifiers(model, outputs):
@@ -197,7 +197,13 @@ def _build_model(arch, num_classes, pretrained, dropout, weights):
     if builder is not None:  # called as builder(num_classes=K[, dropout=P])
         if pretrained:
             raise UsageError(f"--pretrained needs a torchvision --arch, not {arch}")
-        return builder(num_classes=num_classes, **kwargs)
+        check_call(
+            builder, "--arch", arch, "a model's builder(num_classes=K[, dropout=P])", num_classes=num_classes, **kwargs
+        )
+        model = builder(num_classes=num_classes, **kwargs)
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--arch {arch} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
     try:
         if not pretrained:
             if arch in ("googlenet", "inception_v3"):  # their default init, without the warning that it may change

@@ -44,7 +44,7 @@ OWNED = frozenset(PUBLIC_ATTRIBUTES + PRIVATE_ATTRIBUTES)
 
 def trainer_class(name):
     """Trainer, or the subclass that --trainer package.module:Class names."""
-    found = import_named(name or "", "--trainer") or Trainer
+    found = import_named(name, "--trainer", builtin=False) if name else Trainer
     if not (isinstance(found, type) and issubclass(found, Trainer)):
         raise UsageError(f"--trainer {name} is not a subclass of common.trainer.Trainer")
     return found

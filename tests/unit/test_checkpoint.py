@@ -290,6 +290,10 @@ def test_a_pytorch_file_without_weights_is_not_a_checkpoint(tmp_path):
     torch.save({"epoch": 1}, tmp_path / "no-weights.pth")
     with pytest.raises(UsageError, match="not a checkpoint"):
         checkpoint.load_checkpoint(tmp_path / "no-weights.pth")
+    torch.save({"state_dict": 5}, tmp_path / "int.pth")  # (once an AttributeError from inside the loading)
+    for foreign in (False, True):  # (--resume's and --init-from's)
+        with pytest.raises(UsageError, match=r"int\.pth is not a checkpoint: expected a dict with a 'state_dict' of"):
+            checkpoint.load_checkpoint(tmp_path / "int.pth", foreign=foreign)
 
 
 def test_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_present(tmp_path):

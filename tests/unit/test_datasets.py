@@ -181,6 +181,17 @@ def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, no
     )
 
 
+def test_dataset_names_a_function_of_args_or_is_refused_in_one_line():
+    for text, line in [
+        ("tests.custom_datasets", "--dataset tests.custom_datasets: expected package.module:name"),
+        ("math:pi", "--dataset math:pi is a float: expected FN(args) -> (classes, train_set, val_set)"),
+        ("os:getcwd", "--dataset os:getcwd cannot be called as FN(args) -> (classes, train_set, val_set): too many "),
+    ]:
+        with pytest.raises(UsageError) as refused:
+            build_datasets(parse(*SMALL, "--dataset", text))
+        assert str(refused.value).startswith(line)
+
+
 def test_our_image_sets_are_rgb_and_take_three_values_of_mean_and_std(tiny_data):
     """An image folder is not read at the start (a hung file system would block it), nor is --dummy: both are RGB,
     so --mean and --std of another length are refused in one line (they were a broadcasting traceback at step 1)."""

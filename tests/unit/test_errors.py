@@ -3,7 +3,7 @@ flushed; `package.module:name` names code of your own on the command line (--arc
 
 import pytest
 
-from common.errors import BadItem, UsageError, import_named, say
+from common.errors import BadItem, UsageError, check_call, import_named, say
 
 
 def test_an_error_raised_in_a_loader_worker_still_reads_as_its_one_line():
@@ -43,3 +43,25 @@ def test_a_name_with_a_colon_is_imported_and_one_without_is_a_built_in_name():
         import_named("tests.nowhere:build", "--dataset")
     with pytest.raises(UsageError, match="cannot import Missing from tests.tiny_models"):
         import_named("tests.tiny_models:Missing", "--arch")
+    for text in [":TinyNet", "tests.tiny_models:", "tests.tiny_models::"]:  # (once a traceback, or a blank name)
+        with pytest.raises(UsageError, match=rf"^--arch {text}: expected package.module:name$"):
+            import_named(text, "--arch")
+    with pytest.raises(UsageError, match=r"^--arch \.\.foo:bar: cannot import bar from \.\.foo \("):
+        import_named("..foo:bar", "--arch")
+    with pytest.raises(UsageError, match=r"^--trainer Trainr: expected package.module:name$"):  # (was ignored)
+        import_named("Trainr", "--trainer", builtin=False)
+
+
+def test_what_a_flag_names_must_take_the_arguments_it_will_be_called_with():
+    """--arch's builder(num_classes=K), --dataset's FN(args): a value of another kind, or a function of another
+    signature, is refused in one line before it is called (it was a TypeError from inside the call)."""
+    import math
+    import os
+
+    from tests.tiny_models import TinyNet
+
+    check_call(TinyNet, "--arch", "t:TinyNet", "builder(num_classes=K)", num_classes=3)
+    with pytest.raises(UsageError, match=r"^--arch math:pi is a float: expected builder\(num_classes=K\)$"):
+        check_call(math.pi, "--arch", "math:pi", "builder(num_classes=K)", num_classes=3)
+    with pytest.raises(UsageError, match=r"^--arch os:getcwd cannot be called as builder\(num_classes=K\): got an "):
+        check_call(os.getcwd, "--arch", "os:getcwd", "builder(num_classes=K)", num_classes=3)

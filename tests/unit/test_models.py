@@ -57,6 +57,10 @@ def test_arch_may_name_your_own_model_as_module_and_callable():
         build_model("tests.tiny_models:Missing", num_classes=4)
     with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
         build_model("tests.tiny_models:TinyNet", num_classes=4, pretrained=True)
+    with pytest.raises(UsageError, match=r"^--arch tests.tiny_models:Block cannot be called as a model's builder"):
+        build_model("tests.tiny_models:Block", num_classes=4)  # (a module that takes no num_classes)
+    with pytest.raises(UsageError, match=r"^--arch collections:OrderedDict returned a OrderedDict, not a torch"):
+        build_model("collections:OrderedDict", num_classes=4)
 
 
 @pytest.mark.parametrize(
