@@ -201,9 +201,10 @@ def _positive(values, names):
 
 
 def _parsed(values, name, parse):
-    """`parse` of a flag kept as text (None: not given), its ValueError a UsageError naming the flag."""
+    """UsageError naming the flag where `parse` refuses a flag kept as text (None: not given)."""
     try:
-        return values[name] is None or parse(values[name])
+        if values[name] is not None:
+            parse(values[name])
     except ValueError as error:
         raise UsageError(f"{flag(name)}: {error}") from None
 

@@ -175,9 +175,9 @@ class Normalise:
 
 
 def choose_normalisation(config, train_set, channels):
-    """(mean, std, source) of normalisation: --mean/--std, else the train set's own `mean` and `std`
-    attributes, else ImageNet's for 3-channel images; UsageError for other channels or a length that is not
-    theirs."""
+    """(mean, std, source) of normalisation for images of `channels` channels: --mean/--std, else the train set's
+    own `mean` and `std` attributes, else ImageNet's for 3-channel images; UsageError for other channels or a length
+    that is not theirs."""
     given = {name: getattr(config, name) for name in ("mean", "std")}
     found = {name: given[name] or getattr(train_set, name, None) for name in given}
     if all(found.values()):
@@ -189,7 +189,7 @@ def choose_normalisation(config, train_set, channels):
     elif any(found.values()):
         missing = next(name for name, value in found.items() if not value)
         raise UsageError(f"--{missing} is missing: give --mean and --std together (or both as dataset attributes)")
-    elif channels in (None, 3):
+    elif channels == 3:
         return IMAGENET_MEAN, IMAGENET_STD, "ImageNet's"
     else:
         raise UsageError(
@@ -197,7 +197,7 @@ def choose_normalisation(config, train_set, channels):
             "(or set train_set.mean and .std), as ImageNet's are for 3"
         )
     mean, std = (tuple(float(value) for value in found[name]) for name in ("mean", "std"))
-    if len(mean) != len(std) or (channels is not None and len(mean) != channels):
+    if len(mean) != channels or len(std) != channels:
         raise UsageError(f"mean {mean} and std {std} must have one value per image channel ({channels})")
     if min(std) <= 0:
         raise UsageError(f"std {std} must be positive")
