@@ -448,15 +448,26 @@ def check_decode_pixels(setup, row):
     row.result = f"PASS (pixels: at most {worst}, on average {mean:.2f} levels from the CPU's; decode {rate:.0f} img/s)"
 
 
+def _random_jpeg(height, width, seed):
+    """The bytes of a JPEG of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+        buffer, "JPEG"
+    )
+    return buffer.getvalue()
+
+
 def check_decode_while_busy(setup, row):
     """--decode gpu's decoding while its stream still has work queued on memory it has freed (the prefetch's crops of
     the batch before): the decoder must not write there first (pytorch/vision#9606: it did, 211 wrong sums of 240)."""
     import contextlib
-    import io
 
-    import numpy as np
     import torch
-    from PIL import Image
 
     from common.datasets import encoded_jpeg
     from common.device_loader import EncodedBatch
@@ -464,9 +475,8 @@ def check_decode_while_busy(setup, row):
 
     cuda = not setup.cpu
     device, side = torch.device("cuda" if cuda else "cpu"), torch.cuda.Stream() if cuda else None
-    buffer, size = io.BytesIO(), 3 * 480 * 640
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(buffer, "JPEG")
-    samples = [(EvalPreset(480, 480)(encoded_jpeg(buffer.getvalue(), "random.jpg")), 0)] * 8
+    size = 3 * 480 * 640
+    samples = [(EvalPreset(480, 480)(encoded_jpeg(_random_jpeg(480, 640, seed=0), "random.jpg")), 0)] * 8
     expected, wrong = EncodedBatch(samples).decode(device)[0], 0
     with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
         for _ in range(20):
@@ -489,24 +499,17 @@ def check_decode_through_the_loader(setup, row):
     """--decode gpu through DeviceLoader, as training takes it: each batch decoded by its thread one batch ahead on the
     side stream, handed to the main stream behind an event while that stream is busy; batch for batch, the images
     EncodedBatch.decode gives directly (a missing wait would show the crops half written)."""
-    import io
     import random
 
-    import numpy as np
     import torch
-    from PIL import Image
 
     from common.datasets import encoded_jpeg
     from common.device_loader import DeviceLoader, EncodedBatch
     from common.transforms import TrainPreset
 
-    device, (count, size, side) = (
-        torch.device("cpu" if setup.cpu else "cuda"),
-        (4, 8, 64) if setup.cpu else (12, 64, 4096),
-    )
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 256, (375, 500, 3), dtype=np.uint8)).save(buffer, "JPEG")
-    jpeg, preset = encoded_jpeg(buffer.getvalue(), "random.jpg"), TrainPreset(224)
+    device = torch.device("cpu" if setup.cpu else "cuda")
+    count, size, side = (4, 8, 64) if setup.cpu else (12, 64, 4096)  # batches, their images, the busy work's matrix
+    jpeg, preset = encoded_jpeg(_random_jpeg(375, 500, seed=1), "random.jpg"), TrainPreset(224)
     batches = [EncodedBatch([(preset(jpeg, random.Random(f"{b}-{k}")), 0) for k in range(size)]) for b in range(count)]
     expected = [batch.decode(device)[0].cpu() for batch in batches]
     product, wrong = torch.randn(side, side, device=device), 0
