@@ -252,6 +252,11 @@ def init_from(model, path, arch, channels, num_classes):
     RGB one after). Anything else that differs is refused in one line. Returns what was changed, for the header."""
     from .models import _classifiers, adapt_first_conv, first_conv
 
+    if Path(path).is_dir():
+        raise UsageError(
+            f"--init-from {path}: a directory; give a weights file (a checkpoint.pth or model_best.pth; a sharded "
+            "checkpoint as tools/export_checkpoint.py writes it)"
+        )
     if not Path(path).is_file():
         raise UsageError(f"--init-from {path}: no such file")
     with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)

@@ -120,6 +120,7 @@ def resolve(namespace, mode):
         _check_fsdp(values)
     _learning_rate(values)
     _pretrained(values)
+    _check_val_sizes(values)
     if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
@@ -139,6 +140,10 @@ def _data_source(values):
         raise UsageError("--decode gpu decodes JPEGs, and --dummy has none: leave one of them out")
     if values["data"] is None and not values["dummy"]:
         root, names = env_default("DATASETS_PATH"), env_default("DATASETS")
+        if names and not root:
+            raise UsageError(
+                f"DATASETS={names} names folders under DATASETS_PATH, which is not set: set it, or give --data"
+            )
         if root:
             values["data"] = os.path.join(root, names.split(",")[0]) if names else root
     values["dataset"] = (
@@ -279,6 +284,16 @@ def _check(values):
     if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
         raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
     check_arch(values["arch"])
+
+
+def _check_val_sizes(values):
+    """A centre crop larger than the resize would pad the image with black (torchvision's CenterCrop does)."""
+    crop, resize = values["val_crop_size"], values["val_resize_size"]
+    if crop > resize and values["dataset"] != "dummy":  # (--dummy's images are made at the crop's size)
+        raise UsageError(
+            f"--val-crop-size {crop} is larger than --val-resize-size {resize}: the centre crop would pad the resized "
+            "image with black (give a crop at most the resize)"
+        )
 
 
 def _check_fsdp(values):

@@ -196,6 +196,10 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
     (pinned) for DeviceLoader to copy and normalise there; on the CPU the loader workers normalise them."""
     classes, train_set, val_set = datasets
     classes, synthetic = list(classes), isinstance(train_set, SyntheticImages)
+    if len(classes) < 2:  # (one class would train to a loss of 0 and an accuracy of 100% that mean nothing)
+        raise UsageError(
+            f"the data has {len(classes)} class{'es' * (len(classes) != 1)} {classes}: a classifier needs 2 or more"
+        )
     first = None if synthetic else first_item(train_set, "train", len(classes))
     if not synthetic:
         first_item(val_set, "val", len(classes))

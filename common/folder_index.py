@@ -76,6 +76,8 @@ def scan_image_folder(root):
     """The classes and samples of root/train and root/val; UsageError unless both are image folders
     with the same, non-empty classes."""
     root = Path(root)
+    if root.is_file():
+        raise UsageError(f"--data {root}: a file; give the folder that holds train/ and val/ (or their CSV files)")
     if not root.is_dir():
         raise UsageError(f"--data {root}: no such directory")
     classes, files = {}, {}

@@ -424,6 +424,8 @@ def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_anot
         built_trainer(
             "-a", "resnet18", "--init-from", str(tmp_path / "missing.pth"), *flags, datasets=tensor_datasets(channels=1)
         )
+    with pytest.raises(UsageError, match=r"^--init-from \S+: a directory; give a weights file \("):
+        built_trainer("-a", "resnet18", "--init-from", str(tmp_path), *flags, datasets=tensor_datasets(channels=1))
     with pytest.raises(UsageError, match=r"^--init-from and --pretrained both give the starting weights: choose one$"):
         built_trainer(
             "-a", "resnet18", "--init-from", str(path), "--pretrained", *flags, datasets=tensor_datasets(channels=1)

@@ -35,6 +35,20 @@ def test_datasets_path_alone_is_the_data_dir(no_platform_env, tmp_path):
     assert parse().data == str(tmp_path)
 
 
+def test_datasets_without_datasets_path_is_refused_unless_data_is_given(no_platform_env, tmp_path):
+    no_platform_env.setenv("DATASETS", "tiny")
+    with pytest.raises(UsageError, match=r"^DATASETS=tiny names folders under DATASETS_PATH, which is not set: "):
+        parse()
+    assert parse("--data", str(tmp_path)).data == str(tmp_path)
+
+
+def test_a_val_crop_larger_than_its_resize_is_refused_but_not_for_dummy_images(no_platform_env):
+    with pytest.raises(UsageError, match=r"^--val-crop-size 40 is larger than --val-resize-size 36: the centre crop "):
+        parse("--val-crop-size", "40")
+    assert parse("--val-crop-size", "36").val_crop_size == 36
+    assert parse("--dummy", "--val-crop-size", "300").val_crop_size == 300
+
+
 def test_command_line_flags_win_over_environment_variables(no_platform_env, tmp_path):
     for name, value in dict(
         EPOCHS="7",

@@ -19,7 +19,7 @@ from common.errors import UnreadableImage, UsageError
 from common.preemption import StopNow
 from common.samplers import RepeatedAugmentationSampler
 from common.transforms import Normalise
-from conftest import cpu_runtime, make_image_folder, parse
+from conftest import cpu_runtime, make_image_folder, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
@@ -373,3 +373,14 @@ def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatc
         UsageError, match=r"^--decode gpu needs torchvision.io.decode_jpeg, which torchvision \S+ lacks$"
     ):
         build_data(config, (classes, train_set, val_set), 0, cpu_runtime())
+
+
+def test_data_of_one_class_is_refused_in_one_line(tmp_path):
+    """One class would train to a loss of 0 and 100% accuracy, which mean nothing: refused, whatever the source."""
+    root = make_image_folder(tmp_path / "one", train_per_class=1, val_per_class=1, num_classes=1)
+    config = parse("--data", root)
+    with pytest.raises(UsageError, match=r"^the data has 1 class \['circle'\]: a classifier needs 2 or more$"):
+        build_data(config, build_datasets(config), 0, cpu_runtime())
+    _, train_set, val_set = tensor_datasets()
+    with pytest.raises(UsageError, match=r"^the data has 0 classes \[\]: a classifier needs 2 or more$"):
+        build_data(config, ([], train_set, val_set), 0, cpu_runtime())

@@ -50,6 +50,12 @@ def test_scan_image_folder_of_a_missing_dir_says_so(tmp_path):
         scan_image_folder(tmp_path / "missing")
 
 
+def test_scan_image_folder_of_a_file_says_it_is_one(tmp_path):
+    (tmp_path / "train.tar").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"^--data \S+train\.tar: a file; give the folder that holds train/ and val/"):
+        scan_image_folder(tmp_path / "train.tar")
+
+
 def test_scan_image_folder_without_val_says_so(folder):
     shutil.rmtree(folder / "val")
     with pytest.raises(UsageError, match=r"has no val/ folder"):
