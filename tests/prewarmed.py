@@ -5,6 +5,9 @@ torchvision, common/ and what else the script imports.
     python tests/prewarmed.py SPEC.json         # one script, several runs: harness.jobs.run_prewarmed
     torchrun ... --no-python PYTHON tests/prewarmed.py --worker SOCKET SCRIPT ARGS...   # harness.jobs.torchrun_command
 
+The server also runs torchrun's launcher itself (a request whose script is "-m torch.distributed.run"), as
+`python -m torch.distributed.run` runs it.
+
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
 output file and its own environment; the exit codes (negative: killed by that signal) are written
@@ -46,6 +49,15 @@ def same_at_import(env, reference):
     return all(env.get(key) == reference.get(key) for key in keys)
 
 
+def print_traceback():
+    """The exception being handled, as Python prints it at exit: from runpy's frames on (as `python -m module`
+    prints it), without this file's frame before them."""
+    kind, error, frames = sys.exc_info()
+    while frames is not None and frames.tb_frame.f_code.co_filename == __file__:
+        frames = frames.tb_next
+    traceback.print_exception(kind, error, frames)
+
+
 def child(script, argv, env, output, cwd=None, errors=None):
     """Run `python script argv` in this (forked) process and exit with its code, as CPython would: output
     (a path, or an open file descriptor) becomes stdout, and stderr unless `errors` (a descriptor) is given;
@@ -68,11 +80,15 @@ def child(script, argv, env, output, cwd=None, errors=None):
         os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    sys.argv = [script, *argv]
-    sys.path[0] = os.path.dirname(script)
+    module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
+    sys.argv = [importlib.util.find_spec(module).origin if module else script, *argv]
+    sys.path[0] = os.getcwd() if module else os.path.dirname(script)
     code, interrupted = 0, False
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         if stop.code is None:
             code = 0
@@ -82,10 +98,10 @@ def child(script, argv, env, output, cwd=None, errors=None):
             print(stop.code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt:
-        traceback.print_exc()
+        print_traceback()
         interrupted = True  # CPython ends on an uncaught KeyboardInterrupt killed by SIGINT
     except BaseException:
-        traceback.print_exc()
+        print_traceback()
         code = 1
     try:
         threading._shutdown()  # as at interpreter exit: non-daemon threads are waited for, then atexit
@@ -108,6 +124,7 @@ def import_everything(script_dir):
             "torch",
             "torchvision",
             "torch.utils.tensorboard",
+            "torch.distributed.launcher.api",  # (what torchrun's launcher, torch.distributed.run, imports)
             *(f"common.{path.stem}" for path in sorted(Path(script_dir).glob("common/*.py"))),
         ]:
             importlib.import_module(name)

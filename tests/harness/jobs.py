@@ -248,18 +248,21 @@ def run_script(script, *args, timeout=300, env=None, as_user=False):
 
 
 def torchrun_command(script, nproc, *args, extra=(), prewarmed=True):
-    """`torchrun --nproc_per_node=N script args` on a free loopback port (workers prewarmed: worker_command)."""
-    return [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        *extra,
-        *worker_command(script, prewarmed),
-        *args,
-    ]
+    """`torchrun --nproc_per_node=N script args` on a free loopback port: the launcher and its workers prewarmed
+    (Prewarmed, worker_command), or neither."""
+    return (list if prewarmed else AsUser)(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            *extra,
+            *worker_command(script, prewarmed),
+            *args,
+        ]
+    )
 
 
 def torchrun(script, nproc, *args, timeout=300, env=None, extra=()):

@@ -60,6 +60,9 @@ class PrewarmedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+TORCHRUN = "torch.distributed.run"
+
+
 class Prewarmed:
     """A server that imported torch, torchvision and common/ once and forks a process for each run of a
     script (`python script.py ...`): starting Python and importing torch is about 5 s of CPU on these
@@ -77,6 +80,8 @@ class Prewarmed:
     def can_run(cls, command, env):
         if os.environ.get("PREWARMED", "1") == "0" or len(command) < 2 or command[0] != PYTHON:
             return False
+        if command[1:3] == ["-m", TORCHRUN]:
+            return same_at_import(env, cls.server_env or clean_env())
         script = Path(command[1])
         if script.suffix != ".py" or not script.is_absolute() or REPO not in script.parents:
             return False
@@ -116,7 +121,9 @@ class Prewarmed:
         read_end, write_end = os.pipe()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(socket_path)
-        request = {"script": command[1], "argv": command[2:], "env": env, "cwd": str(cwd)}
+        module = command[1] == "-m"  # (torchrun's launcher: `python -m torch.distributed.run ...`)
+        script, argv = (f"-m {command[2]}", command[3:]) if module else (command[1], command[2:])
+        request = {"script": script, "argv": argv, "env": env, "cwd": str(cwd)}
         socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [write_end])
         os.close(write_end)
         reply = b""
