@@ -492,6 +492,8 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
             "train_ddp.py", 2, *TINY_NET, "-j", "1", "--data", data, "--output-dir", tmp_path / "out", "--epochs", "50"
         )
     )
+    # (torchrun's launcher forked by the prewarm server: found by its session; its workers by theirs)
+    assert isinstance(job.process, PrewarmedProcess) or os.environ.get("PREWARMED") == "0"
     job.wait_for(at(0, 2))
     running = job.leftovers()
     assert len(running) >= 5, running  # torchrun, 2 workers, a loader worker each
