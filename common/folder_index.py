@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .errors import UsageError
+
+# torchvision.datasets.folder.IMG_EXTENSIONS (ImageFolder's), written out: importing torchvision imports torch, which
+# tools/prepare_imagenet.py does not need (tests/unit/test_folder_index.py compares the two).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class NameTable:

@@ -595,6 +595,15 @@ def one_error_line(capsys, *args):
     return lines[0]
 
 
+def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tool_starts_without_torch():
+    from torchvision.datasets import imagenet
+
+    assert prepare_imagenet.ARCHIVE_META == imagenet.ARCHIVE_META
+    probe = "import sys; sys.path.insert(0, 'tools'); import prepare_imagenet; print('torch' in sys.modules)"
+    result = run([PYTHON, "-c", probe], timeout=60, prewarmed=False)
+    assert (result.returncode, result.stdout) == (0, "False\n"), result.stdout[-500:]
+
+
 def test_official_md5_checked_by_default(archives, tmp_path, capsys):
     line = one_error_line(capsys, archives, tmp_path / "out")
     assert "ILSVRC2012_img_train.tar does not have the official MD5" in line and "--skip-md5" in line, line

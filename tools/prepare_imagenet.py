@@ -48,18 +48,23 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from torchvision.datasets import imagenet
-from torchvision.datasets.folder import IMG_EXTENSIONS
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
+from common.folder_index import IMG_EXTENSIONS
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
 from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
-TRAIN_TAR, VAL_TAR, DEVKIT = (imagenet.ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
-OFFICIAL_MD5 = dict(imagenet.ARCHIVE_META.values())
+# torchvision.datasets.imagenet.ARCHIVE_META, written out: importing torchvision imports torch, which made this tool
+# take 7 s of CPU to start and seconds to exit (tests/test_prepare_imagenet.py compares the two).
+ARCHIVE_META = {
+    "train": ("ILSVRC2012_img_train.tar", "1d675b47d978889d74fa0da5fadfb00e"),
+    "val": ("ILSVRC2012_img_val.tar", "29b22e2961454d5413ddabcf34fc5622"),
+    "devkit": ("ILSVRC2012_devkit_t12.tar.gz", "fa75699e90414af021442c21a62c3abf"),
+}
+TRAIN_TAR, VAL_TAR, DEVKIT = (ARCHIVE_META[key][0] for key in ("train", "val", "devkit"))
+OFFICIAL_MD5 = dict(ARCHIVE_META.values())
 KAGGLE_ROOT, KAGGLE_LABELS = "ILSVRC/Data/CLS-LOC", "LOC_val_solution.csv"
 OFFICIAL_COUNTS = {"classes": 1000, "train images": 1_281_167, "val images": 50_000}
 STATE = ".prepare"  # completion markers and MD5 stamps, outside the class folders

@@ -6,7 +6,7 @@ import pytest
 import torchvision
 
 from common.errors import UsageError
-from common.folder_index import scan_image_folder
+from common.folder_index import IMG_EXTENSIONS, scan_image_folder
 
 
 @pytest.fixture
@@ -43,6 +43,10 @@ def test_scan_image_folder_lists_the_samples_of_torchvisions_image_folder_in_its
         expected = torchvision.datasets.ImageFolder(folder / split)
         assert scan.classes == expected.classes
         assert [index[i] for i in range(len(index))] == expected.samples
+
+
+def test_the_image_extensions_are_torchvision_s():
+    assert IMG_EXTENSIONS == torchvision.datasets.folder.IMG_EXTENSIONS
 
 
 def test_scan_image_folder_of_a_missing_dir_says_so(tmp_path):
