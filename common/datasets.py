@@ -7,7 +7,6 @@ arrow files in HF_DATASETS_CACHE, on rank 0 first), with a column of images and 
 optional (requirements-hf.txt).
 """
 
-import csv
 import io
 import math
 import os
@@ -30,7 +29,7 @@ from torchvision.transforms.v2 import functional as F
 from . import distributed
 from .demo_data import ensure_demo_dataset
 from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
-from .folder_index import FolderIndex, scan_image_folder
+from .folder_index import FolderIndex, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 
@@ -225,55 +224,6 @@ class HFImages(ImageFiles):
 
     def name(self, index):
         return self.samples.name(index)
-
-
-def read_split_file(path, root):
-    """[(path, class name)] of a CSV or TSV split file: rows `path,label` (a first row `path,label` is a
-    header), paths relative to `root` (the file's folder) unless absolute."""
-    delimiter = "\t" if path.suffix == ".tsv" else ","
-    rows = []
-    try:
-        with open(path, newline="") as file:
-            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
-                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
-                    continue
-                if len(row) != 2 or not row[0].strip() or not row[1].strip():
-                    raise UsageError(
-                        f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}"
-                    )
-                rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
-    except OSError as error:
-        raise UsageError(f"cannot read {path}: {error.strerror}") from None
-    if not rows:
-        raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
-    return rows
-
-
-def split_files(root):
-    """{split: path} of the CSV or TSV split files in `root` (train.csv and val.csv, or .tsv), or None."""
-    for suffix in (".csv", ".tsv"):
-        found = {split: Path(root) / f"{split}{suffix}" for split in ("train", "val")}
-        if any(path.is_file() for path in found.values()):
-            missing = [path.name for path in found.values() if not path.is_file()]
-            if missing:
-                raise UsageError(
-                    f"--data {root} has {'train' if 'val' in missing[0] else 'val'}{suffix} but no "
-                    f"{missing[0]}: give both splits"
-                )
-            return found
-    return None
-
-
-def scan_split_files(root):
-    """The classes (sorted names of the train split's labels) and (path, label) samples of root/train.csv and
-    root/val.csv (or .tsv); UsageError for a val label that training never sees."""
-    rows = {split: read_split_file(path, root) for split, path in split_files(root).items()}
-    classes = sorted({label for _, label in rows["train"]})
-    index = {name: k for k, name in enumerate(classes)}
-    unknown = sorted({label for _, label in rows["val"]} - index.keys())
-    if unknown:
-        raise UsageError(f"val labels {', '.join(unknown[:5])} of {root} do not occur in its train split")
-    return classes, *([(path, index[label]) for path, label in rows[split]] for split in ("train", "val"))
 
 
 def build_datasets(config):

@@ -595,11 +595,13 @@ def one_error_line(capsys, *args):
     return lines[0]
 
 
-def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tool_starts_without_torch():
+def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tools_start_without_torch():
     from torchvision.datasets import imagenet
 
     assert prepare_imagenet.ARCHIVE_META == imagenet.ARCHIVE_META
-    probe = "import sys; sys.path.insert(0, 'tools'); import prepare_imagenet; print('torch' in sys.modules)"
+    probe = (
+        "import sys; sys.path.insert(0, 'tools'); import prepare_imagenet, make_shards; print('torch' in sys.modules)"
+    )
     result = run([PYTHON, "-c", probe], timeout=60, prewarmed=False)
     assert (result.returncode, result.stdout) == (0, "False\n"), result.stdout[-500:]
 

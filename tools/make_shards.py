@@ -31,9 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
-from common.datasets import scan_split_files, split_files
 from common.errors import UsageError
-from common.folder_index import scan_image_folder
+from common.folder_index import scan_image_folder, scan_split_files, split_files
 from common.run_dir import atomic_write
 from common.shards import (
     CLASSES,
