@@ -81,7 +81,7 @@ def child(script, argv, env, output, cwd=None, errors=None):
     if cwd is not None:
         os.chdir(cwd)
     module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
-    sys.argv = [importlib.util.find_spec(module).origin if module else script, *argv]
+    sys.argv = [script, *argv]  # (run_module makes argv[0] the module's file, as `python -m` does)
     sys.path[0] = os.getcwd() if module else os.path.dirname(script)
     code, interrupted = 0, False
     try:
