@@ -1,4 +1,5 @@
-"""The file list of an ImageNet-style folder (or of its train.csv and val.csv): listed once per job, held compactly.
+"""The file list of an ImageNet-style folder, listed once per job and held compactly; and those of its train.csv and
+val.csv.
 
 One pass lists and checks the folder, on rank 0 only (build_data gives the result to the other ranks), and the samples
 are one bytes blob of file names with numpy offsets and labels, not ImageFolder's Python list of tuples, which forked
