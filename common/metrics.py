@@ -100,17 +100,7 @@ class MetricSums:
         hits1, hits5 = correct_counts(output.detach(), target, topk=(1, 5))
         batch = {"loss": loss.detach().double() * n, "hits1": hits1.double(), "hits5": hits5.double()}
         for name, value in (values or {}).items():
-            if name in batch or name == "count":
-                raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise UsageError(
-                        f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)"
-                    )
-                value = value.detach().reshape(()).to(self.device, torch.float64)
-            else:
-                value = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-            batch[name] = value * n
+            batch[name] = self._value(name, value) * n
         new = [name for name in batch if name not in self.names]
         if new:  # a name first returned now: its sum starts here
             self.names += new
@@ -120,6 +110,16 @@ class MetricSums:
         for name, metric in self.metrics.items():
             metric.update(self.states[name], output.detach(), target)
         self.count += n
+
+    def _value(self, name, value):
+        """A named value (a scalar tensor or number) as a float64 scalar on the device."""
+        if name in BUILT_IN or name == "count":
+            raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
+        if not isinstance(value, torch.Tensor):
+            return torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        if value.numel() != 1:
+            raise UsageError(f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)")
+        return value.detach().reshape(()).to(self.device, torch.float64)
 
     def totals(self, reduce=True):
         """{name: sum, ..., "count": images}, over all ranks when `reduce` (a collective: every rank calls it;

@@ -170,21 +170,15 @@ class Trainer:
         epoch trained, as log.csv counts it (-e: -1). The default does nothing."""
 
     def train_step(self, model, images, labels):
-        """One batch's forward, under autocast: returns (loss, logits) or (loss, logits, {name: value}), each
-        value a scalar (the batch's mean) that is summed over ranks exactly, shown, logged in log.csv as
-        train_NAME and in TensorBoard, and resumed by name. The loop does backward, clipping, the optimizer
-        and scheduler steps; the accuracy counts the logits against the unmixed labels. With --grad-accum-steps
-        N the batch is one of N micro-batches of an optimizer step; the loss, the batch's mean, is weighted by
-        its share of the step's images for the backward."""
+        """One batch's forward, under autocast: (loss, logits) or (loss, logits, {name: value}), each value a scalar
+        (the batch's mean) summed over ranks exactly and logged as train_NAME. The loop does the rest: backward,
+        clipping, the optimizer and scheduler steps; accuracy counts the logits against the unmixed labels."""
         return models.loss_with_aux(self.criterion, model(images), labels, self._aux_weight)
 
     def optimizer_step(self, model, closure):
-        """The optimizer step, once the step's gradients are summed over its micro-batches and averaged over the
-        ranks: by default the fp16 scaler's unscaling and --clip-grad-norm (clip_gradients), then the optimizer
-        through the scaler. `closure()` zeroes the gradients, runs the step's forwards and backwards again (its
-        micro-batches, mixed alike) and returns the step's loss: a second gradient (SAM), two optimizers, a
-        step of your own go here; under --amp fp16 call it before clip_gradients (which unscales the gradients
-        once a step). The scheduler steps after it, once."""
+        """The optimizer step, from the step's gradients averaged over its micro-batches and the ranks: clipping
+        (clip_gradients), then the optimizer through the fp16 scaler. `closure()` zeroes the gradients and runs the
+        step's forwards and backwards again, returning its loss (SAM: a second gradient)."""
         self.clip_gradients()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -401,56 +395,59 @@ class Trainer:
         return self._finish(time.time() - wall_start, train, val, ema_val)
 
     def train_one_epoch(self, model, epoch, first_step=0):
-        """Train `epoch` from `first_step` (a resumed epoch starts part-way, with the metric sums it had), each step
-        in the order it runs; returns the epoch's metrics over all ranks. No value is read back from the device but
-        at progress lines. A stop signal ends it after a step all ranks agree on, with a checkpoint (Preempted)."""
-        config, device = self.config, self.runtime.device
-        # A new shuffle every epoch, the same on every rank (a resumed epoch skips the batches it had done);
-        # the augmentation's seeds follow the epoch too.
+        """Train `epoch` from `first_step` (a resumed epoch starts part-way); returns its metrics over all ranks. No
+        value is read back from the device but at progress lines. A stop signal ends it after a step all ranks agree
+        on, with a checkpoint (Preempted)."""
+        metrics = self._start_epoch(model, epoch, first_step)
+        counted_before, every = metrics.base.get("count", 0), self.config.checkpoint_interval
+        progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
+        start, batches = time.perf_counter(), self._optimizer_steps(self._diagnostics.timed(self._train_batches))
+        for step, micro_batches in enumerate(batches, start=first_step):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
+            self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
+            self.scheduler.step()
+            done = step + 1
+            if done % self.config.print_freq == 0 or done == self.steps_per_epoch:
+                self._progress_line(progress, metrics, epoch, step)
+            if self.ema is not None:
+                self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
+            self._diagnostics.after_step()  # (--profile)
+            stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
+            if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):
+                self.save(epoch, done, metrics)
+            if stop:
+                self._stopped(epoch, done)
+        if self._stop_agreed(now=True):  # asked in the last steps: the checkpoint before validation, which may be long
+            self.save(epoch, self.steps_per_epoch, metrics)
+            self._stopped(epoch, self.steps_per_epoch)
+        return self._epoch_summary(metrics, epoch, time.perf_counter() - start, counted_before)
+
+    def _start_epoch(self, model, epoch, first_step):
+        """The epoch's shuffle and augmentation seeds, the same on every rank (a resumed epoch skips the batches it had
+        done), and its metric sums (a resumed epoch's: those it had); the model in training mode."""
         self._data.train_sampler.set_epoch(epoch, start=first_step * self.per_process_batch)
         self._data.train_loader.dataset.set_epoch(epoch)
-        metrics = MetricSums(device, self._metrics["train"])
+        metrics = MetricSums(self.runtime.device, self._metrics["train"])
         if first_step:
             metrics.load_state_dict(self._resumed_totals)
         else:
             self._bad_images.next_epoch()
         if not first_step or self._epoch_lr is None:  # log.csv's lr: each group's at the epoch's first step
             self._epoch_lr = [group["lr"] for group in self.optimizer.param_groups]
-        counted_before = metrics.base.get("count", 0)
-        progress = ProgressMeter(self.steps_per_epoch, f"Epoch: [{epoch}]", self.log.print, first_step, counted_before)
         model.train()
         if self._bare_model_guard is None:  # (train_step given DDP: its bare model refused)
             self._bare_model_guard = models.BareModelGuard.around(model, self.model)
-        start = time.perf_counter()
         self._diagnostics.start_epoch()
-        for step, micro_batches in enumerate(
-            self._optimizer_steps(self._diagnostics.timed(self._train_batches)), start=first_step
-        ):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
-            self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
-            self.scheduler.step()
-            done = step + 1
-            if done % config.print_freq == 0 or done == self.steps_per_epoch:
-                self._progress_line(progress, metrics, epoch, step)
-            if self.ema is not None:
-                self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
-            self._diagnostics.after_step()  # (--profile)
-            stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
-            every = config.checkpoint_interval
-            if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):
-                self.save(epoch, done, metrics)
-            if stop:
-                self._stopped(epoch, done)
-        if self._stop_agreed(now=True):
-            # Asked to stop in the epoch's last steps: its checkpoint before validation (which may take long,
-            # twice with --model-ema); a resumed run validates it.
-            self.save(epoch, self.steps_per_epoch, metrics)
-            self._stopped(epoch, self.steps_per_epoch)
-        seconds, summary = time.perf_counter() - start, metrics.summary()
+        return metrics
+
+    def _epoch_summary(self, metrics, epoch, seconds, counted_before):
+        """The epoch's metrics over all ranks (a collective), with its speed, diagnostics and, sharded, the state this
+        rank holds (log.csv's train_sharded_state_mib: rank 0's, measured)."""
+        summary = metrics.summary()
         summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
         summary["diagnostics"] = self._diagnostics.epoch_figures(epoch, summary["images_per_second"])
-        if self.shard is not None:  # log.csv's train_sharded_state_mib: what this rank holds, measured (rank 0's)
+        if self.shard is not None:
             summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2**-20
         return summary
 
@@ -462,9 +459,8 @@ class Trainer:
 
     def _forward_backward(self, model, micro_batches, epoch, step, metrics=None, zero=False):
         """The forwards (train_step) and backwards of one optimizer step's micro-batches, each loss weighted by its
-        share of the step's images, the gradients summed and synced over the ranks at the last backward alone; the
-        criterion's averaged. Each micro-batch's metrics into `metrics` (None: not counted again). With `zero` (the
-        closure of optimizer_step), from zeroed gradients, returning the step's loss."""
+        share of the images, the gradients synced at the last backward alone; metrics counted into `metrics`. `zero`
+        (optimizer_step's closure): from zeroed gradients, returning the step's loss."""
         config, device, rank = self.config, self.runtime.device, self.runtime.rank
         if zero:
             self.optimizer.zero_grad(set_to_none=True)

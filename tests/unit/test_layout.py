@@ -114,3 +114,51 @@ def test_the_code_is_formatted_and_linted(command):
         [sys.executable, "-m", "ruff", *command, "."], cwd=COMMON.parent, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+# The training step's reading path: Trainer.train_one_epoch and what it runs at every step with the default flags
+# (a model whose output is a tensor, no MixUp, no EMA), by file. ELSEWHERE: what the loop calls at some steps only.
+READING_PATH = {
+    "trainer.py": ["Trainer.train_one_epoch", "Trainer._optimizer_steps", "Trainer._forward_backward",
+                   "Trainer.train_step", "Trainer.optimizer_step", "Trainer.clip_gradients", "Trainer._stop_agreed"],
+    "models.py": ["gradient_sync", "autocast", "step_result", "loss_with_aux", "BareModelGuard.__enter__",
+                  "BareModelGuard.__exit__"],
+    "metrics.py": ["MetricSums.update"],
+    "distributed.py": ["average_gradients"],
+    "preemption.py": ["StopSignal.poll"],
+    "diagnostics.py": ["Diagnostics.timed", "Diagnostics.after_step"],
+}  # fmt: skip
+ELSEWHERE = {"_start_epoch", "_epoch_summary", "_progress_line", "save", "_stopped", "after_step", "_batch_transform",
+             "zero_grad", "step", "scale", "backward", "get"}  # (the EMA's; torch's, dict's)  # fmt: skip
+OURS = {"self", "models", "distributed", "metrics"}  # calls of the library's code, as the loop names it
+
+
+def root(node):
+    """The name an attribute chain starts from: "self" of self._diagnostics.timed."""
+    while isinstance(node, (ast.Attribute, ast.Call)):
+        node = node.value if isinstance(node, ast.Attribute) else node.func
+    return getattr(node, "id", None)
+
+
+def functions(path):
+    """{"name" or "Class.name": node} of a module's functions and methods."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        for sub in [node, *(node.body if isinstance(node, ast.ClassDef) else [])]:
+            if isinstance(sub, ast.FunctionDef):
+                found[f"{node.name}.{sub.name}" if sub is not node else sub.name] = sub
+    return found
+
+
+def test_the_training_step_reads_in_at_most_220_lines_in_6_files():
+    """A reader follows one step in at most 220 lines; a call added to the loop is listed here, in one or the other."""
+    nodes = {(file, name): functions(COMMON / file)[name] for file, names in READING_PATH.items() for name in names}
+    lines = sum(node.end_lineno - node.lineno + 1 for node in nodes.values())
+    assert len(READING_PATH) <= 6 and lines <= 220, f"{lines} lines in {len(READING_PATH)} files"
+    listed = {name.split(".")[-1] for names in READING_PATH.values() for name in names} | ELSEWHERE
+    loop = [nodes["trainer.py", "Trainer.train_one_epoch"], nodes["trainer.py", "Trainer._forward_backward"]]
+    called = {
+        call.func.attr for node in loop for call in ast.walk(node)
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and root(call.func) in OURS
+    }  # fmt: skip
+    assert called <= listed, f"called in the loop, not listed: {sorted(called - listed)}"
