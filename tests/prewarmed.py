@@ -6,7 +6,8 @@ torchvision, common/ and what else the script imports.
     torchrun ... --no-python PYTHON tests/prewarmed.py --worker SOCKET SCRIPT ARGS...   # harness.jobs.torchrun_command
 
 The server also runs torchrun's launcher itself (a request whose script is "-m torch.distributed.run"), as
-`python -m torch.distributed.run` runs it.
+`python -m torch.distributed.run` runs it. What a run starts with multiprocessing's spawn is forked from it
+(spawn_by_fork).
 
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
@@ -24,6 +25,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import multiprocessing.util
 import os
 import re
 import runpy
@@ -34,6 +36,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 # Variables that torch, its libraries or Python read when starting or importing: a prewarmed run must have the
@@ -61,7 +64,7 @@ def print_traceback():
 def child(script, argv, env, output, cwd=None, errors=None):
     """Run `python script argv` in this (forked) process and exit with its code, as CPython would: output
     (a path, or an open file descriptor) becomes stdout, and stderr unless `errors` (a descriptor) is given;
-    a session of its own."""
+    a session of its own. The processes it starts with multiprocessing's spawn are forked too (spawn_by_fork)."""
     os.setsid()
     fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if isinstance(output, str) else output
     os.dup2(fd, 1)
@@ -80,15 +83,21 @@ def child(script, argv, env, output, cwd=None, errors=None):
         os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
+    multiprocessing.util.spawnv_passfds = spawn_by_fork
     module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
     sys.argv = [script, *argv]  # (run_module makes argv[0] the module's file, as `python -m` does)
     sys.path[0] = os.getcwd() if module else os.path.dirname(script)
+    if module:
+        exit_as_python(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    exit_as_python(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+def exit_as_python(run):
+    """run(), then exit as CPython ends a program: its exit code, an uncaught exception's traceback and 1, killed by
+    SIGINT on an uncaught KeyboardInterrupt; non-daemon threads waited for and atexit's functions run first."""
     code, interrupted = 0, False
     try:
-        if module:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(script, run_name="__main__")
+        run()
     except SystemExit as stop:
         if stop.code is None:
             code = 0
@@ -107,12 +116,47 @@ def child(script, argv, env, output, cwd=None, errors=None):
         threading._shutdown()  # as at interpreter exit: non-daemon threads are waited for, then atexit
         atexit._run_exitfuncs()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(ValueError, OSError):  # (closed: the resource tracker closes stdout)
+                stream.flush()
         if interrupted:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
+
+
+SPAWNV_PASSFDS = multiprocessing.util.spawnv_passfds
+
+
+def spawn_by_fork(path, args, passfds):
+    """In a prewarmed run, multiprocessing's start of `python -c CODE ...` (torch.multiprocessing.spawn's processes,
+    its resource tracker): a fork of the run that runs CODE as a new interpreter would, with a __main__ of its own, the
+    descriptors it would have (0-2 and `passfds`) and no Python signal handler, so that the imports are not paid
+    again (about 7 s of CPU each). Still the run's child: its launcher check and PR_SET_PDEATHSIG hold."""
+    if "-c" not in args[:-1]:
+        return SPAWNV_PASSFDS(path, args, passfds)
+    code, argv = args[args.index("-c") + 1], args[args.index("-c") + 2 :]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # (never back into the run's frames)
+        keep = {0, 1, 2, *map(int, passfds)}
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for signum in signal.valid_signals():
+            if signum == signal.SIGINT:
+                signal.signal(signum, signal.default_int_handler)
+            elif callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        sys.argv = ["-c", *argv]
+        exit_as_python(lambda: exec(compile(code, "<string>", "exec"), main.__dict__))
+    finally:
+        os._exit(1)
 
 
 def import_everything(script_dir):

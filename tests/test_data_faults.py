@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 from conftest import make_image_folder, tiny_folder
 from harness.ahead import SideBySide, ahead, once
 from harness.jobs import Job, no_traceback_of_ours, run, torchrun_command
-from harness.processes import PYTHON, REPO, clean_env, free_port, process_stat
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 RUN = [
     "-a",
@@ -276,22 +276,12 @@ def test_an_error_in_training_ends_the_run_and_its_loader_workers(faulty_runs):
 
 
 def loader_workers(job):
-    """The job's DataLoader workers: forked, so they run their parent's command line."""
-
-    def cmdline(pid):
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-    workers, processes = [], job.leftovers()
-    for pid in processes:
-        fields = process_stat(pid)
-        if fields is None:
-            continue
-        parent = int(fields[1])
-        try:
-            if parent in processes and cmdline(parent) == cmdline(pid):
+    """The job's DataLoader workers: the processes that torch names pt_data_worker."""
+    workers = []
+    for pid in job.leftovers():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "pt_data_worker":
                 workers.append(pid)
-        except OSError:
-            continue
     return workers
 
 

@@ -799,7 +799,8 @@ def test_a_spawn_worker_killed_by_a_signal_ends_the_job_with_128_plus_its_number
             "0",
             "--master-port",
             free_port(),
-        ]
+        ],
+        prewarmed=False,  # spawn's processes as a user sees them: `python -c "...spawn_main..."`
     )
     job.wait_for(re.compile(r"^Epoch: \[0\] \[ *3/"), timeout=WAIT)
     workers = [
