@@ -7,7 +7,7 @@ torchvision, common/ and what else the script imports.
 
 The server also runs torchrun's launcher itself (a request whose script is "-m torch.distributed.run"), as
 `python -m torch.distributed.run` runs it. What a run starts with multiprocessing's spawn is forked from it
-(spawn_by_fork).
+(spawn_by_fork); the Python commands it starts with subprocess go through the worker shim (ThroughServer).
 
 SPEC: {"script": path, "runs": [[argv...], ...], "envs": [{...} or null, ...], "outputs": [path, ...],
 "parallel": 2, "timeout": seconds}. Each run is `python script argv` with stdout and stderr in its
@@ -32,6 +32,7 @@ import runpy
 import select
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -84,6 +85,8 @@ def child(script, argv, env, output, cwd=None, errors=None):
     if cwd is not None:
         os.chdir(cwd)
     multiprocessing.util.spawnv_passfds = spawn_by_fork
+    if SERVER_SOCKET is not None:
+        subprocess.Popen = ThroughServer
     module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
     sys.argv = [script, *argv]  # (run_module makes argv[0] the module's file, as `python -m` does)
     sys.path[0] = os.getcwd() if module else os.path.dirname(script)
@@ -159,6 +162,36 @@ def spawn_by_fork(path, args, passfds):
         os._exit(1)
 
 
+SERVER_SOCKET = None  # the server's socket, in the runs it forks
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def through_server(args):
+    """`args` of a Python command that a prewarmed run starts (`python script.py ...` of this repository, or torchrun's
+    launcher `python -m torch.distributed.run ...`): the worker shim's command (tests/prewarmed.py --worker), which
+    has the server fork the run; anything else as it is."""
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or str(args[0]) != sys.executable:
+        return args
+    rest = [str(part) for part in args[1:]]
+    rest = rest[1:] if rest[0] == "-u" else rest  # (torchrun's workers: a forked run's output is the shim's)
+    here = os.path.abspath(rest[0]) if rest else ""
+    if rest[:2] == ["-m", "torch.distributed.run"]:
+        script, argv = "-m torch.distributed.run", rest[2:]
+    elif here.endswith(".py") and here.startswith(REPO_DIR + os.sep) and here != os.path.abspath(__file__):
+        script, argv = os.path.abspath(rest[0]), rest[1:]
+    else:
+        return args
+    return [sys.executable, __file__, "--worker", SERVER_SOCKET, script, *argv]
+
+
+class ThroughServer(subprocess.Popen):
+    """subprocess.Popen in a prewarmed run: its Python commands forked from the server (through_server), so that a
+    tool's jobs (tools/gpu_check.py's) and torchrun's workers do not import torch again."""
+
+    def __init__(self, args, *more, **options):
+        super().__init__(through_server(args), *more, **options)
+
+
 def import_everything(script_dir):
     """Import torch, torchvision, every module of common/ (the scripts import most of them only after
     parsing their arguments) and TensorBoard's writer; returns what importing printed."""
@@ -196,6 +229,8 @@ def serve(socket_path):
     when its environment differs from this one's in what is read at import. Replies {"pid": ...}, then {"exit":
     code} once the run ended (negative: killed by that signal). A run whose client goes away first (SIGKILLed) is
     killed, with its session. Each run of a job is listed as SOCKET.runs/JOB_MARKER/PID for harness.jobs.Job to find."""
+    global SERVER_SOCKET
+    SERVER_SOCKET = socket_path
     repo = str(Path(__file__).resolve().parents[1])
     sys.path[0] = repo
     environment = dict(os.environ)  # (importing torch sets TORCHINDUCTOR_CACHE_DIR)
@@ -271,11 +306,12 @@ PASSED_ON = (
 
 
 def worker(socket_path, script, argv):
-    """A torchrun worker whose run is forked from the server at `socket_path` (a process of its own, running
-    `script` as __main__ with this process's arguments, environment, working directory, stdout and stderr): it
-    passes on the signals it gets (torchrun signals its worker's process group, the run has a session of its
-    own), and ends as the run ended (its exit code, or killed by the same signal). Killed (SIGKILL), the server
-    kills the run. An environment of other import-time values: a new interpreter, as torchrun starts one."""
+    """A torchrun worker (or a run's Python subprocess: ThroughServer) whose run is forked from the server at
+    `socket_path` (a process of its own, running `script` as __main__ with this process's arguments, environment,
+    working directory, stdout and stderr): it passes on the signals it gets (torchrun signals its worker's process
+    group, the run has a session of its own), and ends as the run ended (its exit code, or killed by the same
+    signal). Killed (SIGKILL), the server kills the run. An environment of other import-time values: a new
+    interpreter, as it would have been."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(socket_path)
     request = {"script": script, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "worker": True}
@@ -283,7 +319,8 @@ def worker(socket_path, script, argv):
     replies = connection.makefile("rb")
     reply = json.loads(replies.readline())
     if reply.get("exec"):
-        os.execv(sys.executable, [sys.executable, "-u", script, *argv])
+        command = ["-m", script[len("-m ") :]] if script.startswith("-m ") else ["-u", script]
+        os.execv(sys.executable, [sys.executable, *command, *argv])
     pid = reply["pid"]
 
     def pass_on(signum, _frame):
