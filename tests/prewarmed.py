@@ -22,9 +22,11 @@ environment, working directory and exit code; an uncaught exception prints its t
 
 import atexit
 import contextlib
+import gc
 import importlib.util
 import io
 import json
+import multiprocessing.process
 import multiprocessing.util
 import os
 import re
@@ -87,6 +89,9 @@ def child(script, argv, env, output, cwd=None, errors=None):
     multiprocessing.util.spawnv_passfds = spawn_by_fork
     if SERVER_SOCKET is not None:
         subprocess.Popen = ThroughServer
+        launcher = sys.modules.get(TORCHRUN_POPEN)
+        if getattr(launcher, "Popen", None) is ThroughServer.__mro__[1]:
+            launcher.Popen = ThroughServer
     module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
     sys.argv = [script, *argv]  # (run_module makes argv[0] the module's file, as `python -m` does)
     sys.path[0] = os.getcwd() if module else os.path.dirname(script)
@@ -141,20 +146,26 @@ def spawn_by_fork(path, args, passfds):
     code, argv = args[args.index("-c") + 1], args[args.index("-c") + 2 :]
     sys.stdout.flush()
     sys.stderr.flush()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # (no handler of the run's in the fork)
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return pid
     try:  # (never back into the run's frames)
+        gc.freeze()  # the run's garbage is not the fork's to collect (it may own descriptors closed below)
         keep = {0, 1, 2, *map(int, passfds)}
         for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
             if fd not in keep:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         for signum in signal.valid_signals():
-            if signum == signal.SIGINT:
+            if signum == signal.SIGINT and signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, signal.default_int_handler)
             elif callable(signal.getsignal(signum)):
                 signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        multiprocessing.util._finalizer_registry.clear()  # the run's, as spawn's _bootstrap clears them in a fork
+        multiprocessing.process._children.clear()
         main = sys.modules["__main__"] = types.ModuleType("__main__")
         sys.argv = ["-c", *argv]
         exit_as_python(lambda: exec(compile(code, "<string>", "exec"), main.__dict__))
@@ -166,30 +177,38 @@ SERVER_SOCKET = None  # the server's socket, in the runs it forks
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def through_server(args):
-    """`args` of a Python command that a prewarmed run starts (`python script.py ...` of this repository, or torchrun's
-    launcher `python -m torch.distributed.run ...`): the worker shim's command (tests/prewarmed.py --worker), which
-    has the server fork the run; anything else as it is."""
+def through_server(args, options):
+    """`args` of a Python command that a prewarmed run starts (`python /abs/script.py ...` of this repository, or
+    torchrun's launcher `python -m torch.distributed.run ...`), given no option the shim would take in the run's
+    place: the worker shim's command (tests/prewarmed.py --worker), which has the server fork the run; anything else
+    as it is."""
     if not isinstance(args, (list, tuple)) or len(args) < 2 or str(args[0]) != sys.executable:
         return args
+    if any(options.get(name) for name in ("executable", "shell", "pass_fds", "preexec_fn", "stdin")):
+        return args
     rest = [str(part) for part in args[1:]]
-    rest = rest[1:] if rest[0] == "-u" else rest  # (torchrun's workers: a forked run's output is the shim's)
-    here = os.path.abspath(rest[0]) if rest else ""
+    rest = rest[1:] if rest[0] == "-u" else rest  # (torchrun's workers; the server's output is unbuffered)
     if rest[:2] == ["-m", "torch.distributed.run"]:
         script, argv = "-m torch.distributed.run", rest[2:]
-    elif here.endswith(".py") and here.startswith(REPO_DIR + os.sep) and here != os.path.abspath(__file__):
-        script, argv = os.path.abspath(rest[0]), rest[1:]
+    elif rest and os.path.isabs(rest[0]) and rest[0].startswith(REPO_DIR + os.sep) and rest[0].endswith(".py"):
+        script, argv = rest[0], rest[1:]
     else:
+        return args
+    if script == os.path.abspath(__file__):
         return args
     return [sys.executable, __file__, "--worker", SERVER_SOCKET, script, *argv]
 
 
 class ThroughServer(subprocess.Popen):
-    """subprocess.Popen in a prewarmed run: its Python commands forked from the server (through_server), so that a
-    tool's jobs (tools/gpu_check.py's) and torchrun's workers do not import torch again."""
+    """subprocess.Popen in a prewarmed run (torchrun's launcher's too): its Python commands forked from the server
+    (through_server), so that a tool's jobs (tools/gpu_check.py's) and torchrun's workers do not import torch again."""
 
     def __init__(self, args, *more, **options):
-        super().__init__(through_server(args), *more, **options)
+        super().__init__(through_server(args, options), *more, **options)
+
+
+# Where torchrun's launcher took subprocess.Popen by name (torch 2.15); a later torch that moved it: not prewarmed
+TORCHRUN_POPEN = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 
 
 def import_everything(script_dir):
