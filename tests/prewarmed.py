@@ -90,7 +90,7 @@ def child(script, argv, env, output, cwd=None, errors=None):
     if SERVER_SOCKET is not None:
         subprocess.Popen = ThroughServer
         launcher = sys.modules.get(TORCHRUN_POPEN)
-        if getattr(launcher, "Popen", None) is ThroughServer.__mro__[1]:
+        if getattr(launcher, "Popen", None) is POPEN:
             launcher.Popen = ThroughServer
     module = script[len("-m ") :] if script.startswith("-m ") else None  # `python -m module argv`: torchrun
     sys.argv = [script, *argv]  # (run_module makes argv[0] the module's file, as `python -m` does)
@@ -199,7 +199,10 @@ def through_server(args, options):
     return [sys.executable, __file__, "--worker", SERVER_SOCKET, script, *argv]
 
 
-class ThroughServer(subprocess.Popen):
+POPEN = subprocess.Popen
+
+
+class ThroughServer(POPEN):
     """subprocess.Popen in a prewarmed run (torchrun's launcher's too): its Python commands forked from the server
     (through_server), so that a tool's jobs (tools/gpu_check.py's) and torchrun's workers do not import torch again."""
 
