@@ -1,10 +1,7 @@
-"""Checkpoints: their files, written atomically by one process and read with weights_only=True, and their format,
-assembled in one place (assemble) and checked and restored in one (restore).
-
-checkpoint.pth is the latest; checkpoint_prev.pth the one before, kept in case the latest is damaged; model_best.pth a
-copy of the best one. Weights from elsewhere load too: pytorch/examples' and DataParallel's (`module.` keys),
-torchvision's references' (`model`), a bare state_dict. docs/reference.md, "Checkpoint format", says what each key
-holds; a checkpoint of these scripts in another FORMAT_VERSION is refused (WRITTEN_BY).
+"""Checkpoints: their files (checkpoint.pth, checkpoint_prev.pth, model_best.pth), written atomically by one process
+and read with weights_only=True, and their format, assembled (assemble) and restored (restore) in one place each.
+Weights from elsewhere load too: pytorch/examples' (`module.` keys), torchvision's references' (`model`), a bare
+state_dict. docs/reference.md, "Checkpoint format", says what each key holds.
 """
 
 import argparse
@@ -36,23 +33,16 @@ def strip_prefixes(state_dict):
     """Parameter names without wrapper prefixes (checkpoints of pytorch/examples' main.py have `module.`)."""
     clean = {}
     for name, value in state_dict.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in WRAPPER_PREFIXES:
-                if name.startswith(prefix):
-                    name, stripped = name[len(prefix) :], True
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]  # (each prefix is one name and its dot)
         clean[name] = value
     return clean
 
 
 def save_checkpoint(state, output_dir, is_best, keep_previous=False):
-    """Write checkpoint.pth, keeping the one before as checkpoint_prev.pth (and copy it to model_best.pth when
-    is_best); keep_previous: checkpoint_prev.pth stays (the run resumed from it, the latest was damaged). Call it from
-    the writer rank only. The new checkpoint is written beside the latest and renamed over
-    it once it is whole on disk: a crash at any moment leaves the latest (or, during the rename, the previous)
-    whole. On failure (a full disk, say) the checkpoints already there stay as they were, and
-    CheckpointWriteError says so. Each save has its own checkpoint_id."""
+    """Writer rank: write checkpoint.pth atomically with a new checkpoint_id, the one before kept as checkpoint_prev.pth
+    (unless keep_previous: the run resumed from it), and copy it to model_best.pth when is_best. On failure the
+    checkpoints already there stay whole, and CheckpointWriteError says so."""
     output_dir = Path(output_dir)
     latest, new = output_dir / CHECKPOINT, None
     state = {**state, "checkpoint_id": uuid.uuid4().hex}
@@ -87,12 +77,10 @@ def copy_to_best(path, output_dir):
 
 
 def stale_best(checkpoint, path, latest, best, peek):
-    """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: that checkpoint is the
-    latest (`latest`), ends the epoch it records as the best (best_epoch), and `best` is missing, unreadable or another
-    checkpoint's (an earlier one's; or, after a resume from checkpoint_prev, the same epoch of the lost leg)."""
-    epoch = checkpoint.get("epoch")
+    """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: it is the `latest`, ends
+    its best epoch, and `best` is missing, unreadable or another checkpoint's (checkpoint_id)."""
     if (
-        checkpoint.get("best_epoch") != epoch
+        checkpoint.get("best_epoch") != checkpoint.get("epoch")
         or checkpoint.get("step_in_epoch")
         or Path(path).resolve() != latest.resolve()
     ):
@@ -123,8 +111,8 @@ def resolve_resume(resume, output_dir):
 
 
 def load_resume(resume, output_dir, warn):
-    """(path, checkpoint) that --resume asks for, or (None, None). With 'auto', a damaged latest
-    checkpoint is reported through warn() and the previous one is used."""
+    """(path, checkpoint) that --resume asks for, or (None, None). With 'auto', a damaged latest checkpoint is
+    reported through warn() and the previous one is used."""
     if resume == "auto":
         found = [Path(output_dir) / name for name in (CHECKPOINT, PREVIOUS) if (Path(output_dir) / name).is_file()]
         return first_readable(found, load_checkpoint, warn)
@@ -133,8 +121,8 @@ def load_resume(resume, output_dir, warn):
 
 
 def first_readable(paths, load, warn):
-    """(path, load(path)) of the first of `paths` (the latest checkpoint, then the one before) that loads, or (None,
-    None) when there is none; a damaged one is reported through warn() and the next is tried."""
+    """(path, load(path)) of the first of `paths` that loads, or (None, None) when there is none; a damaged one is
+    reported through warn() and the next is tried."""
     for index, path in enumerate(paths):
         try:
             return path, load(path)
@@ -175,11 +163,9 @@ def unsafe_global(error):
 
 
 def load_checkpoint(path, mmap=False, weights=True, foreign=False):
-    """The checkpoint dict at `path`, loaded with weights_only=True (nothing in it is executed) once every record
-    matches its CRC-32; a bare state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap=True maps the tensors
-    instead of reading them, unchecked (to look at the metadata alone). weights=False: a sharded checkpoint's
-    state.pth, whose weights are apart. foreign=True (--init-from): torchvision's references' checkpoints too, whose
-    weights are their "model"."""
+    """The checkpoint dict at `path`, loaded with weights_only=True once every record matches its CRC-32; a bare
+    state_dict as {"state_dict": it}; wrapper prefixes stripped. mmap: the tensors mapped, unchecked (for the metadata).
+    weights=False: a sharded checkpoint's state.pth. foreign (--init-from): torchvision's references' "model" too."""
     if not mmap:
         check_crcs(path)
     try:
@@ -196,24 +182,17 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
         raise UsageError(
             f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint ({type(error).__name__})"
         )
-    if (
-        isinstance(checkpoint, dict)
-        and "state_dict" not in checkpoint
-        and checkpoint
-        and all(isinstance(value, torch.Tensor) for value in checkpoint.values())
-    ):
+    not_a_checkpoint = UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict' of tensors")
+    if not isinstance(checkpoint, dict):
+        raise not_a_checkpoint
+    if "state_dict" not in checkpoint and checkpoint and all(torch.is_tensor(value) for value in checkpoint.values()):
         checkpoint = {"state_dict": checkpoint}  # a bare state_dict
-    if isinstance(checkpoint, dict) and not weights and "format_version" in checkpoint:
+    if not weights and "format_version" in checkpoint:
         return checkpoint
-    if (
-        foreign
-        and isinstance(checkpoint, dict)
-        and "state_dict" not in checkpoint
-        and isinstance(checkpoint.get("model"), dict)
-    ):
+    if foreign and "state_dict" not in checkpoint and isinstance(checkpoint.get("model"), dict):
         checkpoint["state_dict"] = checkpoint["model"]
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise UsageError(f"{path} is not a checkpoint: expected a dict with a 'state_dict' of tensors")
+    if not isinstance(checkpoint.get("state_dict"), dict):
+        raise not_a_checkpoint
     checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
     return checkpoint
 
@@ -246,10 +225,9 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
 
 
 def init_from(model, path, arch, channels, num_classes):
-    """--init-from: the weights of the file at `path` loaded into the freshly built `model` in place of its init, as
-    --pretrained loads torchvision's: a classifier of another number of classes keeps its new weights; a file trained
-    on the data's `channels` gets a first convolution made for them first (else models.adapt_first_conv adapts the
-    RGB one after). Anything else that differs is refused in one line. Returns what was changed, for the header."""
+    """--init-from: the weights at `path` loaded into the fresh `model`, as --pretrained's: a classifier of another
+    number of classes keeps its new weights; a file trained on `channels` channels gets a first convolution for them.
+    Anything else that differs is refused in one line. Returns what was changed, for the header."""
     from .models import _classifiers, adapt_first_conv, first_conv
 
     if Path(path).is_dir():
@@ -295,9 +273,8 @@ def init_from(model, path, arch, channels, num_classes):
 
 
 class SingleFile:
-    """The checkpoints of train_dp.py, train_ddp.py and train_spawn.py: one file each, written by the writer rank
-    (save_checkpoint). The Trainer and common/checkpoint.py write and read checkpoints through this interface;
-    common/sharded_checkpoint.py's ShardedCheckpoints is train_fsdp.py's."""
+    """The checkpoints of train_dp.py, train_ddp.py and train_spawn.py, one file each: the interface through which the
+    Trainer and restore() write and read them (train_fsdp.py's: sharded_checkpoint.ShardedCheckpoints)."""
 
     names = (CHECKPOINT, PREVIOUS, BEST)
     fell_back = False  # --resume auto took checkpoint_prev.pth, the latest damaged: the next save keeps it
@@ -341,8 +318,7 @@ class SingleFile:
             self.fell_back = False
 
     def repair_best(self, checkpoint, path, output_dir, say):
-        """model_best.pth copied again from the resumed checkpoint where stale_best says so (its save wrote the
-        checkpoint but not model_best.pth: a full disk, a kill between the two)."""
+        """model_best.pth copied again from the resumed checkpoint where stale_best says so (its save was cut short)."""
         output_dir = Path(output_dir)
         if stale_best(checkpoint, path, output_dir / CHECKPOINT, output_dir / BEST, self.peek):
             copy_to_best(path, output_dir)
@@ -366,8 +342,8 @@ def is_ours(checkpoint):
 
 
 def check_format(checkpoint, path):
-    """A checkpoint of these scripts in another format than this version's cannot be resumed: UsageError naming
-    the commit to finish that run with. Weights from elsewhere (pytorch/examples', a bare state_dict) pass."""
+    """UsageError for a checkpoint of these scripts in another format than this version's, naming the commit to
+    finish that run with. Weights from elsewhere pass."""
     version = checkpoint.get("format_version")
     if not is_ours(checkpoint) or version == FORMAT_VERSION:
         return
@@ -393,9 +369,8 @@ def samples(trainer):
 
 
 def assemble(trainer, epoch, step_in_epoch, metrics=None):
-    """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), with
-    the partial epoch's `metrics`. A collective (every rank calls it: it gathers the ranks' random streams, their
-    unreadable files and metric sums); the writer rank saves what it returns."""
+    """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch`, with the partial epoch's `metrics`. A
+    collective (it gathers the ranks' random streams); the writer rank saves what it returns."""
     ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
     return {
         "format_version": FORMAT_VERSION,
@@ -427,9 +402,8 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
 
 
 def restore(trainer, checkpoint, path):
-    """Load `checkpoint` (read from `path`) into the built `trainer`: the weights always (-e evaluates them, with
-    the EMA a checkpoint of ours holds); to train on, each part's state and the position, after the checks that
-    the checkpoint can go on as this run. Weights from elsewhere give their epoch, optimizer and best acc@1."""
+    """Load `checkpoint` (read from `path`) into the built `trainer`: the weights (and EMA) always; to train on, each
+    part's state and the position, once checked. Weights from elsewhere give their epoch, optimizer and best acc@1."""
     config, checkpoints = trainer.config, trainer._checkpoints
     checkpoints.load_weights(trainer.model, checkpoint, config.arch, trainer.classes, path)
     if "criterion" in checkpoint:  # (its parameters: -e's loss too)
@@ -492,8 +466,8 @@ def _load_criterion(trainer, state, path):
 
 
 def _own_state(trainer):
-    """A copy of the subclass's state_dict() (a sharded checkpoint's state.pth may be written after the next steps),
-    refused in one line, at the first save, where torch.load(weights_only=True) could not read it back at a resume."""
+    """A copy of the subclass's state_dict(), refused in one line at the first save where torch.load(weights_only=True)
+    could not read it back."""
     own = copy.deepcopy(trainer.state_dict())
     if own and not getattr(trainer, "_own_state_checked", False):
         buffer = io.BytesIO()
@@ -523,10 +497,9 @@ def _check_run(trainer, checkpoint, path):
 
 
 def _restore_position(trainer, checkpoint, path):
-    """Where the run goes on: the epoch and step, the partial epoch's metric sums and lr. A stop after an epoch's
-    last step (before its validation) resumes at its validation, whatever the batch. A data set that changed since
-    the checkpoint (files added or removed, a node's incomplete copy) shifts the data order, the lr schedule and,
-    mid-epoch, which images the resumed epoch skips: refused mid-epoch, a warning line at an epoch's end."""
+    """Where the run goes on: the epoch and step, the partial epoch's metric sums and lr (after an epoch's last step:
+    its validation, whatever the batch). A data set or batch that changed is refused mid-epoch (the resumed epoch
+    would skip other images); a changed data set is a warning at an epoch's end."""
     saved, now = checkpoint["samples"], samples(trainer)
     step = int(checkpoint["step_in_epoch"])
     trained = step >= saved["steps"]
@@ -567,9 +540,9 @@ def _load_optimizer(trainer, checkpoint, path):
 
 
 def _restore_scheduler(trainer, checkpoint, path):
-    """The scheduler's own state, which must stand at the run's step (stepped once per optimizer step). The
-    default schedule's state is its place alone: it recomputes its lr from the flags (a resumed run may change
-    --epochs or --lr; optim.LrSchedule). Weights from elsewhere: the default schedule at their epoch's start."""
+    """The scheduler's own state, which must stand at the run's step (stepped once per optimizer step). The default
+    schedule's state is its place alone: it recomputes its lr from the flags, which a resume may change. Weights from
+    elsewhere: the default schedule at their epoch's start."""
     done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
     scheduler, kind = trainer.scheduler, type(trainer.scheduler).__name__
     if not is_ours(checkpoint):
