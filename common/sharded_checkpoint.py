@@ -1,10 +1,10 @@
 """Sharded checkpoints for train_fsdp.py: every rank writes its shard through Distributed Checkpoint (DCP).
 
-A checkpoint is a new directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/: DCP's files (the weights, the optimizer state, the
-EMA's weights) and state.pth (the rest of common/checkpoint.py's dict, with the size and CRC-32 of each of DCP's files;
-weights_only). Once all are on disk, the links OUTPUT/checkpoint and OUTPUT/checkpoint_prev are switched atomically. A
-resume checks the CRCs and falls back as for a single file. model_best.pth is a plain single file (export). DCP reads
-.metadata with pickle: trust a sharded checkpoint as you trust code. docs/reference.md says the rest.
+A checkpoint is a new directory, OUTPUT/sharded/eEEEE-sSSSSSS-ID/: DCP's files and state.pth (the rest of
+checkpoint.py's dict, with the size and CRC-32 of each of DCP's files). Once all are on disk, the links
+OUTPUT/checkpoint and OUTPUT/checkpoint_prev are switched atomically. A resume checks the CRCs and falls back as for a
+single file. model_best.pth is a single file (export). DCP reads .metadata with pickle: trust a sharded checkpoint as
+you trust code. docs/reference.md says the rest.
 """
 
 import shutil
@@ -60,8 +60,8 @@ def _checksum(path):
 
 
 def _checksums(directory):
-    """{name: (size, CRC-32)} of DCP's files in the just-written `directory` (as rank 0 lists them), each rank reading a
-    share (a collective): a rank that cannot read its share fails the save on every rank, in one line."""
+    """{name: (size, CRC-32)} of DCP's files in the just-written `directory`, each rank reading a share (a collective):
+    a rank that cannot read its share fails the save on every rank, in one line."""
 
     def listing():
         try:
@@ -107,12 +107,6 @@ def _check_files(directory, files, share=slice(None)):
             raise UsageError(f"cannot read checkpoint {directory}: corrupt (its {name} {what})")
 
 
-def _options(**values):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(**values)
-
-
 class ShardedCheckpoints:
     """The checkpoints of a sharded model (the interface of checkpoint.SingleFile, which the Trainer and
     common/checkpoint.py call). --async-checkpoint: the shards are copied to host memory at the save, written while
@@ -135,11 +129,9 @@ class ShardedCheckpoints:
 
     def peek(self, path):
         path = Path(path)
-        return (
-            load_checkpoint(path / STATE, mmap=True, weights=False)
-            if path.is_dir()
-            else load_checkpoint(path, mmap=True)
-        )
+        if path.is_dir():
+            return load_checkpoint(path / STATE, mmap=True, weights=False)
+        return load_checkpoint(path, mmap=True)
 
     def load_resume(self, resume, output_dir, warn):
         """(path, checkpoint without the sharded parts) that --resume names: a checkpoint's directory (OUTPUT/
@@ -209,7 +201,7 @@ class ShardedCheckpoints:
     def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
         """The checkpoint's weights (or the EMA's: key model_ema) into the sharded `model`; from a single file
         (model_best.pth, weights from elsewhere) each rank takes its shard of the whole."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
         check_weights(checkpoint, arch, classes, path)
         model = unwrap(model)
@@ -222,7 +214,7 @@ class ShardedCheckpoints:
             return
         weights = checkpoint["state_dict"] if key == "state_dict" else checkpoint[key]["state_dict"]
         try:
-            set_model_state_dict(model, weights, options=_options(full_state_dict=True))
+            set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
         except (RuntimeError, KeyError, ValueError) as error:
             detail = " ".join(str(error).split())
             raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}") from None
@@ -284,7 +276,6 @@ class ShardedCheckpoints:
                 return
         except _failures() as error:
             raise _not_written(directory, error) from None
-        state["files"] = _checksums(directory)
         self._complete(directory, state, is_best, writes)
 
     def repair_best(self, checkpoint, path, output_dir, say):
@@ -310,12 +301,12 @@ class ShardedCheckpoints:
             future.result()
         except _failures() as error:
             raise _not_written(directory, error) from None
-        state["files"] = _checksums(directory)
         self._complete(directory, state, is_best, writes)
 
     def _complete(self, directory, state, is_best, writes):
-        """Rank 0, once every shard and .metadata are written: state.pth, the links, the older directories, and
-        model_best.pth."""
+        """Once every shard and .metadata are written: their checksums (a collective), then on the writer rank
+        state.pth, the links, the older directories, and model_best.pth."""
+        state["files"] = _checksums(directory)
         if not writes:
             return
         latest, previous, switched = self.output_dir / LATEST, self.output_dir / PREVIOUS, False
@@ -361,9 +352,8 @@ def _link(link, target):
 
 
 def export(directory, out, check=True):
-    """Write the sharded checkpoint in `directory` as one plain file `out` (atomically): its metadata, the whole
-    weights ("state_dict") and the EMA's ("model_ema"), as a single-file checkpoint holds them; no process group
-    needed. The optimizer state stays in the directory. check: its files' sizes and CRC-32s first."""
+    """Write the sharded checkpoint in `directory` as one single-file checkpoint `out` (atomically), without the
+    optimizer state; no process group needed. check: its files' sizes and CRC-32s first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -373,11 +363,9 @@ def export(directory, out, check=True):
         _check_files(directory, state.get("files", {}))
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     template = {"state_dict": {}, "model_ema": {"state_dict": {}}}
+    targets = {"state_dict.": template["state_dict"], "model_ema.state_dict.": template["model_ema"]["state_dict"]}
     for key, entry in metadata.items():
-        for prefix, target in (
-            ("state_dict.", template["state_dict"]),
-            ("model_ema.state_dict.", template["model_ema"]["state_dict"]),
-        ):
+        for prefix, target in targets.items():
             if key.startswith(prefix) and hasattr(entry, "size"):
                 target[key[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if not template["model_ema"]["state_dict"]:
@@ -385,21 +373,8 @@ def export(directory, out, check=True):
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(directory), no_dist=True)
-    exported = {
-        key: state[key]
-        for key in (
-            "epoch",
-            "arch",
-            "num_classes",
-            "classes",
-            "seed",
-            "best_acc1",
-            "best_ema_acc1",
-            "args",
-            "checkpoint_id",
-        )
-        if key in state
-    }
+    kept = ("epoch", "arch", "num_classes", "classes", "seed", "best_acc1", "best_ema_acc1", "args", "checkpoint_id")
+    exported = {key: state[key] for key in kept if key in state}
     exported.update(exported_from=str(directory), state_dict=template["state_dict"])
     if "model_ema" in template:
         exported["model_ema"] = {
