@@ -1,10 +1,8 @@
-"""Starting a run: what happens between a Trainer made and a Trainer that trains.
-
-start_run(trainer), on every rank, in order: the writer rank takes the output directory's lock; the ranks agree on
-their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is chosen; the data is
-scanned; a fresh start that would replace a run is refused; Trainer.build, then the checkpoint's state. Ranks that
-disagree would meet in collectives of other sizes or train apart: a difference ends every rank with one line naming it
-and the ranks on each side (exit code 2).
+"""Starting a run, start_run(trainer) on every rank, in order: the writer rank takes the output directory's lock; the
+ranks agree on their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is chosen; the
+data is scanned; a fresh start that would replace a run is refused; Trainer.build, then the checkpoint's state. Ranks
+that disagree would meet in collectives of other sizes or train apart: a difference ends every rank with one line
+naming it and the ranks on each side (exit code 2).
 """
 
 import os
@@ -18,9 +16,8 @@ from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
 
 
 def take_output_dir(trainer):
-    """The writer rank's OutputLock on the output directory (None elsewhere, and for -e, which writes nothing), or
-    the line that refuses it. A restarted job (a Slurm requeue, torchrun's restart) may find the lock of the one
-    it replaces still held: by a lost node's file system lease, or while the old step writes its stop's checkpoint."""
+    """(the writer rank's OutputLock or None, the line that refused it or None). A restarted job (a Slurm requeue,
+    torchrun's restart) waits for the lock of the one it replaces: a lost node's lease, or its stop's checkpoint."""
     if not trainer.log.writes:
         return None, None
     restarted = any(
@@ -33,9 +30,8 @@ def take_output_dir(trainer):
 
 
 def load_agreed_checkpoint(trainer):
-    """(path, checkpoint) that --resume names, loaded by every rank, which agree that they loaded the same one
-    (a collective), or (None, None). Once the directory is this run's: no save of the run before it can land after
-    this load. A checkpoint of these scripts in another format is refused, but for -e, which needs its weights."""
+    """(path, checkpoint) that --resume names, or (None, None), loaded by every rank once the directory is this run's,
+    and agreed on (a collective). Another format is refused, but for -e, which needs its weights alone."""
     config, error, path, checkpoint = trainer.config, None, None, None
     try:
         path, checkpoint = trainer._checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
@@ -75,10 +71,8 @@ def trained_outputs(output_dir, there):
 
 
 def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
-    """A fresh start would replace the checkpoints of the run in --output-dir: a relaunch that forgot
-    --resume auto must not cost that run; nor may --resume auto, where that run's checkpoints to continue from are
-    gone but its model_best.pth or summary.json are not (`resumed`: whether it found one). Refused unless --overwrite
-    says so."""
+    """Refuse, unless --overwrite, a fresh start that would replace the run in --output-dir: a relaunch that forgot
+    --resume auto, or --resume auto that found no checkpoint (`resumed`) where the run left outputs worth keeping."""
     output_dir = Path(config.output_dir)
     there = checkpoints.existing(output_dir)
     if config.evaluate or config.overwrite:
@@ -181,10 +175,8 @@ def _grouped(values, show):
 
 
 def argument_difference(per_rank):
-    """One line for the first argument (in name order) that differs between the ranks' comparable_args
-    dicts, else None."""
-    names = sorted(set().union(*per_rank))
-    for name in names:
+    """One line for the first argument (in name order) that differs between the ranks' comparable_args, else None."""
+    for name in sorted(set().union(*per_rank)):
         values = [arguments.get(name, _MISSING) for arguments in per_rank]
         if any(value != values[0] for value in values):
             shown = _grouped(values, lambda value: "unset" if value is None else str(value))
@@ -233,9 +225,8 @@ def resume_difference(per_rank):
 
 
 def check_start(config, error):
-    """The job's first collective: every rank gives its arguments and the error that stopped its start-up (the
-    writer's --output-dir locked by another run) or None. A difference, or any rank's error, is raised on every
-    rank as one UsageError, so no rank is left waiting for another."""
+    """The job's first collective: every rank gives its arguments and the error that stopped its start-up or None; a
+    difference, or any rank's error, is raised on every rank as one UsageError, so none waits for another."""
     gathered = distributed.all_gather_object({"args": comparable_args(config), "error": error})
     line = argument_difference([rank["args"] for rank in gathered]) or distributed.first_error(gathered)
     if line is not None:
@@ -243,8 +234,8 @@ def check_start(config, error):
 
 
 def check_resume(resumed_from, error):
-    """Every rank gives the checkpoint it loaded (resume_facts) and the error of its loading or None: a rank's
-    error, or ranks that loaded different checkpoints, are raised on every rank (a collective)."""
+    """A collective: a rank's error loading its checkpoint, or ranks that loaded different ones (resume_facts), raised
+    on every rank."""
     gathered = distributed.all_gather_object({"resume": resumed_from, "error": error})
     line = distributed.first_error(gathered) or resume_difference([rank["resume"] for rank in gathered])
     if line is not None:
