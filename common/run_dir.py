@@ -1,9 +1,8 @@
 """Files that are whole or absent: atomic writes with fsync; the output directory's lock, and a file:// rendezvous's.
 
 A file written here is never seen half-written, even after a crash or a power loss: its bytes go to a temporary file
-beside it, are fsynced, and the temporary is renamed over the final name, then the folder is fsynced (without the first
-fsync the rename may reach the disk first: an empty file). OutputLock (run.lock) lets one run at a time write an output
-directory.
+beside it, are fsynced (else the rename may reach the disk first: an empty file), and the temporary is renamed over the
+final name, then the folder is fsynced. OutputLock (run.lock) lets one run at a time write an output directory.
 """
 
 import contextlib
@@ -39,9 +38,8 @@ def fsync(path):
 
 
 def temporary_beside(path):
-    """(fd, path) of a new, empty, hidden file next to `path`, of a name no other process can hold (mkstemp: also
-    not one in another container whose PIDs are this one's), with the permissions of a file that open() creates.
-    Its name ends in .tmp: ImageFolder skips it, and nothing mistakes it for the file it becomes."""
+    """(fd, path) of a new, empty, hidden file next to `path` of a name no other process holds (mkstemp: not a PID,
+    which another container shares), with open()'s permissions; its name ends in .tmp, which ImageFolder skips."""
     path = Path(path)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.fchmod(fd, 0o666 & ~_UMASK)
@@ -103,11 +101,9 @@ def _describe_holder(path):
 
 
 class OutputLock:
-    """The output directory's lock (run.lock), held from a run's start to its process's end (the kernel drops it then,
-    however the process ends). A second run that would write the same directory is refused in one line naming the first.
-    A POSIX lock (lockf): it works over NFS, and a forked loader worker does not inherit it. `wait`: seconds to wait for
-    the holder (a restarted job's predecessor); a holder that is stopping (mark_stopping) is waited for up to
-    LOCK_WAIT_ON_RESTART s anyway; `say` tells that it waits."""
+    """The output directory's lock (run.lock), which the kernel drops when the process ends: a second run that would
+    write the directory is refused in one line naming the first. A POSIX lock (lockf): it works over NFS, and a forked
+    loader worker does not inherit it. `wait`: seconds to wait for the holder (one stopping: LOCK_WAIT_ON_RESTART)."""
 
     def __init__(self, output_dir, wait=0.0, say=None):
         self.directory = Path(output_dir)
@@ -118,13 +114,16 @@ class OutputLock:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
-            raise UsageError(
-                f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
-                "choose a directory you can write to"
-            ) from None
+            raise self._unwritable(error) from None
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
+
+    def _unwritable(self, error):
+        return UsageError(
+            f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
+            "choose a directory you can write to"
+        )
 
     def _take(self, wait, say):
         """True once the lock is this process's; False on a file system that does not lock (self.warning)."""
@@ -166,10 +165,7 @@ class OutputLock:
             os.ftruncate(self.fd, len(text.encode()))
             os.fsync(self.fd)
         except OSError as error:  # a full disk, say
-            raise UsageError(
-                f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
-                "choose a directory you can write to"
-            ) from None
+            raise self._unwritable(error) from None
 
     def mark_stopping(self, reason):
         """Say in the lock that this run is stopping (on `reason`): a run started in this directory meanwhile waits
@@ -192,10 +188,9 @@ _rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendez
 
 def claim_rendezvous_file(path, node_rank):
     """Every node of a file:// rendezvous holds a shared POSIX lock on PATH.owner for the job's life. Node 0 first
-    tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's (SIGKILL,
-    a lost node: nothing removed it), which would hand this job the dead one's addresses, so it is removed (said
-    in a note). Held by others (this job's nodes that started first), the file is left as it is. On a file system
-    that does not lock, a non-empty file is refused as before."""
+    tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's, which would
+    hand this job the dead one's addresses, so it is removed (said in a note). On a file system that does not lock, a
+    non-empty file is refused."""
     global _rendezvous_owner
     try:
         owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
