@@ -1,10 +1,6 @@
 """Per-image transforms: the uint8 presets (crop and flip for training, resize and centre crop for validation),
-seeded per image, and the normalisation that makes a batch the model's input.
-
-Images stay uint8 from decoding to the device (DeviceLoader normalises them there; on the CPU the loader
-workers do). Augmentation is seeded per image from (seed, epoch, index) (SeededTransform), so an image gets the
-same crop (and auto-augment, erasing) whichever process or loader worker reads it: DP, DDP and spawn see the
-same batches for the same seed and global batch.
+seeded per image from (seed, epoch, index) so that any process or loader worker transforms an image alike, and the
+normalisation that makes a batch the model's input (on the device, or in the CPU's loader workers).
 """
 
 import copy
@@ -24,11 +20,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class TrainPreset:
-    """RandomResizedCrop + horizontal flip on uint8, then the transforms added by then() (yours), then
-    `augmentation` (image_augmentation(): auto-augment, random erasing), in the order of torchvision's presets.
-    Every draw comes from `rng` (a random.Random): crop and flip directly, yours and the augmentation from torch
-    seeds drawn after them (so crop and flip are those of a run without them), so the result depends on nothing
-    but the seed it was given. res_schedule (a ResSchedule): the crop size follows set_epoch."""
+    """RandomResizedCrop + horizontal flip on uint8, then the transforms added by then(), then `augmentation`
+    (auto-augment, random erasing), as torchvision's presets order them. Every draw comes from `rng`: crop and flip
+    first, the rest from torch seeds drawn after them. res_schedule: the crop size follows set_epoch."""
 
     def __init__(
         self,
@@ -40,20 +34,16 @@ class TrainPreset:
         interpolation="bilinear",
         hflip_prob=0.5,
     ):
-        self.crop_size, self.scale, self.log_ratio = (
-            crop_size,
-            (min_scale, 1.0),
-            (math.log(ratio[0]), math.log(ratio[1])),
-        )
+        self.crop_size, self.scale = crop_size, (min_scale, 1.0)
+        self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
         self.interpolation, self.hflip_prob = F.InterpolationMode(interpolation), hflip_prob
         self.augmentation, self.res_schedule, self.added = augmentation, res_schedule, []
         if res_schedule is not None:
             self.set_epoch(0)
 
     def then(self, *transforms):
-        """A copy that applies `transforms` (torchvision's v2 transforms, or any callable on the image tensor) after
-        the crop and flip, before --auto-augment and --random-erase; their random draws (torch's RNG) are seeded
-        per image like the crop's."""
+        """A copy that applies `transforms` (callables on the image tensor) after the crop and flip, before
+        --auto-augment and --random-erase, their draws seeded per image like the crop's."""
         extended = copy.copy(self)
         extended.added = [*self.added, *transforms]
         return extended
@@ -97,8 +87,8 @@ class TrainPreset:
 
 
 class EvalPreset:
-    """Resize the short side, centre crop; uint8 in, uint8 out: torchvision's weights.transforms() (ImageClassification)
-    but the normalisation, which Collate or DeviceLoader applies to the batch."""
+    """Resize the short side, centre crop, uint8 in and out: torchvision's ImageClassification without the
+    normalisation (Collate or DeviceLoader normalises the batch)."""
 
     def __init__(self, resize_size, crop_size, interpolation="bilinear"):
         self.resize_size, self.crop_size = resize_size, crop_size
@@ -121,18 +111,15 @@ def resize_and_crop(image, resize_size, crop_size, interpolation):
 
 
 def planned(image, plan):
-    """`image` transformed by a preset's plan, (function, args): in the loader worker, or on the device after it
-    decoded an EncodedJPEG (--decode gpu)."""
+    """`image` transformed by a preset's plan, (function, args): in a loader worker, or on the device."""
     function, args = plan
     return function(image, *args)
 
 
 class SeededTransform(Dataset):
-    """Applies `transform` to the image of `base[index]` (an (image, label, bad) sample; image None
-    for a skipped file) with a random.Random seeded by (seed, epoch, index): an image gets the same
-    augmentation whichever process or loader worker reads it, and the global RNGs (which dropout
-    uses) are left alone. An index beyond len(base) (RepeatedAugmentationSampler's repeats) reads
-    base[index % len(base)] and is seeded by itself: each repeat is augmented differently."""
+    """`transform` applied to the image of the (image, label, bad) `base[index]` (image None: skipped) with a
+    random.Random seeded by (seed, epoch, index), leaving the global RNGs alone. An index beyond len(base) (a repeat of
+    RepeatedAugmentationSampler's) reads base[index % len(base)], seeded by itself: each repeat differs."""
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
@@ -154,9 +141,8 @@ class SeededTransform(Dataset):
 
 
 class Normalise:
-    """Images to normalised float32: (x - mean) / std per channel, for uint8 images on the 0-255 scale
-    (x / 255 first), for float images as they are (0 to 1). The same arithmetic on the CPU (the loader
-    workers' Collate) and on a GPU (DeviceLoader)."""
+    """Images to normalised float32, (x - mean) / std per channel: uint8 images on the 0-255 scale, float ones on 0-1.
+    The same arithmetic on the CPU (Collate) and on a GPU (DeviceLoader)."""
 
     def __init__(self, mean=IMAGENET_MEAN, std=IMAGENET_STD, device=None):
         self.mean, self.std = tuple(mean), tuple(std)
@@ -175,9 +161,8 @@ class Normalise:
 
 
 def choose_normalisation(config, train_set, channels):
-    """(mean, std, source) of normalisation for images of `channels` channels: --mean/--std, else the train set's
-    own `mean` and `std` attributes, else ImageNet's for 3-channel images; UsageError for other channels or a length
-    that is not theirs."""
+    """(mean, std, source) for images of `channels` channels: --mean/--std, else the train set's `mean` and `std`
+    attributes, else ImageNet's for 3 channels; UsageError otherwise, or for lengths that are not `channels`."""
     given = {name: getattr(config, name) for name in ("mean", "std")}
     found = {name: given[name] or getattr(train_set, name, None) for name in given}
     if all(found.values()):
