@@ -1,10 +1,7 @@
-"""The file list of an ImageNet-style folder, listed once per job and held compactly; and those of its train.csv and
-val.csv.
+"""The file lists of an ImageNet-style folder (listed once per job, by rank 0) and of its train.csv and val.csv.
 
-One pass lists and checks the folder, on rank 0 only (build_data gives the result to the other ranks), and the samples
-are one bytes blob of file names with numpy offsets and labels, not ImageFolder's Python list of tuples, which forked
-loader workers copy as reference counts touch it (250 MiB per process on ImageNet: tools/benchmark_startup.py). The
-order is ImageFolder's: sample i is datasets.ImageFolder(root)[i].
+A folder's samples are one bytes blob of names with numpy labels, not ImageFolder's list of tuples, which forked loader
+workers copy as reference counts touch it. The order is ImageFolder's: sample i is datasets.ImageFolder(root)[i].
 """
 
 import csv
@@ -22,8 +19,8 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 
 
 class NameTable:
-    """Names held compactly: one blob of NUL-terminated names (NUL is the one byte no file name holds) and a numpy
-    array of where each ends, so that the per-name work is left to C. table[i] is name i."""
+    """Names held compactly: one blob of NUL-terminated names (no file name holds a NUL) and a numpy array of where
+    each ends. table[i] is name i."""
 
     def __init__(self, blob):
         self.blob = blob
@@ -35,8 +32,8 @@ class NameTable:
 
 
 class FolderIndex:
-    """(path, label) of every image file under root/<class>/, as a sequence. The argument `names[k]` lists the files
-    of class k relative to its folder; they are held in one NameTable, `self.names`, by sample."""
+    """(path, label) of every image file under root/<class>/, as a sequence; `names[k]` lists the files of class k
+    relative to its folder (held in one NameTable, `self.names`)."""
 
     def __init__(self, root, classes, names):
         self.root, self.classes = str(root), list(classes)
@@ -52,8 +49,7 @@ class FolderIndex:
 
 
 def image_files(class_dir):
-    """Names relative to class_dir of the image files below it (symbolic links followed), in
-    ImageFolder's order: folder by folder in sorted order, each folder's names sorted."""
+    """Names relative to class_dir of the image files below it (links followed), in ImageFolder's order."""
     folders, pending = [], [""]
     while pending:
         folder = pending.pop()
@@ -67,10 +63,6 @@ def image_files(class_dir):
     return [name for _, names in sorted(folders) for name in names]
 
 
-def class_folders(folder):
-    return sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
-
-
 class Scan(NamedTuple):
     classes: list
     train: FolderIndex
@@ -78,8 +70,8 @@ class Scan(NamedTuple):
 
 
 def scan_image_folder(root):
-    """The classes and samples of root/train and root/val; UsageError unless both are image folders
-    with the same, non-empty classes."""
+    """The classes and samples of root/train and root/val; UsageError unless both are image folders with the same,
+    non-empty classes."""
     root = Path(root)
     if root.is_file():
         raise UsageError(f"--data {root}: a file; give the folder that holds train/ and val/ (or their CSV files)")
@@ -91,7 +83,7 @@ def scan_image_folder(root):
             folder = root / split
             if not folder.is_dir():
                 raise UsageError(f"--data {root} has no {split}/ folder: expected {root}/{{train,val}}/<class>/<image>")
-            classes[split] = class_folders(folder)
+            classes[split] = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
             if not classes[split]:
                 raise UsageError(f"{folder} has no class folders: expected {folder}/<class>/<image>")
             files[split] = {name: image_files(folder / name) for name in classes[split]}
@@ -121,8 +113,8 @@ def scan_image_folder(root):
 
 
 def read_split_file(path, root):
-    """[(path, class name)] of a CSV or TSV split file: rows `path,label` (a first row `path,label` is a
-    header), paths relative to `root` (the file's folder) unless absolute."""
+    """[(path, class name)] of a CSV or TSV split file of rows `path,label` (a first such row is a header), paths
+    relative to `root` unless absolute."""
     delimiter = "\t" if path.suffix == ".tsv" else ","
     rows = []
     try:
@@ -158,8 +150,8 @@ def split_files(root):
 
 
 def scan_split_files(root):
-    """The classes (sorted names of the train split's labels) and (path, label) samples of root/train.csv and
-    root/val.csv (or .tsv); UsageError for a val label that training never sees."""
+    """The classes (the train split's labels, sorted) and (path, label) samples of root/train.csv and root/val.csv
+    (or .tsv); UsageError for a val label that training never sees."""
     rows = {split: read_split_file(path, root) for split, path in split_files(root).items()}
     classes = sorted({label for _, label in rows["train"]})
     index = {name: k for k, name in enumerate(classes)}
