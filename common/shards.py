@@ -1,13 +1,13 @@
 """Images in webdataset-format tar shards, read at their offsets: a map-style dataset with every guarantee a folder has.
 
-Each shard has an index beside it (train-000123.idx, written by tools/make_shards.py or at first use: each sample's key,
-extension, label, byte offset and size), so the samplers index shards as they index a folder's files (exact epochs and
-validation, bitwise resume), and a loader worker opens a shard once and reads each image at its offset. The same images
-in shards and their folder train bitwise alike.
+Each shard has an index beside it (NAME.idx, written by tools/make_shards.py or at first use: each sample's key,
+extension, label, offset and size), so the samplers index shards as they index a folder's files. The same images in
+shards and in a folder train bitwise alike.
 
 --data DIR: DIR/classes.txt (label k is line k), DIR/train/NAME.tar with NAME.idx, DIR/val/NAME.tar with NAME.idx.
 """
 
+import contextlib
 import os
 import zipfile
 from pathlib import Path
@@ -67,8 +67,7 @@ def cached_index_path(shard, cache):
 
 def read_index(shard, path=None):
     """The columns of `shard`'s index (columns()), beside it or at `path`; UsageError naming what is wrong with it
-    (missing, unreadable, of another version, or no longer matching its shard). Reading 1.33 million samples'
-    indexes takes about a second."""
+    (missing, unreadable, of another version, or no longer matching its shard)."""
     path = path or index_path(shard)
     try:
         with np.load(path, allow_pickle=False) as index:
@@ -99,10 +98,9 @@ TAR_BLOCK = 512  # a tar member's header: the block before its data
 
 
 def check_member(header, name, size):
-    """OSError unless the tar `header` (the 512 bytes before a member's data) is that of member `name` of `size` bytes:
-    an index's offset is then into the shard it was made of. A name the header cannot hold as it is (not ASCII, or
-    longer than its fields: a pax or GNU record before the header holds it, and the header a stand-in) is checked by
-    the size alone. (tarfile.TarInfo.frombuf parses a header too, at 14 times the cost: this runs at every read.)"""
+    """OSError unless the tar `header` (the 512 bytes before a member's data) is that of member `name` of `size` bytes.
+    A name the header cannot hold as it is (not ASCII, or too long: a pax or GNU record holds it) is checked by the
+    size alone. (Not tarfile.TarInfo.frombuf: this runs at every read, and that costs 14 times as much.)"""
     raw = header[0:100].split(b"\0", 1)[0]
     prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""  # (POSIX ustar's field)
     found, expected = (prefix + b"/" + raw if prefix else raw), os.fsencode(name)
@@ -123,10 +121,9 @@ def check_member(header, name, size):
 
 
 def shard_samples(shard, cache=None):
-    """The columns of `shard`'s samples: its index, or, where it has none that matches it (shards written elsewhere,
-    copied without their times, changed), the shard read once through (index_tar) and its index written beside it
-    for the next job (atomically: two jobs that index it at once write the same), or, where its folder is read-only,
-    in the output directory `cache` (when given and there)."""
+    """The columns of `shard`'s samples: its index, or, where none matches it, the shard read through (index_tar) and
+    its index written beside it (atomically: two jobs that index it at once write the same), or, where its folder is
+    read-only, in the output directory `cache` (when given and there)."""
     cached = cached_index_path(shard, cache) if cache is not None else None
     for path in (None, cached) if cached else (None,):
         try:
@@ -154,7 +151,7 @@ def shard_samples(shard, cache=None):
 
 def has_shards(root):
     """Whether `root` holds shards: root/train/*.tar and no class folder beside them (an image folder with tars left
-    in train/, as an interrupted extraction of ImageNet leaves them, stays an image folder)."""
+    in train/, by an interrupted extraction, stays an image folder)."""
     train = Path(root) / "train"
     try:
         entries = list(os.scandir(train))
@@ -164,9 +161,8 @@ def has_shards(root):
 
 
 class ShardIndex:
-    """The samples of a split's shards as a sequence of (SHARD:KEY, label), held compactly: the shard of each sample,
-    its offset and size, its label, and its KEY.EXTENSION (in a NameTable, as FolderIndex holds file names).
-    `location(i)` gives (shard path, offset, size, extension)."""
+    """The samples of a split's shards as a sequence of (SHARD:KEY, label), held compactly as numpy columns and a
+    NameTable of KEY.EXTENSION. `location(i)` gives (shard path, offset, size, extension)."""
 
     def __init__(self, shards, indexes):
         self.shards = [str(shard) for shard in shards]
@@ -224,9 +220,8 @@ def split_index(root, split, cache=None):
 
 
 def scan_shards(root, cache=None):
-    """(classes, train ShardIndex, val ShardIndex) of the shards under `root`, from their indexes (a shard without
-    one is indexed first: shard_samples; `cache`: the output directory, for shards in a read-only folder). The class
-    names are root/classes.txt's; without it, the labels' numbers."""
+    """(classes, train ShardIndex, val ShardIndex) of the shards under `root` (shard_samples; `cache`: the output
+    directory). The class names are root/classes.txt's; without it, the labels' numbers."""
     classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
     if classes is None:
         classes = [str(label) for label in range(int(max(train.labels.max(), val.labels.max())) + 1)]
@@ -241,10 +236,8 @@ def scan_shards(root, cache=None):
 
 
 class ShardReader:
-    """Reads samples' bytes at their offsets, each shard opened once per process and kept open (a loader worker is a
-    process of its own: it opens the shards it reads; descriptors inherited through a fork are closed), the
-    OPEN_SHARDS most recently read at most (an epoch reads the shards in random order: beyond that, a shard is
-    opened again when a sample of it comes)."""
+    """Reads samples' bytes at their offsets, each shard opened once per process (descriptors inherited through a
+    fork are closed) and kept open, the OPEN_SHARDS most recently read at most."""
 
     def __init__(self):
         self.pid, self.files = None, {}
@@ -271,10 +264,8 @@ class ShardReader:
 
     def close(self):
         for fd in self.files.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.files = {}
 
     def __getstate__(self):  # (a dataset pickled for spawned loader workers takes no descriptor along)
@@ -297,10 +288,9 @@ def split_member(name):
 
 def index_tar(shard):
     """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
-    key's image member (IMAGE_EXTENSIONS) and its label (KEY.cls, a class index in text; else KEY.json's "cls", "label",
-    "class" or "class_index"). A shard cut short (a crash while it was written) gives the samples before the cut, and in
-    `cut` the key of the sample it cut, or "" (None: a whole shard). UsageError for a sample without a label in a whole
-    shard, or a label that is no class index."""
+    key's image member and its label (KEY.cls, else KEY.json's: label_of_json). A shard cut short gives the samples
+    before the cut, and in `cut` the key of the sample it cut, or "" (None: a whole shard). UsageError for a sample
+    without a label, or a label that is no class index."""
     import tarfile
 
     samples, labels, json_labels, cut, size = {}, {}, {}, None, os.stat(shard).st_size
