@@ -1,10 +1,7 @@
 """Where images come from: an image folder (train/<class>/, val/<class>/), CSV or TSV split files, webdataset shards, a
-Hugging Face dataset on disk, your own dataset (--dataset package.module:function), --dummy's tensors, or the built-in
-demo set; and what an item must be: (image, label), a PIL image or a CHW tensor and a class index.
-
-A Hugging Face dataset: a DatasetDict saved by `datasets`' save_to_disk, or the Hub's parquet files (converted once into
-arrow files in HF_DATASETS_CACHE, on rank 0 first), with a column of images and one of class labels; `datasets` is
-optional (requirements-hf.txt).
+Hugging Face dataset on disk (save_to_disk's, or parquet files; needs requirements-hf.txt), your own dataset (--dataset
+package.module:function), --dummy's tensors, or the built-in demo set; and what an item must be: (image, label), a PIL
+image or a CHW tensor and a class index.
 """
 
 import io
@@ -34,9 +31,8 @@ from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 
 def load_image(path):
-    """An RGB image as a uint8 CHW tensor. JPEGs are decoded by torchvision.io (libjpeg-turbo, about 2.7x faster
-    than PIL here: docs/benchmarks.md); other formats, PNG too, and files it cannot decode go through PIL (whose
-    error names a broken file)."""
+    """An RGB image as a uint8 CHW tensor. JPEGs are decoded by torchvision.io (faster); other formats, and files it
+    cannot decode, by PIL (whose error names a broken file)."""
     if decode_image is not None and path.lower().endswith(DECODED_BY_TORCHVISION):
         try:
             image = _torchvision_decoded(read_file(path))
@@ -49,8 +45,7 @@ def load_image(path):
 
 
 def decode_bytes(data, extension):
-    """The image of the encoded bytes `data` of a file named *.`extension`, decoded as load_image decodes a file
-    (the same bytes give the same tensor)."""
+    """The image of the encoded bytes `data` of a file named *.`extension`, decoded as load_image decodes a file."""
     if decode_image is not None and f".{extension.lower()}" in DECODED_BY_TORCHVISION:
         image = _torchvision_decoded(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if image is not None:
@@ -58,8 +53,8 @@ def decode_bytes(data, extension):
     return _pil_rgb(Image.open(io.BytesIO(data)))
 
 
-# JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (libpng's "IDAT: incorrect data check",
-# then SIGSEGV: torchvision 0.29), where PIL raises an error that skips the file. A file is a JPEG by its first bytes.
+# JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
+# raises an error that skips the file. A file is a JPEG by its first bytes.
 DECODED_BY_TORCHVISION = (".jpg", ".jpeg")
 JPEG_START = (0xFF, 0xD8, 0xFF)
 
@@ -84,9 +79,8 @@ DEVICE_DECODED_MODES = ("RGB", "L")  # YCbCr and greyscale; CMYK and YCCK JPEGs 
 
 
 def encoded_jpeg(data, name):
-    """The EncodedJPEG of the bytes `data` where they are a whole JPEG (its first and last markers) of three or one
-    channels, as its header says; else None: a PNG under a .jpg name, CMYK, a file cut short stay the loader
-    worker's to decode (or to skip and name)."""
+    """The EncodedJPEG of the bytes `data` where they are a whole JPEG (first and last markers) of three or one
+    channels; else None (a PNG under a .jpg name, CMYK, a file cut short: the loader worker's to decode)."""
     if bytes(data[:3]) != bytes(JPEG_START) or bytes(data[-2:]) != bytes(JPEG_END):
         return None
     try:
@@ -166,9 +160,8 @@ def decoded(read):
 
 
 class ImageFiles(Dataset):
-    """(image, label) of each (path, label) of `samples` (a FolderIndex, a list), the file decoded by
-    load_image. A file that cannot be decoded raises UnreadableFile: SkipUnreadable skips it
-    (common/data.py)."""
+    """(image, label) of each (path, label) of `samples` (a FolderIndex, a list), decoded by load_image. A file that
+    cannot be decoded raises UnreadableFile (SkipUnreadable skips it)."""
 
     defer_jpegs = False  # --decode gpu (build_data sets it): a JPEG goes to the device as an EncodedJPEG
 
@@ -200,9 +193,8 @@ class ImageFiles(Dataset):
 
 
 class ShardedImages(ImageFiles):
-    """(image, label) of each sample of a ShardIndex (common/shards.py): its bytes read at their offset in its shard,
-    decoded as load_image decodes a file. A sample that cannot be read or decoded raises UnreadableFile, named
-    SHARD:KEY."""
+    """(image, label) of each sample of a ShardIndex, read at its offset in its shard. A sample that cannot be read or
+    decoded raises UnreadableFile, named SHARD:KEY."""
 
     def __init__(self, samples):
         super().__init__(samples)
@@ -216,8 +208,8 @@ class ShardedImages(ImageFiles):
 
 
 class HFImages(ImageFiles):
-    """(image, label) of each row of a Hugging Face dataset's split (HFRows): its encoded image decoded as
-    load_image decodes a file. A row that cannot be read or decoded raises UnreadableFile, named SPLIT[ROW]."""
+    """(image, label) of each row of a Hugging Face dataset's split (HFRows). A row that cannot be read or decoded
+    raises UnreadableFile, named SPLIT[ROW]."""
 
     def __getitem__(self, index):
         return decoded(lambda: self._decoded(*self.samples.encoded(index), index)), int(self.samples.labels[index])
@@ -227,11 +219,9 @@ class HFImages(ImageFiles):
 
 
 def build_datasets(config):
-    """(classes, train set, val set) of the data the flags name: --dummy's synthetic images; --dataset
-    package.module:function's (called as function(config)); --data's Hugging Face dataset (save_to_disk's, or
-    parquet files); --data's train.csv / val.csv (or .tsv); --data's shards; --data's train/ and val/ image
-    folders; the built-in demo set (generated first, once). A set's items are (image, label).
-    Rank 0 lists a folder (1.33 M files on ImageNet) or reads the split files, once for the job: a collective."""
+    """(classes, train set, val set) of (image, label) items of the data the flags name: --dummy, --dataset (called
+    as function(config)), or --data's Hugging Face dataset, split files, shards or image folders (the demo set's,
+    generated first). A collective: rank 0 lists the files, once for the job."""
     if config.dummy:
         val_length = math.ceil(config.dummy_size * 50_000 / 1_281_167)
         train_set = SyntheticImages(config.dummy_size, config.train_crop_size, res_schedule=config.crop_schedule)
@@ -285,9 +275,9 @@ def _first_difference(split, classes, own, rank_0s):
 
 
 def this_node_s_copy(root, classes, train_files, val_files):
-    """The samples at this rank's --data. A node may hold its copy of an image folder at another path than rank
-    0's (a node-local disk): it lists its copy, which must hold the files of rank 0's, name for name, else every
-    rank stops with one line naming the first difference. A collective; with one --data path for all, nothing more."""
+    """The samples at this rank's --data. A node may hold its copy of the data at another path than rank 0's: it
+    lists its copy, which must hold rank 0's files, name for name, else every rank stops with one line naming the
+    first difference. A collective."""
     roots = distributed.all_gather_object(str(root))
     if all(other == roots[0] for other in roots):
         return train_files, val_files
@@ -327,9 +317,9 @@ def describe_item(item):
 
 
 class ItemCheck:
-    """A dataset item as the loaders need it: an (image, label) pair, the image a CHW tensor (a PIL image
-    converted to RGB, then to uint8; a tensor uint8 or float, kept), with the channels and kind (uint8 or
-    float) of the first; the label an int below num_classes. Anything else: BadItem, one line."""
+    """A dataset item as the loaders need it: (image, label), the image a uint8 or float CHW tensor (a PIL image
+    converted to RGB uint8) with the channels and dtype of the first; the label an int below num_classes. Anything
+    else: BadItem, one line."""
 
     def __init__(self, num_classes, split, channels=None, floating=None):
         self.num_classes, self.split, self.channels, self.floating = num_classes, split, channels, floating
@@ -374,8 +364,8 @@ class ItemCheck:
 
 
 def first_item(dataset, split, num_classes):
-    """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked: one line (BadItem) naming
-    what is wrong with it. None for image files (--data's), which the loader workers read and check."""
+    """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked (BadItem); None for --data's image
+    files, which the loader workers read and check."""
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise UsageError(
             f"the {split} set is a {type(dataset).__name__}: give a map-style dataset (len() and [i]); "
@@ -402,8 +392,8 @@ def has_hf_dataset(root):
 
 
 def parquet_splits(root):
-    """{split: [parquet files]} under `root`: a file's split is the start of its name (train-00000-of-00294.parquet)
-    or the folder it is in (train/0000.parquet)."""
+    """{split: [parquet files]} under `root`: a file's split starts its name (train-00000-of-00294.parquet) or names
+    its folder (train/0000.parquet)."""
     found = {}
     for path in sorted(Path(root).rglob("*.parquet")):
         names = [re.split(r"[-_.]", path.name)[0], *(part for part in reversed(path.relative_to(root).parts[:-1]))]
@@ -433,8 +423,7 @@ def _load(root):
 
 def load_splits(root):
     """(classes, train rows, val rows) of the dataset at `root` (HFRows); one line for what it lacks. Rank 0 loads it
-    first (parquet: converted once), then every rank its own --data (a node's copy at its own path), which must
-    hold rank 0's classes and row counts."""
+    first (parquet: converted once), then every rank its own --data, which must hold rank 0's classes and rows."""
     first = []  # rank 0's, kept: it loads once
     distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
     classes, train, val = first[0] if first else _splits(root)
@@ -452,13 +441,12 @@ def load_splits(root):
 
 def _splits(root):
     loaded = _load(root)
-    names = list(loaded)
     train = next((name for name in TRAIN_SPLITS if name in loaded), None)
     val = next((name for name in VAL_SPLITS if name in loaded), None)
     if train is None or val is None:
         raise UsageError(
             f"--data {root}: a Hugging Face dataset needs a train and a validation split; it has "
-            f"{', '.join(names) or 'none'}"
+            f"{', '.join(loaded) or 'none'}"
         )
     features = loaded[train].features
     image = next((name for name, kind in features.items() if type(kind).__name__ == "Image"), None)
@@ -481,8 +469,7 @@ def _splits(root):
 
 def _check_validation(root, loaded, train, val, image, label):
     """The validation split has the train split's image and label columns, and a ClassLabel whose class names are
-    train's, in the same order (or its first ones): its label k must name train's class k (else validation scores other
-    classes, without a word)."""
+    train's (or its first ones), in the same order: its label k must name train's class k."""
     theirs = loaded[val].features
     missing = [name for name in (image, label) if name not in theirs]
     if missing:
@@ -501,8 +488,8 @@ def _check_validation(root, loaded, train, val, image, label):
 
 
 class HFRows:
-    """The rows of one split: its labels (read whole, a column of integers) and each row's encoded image, read when
-    asked (the image column alone, undecoded: datasets.Image(decode=False))."""
+    """The rows of one split: its labels (a column of integers, read whole) and each row's encoded image, read when
+    asked (undecoded: datasets.Image(decode=False))."""
 
     def __init__(self, split, image, label, where):
         import datasets
@@ -530,8 +517,8 @@ class HFRows:
         return len(self.labels)
 
     def encoded(self, index):
-        """(bytes, file extension) of row `index`'s image (an image stored as a path: the file's bytes); a row without
-        an image raises (an unreadable row, skipped and named as one)."""
+        """(bytes, file extension) of row `index`'s image (stored as a path: the file's bytes); a row without an image
+        raises (an unreadable row)."""
         cell = self.rows[int(index)][self.image]
         if cell is None:
             raise ValueError("the row has no image")
