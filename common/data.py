@@ -1,6 +1,5 @@
-"""The data of one process, assembled: the datasets (common/datasets.py) checked and wrapped with the skipping of
-unreadable items and seeded per-image transforms (common/transforms.py), sampled exactly and resumably
-(common/samplers.py), in DataLoaders whose batches DeviceLoader (common/device_loader.py) takes to the device.
+"""The data of one process, assembled: the datasets checked and wrapped with the skipping of unreadable items and
+seeded per-image transforms, sampled exactly and resumably, in DataLoaders whose batches DeviceLoader takes on.
 
 A file that cannot be decoded is skipped and named (or ends the run: --strict-data): in training another image takes its
 place, so batches keep their size; in validation it is left out. At each checkpoint the ranks pool the files into
@@ -55,16 +54,13 @@ def micro_batch(batch_size, world_size, accumulate):
     return share // accumulate
 
 
-# -j auto's most workers per process. One H100 trains ResNet-50 in bf16 at about 3,900 images/s; 8 workers decoding
-# ImageNet-sized JPEGs fell behind it (1,903 images/s by the epoch's end, and falling), 15 fed it all
-# (docs/benchmarks.md).
+# -j auto's most workers per process: 8 could not feed one H100 training ResNet-50, 15 could (docs/benchmarks.md).
 MAX_AUTO_WORKERS = 16
 
 
 def loader_workers(requested, processes_on_node, cores=None):
-    """-j: `requested`, or for 'auto' the usable cores (CPU affinity: what Slurm or a container allows)
-    shared among the processes of this node, keeping one core for each process itself, at most MAX_AUTO_WORKERS each;
-    at least 1 when there is a core to spare (2 cores, 1 process: 1 worker; 2 cores, 2 processes: 0)."""
+    """-j: `requested`, or for 'auto' the usable cores (CPU affinity) shared among this node's processes, one kept
+    for each process itself, at most MAX_AUTO_WORKERS each; at least 1 when there is a core to spare."""
     if requested != "auto":
         return requested
     cores = cores or distributed.usable_cores()
@@ -107,8 +103,8 @@ def default_transforms(config, floating, mean):
 
 
 def check_replaced(config, train):
-    """A training transform that is not a TrainPreset (build_transforms replaced it) applies none of the flags
-    that the default one applies: refused in one line where one is given, not dropped."""
+    """A training transform that is not a TrainPreset (build_transforms replaced it) applies none of the default's
+    flags: refused in one line where one is given."""
     if isinstance(train, TrainPreset):
         return
     default_scale = PRESETS[config.data_preset]["min_crop_scale"]
@@ -132,8 +128,7 @@ def check_replaced(config, train):
 
 
 def check_device_decode(datasets, train, val):
-    """--decode gpu: the JPEGs of our image sets, cropped, resized and flipped on the device by the default
-    transforms; anything else refused in one line."""
+    """--decode gpu: our image sets' JPEGs, transformed on the device by the default transforms; else one line."""
     if device_loader.decode_jpeg is None:
         import torchvision
 
@@ -166,9 +161,8 @@ def check_device_decode(datasets, train, val):
 
 
 def _wrapped(config, datasets, first, mean, seed, build_transforms):
-    """The train and val sets as the loaders read them: unreadable items skipped (in training the next one takes
-    a bad one's place, so every batch keeps its size; in validation it is left out, so none is counted twice;
-    --strict-data: an error), a dataset's items checked, each image transformed with its own seed."""
+    """The train and val sets as the loaders read them: unreadable items skipped (SkipUnreadable), a dataset's items
+    checked, each image transformed with its own seed."""
     classes, train_set, val_set = datasets
     floating = bool(first and first[3].is_floating_point)
     train_transform, val_transform = build_transforms(*default_transforms(config, floating, mean))
@@ -190,10 +184,9 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
 
 
 def build_data(config, datasets, seed, runtime, build_transforms=lambda train, val: (train, val)):
-    """The loaders of one process over `datasets` ((classes, train set, val set) of (image, label) items): the
-    items checked (the first ones here, in this process), wrapped (each image through the transforms that
-    `build_transforms` makes of the defaults: Trainer.build_transforms), sampled. On a GPU the batches stay as decoded
-    (pinned) for DeviceLoader to copy and normalise there; on the CPU the loader workers normalise them."""
+    """The loaders of one process over `datasets` ((classes, train set, val set) of (image, label) items), checked,
+    transformed (by what `build_transforms` makes of the defaults) and sampled. On a GPU the batches stay as decoded
+    for DeviceLoader to normalise there; on the CPU the loader workers normalise them."""
     classes, train_set, val_set = datasets
     classes, synthetic = list(classes), isinstance(train_set, SyntheticImages)
     if len(classes) < 2:  # (one class would train to a loss of 0 and an accuracy of 100% that mean nothing)
@@ -258,11 +251,10 @@ PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, Asserti
 
 
 class SkipUnreadable(Dataset):
-    """(image, label, bad) for each item of `dataset`, where `bad` lists the (name, reason) of the items that could
-    not be read on the way, named by the dataset's name(i) if it has one (else "Class[i]"). `check(item, i)`, when
-    given, makes a dataset's item what the loaders take (datasets.ItemCheck). An error of the dataset's own code
-    (PROGRAMMING_ERRORS) is raised, not skipped. replace=True (training): the next readable item takes a bad one's
-    place; replace=False (validation): image is None. strict=True: raise UnreadableImage instead."""
+    """(image, label, bad) for each item of `dataset`, `bad` the (name, reason) of the items that could not be read
+    on the way (named by the dataset's name(i), else "Class[i]"); `check`: an ItemCheck. PROGRAMMING_ERRORS are
+    raised. replace=True (training): the next readable item takes a bad one's place; replace=False (validation):
+    image is None. strict=True: UnreadableImage instead."""
 
     def __init__(self, dataset, replace, strict, check=None):
         self.dataset, self.replace, self.strict, self.check = dataset, replace, strict, check
@@ -270,29 +262,19 @@ class SkipUnreadable(Dataset):
     def __len__(self):
         return len(self.dataset)
 
-    def _read(self, index):
-        item = self.dataset[index]
-        return item if self.check is None else self.check(item, index)
-
-    def _name(self, index):
-        """What warnings and bad_images.txt call item `index`: the dataset's name for it (an image file's path)."""
-        if hasattr(self.dataset, "name"):
-            return self.dataset.name(index)
-        return f"{type(self.dataset).__name__}[{index}]"
-
     def __getitem__(self, index):
         bad = []
         for attempt in range(MAX_IN_A_ROW):
             position = (index + attempt) % len(self.dataset)
             try:
-                image, label = self._read(position)
+                item = self.dataset[position]
+                image, label = item if self.check is None else self.check(item, position)
                 return image, label, bad
-            except (MemoryError, Preempted):  # (a stop signal raised while this process waited for the file)
-                raise
-            except PROGRAMMING_ERRORS:
+            except (MemoryError, Preempted, *PROGRAMMING_ERRORS):  # (Preempted: a stop signal while waiting for a file)
                 raise
             except Exception as error:  # decoders raise OSError, ValueError, RuntimeError, SyntaxError, ...
-                path = self._name(position)
+                named = hasattr(self.dataset, "name")
+                path = self.dataset.name(position) if named else f"{type(self.dataset).__name__}[{position}]"
                 if self.strict:
                     raise UnreadableImage(
                         f"cannot decode {printable(path)} ({describe(error)}); without --strict-data "
