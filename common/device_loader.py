@@ -1,7 +1,6 @@
-"""Batches from the loader workers to the device: collated (files that could not be read left out, and
-reported), decoded there with --decode gpu (EncodedBatch), normalised, moved, prefetched on a side stream on GPUs.
-No value is read back from the device. With --decode gpu a thread of its own decodes each batch, one ahead, and
-waits for that side stream before each decode.
+"""Batches from the loader workers to the device: collated (unreadable files left out, and reported), decoded there
+with --decode gpu (EncodedBatch, in a thread of its own, one batch ahead), normalised, moved, prefetched on a side
+stream on GPUs. No value is read back from the device.
 """
 
 import contextlib
@@ -23,9 +22,9 @@ except ImportError:  # (gone from a torchvision to come: --decode gpu then says 
 
 
 class Collate:
-    """collate_fn: (images, target, bad) from (image, label, bad) samples, leaving out skipped files
-    (images None when all were). `normalise` (a Normalise, or None) turns the batch into normalised floats inside
-    the loader worker: on the CPU, where the main process is the bottleneck and the workers have cores to spare."""
+    """collate_fn: (images, target, bad) from (image, label, bad) samples, skipped files left out (images None when
+    all were). `normalise` (a Normalise, or None): normalised in the loader worker (on the CPU, where workers have
+    cores to spare)."""
 
     def __init__(self, normalise=None):
         self.normalise = normalise
@@ -44,8 +43,8 @@ class Collate:
 
 
 class EncodedBatch:
-    """--decode gpu: a batch whose JPEGs travel encoded (their bytes in one buffer), to be decoded on the device; the
-    images its loader worker decoded (those the device does not: CMYK, a PNG) travel as they are."""
+    """--decode gpu: a batch whose JPEGs travel encoded (in one buffer), to be decoded on the device; the images its
+    loader worker decoded (CMYK, a PNG) travel as they are."""
 
     def __init__(self, samples):
         jpegs = [(k, image) for k, (image, _) in enumerate(samples) if isinstance(image, EncodedJPEG)]
@@ -60,9 +59,9 @@ class EncodedBatch:
         return self
 
     def decode(self, device):
-        """(images, kept, bad) on `device`: the JPEGs decoded there in one call (nvJPEG on a GPU), each cropped as its
-        plan says, with the ready images in their places. A JPEG the device cannot decode is decoded by the CPU; one
-        that neither can is left out (`kept`: the positions that remain; `bad`: (name, reason) of the others)."""
+        """(images, kept, bad) on `device`: the JPEGs decoded there in one call, each cropped as its plan says, the
+        ready images in their places. A JPEG the device cannot decode is decoded by the CPU; one that neither can is
+        left out (`kept`: the positions that remain; `bad`: (name, reason) of the others)."""
         parts, reasons = list(torch.split(self.data, [size for _, size, _, _ in self.jpegs])), {}
         if device.type == "cuda":
             # nvJPEG writes its outputs on a stream of its own, taken from this stream's free memory without waiting
@@ -98,12 +97,9 @@ def _decoded_one(encoded, device, reasons, index):
 
 
 class DeviceLoader:
-    """The batches of `loader` on `device`, as normalised float images.
-
-    On CUDA, images travel as they were decoded (uint8: a quarter of float32's bytes) and are converted,
-    normalised (`normalise`, a Normalise; None: the loader's Collate did it) and made channels-last on the
-    GPU, and the copy of the next batch runs on a side stream while the current one computes. On the CPU
-    the loader workers have normalised them. The files skipped as undecodable go to on_bad(list of (path, reason))."""
+    """The batches of `loader` on `device`, as normalised float images: on CUDA, copied as uint8 on a side stream
+    while the batch before computes, then normalised (`normalise`; None: Collate did it) and laid out there. The
+    files skipped as undecodable go to on_bad(list of (path, reason))."""
 
     def __init__(
         self, loader, device, channels_last=False, on_bad=None, normalise=None, keep_empty=False, undecodable="skip"
@@ -200,10 +196,9 @@ class DeviceLoader:
 
 
 def _one_ahead(prepare, batches, always=False):
-    """prepare(*batch) of each of `batches`, in order. From the first EncodedBatch (--decode gpu) on, batches are
-    prepared in a thread of its own, and after an EncodedBatch the next batch is taken and begun before it is handed
-    over: its decode waits for the device while the caller queues this one's step (torchvision's decoder releases the
-    GIL). `always`: every batch one ahead (on GPUs: the next batch's copy runs while this one computes)."""
+    """prepare(*batch) of each of `batches`, in order. From the first EncodedBatch on, batches are prepared in a
+    thread of its own, and after an EncodedBatch the next one is begun before it is handed over (its decode waits
+    for the device while the caller queues this one's step). `always`: every batch one ahead."""
     pool, upcoming = None, None
     try:
         for images, target in batches:
@@ -227,9 +222,8 @@ def _one_ahead(prepare, batches, always=False):
 
 
 class SyntheticOnDevice(DeviceLoader):
-    """--dummy on a GPU: each batch made on the device, not by a loader (no worker, no copy), so that images/s is the
-    model's: the synthetic image repeated, labels index % classes of the sampler's indices (resumable and sharded as
-    any data), laid out and normalised as a copied batch is."""
+    """--dummy on a GPU: each batch made on the device (no worker, no copy), so that images/s is the model's: the
+    synthetic image repeated, labels index % classes of the sampler's indices, normalised as a copied batch is."""
 
     def __iter__(self):
         dataset = self.loader.dataset  # (a SyntheticImages: its image follows --res-schedule's epoch)
@@ -240,16 +234,15 @@ class SyntheticOnDevice(DeviceLoader):
 
 
 def device_batches(loader, device, *args, **kwargs):
-    """The DeviceLoader of `loader` on `device` (its other arguments DeviceLoader's): for --dummy on a GPU, batches made
-    there (SyntheticOnDevice: the model's speed); on the CPU the loader's, as the tests use them."""
+    """The DeviceLoader of `loader` on `device` (the other arguments DeviceLoader's); SyntheticOnDevice for --dummy on
+    a GPU."""
     synthetic = device.type == "cuda" and isinstance(loader.dataset, SyntheticImages)
     return (SyntheticOnDevice if synthetic else DeviceLoader)(loader, device, *args, **kwargs)
 
 
 def equal_forwards(batches, forwards, placeholder):
     """(images, target, counted) of `batches` (a DeviceLoader with keep_empty) made `forwards` long: an empty batch
-    or a missing one is `placeholder` (images, target), not counted. A sharded model's forward is a collective: every
-    rank must run as many as the others."""
+    or a missing one is `placeholder` (images, target), not counted."""
     batches = iter(batches)
     for _ in range(forwards):
         images, target = next(batches, (None, None))
@@ -258,8 +251,8 @@ def equal_forwards(batches, forwards, placeholder):
 
 def validation_batches(batches, sharded, image_shape):
     """(images, target, counted) of this rank's validation `batches` (a DeviceLoader, keep_empty when `sharded`). A
-    sharded model's forward is a collective: then every rank runs as many as the rank with the most, an empty batch
-    (all its files unreadable) or a missing one as the forward of a zero image of `image_shape`, not counted."""
+    sharded model's forward is a collective: then every rank runs as many as the rank with the most, an empty or
+    missing batch as the forward of a zero image of `image_shape`, not counted."""
     if not sharded:
         return ((images, target, True) for images, target in batches)
     device = batches.device
