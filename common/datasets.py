@@ -29,6 +29,12 @@ from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, 
 from .folder_index import FolderIndex, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
+# JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
+# raises an error that skips the file. A file is a JPEG by its first bytes.
+DECODED_BY_TORCHVISION = (".jpg", ".jpeg")
+JPEG_START, JPEG_END = (0xFF, 0xD8, 0xFF), (0xFF, 0xD9)
+DEVICE_DECODED_MODES = ("RGB", "L")  # YCbCr and greyscale; CMYK and YCCK JPEGs are decoded by the loader worker
+
 
 def load_image(path):
     """An RGB image as a uint8 CHW tensor. JPEGs are decoded by torchvision.io (faster); other formats, and files it
@@ -53,12 +59,6 @@ def decode_bytes(data, extension):
     return _pil_rgb(Image.open(io.BytesIO(data)))
 
 
-# JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
-# raises an error that skips the file. A file is a JPEG by its first bytes.
-DECODED_BY_TORCHVISION = (".jpg", ".jpeg")
-JPEG_START = (0xFF, 0xD8, 0xFF)
-
-
 class EncodedJPEG(NamedTuple):
     """--decode gpu: a JPEG read but not decoded, its size from its header. `plan` (transforms.py's (function, args))
     says how its image is cropped once the device has decoded it; `name` is what a report calls it."""
@@ -72,10 +72,6 @@ class EncodedJPEG(NamedTuple):
     @property
     def shape(self):
         return (3, self.height, self.width)
-
-
-JPEG_END = (0xFF, 0xD9)
-DEVICE_DECODED_MODES = ("RGB", "L")  # YCbCr and greyscale; CMYK and YCCK JPEGs are decoded by the loader worker
 
 
 def encoded_jpeg(data, name):

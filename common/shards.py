@@ -20,6 +20,11 @@ from .folder_index import NameTable
 INDEX_VERSION = 1
 CLASSES = "classes.txt"
 MANIFEST = "shards.json"  # how tools/make_shards.py wrote a folder of shards: a rerun with other options is refused
+COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
+TAR_BLOCK = 512  # a tar member's header: the block before its data
+OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at most, under the usual limits
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
+JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
 
 
 def index_path(shard):
@@ -43,9 +48,6 @@ def columns(samples):
             for k, (name, dtype) in enumerate(COLUMNS.items(), start=2)
         },
     }
-
-
-COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
 
 
 def write_index(shard, samples, stamp, path=None):
@@ -92,9 +94,6 @@ def read_index(shard, path=None):
     except OSError as error:
         raise UsageError(f"{path} no longer matches {Path(shard).name} ({error})") from None
     return arrays
-
-
-TAR_BLOCK = 512  # a tar member's header: the block before its data
 
 
 def check_member(header, name, size):
@@ -272,12 +271,6 @@ class ShardReader:
         return {"pid": None, "files": {}}
 
 
-OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at most, under the usual limits
-
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
-
-
 def split_member(name):
     """(key, extension) of a tar member's name, as webdataset splits it: the key ends at the first dot of the base
     name (`dir/n0144_10026.jpg` -> `dir/n0144_10026`, `jpg`; `a/b.seg.png` -> `a/b`, `seg.png`)."""
@@ -327,9 +320,6 @@ def index_tar(shard):
             )
         sample[2] = label
     return list(samples.values()), cut
-
-
-JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
 
 
 def label_of_json(data):
