@@ -338,14 +338,9 @@ class ItemCheck:
             elif image.dtype != torch.uint8:
                 raise BadItem(f"{where}: an image of dtype {image.dtype}; expected uint8 (0-255) or float (0-1)")
         else:
-            raise BadItem(
-                f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor"
-                + (
-                    " (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)"
-                    if type(image).__name__ == "ndarray"
-                    else ""
-                )
-            )
+            array = type(image).__name__ == "ndarray"
+            hint = " (torch.from_numpy(array).permute(2, 0, 1) for an HWC array)" if array else ""
+            raise BadItem(f"{where}: the image is {describe_item(image)}; expected a PIL image or a CHW tensor{hint}")
         if self.channels is not None and (image.shape[0], image.is_floating_point()) != (self.channels, self.floating):
             raise BadItem(
                 f"{where}: a {'float' if image.is_floating_point() else 'uint8'} image of {image.shape[0]} "
