@@ -174,22 +174,20 @@ def _layered_defaults(values):
         for name, layer in reversed(layers)
         if "lr" in layer
     )
-    chosen, origin = {}, {}
-    for position, (_, layer) in enumerate(layers):
-        chosen.update(layer)
-        origin.update(dict.fromkeys(layer, position))
-    preset = PRESETS[preset_name]
     values["data_preset"] = preset_name
-    values["from_data_preset"] = [name for name in preset if origin.get(name) == 1 and values.get(name) is None]
+    values["from_data_preset"] = [  # (the preset's names that no flag and no higher layer gives)
+        name
+        for name in PRESETS[preset_name]
+        if values.get(name) is None and not any(name in layer for _, layer in layers[2:])
+    ]
     values["val_sizes_given"] = [
         name for name in ("val_resize_size", "val_crop_size", "interpolation") if values[name] is not None
     ]
     warmup_given = values["warmup_epochs"] is not None
+    chosen = {name: value for _, layer in layers for name, value in layer.items()}  # (the highest layer's)
     for name, value in chosen.items():
         if values.get(name) is None:
             values[name] = value
-    if values["min_crop_scale"] is None:
-        values["min_crop_scale"] = preset["min_crop_scale"]
     if values["stop_grace"] is None:  # (the flag, else the environment's STOP_GRACE, else torchrun's own 30 s)
         grace = env_default("STOP_GRACE", float)
         values["stop_grace"] = 30.0 if grace is None else grace
@@ -215,8 +213,7 @@ def _parsed(values, name, parse):
 
 
 def _at_least(values, names, low, requirement):
-    """UsageError "--NAME must be <requirement>" for the first of `names` below `low` or not finite (None: not
-    given)."""
+    """UsageError "--NAME must be <requirement>" for the first given one of `names` below `low` or not finite."""
     for name in names:
         if values[name] is not None and not (values[name] >= low and math.isfinite(values[name])):
             raise UsageError(f"{flag(name)} must be {requirement}, got {values[name]}")
@@ -382,13 +379,9 @@ def evaluated_as_trained(config, args):
     said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})
     if said is None:
         return config
-    return config.replace(
-        **{
-            **values,
-            "val_preprocessing": f"{said} of the checkpoint's run",  # (not the preset's)
-            "from_data_preset": [name for name in config.from_data_preset if name not in _PARTS],
-        }
-    )
+    values["val_preprocessing"] = f"{said} of the checkpoint's run"  # (not the preset's)
+    values["from_data_preset"] = [name for name in config.from_data_preset if name not in _PARTS]
+    return Config(**values)
 
 
 def check_arch(arch):
@@ -421,8 +414,8 @@ def default_output_dir(values, mode):
     return os.path.join(root, f"{mode}-{values['arch'].replace(':', '.')}-{dataset}")
 
 
-# Defaults that depend on the data. The demo preset is sized so that a small
-# model learns the built-in set in minutes on two CPU cores.
+# Defaults that depend on the data. The demo preset is sized so that a small model learns the built-in set in minutes
+# on two CPU cores.
 PRESETS = {
     "imagenet": dict(
         epochs=90,
@@ -436,7 +429,6 @@ PRESETS = {
         warmup_epochs=0.0,
         min_crop_scale=0.08,
     ),
-    # Measured: resnet18 reaches about 99% val acc@1 in under 2 minutes on two idle CPU cores (README).
     "demo": dict(
         epochs=10,
         batch_size=64,
@@ -476,12 +468,8 @@ RECIPE_DEFAULTS = dict(
 # what applies to any data (augmentation, regularisation); "scale" what fits ImageNet only (epochs, batch,
 # lr, image sizes), which the demo set keeps its own of. Command line and environment still take precedence.
 RECIPES = {
-    # torchvision's ResNet-50 "V2" weights (IMAGENET1K_V2, 80.858% acc@1 published, not measured here):
-    # references/classification/train.py --epochs 600 --batch-size 128 on 8 GPUs --lr 0.5
-    # --lr-scheduler cosineannealinglr --lr-warmup-epochs 5 --lr-warmup-method linear
-    # --label-smoothing 0.1 --mixup-alpha 0.2 --cutmix-alpha 1.0 --auto-augment ta_wide
-    # --random-erase 0.1 --weight-decay 2e-5 --norm-weight-decay 0.0 --train-crop-size 176 --model-ema
-    # --val-resize-size 232 --ra-sampler --ra-reps 4
+    # torchvision's ResNet-50 IMAGENET1K_V2 weights: references/classification/train.py's command for them, on 8 GPUs
+    # of --batch-size 128 (global 1024), with linear warmup and its --lr-scheduler cosineannealinglr.
     "tv-v2": dict(
         name="torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here",
         training=dict(
