@@ -109,27 +109,23 @@ def _data_flags(add):
     add(
         "--dataset",
         dest="dataset_fn",
-        default=None,
         metavar="PKG.MOD:FN",
         help="your own data: FN(args) returns (classes, train_set, val_set) of (image, label) items (docs/adapting.md)",
     )
     add(
         "--mean",
         type=floats,
-        default=None,
         metavar="M,M,M",
         help="per-channel mean of the images, 0-1 scale (default: the dataset's .mean, else ImageNet's)",
     )
     add(
         "--std",
         type=floats,
-        default=None,
         metavar="S,S,S",
         help="per-channel std of the images, 0-1 scale (default: the dataset's .std, else ImageNet's)",
     )
     add(
         "--trainer",
-        default=None,
         metavar="PKG.MOD:CLASS",
         help="your own subclass of common.trainer.Trainer: its model, data, loss, optimizer, steps (docs/adapting.md)",
     )
@@ -161,20 +157,18 @@ def _model_flags(add):
     )
     add(
         "--weights",
-        default=None,
         metavar="NAME",
         help="--pretrained with this weight set of --arch, as torchvision names it (ResNet50_Weights.IMAGENET1K_V2 "
         "or IMAGENET1K_V2)",
     )
     add(
         "--init-from",
-        default=None,
         metavar="PATH",
         help="start from the weights in PATH (a checkpoint of these scripts or of torchvision's references, or a "
         "state dict), another number of classes' heads replaced and the first convolution adapted to the "
         "data's channels, as --pretrained's",
     )
-    add("--dropout", type=float, default=None, metavar="P", help="the model's dropout, for archs that take one")
+    add("--dropout", type=float, metavar="P", help="the model's dropout, for archs that take one")
 
 
 def _training_flags(add):
@@ -188,12 +182,11 @@ def _training_flags(add):
         help="data loading workers per process; auto: this node's usable cores shared among its processes, "
         "one core left to each process, at most 16 each (%(default)s)",
     )
-    add("--epochs", type=int, default=None, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
+    add("--epochs", type=int, metavar="N", help="total epochs (env EPOCHS; 90; demo 10)")
     add(
         "-b",
         "--batch-size",
         type=int,
-        default=None,
         metavar="N",
         help="GLOBAL batch over all processes, split evenly among them (env BATCH_SIZE; 256; demo 64)",
     )
@@ -201,7 +194,6 @@ def _training_flags(add):
         "--lr",
         "--learning-rate",
         type=float,
-        default=None,
         dest="lr",
         metavar="LR",
         help="learning rate for the global batch (env LR; 0.1; demo 0.04)",
@@ -212,27 +204,17 @@ def _training_flags(add):
         default="sgd",
         help="optimizer, as torchvision's train.py builds it (%(default)s)",
     )
-    add("--momentum", type=float, default=None, metavar="M", help="momentum of sgd and rmsprop (0.9)")
-    add(
-        "--wd",
-        "--weight-decay",
-        type=float,
-        default=None,
-        dest="weight_decay",
-        metavar="W",
-        help="weight decay (1e-4; tv-v2 2e-5)",
-    )
-    add("--label-smoothing", type=float, default=None, metavar="E", help="label smoothing (0; tv-v2 0.1)")
+    add("--momentum", type=float, metavar="M", help="momentum of sgd and rmsprop (0.9)")
+    add("--wd", "--weight-decay", type=float, dest="weight_decay", metavar="W", help="weight decay (1e-4; tv-v2 2e-5)")
+    add("--label-smoothing", type=float, metavar="E", help="label smoothing (0; tv-v2 0.1)")
     add(
         "--lr-schedule",
         choices=["step", "cosine", "constant"],
-        default=None,
         help="step: x gamma every --lr-step-size epochs (default; demo: cosine)",
     )
     add(
         "--lr-step-unit",
         choices=["step", "epoch"],
-        default=None,
         help="step: the lr changes every optimizer step (default); epoch: once per epoch, as torchvision's "
         "train.py (default under --preset tv-v2)",
     )
@@ -248,26 +230,24 @@ def _training_flags(add):
     add(
         "--clip-grad-norm",
         type=float,
-        default=None,
         metavar="N",
         help="clip the gradients' total norm to N (under --amp fp16 the unscaled gradients'); default: no clipping",
     )
     add("--lr-step-size", type=int, default=30, metavar="N", help="epochs between decays (%(default)s)")
     add("--lr-gamma", type=float, default=0.1, metavar="G", help="decay factor of the step schedule (%(default)s)")
-    add("--warmup-epochs", type=float, default=None, metavar="N", help="linear warmup from 1%% of --lr (0; demo 1)")
-    add("-p", "--print-freq", type=int, default=None, metavar="N", help="steps between progress lines (10; demo 20)")
+    add("--warmup-epochs", type=float, metavar="N", help="linear warmup from 1%% of --lr (0; demo 1)")
+    add("-p", "--print-freq", type=int, metavar="N", help="steps between progress lines (10; demo 20)")
     _image_size_flags(add)
 
 
 def _image_size_flags(add):
     """The training crop and flip, and validation's resize and crop."""
-    add("--train-crop-size", type=int, default=None, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
-    add("--val-resize-size", type=int, default=None, metavar="PX", help="validation resize (256; demo 36)")
-    add("--val-crop-size", type=int, default=None, metavar="PX", help="validation centre crop (224; demo 32)")
+    add("--train-crop-size", type=int, metavar="PX", help="RandomResizedCrop size (224; demo 32)")
+    add("--val-resize-size", type=int, metavar="PX", help="validation resize (256; demo 36)")
+    add("--val-crop-size", type=int, metavar="PX", help="validation centre crop (224; demo 32)")
     add(
         "--min-crop-scale",
         type=float,
-        default=None,
         metavar="S",
         help="RandomResizedCrop's smallest share of the image's area (0.08; demo 0.7)",
     )
@@ -275,7 +255,6 @@ def _image_size_flags(add):
     add(
         "--interpolation",
         choices=["bilinear", "bicubic", "nearest"],
-        default=None,
         help="image resizing in training and validation (bilinear; validation with --pretrained: the weights')",
     )
 
@@ -309,7 +288,6 @@ def _run_flags(add):
     add(
         "--seed",
         type=int,
-        default=None,
         help="seed everything: the same seed gives the same run on the CPU (on GPUs see --deterministic)",
     )
     add(
@@ -319,7 +297,6 @@ def _run_flags(add):
     )
     add(
         "--output-dir",
-        default=None,
         metavar="DIR",
         help="where rank 0 writes (default: $WORKSPACE/<mode>-<arch>-<data>, else runs/<mode>-<arch>-<data>)",
     )
@@ -328,11 +305,10 @@ def _run_flags(add):
 def _device_flags(add):
     """Devices, processes and speed."""
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA when visible (%(default)s)")
-    add("--dist-backend", default=None, metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
+    add("--dist-backend", metavar="NAME", help="nccl on CUDA, gloo on CPU (env BACKEND)")
     add(
         "--stop-grace",
         type=float,
-        default=None,
         metavar="SECONDS",
         help="how long the launcher lets a stop signal's clean stop take before it kills (torchrun's "
         "--shutdown-timeout; run_scripts/ set both from env STOP_GRACE, 120): a stopping run waits at most a "
@@ -375,7 +351,6 @@ def _diagnostics_flags(add):
     """What limits the run (common/diagnostics.py; docs/benchmarks.md, "Why is my run slow?")."""
     add(
         "--profile",
-        default=None,
         metavar="START:STEPS",
         help="record torch.profiler over STEPS training steps from step START of this launch (its first is 0): "
         "one Chrome trace per rank in OUTPUT_DIR/profile/ (off)",
@@ -383,7 +358,6 @@ def _diagnostics_flags(add):
     add(
         "--peak-tflops",
         type=float,
-        default=None,
         metavar="TFLOPS",
         help="one device's peak TFLOP/s at this run's precision, for the utilisation (mfu_pct) of a GPU whose peak "
         "common/diagnostics.py does not know",
@@ -397,41 +371,36 @@ def _diagnostics_flags(add):
 
 
 def _recipe_flags(parser):
-    r = parser.add_argument_group(
+    add = parser.add_argument_group(
         "recipe",
         "today's ImageNet training recipe, from torchvision's own parts "
         "(flag names as in torchvision's references/classification/train.py)",
-    )
-    add = r.add_argument
+    ).add_argument
     add(
         "--preset",
         choices=sorted(RECIPES),
-        default=None,
         help="tv-v2: torchvision's ResNet-50 V2 recipe (published 80.86%% acc@1, not measured here); "
         "on the demo set only its augmentation and regularisation, with the demo's epochs, batch, lr "
         "and sizes",
     )
-    add("--mixup-alpha", type=float, default=None, metavar="A", help="MixUp, per batch on the device (0: off)")
+    add("--mixup-alpha", type=float, metavar="A", help="MixUp, per batch on the device (0: off)")
     add(
         "--cutmix-alpha",
         type=float,
-        default=None,
         metavar="A",
         help="CutMix, per batch on the device (0: off); with --mixup-alpha, one of the two per batch",
     )
     add(
         "--auto-augment",
         choices=["none", "ta_wide", "ra", "aa", "imagenet", "augmix"],
-        default=None,
         help="TrivialAugmentWide, RandAugment, AutoAugment's ImageNet policy (aa, or torchvision's name imagenet) "
         "or AugMix, per image (none)",
     )
-    add("--ra-magnitude", type=int, default=None, metavar="M", help="RandAugment magnitude (9)")
+    add("--ra-magnitude", type=int, metavar="M", help="RandAugment magnitude (9)")
     add("--augmix-severity", type=int, default=3, metavar="S", help="AugMix severity, 1 to 10 (%(default)s)")
     add(
         "--random-erase",
         type=float,
-        default=None,
         metavar="P",
         help="RandomErasing probability, per image, filling with the mean pixel (0)",
     )
@@ -439,17 +408,15 @@ def _recipe_flags(parser):
         "--model-ema",
         action="store_const",
         const=True,
-        default=None,
         help="keep an exponential moving average of the weights, evaluated and checkpointed beside them",
     )
     add(
         "--model-ema-decay",
         type=float,
-        default=None,
         metavar="D",
         help="EMA decay, as torchvision's train.py adjusts it for batch, --model-ema-steps and epochs (0.99998)",
     )
-    add("--model-ema-steps", type=int, default=None, metavar="N", help="optimizer steps between EMA updates (32)")
+    add("--model-ema-steps", type=int, metavar="N", help="optimizer steps between EMA updates (32)")
     _recipe_schedule_flags(add)
 
 
@@ -458,28 +425,19 @@ def _recipe_schedule_flags(add):
     add(
         "--norm-weight-decay",
         type=float,
-        default=None,
         metavar="W",
         help="weight decay of normalisation layers' weights and biases (default: --wd)",
     )
-    add(
-        "--bias-weight-decay",
-        type=float,
-        default=None,
-        metavar="W",
-        help="weight decay of the other layers' biases (default: --wd)",
-    )
+    add("--bias-weight-decay", type=float, metavar="W", help="weight decay of the other layers' biases (default: --wd)")
     add(
         "--ra-sampler",
         action="store_const",
         const=True,
-        default=None,
         help="repeated augmentation: each image --ra-reps times per epoch, differently augmented, on different ranks",
     )
-    add("--ra-reps", type=int, default=None, metavar="K", help="repetitions of --ra-sampler (3; tv-v2 4)")
+    add("--ra-reps", type=int, metavar="K", help="repetitions of --ra-sampler (3; tv-v2 4)")
     add(
         "--res-schedule",
-        default=None,
         metavar="START:END:FIRST:LAST[:STEP]",
         help="progressive resizing: the training crop grows from START px at epoch FIRST to END px at epoch "
         "LAST, linearly, rounded to a multiple of STEP px (32); overrides --train-crop-size",
@@ -487,7 +445,6 @@ def _recipe_schedule_flags(add):
     add(
         "--lr-scaling",
         choices=["none", "linear"],
-        default=None,
         help="linear: --lr (or LR) is for a global batch of 256 and is scaled by -b/256; a preset's lr by -b over "
         "the preset's batch (none)",
     )
