@@ -19,8 +19,7 @@ from .models import warn_slow_amp
 def describe_environment(device, num_devices):
     """One line with versions and hardware, for the top of every run's output."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        hardware = f"{num_devices} x {name}, CUDA {torch.version.cuda}"
+        hardware = f"{num_devices} x {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
     else:
         hardware = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return f"torch {torch.__version__}, python {platform.python_version()}, {hardware}"
@@ -77,13 +76,9 @@ def start_lines(trainer):
             "--val-crop-size, --interpolation override)"
         )
     if config.preset:
+        demo = "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
         lines.append(
-            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
-            + (
-                "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
-                if config.dataset == "demo"
-                else ""
-            )
+            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})" + (demo if config.dataset == "demo" else "")
         )
     if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
         lines.append(
@@ -203,9 +198,8 @@ def run_summary(trainer, seconds, train, val, ema_val):
 
 
 def trained_already(trainer, eval_model):
-    """A relaunch of a run trained to --epochs: nothing to do, but for a final summary.json that is missing (a write a
-    full disk failed, a kill just before it): the final weights (and the EMA's) validated again and it written, with
-    log.csv's last epoch's training rate, TFLOP/s, utilisation and memory."""
+    """A relaunch of a run trained to --epochs: nothing to do, unless summary.json is missing (a failed write, a kill):
+    then the final weights (and the EMA's) are validated again to write it, with log.csv's last epoch's figures."""
     config, log = trainer.config, trainer.log
     log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
     path = Path(config.output_dir) / "summary.json"
