@@ -58,10 +58,9 @@ STEP_TAGS = {
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
-    """log.csv's row of an epoch that began at `start` (time.time()) with each parameter group's lr `lrs`: the run's
-    columns (lr: the first group's; lr_group1, ...: the others', where they differ from it; DIAGNOSTICS: those in
-    train["diagnostics"]), the EMA's (`ema_val`, or None without one), then each named value (train_NAME, val_NAME,
-    ema_val_NAME)."""
+    """log.csv's row of an epoch begun at `start` (time.time()), with each parameter group's lr `lrs`: CSV_FIELDS
+    (lr: the first group's; lr_group1, ...: the others', where they differ; DIAGNOSTICS: those in train["diagnostics"]),
+    EMA_FIELDS where `ema_val` is given, then each named value (train_NAME, val_NAME, ema_val_NAME)."""
     row = {
         "epoch": epoch,
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
@@ -79,14 +78,8 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     if len(set(lrs)) > 1:
         row.update({f"lr_group{index}": lr for index, lr in enumerate(lrs) if index})
     if ema_val is not None:
-        row.update(
-            {
-                "ema_val_loss": ema_val["loss"],
-                "ema_val_acc1": ema_val["acc1"],
-                "ema_val_acc5": ema_val["acc5"],
-                **MetricSums.extra(ema_val, "ema_val_"),
-            }
-        )
+        row.update({field: ema_val[field.removeprefix("ema_val_")] for field in EMA_FIELDS})
+        row.update(MetricSums.extra(ema_val, "ema_val_"))
     return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
 
 
