@@ -44,10 +44,9 @@ _launcher = None  # the launcher's process id, once end_with_launcher ran
 
 
 def end_with_launcher():
-    """A process that a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends, however
-    it ends (SIGKILL, the OOM killer), and stops as on the launcher's own SIGTERM, rather than train on as an orphan
-    that holds the output directory; launcher_ended() tells that SIGTERM apart. Linux (prctl PR_SET_PDEATHSIG);
-    elsewhere nothing. A launcher that ended before this ran: the process sends it itself."""
+    """A process a launcher started (torchrun's worker, spawn's child) gets SIGTERM when the launcher ends, however it
+    ends (SIGKILL, the OOM killer), rather than train on as an orphan holding the output directory; launcher_ended()
+    tells that SIGTERM apart. Linux only (prctl PR_SET_PDEATHSIG). A launcher already gone: the process sends it."""
     global _launcher
     if not sys.platform.startswith("linux"):
         return
@@ -113,9 +112,9 @@ def outcome(error):
 
 
 def _clean_up():
-    """On the way out, whatever happened, while an error still holds the data loaders: no loader worker left
-    (once the error is handled they shut down, waiting 5 s for each worker stuck in a read), no alarm pending,
-    no process group. (Not imported yet: nothing to clean up, and a usage error does not wait for torch to load.)"""
+    """On the way out, while an error still holds the data loaders (once it is handled they shut down, waiting 5 s for
+    each worker stuck in a read): no loader worker left, no alarm pending, no process group. preemption not imported
+    yet: nothing to clean up, and a usage error does not wait for torch to load."""
     preemption = sys.modules.get(f"{__package__}.preemption")
     if preemption is not None:
         preemption.before_exit()
