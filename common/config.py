@@ -344,14 +344,8 @@ def _pretrained(values):
         if values["dataset"] != "demo":
             # As torchvision's train.py evaluates weights: with their own transforms() (what they were measured with).
             preprocessing = weights.transforms()
-            said = _take(
-                values,
-                {
-                    "val_resize_size": preprocessing.resize_size[0],
-                    "val_crop_size": preprocessing.crop_size[0],
-                    "val_interpolation": preprocessing.interpolation.value,
-                },
-            )
+            given = (preprocessing.resize_size[0], preprocessing.crop_size[0], preprocessing.interpolation.value)
+            said = _take(values, dict(zip(_PARTS, given)))  # (resize, crop, interpolation: _PARTS' order)
             values["val_preprocessing"] = said and f"{said} from {values['weights']}.transforms()"
     values["val_interpolation"] = values["val_interpolation"] or "bilinear"
 
