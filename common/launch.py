@@ -165,10 +165,6 @@ def run_worker(rank, body, usage_errors):
         if isinstance(error, UsageError):
             usage_errors.put((code, line))
         elif line:
-            say(
-                line.replace("error: ", f"error: rank {rank}: ", 1)
-                if line.startswith("error: ")
-                else f"rank {rank}: {line}",
-                file=sys.stderr,
-            )
+            kind = "error: " if line.startswith("error: ") else ""
+            say(f"{kind}rank {rank}: {line.removeprefix(kind)}", file=sys.stderr)
         sys.exit(code)  # spawn would report a KeyboardInterrupt as success
