@@ -1,12 +1,7 @@
-"""The optimizer (--opt, with weight-decay groups) and its learning-rate schedule, a function of the optimizer step (so
-a resumed run recomputes it), each optionally after a linear warmup from 1% of lr over `warmup_epochs`:
-
-    step:     lr x gamma every `step_size` epochs
-    cosine:   half a cosine from lr to --lr-min over the run
-    constant: lr throughout
-
---lr-step-unit step (the default) changes the lr at every step; epoch keeps it constant within an epoch, as
-torchvision's train.py's schedulers (LinearLR warmup, then CosineAnnealingLR or StepLR counted from its end).
+"""The optimizer (--opt, with weight-decay groups) and its lr schedule, a function of the optimizer step (a resumed run
+recomputes it) after an optional linear warmup from 1% of lr: step (x gamma every `step_size` epochs), cosine (to
+--lr-min over the run) or constant. --lr-step-unit epoch keeps the lr constant within an epoch, as torchvision's
+train.py's schedulers (LinearLR warmup, then CosineAnnealingLR or StepLR counted from its end).
 """
 
 import math
@@ -28,12 +23,9 @@ NORM_LAYERS = (
 
 
 def parameter_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None):
-    """The optimizer's parameter groups, as torchvision's references/classification/train.py makes them with
-    utils.set_weight_decay: with --bias-weight-decay, every parameter named "bias" (a norm layer's too) has
-    that decay; with --norm-weight-decay, the other parameters of normalisation layers (their weights) have
-    that one; every other parameter --wd. Frozen parameters (requires_grad False) are left out, as there.
-    Groups "other", "norm" and "bias", in that order, each in model.parameters() order; a kind whose decay is
-    --wd's stays in "other" (the same decay in one group fewer), and empty groups are left out."""
+    """The optimizer's parameter groups as torchvision's utils.set_weight_decay makes them, in this order: "other"
+    (--wd), "norm" (normalisation layers' parameters not named "bias", with --norm-weight-decay), "bias" (with
+    --bias-weight-decay). Frozen parameters are left out; a kind whose decay is --wd's stays in "other"."""
     decay = {
         "other": weight_decay,
         "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
@@ -85,41 +77,28 @@ class LrFactor:
     floor: float = 0.0  # --lr-min / --lr: where the cosine ends (torchvision's eta_min)
 
     def __call__(self, step):
-        if self.unit == "epoch":
-            return self.per_epoch(step // self.steps_per_epoch)
-        warmup_steps = int(round(self.warmup_epochs * self.steps_per_epoch))
-        if step < warmup_steps:
-            return WARMUP_START + (1.0 - WARMUP_START) * step / warmup_steps
-        if self.schedule == "step":
-            # Decays happen at epoch boundaries, as with StepLR stepped per epoch.
-            return self.gamma ** ((step // self.steps_per_epoch) // self.step_size)
-        if self.schedule == "cosine":
-            total = max(self.epochs * self.steps_per_epoch - warmup_steps, 1)
-            return self.cosine(min((step - warmup_steps) / total, 1.0))
-        return 1.0
+        if self.unit == "epoch":  # as torchvision's SequentialLR([LinearLR, main], milestones=[W]) stepped per epoch
+            epoch, warmup = step // self.steps_per_epoch, int(self.warmup_epochs)
+            return self._factor(epoch, warmup, self.epochs, epoch - warmup)
+        warmup = int(round(self.warmup_epochs * self.steps_per_epoch))
+        # The step schedule decays at epoch boundaries, as StepLR stepped per epoch.
+        return self._factor(step, warmup, self.epochs * self.steps_per_epoch, step // self.steps_per_epoch)
 
-    def cosine(self, progress):
-        """Half a cosine from 1 down to the floor, at `progress` (0 to 1) of it."""
-        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def per_epoch(self, epoch):
-        """The factor of `epoch` as torchvision's SequentialLR([LinearLR, main], milestones=[W]) gives it."""
-        warmup = int(self.warmup_epochs)
-        if epoch < warmup:
-            return WARMUP_START + (1.0 - WARMUP_START) * epoch / warmup
-        after = epoch - warmup
+    def _factor(self, done, warmup, total, epochs_for_decay):
+        """The factor after `done` of `total` steps (or epochs), the first `warmup` of them a linear warmup."""
+        if done < warmup:
+            return WARMUP_START + (1.0 - WARMUP_START) * done / warmup
         if self.schedule == "step":
-            return self.gamma ** (after // self.step_size)
-        if self.schedule == "cosine":
-            return self.cosine(min(after / max(self.epochs - warmup, 1), 1.0))
+            return self.gamma ** (epochs_for_decay // self.step_size)
+        if self.schedule == "cosine":  # half a cosine from 1 down to the floor
+            progress = min((done - warmup) / max(total - warmup, 1), 1.0)
+            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
 
 class LrSchedule(torch.optim.lr_scheduler.LambdaLR):
-    """The default schedule (--lr-schedule): each group's lr times LrFactor of the optimizer step. Its state is its
-    place alone, the step and the steps of an epoch: a resumed run recomputes the schedule from its flags (it may
-    change --epochs or --lr) at the same epoch and step (of data that changed its size since: the epochs' new
-    length), with the lr of each of its optimizer's groups (a smaller lr for a backbone stays smaller)."""
+    """Each group's lr times LrFactor of the optimizer step. Its state is its place alone (the step, the steps of an
+    epoch): a resumed run recomputes the schedule from its flags at the same epoch and step, keeping each group's lr."""
 
     def state_dict(self):
         return {"last_epoch": self.last_epoch, "steps_per_epoch": self.lr_lambdas[0].steps_per_epoch}
