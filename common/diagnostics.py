@@ -1,9 +1,6 @@
-"""What limits a run, said in its own output (docs/benchmarks.md, "Why is my run slow?"): the share of its time the
-training loop waited for its next batch, the model's FLOPs, its rate and utilisation (on a GPU whose peak is known),
+"""What limits a run, said in its own output: the loop's wait for batches, the model's FLOPs, rate and utilisation,
 peak memory per epoch, a profiler trace (--profile), and the evidence a GPU job leaves when it dies (an allocator
-snapshot on out-of-memory, NCCL's Flight Recorder dump).
-
-Nothing reads a value back from the device per step: the figures are gathered at progress lines and epoch ends.
+snapshot on out-of-memory, NCCL's Flight Recorder dump). Nothing reads a value back from the device per step.
 """
 
 import contextlib
@@ -22,9 +19,8 @@ from .config import profile_steps
 from .distributed import flight_recorder_files
 from .errors import OutOfMemory, UsageError
 
-INPUT_BOUND = (
-    1 / 3
-)  # a training epoch that waits longer than this share of its time for batches: said once, with levers
+# A training epoch that waits longer than this share of its time for batches: said once, with levers.
+INPUT_BOUND = 1 / 3
 
 # Dense peak TFLOP/s of a GPU by (16-bit: bf16 or fp16, TF32, fp32) from NVIDIA's data sheets, found by the name
 # that torch.cuda.get_device_name gives (the first key in it, as a word: longer names first). --peak-tflops for others.
@@ -129,14 +125,12 @@ def loader_workers():
 def input_bound(wait, slowest, world_size, epoch, workers):
     """The line of an epoch whose slowest rank (it holds up all; the others wait in their collectives, not for input)
     waited for its batches over INPUT_BOUND of its time (`wait`: the mean over the ranks, in %), else None."""
+    if slowest <= 100 * INPUT_BOUND:
+        return None
     ranks = f" (slowest rank {slowest:.0f}%)" if world_size > 1 else ""
     return (
-        None
-        if slowest <= 100 * INPUT_BOUND
-        else (
-            f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
-            "its devices idle meanwhile; levers: " + LEVERS.format(workers=workers)
-        )
+        f"input-bound: the training loop waited for its batches {wait:.0f}% of epoch {epoch}'s time{ranks}, "
+        "its devices idle meanwhile; levers: " + LEVERS.format(workers=workers)
     )
 
 
@@ -212,9 +206,8 @@ class Diagnostics:
 
     @contextlib.contextmanager
     def watching(self):
-        """Around the training epochs: the folder of NCCL's Flight Recorder dumps, and the profiler (--profile) from the
-        first step; a trace still recording at the end (or a stop) is written; running out of device memory ends the
-        run in one line (out_of_memory), the snapshot taken while the failed step's tensors are still held."""
+        """Around the training epochs: makes the Flight Recorder's folder, profiles (--profile) from the first step,
+        writes a trace still recording at the end, and ends a run out of device memory in one line (out_of_memory)."""
         files = self._dump_files()
         if files:  # (once the output directory is this run's; a dump into a folder that is not there is lost)
             with contextlib.suppress(OSError):
@@ -242,11 +235,8 @@ class Diagnostics:
 
     def _gpu_peaks(self):
         """(allocated, reserved) bytes at their peak since the last reset, the most of this process's GPUs."""
-        devices = self.runtime.devices
-        return (
-            max(torch.cuda.max_memory_allocated(d) for d in devices),
-            max(torch.cuda.max_memory_reserved(d) for d in devices),
-        )
+        stats = (torch.cuda.max_memory_allocated, torch.cuda.max_memory_reserved)
+        return tuple(max(stat(device) for device in self.runtime.devices) for stat in stats)
 
     def timed(self, batches):
         """`batches`, each one's wait (the wall clock around fetching it: no device sync) added to self.waited."""
@@ -355,9 +345,8 @@ class Diagnostics:
 
 class DeviceIdle:
     """The share of a training epoch the GPU sat idle between steps, on its own clock: CUDA events recorded (never
-    waited for) when the loop asks for its next batch and once it has it (the batch's copy awaited on the stream);
-    the gaps between the two are read where the loop has synchronised anyway (progress lines, the epoch's end).
-    After one warning, off, if the events fail."""
+    waited for) around fetching each batch, read where the loop has synchronised anyway. Off, after one warning, if
+    the events fail."""
 
     def __init__(self, device, say):
         self.device, self.say, self.on = device, say, True
@@ -404,10 +393,8 @@ class DeviceIdle:
 
 
 class StepProfiler:
-    """--profile START:STEPS: torch.profiler (CPU and CUDA activities, shapes, memory) over steps START to
-    START+STEPS-1 of this launch (its first step is 0), written as a Chrome trace per rank (Perfetto and
-    chrome://tracing open it); each step is a ProfilerStep#N range there. A window that reaches the end of a training
-    epoch (or of the run) ends there: validation is no step's."""
+    """--profile START:STEPS: torch.profiler (CPU and CUDA, shapes, memory) over steps START to START+STEPS-1 of this
+    launch, a Chrome trace per rank. A window that reaches the end of a training epoch (or of the run) ends there."""
 
     def __init__(self, spec, directory, runtime, say):
         from torch.profiler import ProfilerActivity, profile, schedule
