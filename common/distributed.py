@@ -1,8 +1,5 @@
-"""Ranks, devices, backends and reductions.
-
-Every helper works without a process group: then rank is 0, world size is 1
-and reductions return their input, so the training code has no
-`if distributed:` branches.
+"""Ranks, devices, backends and reductions. Every helper works without a process group: then rank is 0, world size is
+1 and reductions return their input, so the training code has no `if distributed:` branches.
 """
 
 import datetime
@@ -136,21 +133,17 @@ def _interface_towards(address):
 
 def gloo_address_problem(host, host_address, master_address, multi_node, interface=None):
     """One line when gloo would listen where other nodes cannot reach it: a job of several nodes (its rendezvous
-    address is no loopback address: a name, node 0's own included, or another host's address) on a host whose
-    name resolves to a loopback address (Debian's 127.0.1.1 line in /etc/hosts, Kubernetes' hostNetwork),
-    without GLOO_SOCKET_IFNAME; else None."""
-
-    def loopback(address):
-        return address is not None and ipaddress.ip_address(address).is_loopback
-
+    address no loopback address) on a host whose name resolves to a loopback address (Debian's 127.0.1.1 line in
+    /etc/hosts, Kubernetes' hostNetwork); else None."""
     try:  # a loopback address given as the rendezvous: every "node" is this host (a rehearsal on one machine)
         all_here = master_address == "localhost" or ipaddress.ip_address(master_address).is_loopback
     except ValueError:  # a name: maybe node 0's own, which resolves to loopback on node 0 too
         all_here = False
-    if not multi_node or not loopback(host_address) or master_address is None or all_here:
+    if not multi_node or host_address is None or not ipaddress.ip_address(host_address).is_loopback:
         return None
-    if interface == "lo":
-        interface = None
+    if master_address is None or all_here:
+        return None
+    interface = None if interface == "lo" else interface
     fix = f"export GLOO_SOCKET_IFNAME={interface or '<interface>'} on every node" + (
         f" ({interface}: the interface that reaches {master_address} here)"
         if interface
@@ -167,13 +160,11 @@ def check_gloo_address(init_method, world_size, local_world_size):
     """gloo_address_problem for this process: raised as a UsageError before the rendezvous."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or local_world_size is None or world_size <= local_world_size:
         return
-    master = (
-        os.environ.get("MASTER_ADDR")
-        if init_method == "env://"
-        else init_method[len("tcp://") :].rpartition(":")[0].strip("[]")
-        if init_method.startswith("tcp://")
-        else None
-    )
+    master = None
+    if init_method == "env://":
+        master = os.environ.get("MASTER_ADDR")
+    elif init_method.startswith("tcp://"):
+        master = init_method[len("tcp://") :].rpartition(":")[0].strip("[]")
     host = socket.gethostname()
     problem = gloo_address_problem(
         host,
@@ -189,10 +180,9 @@ def check_gloo_address(init_method, world_size, local_world_size):
 def init_process_group(
     backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None, output_dir=None
 ):
-    """Join the group. A collective that waits longer than timeout_seconds for a stalled
-    rank fails instead of hanging, and the launcher then stops the job. With local_world_size (the processes on
-    this node), a host whose name resolves to a loopback address is refused first (check_gloo_address). NCCL's
-    Flight Recorder dumps into `output_dir` when a collective times out (diagnostics.flight_recorder)."""
+    """Join the group: a collective that waits longer than timeout_seconds fails instead of hanging. With
+    local_world_size, a host whose name resolves to a loopback address is refused first (check_gloo_address); with
+    output_dir, NCCL's Flight Recorder dumps there on a timeout (flight_recorder)."""
     check_gloo_address(init_method, world_size, local_world_size)
     if output_dir is not None:
         flight_recorder(backend, output_dir)
@@ -265,11 +255,10 @@ def report_shared_gpus(owners, backend, device, rank, warn=say):
 
 
 def destroy_process_group(finished=False):
-    """End this process's groups. finished=True where every rank ends its run normally: one last all-reduce first, on a
-    tensor held here until the groups are gone, so that gloo's thread is not still freeing the last collective's tensors
-    while the group's destructor holds Python's lock and waits for that thread (a hang at exit: docs/development.md). A
-    stop ends with a barrier, which does as well. Not on an error's way out, where a rank that failed would never join
-    it."""
+    """End this process's groups. finished=True (every rank ends normally, never on an error's way out): one last
+    all-reduce first, on a tensor held until the groups are gone, so that gloo's thread is not still freeing tensors
+    while the group's destructor holds Python's lock and waits for it (a hang at exit: docs/development.md). A stop's
+    barrier does as well."""
     if not is_initialized():
         return
     if finished:
@@ -412,10 +401,9 @@ FLIGHT_RECORDER = (
 
 
 def flight_recorder(backend, output_dir):
-    """NCCL's Flight Recorder (the last 2000 collectives of each rank, torch's default) dumped to
-    OUTPUT/nccl_trace/rank_N when a collective times out: NCCL's watchdog then aborts the process, before any line of
-    ours. Set before the group starts, each variable unless the user set it (by either of torch's names); the folder
-    is made once the output directory is this run's (diagnostics.Diagnostics.watching). Nothing for other backends."""
+    """NCCL's Flight Recorder (each rank's last 2000 collectives) dumped to OUTPUT/nccl_trace/rank_N when a collective
+    times out (NCCL's watchdog then aborts the process): each variable set before the group starts, unless the user
+    set it by either of torch's names. Nothing for other backends."""
     if backend != "nccl":
         return
     directory = Path(output_dir) / "nccl_trace"
