@@ -1,10 +1,8 @@
-"""Stopping cleanly when the cluster asks, and never hanging on the way out.
-
-SIGTERM (torchrun, Slurm, Kubernetes) and SIGUSR1 (Slurm's --signal) set a flag; the ranks agree on it with an
-all-reduce started at one step and read at the next, stop after the same step (in an epoch's last steps, before
-validation), checkpoint, and exit 75 (before training: at once, common/launch.py). Waiting for data a third of
---stop-grace after the signal, or given another signal SECOND_SIGNAL_AFTER s or more after the first (sooner: a copy), a
-process stops at once, never while writing a checkpoint. SIGINT: at once, 130.
+"""Stopping cleanly when the cluster asks, and never hanging on the way out. SIGTERM and SIGUSR1 set a flag; the ranks
+agree on it with an all-reduce started at one step and read at the next, stop after the same step (even in an epoch's
+last steps: before validation), checkpoint, and exit 75 (before training: at once, common/launch.py). Waiting for data
+a third of --stop-grace after the signal, or given another signal SECOND_SIGNAL_AFTER s or more after the first
+(sooner: a copy), a process stops at once, never while writing a checkpoint. SIGINT: at once, 130.
 """
 
 import contextlib
@@ -47,10 +45,9 @@ def ignore_stop_signals(_worker_id=None):
 
 
 def before_exit():
-    """Call on the way out of a training process, whatever happened. It cancels the alarm that a stop
-    signal set (Python's handlers are gone at exit: the alarm would kill the process) and kills the
-    DataLoader workers still alive. They ignore SIGTERM, which is how multiprocessing's exit handler
-    stops daemonic children before it joins them: after an error it would wait for them forever."""
+    """On the way out of a training process, whatever happened: cancels a stop signal's alarm (it would kill the
+    process once Python's handlers are gone) and kills the DataLoader workers still alive (they ignore SIGTERM, with
+    which multiprocessing's exit handler stops daemonic children before joining them: it would wait forever)."""
     workers = [child for child in multiprocessing.active_children() if child.daemon]
     if threading.current_thread() is threading.main_thread():
         ignore_stop_signals()  # a late one (the launcher stopping the others) would set a new alarm
