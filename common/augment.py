@@ -1,9 +1,7 @@
-"""The augmentations of today's ImageNet recipes, built from torchvision.transforms.v2, drawn from seeds of their own.
-
-torchvision's v2 transforms draw from torch's global RNG; here every draw happens inside `seeded(key)`, which forks it,
-seeds it from `key` and gives the global one back untouched. Per image (TrivialAugmentWide, RandAugment, AutoAugment,
-RandomErasing) the key is the image's own random.Random (seed, epoch, index): not the world size, the worker or what ran
-before. Per batch (MixUp, CutMix) it is (seed, epoch, step, rank): a resumed run mixes as an uninterrupted one did.
+"""The augmentations of today's ImageNet recipes (torchvision.transforms.v2), each draw inside `seeded(key)`, which
+leaves torch's global RNG untouched. Per image the key is the image's own random.Random (seed, epoch, index), whatever
+the world size or worker; per batch (MixUp, CutMix) it is (seed, epoch, step, rank): a resumed run draws as an
+uninterrupted one did.
 """
 
 import contextlib
@@ -22,8 +20,7 @@ def seeded(key):
     and as it was before after it."""
     seed = key.getrandbits(63) if hasattr(key, "getrandbits") else int(key)
     with torch.random.fork_rng(devices=[]):
-        # The CPU generator alone: torch.manual_seed also seeds every accelerator backend, 0.2 to 0.5 ms
-        # a call (per image) on a 2-core CPU, against about 2 us (docs/benchmarks.md).
+        # The CPU generator alone: torch.manual_seed also seeds every accelerator backend: 100x slower or more.
         torch.default_generator.manual_seed(seed)
         yield
 
@@ -36,10 +33,9 @@ def image_augmentation(
     augmix_severity=3,
     fill=IMAGENET_MEAN_UINT8,
 ):
-    """The per-image v2 transforms after crop and flip, on a CHW tensor (uint8, or float in 0-1), or None for
-    none: those of torchvision's presets.ClassificationPresetTrain, with its names (aa is AutoAugment's imagenet
-    policy). Random erasing fills with `fill`, the mean pixel on the images' scale (0 after normalisation).
-    On tensors these ops resize with nearest or bilinear only: --interpolation bicubic gives them bilinear."""
+    """The per-image v2 transforms after crop and flip (torchvision's presets.ClassificationPresetTrain's, by its names)
+    on a CHW tensor, or None for none. Random erasing fills with `fill`, the mean pixel on the images' scale. On tensors
+    these ops resize with nearest or bilinear only: --interpolation bicubic gives them bilinear."""
     steps, interpolation = [], v2.InterpolationMode("nearest" if interpolation == "nearest" else "bilinear")
     if auto_augment == "ta_wide":
         steps.append(v2.TrivialAugmentWide(interpolation=interpolation))
@@ -55,19 +51,16 @@ def image_augmentation(
 
 
 def partner_order(batch_size, copies):
-    """The order in which MixUp/CutMix see a batch, whose images come in runs of up to `copies` copies of one
-    image (--ra-sampler with fewer processes than repetitions): torchvision's transforms pair each image
-    with the one before it (a roll by 1), so the batch is read column by column as a grid of `copies` columns
-    (0, c, 2c, ..., 1, c + 1, ...): neighbours are then `copies` apart, never two copies of one image (unless
-    the batch holds no more than two runs). copies 1: the batch's own order."""
+    """The order in which MixUp/CutMix see a batch whose images come in runs of up to `copies` copies of one image:
+    column by column (0, c, 2c, ..., 1, c + 1, ...), as those transforms pair each image with the one before it, so
+    that no two neighbours are copies of one image (unless the batch holds no more than two runs)."""
     return [index for column in range(copies) for index in range(column, batch_size, copies)]
 
 
 class BatchMix:
-    """MixUp and/or CutMix of a batch (torchvision.transforms.v2, one of the two per batch when both are
-    on, as torchvision's train.py does): (images, integer labels) -> (mixed images, soft labels whose rows
-    sum to 1), in the batch's order. Its draws are seeded by `key`. `copies`: the longest run of copies of
-    one image in a batch (partner_order), so that no image is mixed with its own copy."""
+    """MixUp and/or CutMix (one of the two per batch when both are on, as torchvision's train.py does): (images,
+    integer labels) -> (mixed images, soft labels), in the batch's order, drawn from `key`. `copies`: the longest run
+    of copies of one image in a batch (partner_order), so that no image is mixed with its own copy."""
 
     def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0, copies=1):
         choices = []
