@@ -1,10 +1,6 @@
-"""The exceptions of this repository: those that end a run with one line instead of a traceback (common/launch.py
-reports them), and UnreadableFile (an image skipped, or --strict-data's end); that line,
-written whole (say); and `package.module:name` on the command line (--arch, --dataset, --trainer), imported or refused
-in one line. It imports nothing of this repository, nor torch.
-
-say writes a line and its newline in one write: print() makes two, and another process sharing the terminal or pipe
-(ranks, loader workers, torchrun) could land between them, gluing its output onto our line.
+"""The exceptions that end a run with one line instead of a traceback (common/launch.py reports them), that line
+written whole (say), and `package.module:name` on the command line imported or refused in one line. It imports
+nothing of this repository, nor torch.
 """
 
 import importlib
@@ -60,7 +56,8 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --res
 
 
 def say(message, file=None):
-    """print(message, file=file, flush=True), in one write."""
+    """print(message, file=file, flush=True), in one write: print() makes two, and another process sharing the
+    terminal or pipe (ranks, loader workers, torchrun) could land between them, gluing its output onto our line."""
     stream = sys.stdout if file is None else file
     stream.write(f"{message}\n")
     stream.flush()
