@@ -1,9 +1,6 @@
-"""Samplers that split an epoch over the ranks exactly.
-
-Training: the same seeded permutation (seed + epoch) on every rank, rank r taking every world_size-th index,
-so batch k of all ranks together is batch k of a single process, whatever the world size; a resumed epoch
-skips the batches it had done (ResumableSampler). Validation: every index on exactly one rank, no padding
-(ShardSampler), so each image is counted once.
+"""Samplers that split an epoch over the ranks exactly. Training: the same seeded permutation (seed + epoch) on every
+rank, rank r taking every world_size-th index, so batch k of all ranks together is batch k of a single process; a
+resumed epoch skips the batches it had done. Validation: every index on exactly one rank, each image counted once.
 """
 
 import math
@@ -37,12 +34,9 @@ class ResumableSampler(DistributedSampler):
 
 
 class RepeatedAugmentationSampler(ResumableSampler):
-    """--ra-sampler: repeated augmentation (Hoffer et al. 2020; torchvision's RASampler). The epoch's order is
-    DistributedSampler's seeded permutation with each image `repetitions` times in a row, cut to len(dataset) (as many
-    steps as without it), then split as DistributedSampler splits: batch k of all ranks together is a single process's
-    batch k, and an image's copies go to different ranks. Copy j of image i is the index i + j * len(dataset), which
-    SeededTransform augments by that seed; copy 0 as without this sampler. Unlike RASampler, the epoch is not rounded
-    down to a multiple of 256."""
+    """--ra-sampler (torchvision's RASampler, not rounded down to a multiple of 256): DistributedSampler's permutation
+    with each image `repetitions` times in a row, cut to len(dataset), split as DistributedSampler splits. Copy j of
+    image i is the index i + j * len(dataset) (SeededTransform augments by that seed); copy 0 as without it."""
 
     def __init__(self, dataset, num_replicas, rank, repetitions, seed=0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
