@@ -1,9 +1,7 @@
-"""Seeds, random streams and determinism.
-
-Every rank starts from the same seed (the same initial weights and data order); once the model is built, each
-rank's streams (dropout, stochastic depth) are seeded with seed + rank. A checkpoint holds every rank's streams
-(RandomStreams), so a resumed run draws what an uninterrupted one would. Data order and augmentation do not
-use these streams: they are functions of (seed, epoch, index) alone (common/samplers.py, common/transforms.py).
+"""Seeds, random streams and determinism. Every rank starts from the same seed (the same initial weights); once the
+model is built, each rank's streams are seeded with seed + rank. A checkpoint holds every rank's streams, so a resumed
+run draws what an uninterrupted one would. Data order and augmentation do not use them: they are functions of (seed,
+epoch, index) alone.
 """
 
 import os
@@ -19,10 +17,9 @@ def seed_all(seed):
 
 
 def seed_this_rank(seed, rank, devices):
-    """Seed the random streams that dropout, stochastic depth and random erasing draw from with
-    seed + rank (as timm does), once the model is built: every rank starts from the same weights
-    but draws its own masks. (With one seed for all, every rank would drop the same units of its
-    own images.) Under DataParallel, the replica on the k-th GPU draws from seed + rank + k."""
+    """Seed the streams that dropout and stochastic depth draw from with seed + rank (as timm does), once the model is
+    built, so that ranks do not drop the same units. Under DataParallel, the replica on the k-th GPU draws from
+    seed + rank + k."""
     random.seed(seed + rank)
     torch.manual_seed(seed + rank)
     for k, device in enumerate(devices[1:], start=1):
