@@ -1,9 +1,5 @@
-"""The built-in demo set: a small JPEG ImageFolder of shapes drawn with Pillow.
-
-Ten classes (circle, ring, square, diamond, triangle, star, plus, cross,
-horizontal and vertical stripes), each drawn at a random position, size,
-rotation and colour on a random, noisy background. Generated on first use,
-deterministically, and cached (default: data/demo-shapes-v2 in the repository).
+"""The built-in demo set: a small JPEG ImageFolder of ten shapes (CLASSES) drawn with Pillow at a random position, size,
+rotation and colour on a random, noisy background. Generated on first use, deterministically, and cached (DEFAULT_ROOT).
 """
 
 import contextlib
@@ -63,9 +59,8 @@ def draw_shape(label, rng, size=IMAGE_SIZE):
     width = max(2.0, radius * 0.45)
     name = CLASSES[label]
     if name in ("circle", "ring"):
-        box = [cx - radius, cy - radius, cx + radius, cy + radius]
         draw.ellipse(
-            box,
+            [cx - radius, cy - radius, cx + radius, cy + radius],
             fill=colour if name == "circle" else None,
             outline=colour,
             width=0 if name == "circle" else max(2, int(radius * 0.3)),
