@@ -374,9 +374,7 @@ def computed_by_rank_0(compute):
 
 def shared_seed(seed):
     """`seed`, or when None a random one drawn by rank 0 and given to every rank."""
-    if seed is not None:
-        return seed
-    return computed_by_rank_0(lambda: random.SystemRandom().randrange(2**31))
+    return seed if seed is not None else computed_by_rank_0(lambda: random.SystemRandom().randrange(2**31))
 
 
 def check_port_free(address, port):
