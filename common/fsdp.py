@@ -122,13 +122,10 @@ class Sharding:
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            wrapped = []
-            for unit, name in zip(units, names):
-                # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
-                wrapper = checkpoint_wrapper(unit, preserve_rng_state=True)
+            # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
+            units = [checkpoint_wrapper(unit, preserve_rng_state=True) for unit in units]
+            for name, wrapper in zip(names, units):
                 model.set_submodule(name, wrapper)
-                wrapped.append(wrapper)
-            units = wrapped
         if self.bf16 is not None:
             for module in model.modules():
                 if isinstance(module, FLOAT32_LAYERS):
@@ -144,7 +141,7 @@ class Sharding:
         whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
         slots = optimizer_slots(optimizer)
         state = f"{slots} x" if slots is not None else "an unknown multiple of"
-        lines = [
+        return [
             f"fsdp: units {self.described}, then the root; --reshard-after-forward "
             f"{'on' if self.reshard_after_forward else 'off'}, --activation-checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, --cpu-offload {'on' if self.offload else 'off'}"
@@ -153,46 +150,44 @@ class Sharding:
             f"{state} parameters{f' ({_mib(local * slots)})' if slots else ''}; one unsharded replica: "
             f"{_mib(whole)} + {_mib(whole)}" + (f" + {_mib(whole * slots)}" if slots else ""),
         ]
-        return lines
 
 
-# Tensors of optimizer state per parameter, by optimizer class (plain SGD: 0; with momentum: 1).
-STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "Adadelta": 2}
+# Tensors of optimizer state per parameter, by optimizer class (SGD and RMSprop: optimizer_slots counts them).
+STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2}
 
 
 def optimizer_slots(optimizer):
     """How many tensors of a parameter's size the optimizer keeps per parameter, or None when not known."""
+
+    def used(option):  # 1 if a parameter group sets it, else 0
+        return int(any(group.get(option) for group in optimizer.param_groups))
+
     name = type(optimizer).__name__
     if name == "SGD":
-        return int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+        return used("momentum")
     if name == "RMSprop":
-        return (
-            1
-            + int(any(group.get("momentum", 0) for group in optimizer.param_groups))
-            + int(any(group.get("centered") for group in optimizer.param_groups))
-        )
+        return 1 + used("momentum") + used("centered")
     return STATE_SLOTS.get(name)
 
 
 def state_bytes(model, optimizer):
     """(parameters, gradients, optimizer state) bytes this rank holds: its shards, measured."""
-    parameters = sum(_local(parameter).numel() * parameter.element_size() for parameter in model.parameters())
-    gradients = sum(
-        _local(parameter.grad).numel() * parameter.grad.element_size()
-        for parameter in model.parameters()
-        if parameter.grad is not None
-    )
-    state = sum(
-        _local(value).numel() * value.element_size()
+    gradients = (parameter.grad for parameter in model.parameters() if parameter.grad is not None)
+    state = (
+        value
         for per_parameter in optimizer.state.values()
         for value in per_parameter.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     )
-    return parameters, gradients, state
+    return _local_bytes(model.parameters()), _local_bytes(gradients), _local_bytes(state)
 
 
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def _local_bytes(tensors):
+    """The bytes of `tensors` on this rank (a DTensor's: its local shard's)."""
+    return sum(
+        (tensor.to_local() if hasattr(tensor, "to_local") else tensor).numel() * tensor.element_size()
+        for tensor in tensors
+    )
 
 
 def _mib(size):
