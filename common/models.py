@@ -1,9 +1,6 @@
 """Models: any torchvision classification model by name, or your own as `package.module:callable`; auxiliary heads'
-losses, autocast (and the wrapper DataParallel needs), the memory format, the bare model inside its wrappers.
-
---model-ema keeps the moving average of the weights as torchvision's train.py does: AveragedModel over parameters and
-buffers, updated every --model-ema-steps optimizer steps (at the steps whose index in the epoch is a multiple of it, so
-a resumed run updates where an uninterrupted one did), its decay adjusted for the batch, the interval and the epochs.
+losses, autocast (and the wrapper DataParallel needs), the memory format, the bare model inside its wrappers; and
+--model-ema's moving average of the weights, as torchvision's train.py keeps it (ModelEma).
 """
 
 import contextlib
@@ -13,6 +10,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torchvision
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .errors import UsageError, check_call, import_named
@@ -53,12 +51,10 @@ def replace_heads(model, categories, num_classes):
 
 
 def adapt_first_conv(model, arch, channels, pretrained):
-    """Make a torchvision model (built for RGB) take `channels`-channel images: its first convolution's filters
-    summed over RGB for 1 channel, else repeated over the channels and scaled by 3/channels (timm's
-    adapt_input_conv) with --pretrained; without, the fresh filters cut to the channels (repeated beyond 3: their
-    scale is the model's own init's). Models that re-normalise RGB inputs themselves (GoogLeNet's and Inception v3's
-    transform_input) stop doing so. Returns what it did, for the run's header; a model of yours (--arch
-    package.module:build), or one already built for these channels, is left as it is."""
+    """Make a torchvision model (built for RGB) take `channels`-channel images: with --pretrained its first
+    convolution's filters summed over RGB for 1 channel, else repeated and scaled by 3/channels (timm's
+    adapt_input_conv); without, the fresh filters cut or repeated. Returns what it did, for the run's header; a model
+    of yours, or one already built for these channels, is left as it is."""
     if channels == 3 or custom_builder(arch) is not None:
         return []
     name, conv = first_conv(model)
@@ -77,11 +73,9 @@ def adapt_first_conv(model, arch, channels, pretrained):
         how = "RGB filters summed" if pretrained else "the fresh filters' first channel"
     else:
         weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels]
-        weight, how = (
-            (weight * (3 / channels), "RGB filters repeated, scaled by 3/channels")
-            if pretrained
-            else (weight, "the fresh filters repeated")
-        )
+        how = "RGB filters repeated, scaled by 3/channels" if pretrained else "the fresh filters repeated"
+        if pretrained:
+            weight = weight * (3 / channels)
     new = nn.Conv2d(
         channels,
         conv.out_channels,
@@ -106,10 +100,8 @@ def adapt_first_conv(model, arch, channels, pretrained):
 
 class PatchConv2d(nn.Conv2d):
     """A convolution whose kernel is its stride, without padding (a patch embedding: ViT's conv_proj, the stems of
-    ConvNeXt and Swin), computed as one matrix product of the patches by the filters: nn.Conv2d's parameters, state
-    dict and result (to rounding). On an H100 in bf16, forward and backward of ViT-B/16's took 1.8 ms where cuDNN's
-    took 4.2, ConvNeXt's and Swin's stems 2.95 against 3.4 (docs/benchmarks.md). Its output is laid out channels-last.
-    """
+    ConvNeXt and Swin), computed as one matrix product of the patches by the filters, faster than cuDNN's
+    (docs/benchmarks.md): nn.Conv2d's parameters, state dict and result (to rounding), laid out channels-last."""
 
     @staticmethod
     def fits(module):
@@ -139,8 +131,7 @@ class PatchConv2d(nn.Conv2d):
 
 def patch_embedding_as_matmul(model):
     """Make the first convolution of a torchvision model build_model made a PatchConv2d where it is a patch embedding
-    (PatchConv2d.fits), in place, its parameters kept. Only the first: ConvNeXt's 2x2 downsampling layers were slower
-    so (3.1 ms against cuDNN's 2.8 at 56 px); a model of yours is left as you built it."""
+    (PatchConv2d.fits), in place. Only the first: ConvNeXt's 2x2 downsampling layers were slower so."""
     _, first = first_conv(model)
     if built_by_library(model) and first is not None and PatchConv2d.fits(first):
         first.__class__ = PatchConv2d
@@ -185,13 +176,8 @@ def built_by_library(model):
 
 
 def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None):
-    model = _build_model(arch, num_classes, pretrained, dropout, weights)
-    if custom_builder(arch) is None:
-        _BUILT.add(model)
-    return model
-
-
-def _build_model(arch, num_classes, pretrained, dropout, weights):
+    """The model --arch `arch` names, for `num_classes` classes: your builder's, or torchvision's (--pretrained: its
+    weights set `weights`, the heads replaced for these classes)."""
     kwargs = {} if dropout is None else {"dropout": dropout}
     builder = custom_builder(arch)
     if builder is not None:  # called as builder(num_classes=K[, dropout=P])
@@ -204,32 +190,32 @@ def _build_model(arch, num_classes, pretrained, dropout, weights):
         if not isinstance(model, nn.Module):
             raise UsageError(f"--arch {arch} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
+    if not pretrained and arch in ("googlenet", "inception_v3"):
+        kwargs["init_weights"] = True  # their default init, without the warning that it may change
     try:
-        if not pretrained:
-            if arch in ("googlenet", "inception_v3"):  # their default init, without the warning that it may change
-                kwargs["init_weights"] = True
-            return torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
-        weights = pretrained_weights(arch, weights)
-        try:
-            model = torchvision.models.get_model(arch, weights=weights, **kwargs)
-        except (OSError, RuntimeError) as error:  # URLError is an OSError
-            raise UsageError(offline_message(weights, error))
+        if pretrained:
+            weights = pretrained_weights(arch, weights)
+            try:
+                model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+            except (OSError, RuntimeError) as error:  # URLError is an OSError
+                raise UsageError(offline_message(weights, error))
+        else:
+            model = torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
     except TypeError as error:
         if "dropout" in str(error):
             raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")
         raise
-    categories = len(weights.meta["categories"])
-    model.adaptations = replace_heads(model, categories, num_classes) if categories != num_classes else []
+    if pretrained:
+        categories = len(weights.meta["categories"])
+        model.adaptations = replace_heads(model, categories, num_classes) if categories != num_classes else []
+    _BUILT.add(model)
     return model
 
 
 def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=None):
-    """Refuse in one line an image size that `model` (--arch `arch`) cannot take (a crop smaller than its
-    layers allow, a vision transformer's fixed size), and logits of another width than `classes`, before any
-    process trains: one forward of two images at each training size and one at the validation crop, on the meta
-    device (no memory, no arithmetic). Only
-    torchvision's models are checked: a forward of your own may do more than compute (print, count, write),
-    and it runs first in training; nor is a model the meta device cannot run."""
+    """Refuse in one line, before any process trains, an image size that torchvision's `model` (--arch `arch`) cannot
+    take and logits of another width than `classes`: a forward at each size on the meta device (no memory). A model of
+    yours is not run here (its forward may do more than compute), nor one the meta device cannot run."""
     if custom_builder(arch) is not None:
         return
     meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
@@ -251,9 +237,8 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                 name, conv = first_conv(model)
                 if conv is not None and conv.in_channels != channels:  # (a model a subclass built: not adapted)
                     raise UsageError(
-                        f"the model (build_model) takes {conv.in_channels}-channel images (its first "
-                        f"convolution, {name}) and the data's are {channels}-channel: build it for "
-                        "them"
+                        f"the model (build_model) takes {conv.in_channels}-channel images (its first convolution, "
+                        f"{name}) and the data's are {channels}-channel: build it for them"
                     ) from None
                 raise UsageError(
                     f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): {_size_hint(arch)}"
@@ -292,12 +277,9 @@ def autocast(device, amp):
 
 
 class AutocastForward(nn.Module):
-    """`module` whose forward runs under autocast with the --amp dtype in whichever thread calls it.
-
-    Autocast's state is per thread. nn.DataParallel runs each replica in a thread of its own and
-    re-enters autocast there with the device's default dtype (float16 on CUDA), so without this
-    wrapper `--amp bf16` would compute the replicas in float16, unscaled (PyTorch's "AMP with
-    DataParallel" recipe). It holds no state of its own: checkpoints save the bare module."""
+    """`module` whose forward runs under autocast with the --amp dtype in whichever thread calls it: nn.DataParallel's
+    replica threads re-enter autocast with the device's default dtype (float16 on CUDA), so `--amp bf16` would compute
+    in float16, unscaled (PyTorch's "AMP with DataParallel" recipe). No state of its own."""
 
     def __init__(self, module, device_type, amp):
         super().__init__()
@@ -349,8 +331,6 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
     """(loss, main logits): criterion on the main logits, plus each auxiliary head's criterion times its
     weight (split_output's, else `aux_weight`, else AUX_WEIGHT), as torchvision's GoogLeNet / Inception v3
     are trained."""
-    if isinstance(output, torch.Tensor):
-        return criterion(output, labels), output
     main, aux, weight = split_output(output)
     loss = criterion(main, labels)
     weight = weight if weight is not None else (aux_weight if aux_weight is not None else AUX_WEIGHT)
@@ -362,11 +342,9 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
 def compiled(model, static=False):
     """torch.compile(model); static=True: no dynamic shapes (a sharded model: Inductor failed on FSDP's dynamic shapes
     in backward, torch 2.15 on the CPU; a batch of another size compiles another graph instead)."""
-    # DDP's buckets and FSDP's hooks split the model into several graphs; Inductor's layout optimisation (convolutions
-    # made channels-last inside a graph) then predicted strides that cuDNN's backward did not give: "AssertionError:
-    # expected size 512==512, stride 9==1" in convolution_backward (torch 2.11, an H200; pytorch/pytorch#113740).
-    # Torch's own message names this switch. Off for this compile only; train_dp.py (DataParallel, one GPU) keeps it.
-    split = static or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    # DDP's buckets and FSDP's hooks split the model into several graphs; Inductor's layout optimisation then predicts
+    # strides that cuDNN's backward does not give (pytorch/pytorch#113740): off for these compiles only.
+    split = static or isinstance(model, DistributedDataParallel)
     return torch.compile(
         model, dynamic=False if static else None, options={"layout_optimization": False} if split else None
     )
@@ -375,7 +353,7 @@ def compiled(model, static=False):
 def unwrap(model):
     """The bare model inside DataParallel, DistributedDataParallel, AutocastForward and torch.compile wrappers."""
     while True:
-        if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel, AutocastForward)):
+        if isinstance(model, (torch.nn.DataParallel, DistributedDataParallel, AutocastForward)):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod
@@ -384,9 +362,8 @@ def unwrap(model):
 
 
 def warn_slow_amp(amp, device, warn):
-    """One warning where --amp computes slower than float32: on a CPU without native bf16/fp16
-    instructions (emulated: about 40x slower here, docs/benchmarks.md), and bf16 on GPUs before
-    Ampere (compute capability < 8.0), which emulate it."""
+    """One warning where --amp computes slower than float32, emulated: on a CPU without native bf16/fp16 instructions
+    (docs/benchmarks.md), and bf16 on GPUs before Ampere (compute capability < 8.0)."""
     if amp == "none":
         return
     if device.type == "cpu":
@@ -408,19 +385,15 @@ def warn_slow_amp(amp, device, warn):
         )
 
 
-# Convolutional networks that channels_last does not make faster on the CPU (docs/benchmarks.md,
-# measured on an idle machine: shufflenet_v2_x1_0 0.95-0.98x, its channel shuffle re-lays the whole
-# activation; convnext_tiny 1.01x, its LayerNorms permute to NHWC and back anyway).
+# Convolutional networks that channels_last does not make faster on the CPU (docs/benchmarks.md): ShuffleNet's
+# channel shuffle re-lays the whole activation, ConvNeXt's LayerNorms permute to NHWC and back anyway.
 CHANNELS_LAST_NOT_FASTER = ("ShuffleNetV2", "ConvNeXt")
 
 
 def use_channels_last(choice, device, amp, model):
-    """--channels-last on/off, or for auto: on where it is measured faster (docs/benchmarks.md), that is
-    for convolutional networks (two Conv2d layers or more; a vision transformer has one, its patch
-    embedding) on the CPU (oneDNN's convolutions are fastest in NHWC), on GPUs with --amp (tensor
-    cores read NHWC) and on GPUs whose float32 convolutions run on tensor cores (TF32: compute capability 8.0
-    and up, cuDNN's default; ResNet-50 1.35x on an H100); off on older GPUs in float32, for the networks measured not
-    to gain (CHANNELS_LAST_NOT_FASTER), and for other models."""
+    """--channels-last on/off, or for auto: on where it is measured faster (docs/benchmarks.md): for convolutional
+    networks (two Conv2d layers or more; a vision transformer has one) on the CPU, and on GPUs with --amp or TF32
+    convolutions (tensor cores read NHWC); off in float32 on older GPUs, for CHANNELS_LAST_NOT_FASTER, and others."""
     if choice != "auto":
         return choice == "on"
     if type(model).__name__ in CHANNELS_LAST_NOT_FASTER:
@@ -452,8 +425,6 @@ class BareModelGuard:
     @classmethod
     def around(cls, model, bare):
         """A guard where `model` is DDP (eager), else a context that does nothing."""
-        from torch.nn.parallel import DistributedDataParallel
-
         return cls(model, bare) if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
     def _enter(self, module, args):
@@ -481,7 +452,6 @@ def gradient_sync(model, enabled):
     into .grad (a micro-batch before the last of an optimizer step): DDP's no_sync() (which its forward reads),
     FSDP2's set_requires_gradient_sync(False); nothing to change for one process (DataParallel, one device)."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
 
     module = model
     while module is not None and not isinstance(module, (DistributedDataParallel, FSDPModule)):
@@ -522,9 +492,7 @@ def adjusted_decay(decay, global_batch, every, epochs):
     """The decay per update, as torchvision's train.py adjusts --model-ema-decay (after pycls): the EMA
     spans about the same share of the run whatever the batch, the update interval and the epochs.
     torchvision's world_size x per-GPU batch is our global -b."""
-    adjust = global_batch * every / epochs
-    alpha = min(1.0, (1.0 - decay) * adjust)
-    return 1.0 - alpha
+    return 1.0 - min(1.0, (1.0 - decay) * (global_batch * every / epochs))
 
 
 def by_kind(update):
