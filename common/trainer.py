@@ -51,15 +51,10 @@ def trainer_class(name):
 
 
 class Trainer:
-    """A training run. The parts a researcher changes are the hooks below (add_arguments to after_validation): override
-    them in a subclass and select it with --trainer package.module:Class (docs/adapting.md). Each hook gets what it uses
-    as arguments, besides self.config (the frozen flags) and self.runtime (device, rank, world size). What keeps a run
-    exact and resumable stays here: seeding, sampling, exact validation, bad files, checkpoints, stops, AMP, clipping
-    and logging.
-
-    Trainer(config, runtime) has no side effects; build(datasets, seed) makes the parts in-process (a test can build one
-    on tiny data); common/run.py's start_run does both for a script.
-    """
+    """A training run: the hooks below (add_arguments to after_validation) are what a researcher overrides in a
+    subclass, selected with --trainer package.module:Class (docs/adapting.md); each gets what it uses as arguments,
+    besides self.config (the frozen flags) and self.runtime (device, rank, world size). Trainer(config, runtime) has no
+    side effects; build(datasets, seed) makes the parts; common/run.py's start_run does both for a script."""
 
     def __setattr__(self, name, value):
         if name in OWNED:  # assigned by a method of a subclass (not of common/): refused
@@ -95,19 +90,16 @@ class Trainer:
         """Add this trainer's own flags to `parser` (an argparse group); they arrive in self.config."""
 
     def build_datasets(self):
-        """(classes, train set, val set): class names, and two map-style datasets whose items are (image, label),
-        image a PIL image or a CHW tensor (uint8, or float in 0-1), label an int. The default reads what the flags
-        name (--data folders or CSV, --dataset, --dummy, the demo set). Give the train set `mean` and `std`
-        attributes for images that are not ImageNet-like (else --mean / --std)."""
+        """(classes, train set, val set): class names, and two map-style datasets of (image, label), image a PIL image
+        or a CHW tensor (uint8, or float in 0-1), label an int; the default: the flags' data. A train set's `mean` and
+        `std` attributes normalise images that are not ImageNet-like (else --mean / --std)."""
         return build_datasets(self.config)
 
     def build_transforms(self, train, val):
-        """(train, val): the per-image transforms, given the defaults of the flags to extend or replace. `train`
-        (transforms.TrainPreset) crops, flips, then applies --auto-augment and --random-erase; `train.then(t, ...)`
-        adds torchvision transforms after the flip, seeded per image by (seed, epoch, index) as the rest (bitwise
-        resume, DP = DDP). `val` (EvalPreset) resizes and centre-crops. Each is called as transform(image, rng) on
-        a uint8 CHW tensor (float in 0-1 for such datasets), rng a random.Random to draw from; the batch is
-        normalised afterwards. A replaced `train` is refused with the flags only the default applies."""
+        """(train, val): the per-image transforms, given the flags' defaults to extend or replace (docs/adapting.md):
+        `train.then(t, ...)` adds torchvision transforms after the flip, seeded per image by (seed, epoch, index). Each
+        is called as transform(image, rng) on a uint8 CHW tensor (float in 0-1 for such datasets), normalised after. A
+        replaced `train` is refused with the flags only the default applies."""
         return train, val
 
     def build_model(self, classes):
@@ -123,10 +115,9 @@ class Trainer:
         return fsdp.default_units(model)
 
     def build_criterion(self):
-        """The loss on (logits, labels) that train_step and evaluate_step take; labels may be class indices
-        or (with --mixup-alpha / --cutmix-alpha) class probabilities. Its parameters (a learned temperature) are
-        trained with the model's (a parameter group of their own: --lr, no weight decay, unless build_optimizer
-        puts them in one), their gradients averaged over the ranks; its state_dict is saved in every checkpoint."""
+        """The loss on (logits, labels), labels class indices or (--mixup-alpha / --cutmix-alpha) probabilities. Its
+        parameters are trained with the model's (their own group: --lr, no weight decay, unless build_optimizer puts
+        them in one), their gradients averaged over the ranks; its state_dict is saved in every checkpoint."""
         return nn.CrossEntropyLoss(label_smoothing=self.config.label_smoothing)
 
     def build_optimizer(self, model):
@@ -140,25 +131,21 @@ class Trainer:
         return optim.build_scheduler(optimizer, self.config, steps_per_epoch)
 
     def build_metrics(self, split, classes):
-        """{name: metric} kept beside the loss and accuracy in `split` ("train" or "val") for the class names
-        `classes`: metrics whose state is summed over batches and ranks exactly (common/metrics.py: SummedMetric,
-        ConfusionMatrix), their numbers shown and logged as SPLIT_NAME, their tensors written to
-        metrics/SPLIT_epochE.json, a partial training epoch's state checkpointed and resumed. The default: none."""
+        """{name: SummedMetric} (common/metrics.py) kept beside the loss and accuracy in `split` ("train" or "val") for
+        the class names `classes`: numbers logged as SPLIT_NAME, tensors written to metrics/SPLIT_epochE.json, states
+        summed over the ranks exactly and checkpointed mid-epoch. The default: none."""
         return {}
 
     def build_batch_transform(self, classes):
-        """The transform of each training batch (micro-batch) before train_step, or None: called as
-        transform(images, labels, key) -> (images, labels), labels the class indices in, class indices or
-        probabilities (soft labels) out; `key`, an int of (seed, epoch, batch, rank) alone, seeds its draws
-        (`with common.augment.seeded(key):`), so a resumed run and DP = DDP hold. The accuracy counts the logits
-        against the labels before it. The default: --mixup-alpha / --cutmix-alpha's MixUp or CutMix
-        (common.augment.BatchMix), else None."""
+        """The transform of each training micro-batch, or None: transform(images, labels, key) -> (images, labels),
+        labels class indices in, indices or probabilities out; `key`, an int of (seed, epoch, batch, rank), seeds its
+        draws (`with common.augment.seeded(key):`). Accuracy counts the labels before it. The default: --mixup-alpha /
+        --cutmix-alpha's BatchMix, else None."""
         return build_batch_mix(self.config, len(classes), self.runtime.world_size)
 
     def state_dict(self):
-        """Your subclass's own state (a step counter, a teacher's running average): a dict of plain data and
-        tensors (torch.load(..., weights_only=True) reads it), rank 0's, saved in every checkpoint, a stop
-        mid-epoch's too. The default: none."""
+        """Your subclass's own state: a dict of plain data and tensors (torch.load(..., weights_only=True) reads it),
+        rank 0's, saved in every checkpoint. The default: none."""
         return {}
 
     def load_state_dict(self, state):
@@ -233,10 +220,8 @@ class Trainer:
         self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         self._batch_transform = self.build_batch_transform(self.classes)
-        self._rng, self._bad_images = (
-            seeding.RandomStreams(runtime.devices),
-            data.BadImageLog(runtime.rank, runtime.world_size),
-        )
+        self._rng = seeding.RandomStreams(runtime.devices)
+        self._bad_images = data.BadImageLog(runtime.rank, runtime.world_size)
         # On the CPU the loader workers normalise, unless the batches are decoded here (--decode gpu).
         on_device = self._data.normalise if device.type == "cuda" or config.decode == "gpu" else None
         self._train_batches, self._val_batches = (
@@ -262,21 +247,13 @@ class Trainer:
         model = self.build_model(self.classes)
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
-        loaded = (
-            []
-            if not config.init_from or self._resuming
-            else init_from(model, config.init_from, config.arch, self.channels, len(self.classes))
-        )
-        # (a model a subclass built itself is left as it is: its filters may be loaded, or built for the channels)
-        self._model_changes = [
-            *getattr(model, "adaptations", []),
-            *loaded,
-            *(
-                models.adapt_first_conv(model, config.arch, self.channels, config.pretrained or bool(config.init_from))
-                if models.built_by_library(model)
-                else []
-            ),
-        ]
+        changes = [*getattr(model, "adaptations", [])]
+        if config.init_from and not self._resuming:
+            changes += init_from(model, config.init_from, config.arch, self.channels, len(self.classes))
+        if models.built_by_library(model):  # (a model a subclass built is left as it is: built for the channels)
+            pretrained = config.pretrained or bool(config.init_from)
+            changes += models.adapt_first_conv(model, config.arch, self.channels, pretrained)
+        self._model_changes = changes
         models.patch_embedding_as_matmul(model)
         sizes = (
             [] if config.evaluate else config.crop_schedule.sizes() if config.res_schedule else [config.train_crop_size]
@@ -289,11 +266,9 @@ class Trainer:
         self._channels_last = self.shard is None and models.use_channels_last(
             config.channels_last, device, config.amp, model
         )
-        return (
-            model
-            if self.shard
-            else model.to(device, memory_format=torch.channels_last if self._channels_last else None)
-        )
+        if self.shard:
+            return model
+        return model.to(device, memory_format=torch.channels_last if self._channels_last else None)
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
@@ -373,22 +348,12 @@ class Trainer:
                 ema_val = self.evaluate(self.ema.module, label="EMA", epoch=epoch)
                 self._best_ema_acc1 = max(ema_val["acc1"], self._best_ema_acc1)
             is_best = val["acc1"] > self._best_acc1
-            self._best_acc1, self._best_epoch = (
-                max(val["acc1"], self._best_acc1),
-                epoch + 1 if is_best else self._best_epoch,
-            )
+            self._best_acc1 = max(val["acc1"], self._best_acc1)
+            if is_best:
+                self._best_epoch = epoch + 1
             bad_images = self.save(epoch + 1, is_best=is_best)
-            self.log.log_epoch(
-                epoch_row(
-                    epoch,
-                    epoch_start,
-                    self._epoch_lr,
-                    train,
-                    val,
-                    ema_val if self.ema is not None else None,
-                    bad_images,
-                )
-            )
+            ema_row = ema_val if self.ema is not None else None
+            self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val, ema_row, bad_images))
             self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
             if epoch + 1 < config.epochs and self._stop_agreed(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
@@ -488,11 +453,8 @@ class Trainer:
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
         summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
-        lr, speed, (wait, said) = (
-            self.optimizer.param_groups[0]["lr"],
-            progress.speed(step, summary),
-            self._diagnostics.input_wait(),
-        )
+        lr, speed = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary)
+        wait, said = self._diagnostics.input_wait()
         self.log.log_step(
             epoch * self.steps_per_epoch + step + 1,
             {
