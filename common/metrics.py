@@ -1,9 +1,6 @@
-"""What a run measures: top-k hits, metric sums that are exact over the ranks, the progress lines; and metrics that
-are not a mean over images, a state of counts (a confusion matrix, per-class counts) summed over batches on the device
-and over ranks exactly, turned into results once summed (Trainer.build_metrics).
-
-A metric is stateless itself: MetricSums holds its state (a float64 tensor of `shape`), sums it over the ranks
-with the run's other sums, saves it in a mid-epoch checkpoint and restores it, as the loss's sum.
+"""What a run measures: top-k hits, sums exact over the ranks (MetricSums), the progress lines; and metrics that are
+not a mean over images but a state of counts (a confusion matrix) summed over batches and ranks, then turned into
+results (Trainer.build_metrics). A metric is stateless: MetricSums holds its float64 state as it holds the loss's sum.
 """
 
 import datetime
