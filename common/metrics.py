@@ -53,9 +53,8 @@ class ConfusionMatrix(SummedMetric):
 
 
 def correct_counts(output, target, topk=(1,)):
-    """Number of samples whose target is among the k highest scores, for each k, as tensors.
-
-    k is capped at the number of classes (acc@5 of a 3-class problem is acc@3)."""
+    """Number of samples whose target is among the k highest scores, for each k, as tensors; k is capped at the number
+    of classes (acc@5 of a 3-class problem is acc@3)."""
     with torch.no_grad():
         maxk = min(max(topk), output.size(1))
         _, pred = output.topk(maxk, dim=1, largest=True, sorted=True)
@@ -198,10 +197,8 @@ def _results(name, results, taken):
 
 
 class ProgressMeter:
-    """Prints `Epoch [e][i/n]  loss ..  acc@1 ..  img/s ..  eta ..` lines on rank 0.
-
-    Throughput and ETA count only the steps run since this meter started (a resumed
-    epoch starts at `first_step` with `first_count` images already in its sums)."""
+    """Prints `Epoch [e][i/n]  loss ..  acc@1 ..  img/s ..  eta ..` lines on rank 0; throughput and ETA count only the
+    steps run since it started (a resumed epoch starts at `first_step` with `first_count` images in its sums)."""
 
     def __init__(self, num_batches, prefix, print_fn, first_step=0, first_count=0):
         self.num_batches, self.prefix, self.print_fn = num_batches, prefix, print_fn

@@ -340,8 +340,8 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
 
 
 def compiled(model, static=False):
-    """torch.compile(model); static=True: no dynamic shapes (a sharded model: Inductor failed on FSDP's dynamic shapes
-    in backward, torch 2.15 on the CPU; a batch of another size compiles another graph instead)."""
+    """torch.compile(model); static=True: no dynamic shapes (a sharded model: Inductor fails on FSDP's dynamic shapes in
+    backward; a batch of another size compiles another graph instead)."""
     # DDP's buckets and FSDP's hooks split the model into several graphs; Inductor's layout optimisation then predicts
     # strides that cuDNN's backward does not give (pytorch/pytorch#113740): off for these compiles only.
     split = static or isinstance(model, DistributedDataParallel)
@@ -509,9 +509,8 @@ def by_kind(update):
 
 
 class ModelEma:
-    """The EMA of the bare `model` (not a DataParallel / DDP wrapper: the same parameters, without prefixes).
-
-    `module` is a model of the same class: evaluate it, or load its state_dict into a plain model."""
+    """The EMA of the bare `model` (not a DataParallel / DDP wrapper: the same parameters, without prefixes). `module`
+    is a model of the same class: evaluate it, or load its state_dict into a plain model."""
 
     def __init__(self, model, decay, every=1, warmup_epochs=0.0):
         self.model, self.decay, self.every, self.warmup_epochs = model, decay, every, warmup_epochs
