@@ -331,6 +331,8 @@ def loss_with_aux(criterion, output, labels, aux_weight=None):
     """(loss, main logits): criterion on the main logits, plus each auxiliary head's criterion times its
     weight (split_output's, else `aux_weight`, else AUX_WEIGHT), as torchvision's GoogLeNet / Inception v3
     are trained."""
+    if isinstance(output, torch.Tensor):  # (a plain model's step: split_output is for the models with more outputs)
+        return criterion(output, labels), output
     main, aux, weight = split_output(output)
     loss = criterion(main, labels)
     weight = weight if weight is not None else (aux_weight if aux_weight is not None else AUX_WEIGHT)
