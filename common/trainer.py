@@ -195,8 +195,8 @@ class Trainer:
         self.seed, self._resuming = seed, resuming
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
         self._data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
-        # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
         self.classes = self._data.classes
+        # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
         self.steps_per_epoch = math.ceil(len(self._data.train_loader) / config.grad_accum_steps)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         self.channels = self._data.first_image[0] if self._data.first_image else 3  # (of the images)
