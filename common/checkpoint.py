@@ -370,7 +370,8 @@ def samples(trainer):
 
 def assemble(trainer, epoch, step_in_epoch, metrics=None):
     """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch`, with the partial epoch's `metrics`. A
-    collective (it gathers the ranks' random streams); the writer rank saves what it returns."""
+    collective (it gathers the ranks' random streams, unreadable files and metric sums); the writer rank saves what it
+    returns."""
     ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
     return {
         "format_version": FORMAT_VERSION,
