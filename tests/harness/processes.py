@@ -122,3 +122,20 @@ def lower_priority(pid):
         os.setpriority(os.PRIO_PROCESS, pid, JOB_NICENESS)
     except OSError:  # ended already
         pass
+
+
+def refaulted_pages(rounds=3, blocks=10, block_bytes=8 << 20):
+    """This process's page faults while it allocates and writes `blocks` blocks of `block_bytes`, then frees them,
+    `rounds` times after a first round: each round faulted in again where malloc gives the freed memory back to the
+    kernel (glibc's default for 80 MB), next to none where it keeps it (distributed.keep_freed_host_memory)."""
+    import resource
+
+    def one_round():
+        held = [b"\x01" * block_bytes for _ in range(blocks)]
+        del held
+
+    one_round()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        one_round()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before

@@ -20,6 +20,8 @@ from common.distributed import (
     shared_devices,
 )
 from common.errors import UsageError
+from harness.jobs import run
+from harness.processes import PYTHON, REPO, clean_env
 
 
 def test_without_a_process_group_this_process_is_rank_0_of_1_and_reductions_are_the_identity():
@@ -117,3 +119,27 @@ def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_us
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     monkeypatch.setenv("TORCH_FR_DUMP_ON_TIMEOUT", "")
     assert flight_recorder_files() is None  # no dump: the header names none
+
+
+KEEPS = "import torch; from common import distributed; assert distributed.keep_freed_host_memory(torch.device('cpu'))"
+FAULTS = "from harness.processes import refaulted_pages; print(refaulted_pages())"
+
+
+def test_training_on_the_cpu_keeps_the_memory_a_step_frees_where_by_default_malloc_returns_it_and_faults_it_in_again():
+    """Through a new interpreter each (the setting is the process's): 80 MB freed and allocated again three times is
+    faulted in again, page by page, with glibc's defaults, and not once after keep_freed_host_memory."""
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    default, kept = (
+        run([PYTHON, "-c", f"{setting}\n{FAULTS}"], timeout=120, env=env, prewarmed=False) for setting in ("", KEEPS)
+    )
+    assert default.returncode == kept.returncode == 0, default.stdout + kept.stdout
+    pages = 3 * 10 * (8 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert int(default.stdout) > pages // 2 and int(kept.stdout) < pages // 50, (default.stdout, kept.stdout)
+
+
+def test_the_memory_is_kept_on_the_cpu_alone_and_not_where_the_environment_sets_malloc_s_thresholds(monkeypatch):
+    assert not distributed.keep_freed_host_memory(torch.device("cuda", 0))
+    for name, value in [("MALLOC_TRIM_THRESHOLD_", "131072"), ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096")]:
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            assert not distributed.keep_freed_host_memory(torch.device("cpu"))
