@@ -77,14 +77,15 @@ def local_world_size_from_env(world_size):
 # heap's free top kept up to 2 GiB (the setting is a C int)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_HOST_MEMORY = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 2**31 - 1}
+_trims_before_fork = []  # (registered once a process: os.register_at_fork has no undo)
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
 def keep_freed_host_memory(device):
     """Training on the CPU: glibc's malloc keeps the memory a step frees for the next step, where by default it gives
-    most of it back to the kernel and every step faults it in again (mobilenet_v3_small: 15% more images/s in a
-    first epoch; docs/benchmarks.md). Set for this process and the loader workers it forks; True where it was. Not on
-    GPUs, not with another C library, nor where the environment sets these thresholds itself."""
+    most of it back to the kernel and every step faults it in again (mobilenet_v3_small: 15-30% more images/s;
+    docs/benchmarks.md). Set for this process and the loader workers it forks; True where it was. Not on GPUs, not
+    with another C library, nor where the environment sets these thresholds itself."""
     env = os.environ
     set_by_user = any(name in env for name in MALLOC_VARIABLES) or "malloc" in env.get("GLIBC_TUNABLES", "")
     if device.type != "cpu" or set_by_user:
@@ -92,9 +93,15 @@ def keep_freed_host_memory(device):
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
             return False
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (AttributeError, OSError, ValueError):  # no confstr (macOS), no such name, no mallopt
         return False
+    if not _trims_before_fork:
+        # A forked process (a loader worker) shares the kept memory copy-on-write: each page the step after writes
+        # would be copied, a fault 5 times as long as a fresh page's. Returned first, it is faulted in fresh.
+        os.register_at_fork(before=lambda: malloc_trim(0))
+        _trims_before_fork.append(True)
     return all([mallopt(option, value) == 1 for option, value in KEPT_HOST_MEMORY.items()])
 
 

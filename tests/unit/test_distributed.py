@@ -122,19 +122,25 @@ def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_us
 
 
 KEEPS = "import torch; from common import distributed; assert distributed.keep_freed_host_memory(torch.device('cpu'))"
-FAULTS = "from harness.processes import refaulted_pages; print(refaulted_pages())"
+FAULTS = (
+    "from harness.processes import refaulted_pages, resident_bytes_returned_at_fork\n"
+    "print(refaulted_pages(), resident_bytes_returned_at_fork())"
+)
 
 
 def test_training_on_the_cpu_keeps_the_memory_a_step_frees_where_by_default_malloc_returns_it_and_faults_it_in_again():
     """Through a new interpreter each (the setting is the process's): 80 MB freed and allocated again three times is
-    faulted in again, page by page, with glibc's defaults, and not once after keep_freed_host_memory."""
+    faulted in again, page by page, with glibc's defaults, and not once after keep_freed_host_memory; the memory it
+    keeps is returned before a fork (the child would share it copy-on-write, to be copied as the parent writes)."""
     env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     default, kept = (
         run([PYTHON, "-c", f"{setting}\n{FAULTS}"], timeout=120, env=env, prewarmed=False) for setting in ("", KEEPS)
     )
     assert default.returncode == kept.returncode == 0, default.stdout + kept.stdout
+    (default_faults, _), (kept_faults, returned) = (map(int, result.stdout.split()) for result in (default, kept))
     pages = 3 * 10 * (8 << 20) // os.sysconf("SC_PAGE_SIZE")
-    assert int(default.stdout) > pages // 2 and int(kept.stdout) < pages // 50, (default.stdout, kept.stdout)
+    assert default_faults > pages // 2 and kept_faults < pages // 50, (default.stdout, kept.stdout)
+    assert returned > 40 << 20, kept.stdout
 
 
 def test_the_memory_is_kept_on_the_cpu_alone_and_not_where_the_environment_sets_malloc_s_thresholds(monkeypatch):
