@@ -38,6 +38,7 @@ PEAK_TFLOPS = {
     "V100": (125, 15.7, 15.7),
     "T4": (65, 8.1, 8.1),  # no bf16 or TF32 units: fp16 tensor cores, fp32
 }
+_END = object()  # the end of an epoch's batches (Diagnostics.timed)
 TRAINING_PER_FORWARD = 3  # a training step's FLOPs: the forward, and twice it in backward (activations and weights)
 MIB = 2**-20
 LEVERS = (
@@ -245,9 +246,9 @@ class Diagnostics:
             before = time.perf_counter()
             if device is not None:  # (GPU: the previous step's work is queued; its end marked on the GPU's clock)
                 device.mark(has_batch=False)
-            batch = next(iterator, None)
+            batch = next(iterator, _END)
             self.waited += time.perf_counter() - before
-            if batch is None:
+            if batch is _END:  # (not None: a batch is whatever the loader gives)
                 return
             if device is not None:
                 device.mark(has_batch=True)

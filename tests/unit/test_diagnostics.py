@@ -180,6 +180,7 @@ def test_the_wait_is_the_time_spent_fetching_batches_against_the_loop_s():
             time.sleep(work)
         wait, said = diagnostics.input_wait()
         assert low <= wait <= high and said == f"input wait {wait:.0f}%"
+    assert list(diagnostics.timed([1, None, 2, 0])) == [1, None, 2, 0]  # a batch that is None does not end it
 
 
 def test_the_first_input_bound_epoch_says_so_once_with_the_levers():
