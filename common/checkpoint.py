@@ -221,7 +221,7 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
         model.load_state_dict(weights)
     except RuntimeError as error:
         detail = " ".join(str(error).split())
-        raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}")
+        raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}") from None
 
 
 def init_from(model, path, arch, channels, num_classes):
