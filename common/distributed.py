@@ -73,36 +73,45 @@ def local_world_size_from_env(world_size):
     return int(per_node.group()) if per_node else world_size
 
 
-# glibc's malloc (mallopt, malloc.h): blocks up to 32 MiB (its largest threshold) from the heap, not mmap; the
-# heap's free top kept up to 2 GiB (the setting is a C int)
+# glibc's malloc (mallopt, malloc.h): blocks up to 32 MiB (the largest threshold its manual documents) from the heap,
+# not mmap; the heap's free top kept while under 2 GiB (the setting is a C int; above it, all of it is returned)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_HOST_MEMORY = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 2**31 - 1}
-_trims_before_fork = []  # (registered once a process: os.register_at_fork has no undo)
-MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+# The user's own choice of these thresholds: variables, or glibc's tunables of the same names
+MALLOC_THRESHOLDS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+_trims_before_fork = False  # (registered once a process: os.register_at_fork has no undo)
+
+
+def glibc_malloc():
+    """glibc (a ctypes library) where its malloc is this process's, else None: another C library (musl, macOS), or
+    another allocator preloaded (jemalloc, tcmalloc), whose memory glibc's settings would not reach."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return None
+        process, libc = ctypes.CDLL(None), ctypes.CDLL("libc.so.6")
+        address = [ctypes.cast(library.malloc, ctypes.c_void_p).value for library in (process, libc)]
+    except (AttributeError, OSError, ValueError):  # no confstr (macOS), no such name, no libc.so.6
+        return None
+    return libc if address[0] == address[1] else None
 
 
 def keep_freed_host_memory(device):
     """Training on the CPU: glibc's malloc keeps the memory a step frees for the next step, where by default it gives
-    most of it back to the kernel and every step faults it in again (mobilenet_v3_small: 15-30% more images/s;
-    docs/benchmarks.md). Set for this process and the loader workers it forks; True where it was. Not on GPUs, not
-    with another C library, nor where the environment sets these thresholds itself."""
-    env = os.environ
-    set_by_user = any(name in env for name in MALLOC_VARIABLES) or "malloc" in env.get("GLIBC_TUNABLES", "")
-    if device.type != "cpu" or set_by_user:
+    most of it back to the kernel and every step faults it in again (docs/benchmarks.md); before a fork, the main
+    heap's kept memory is returned. For this process and the loader workers it forks; True where set. Not on GPUs,
+    without glibc's malloc, nor where the environment sets malloc's thresholds."""
+    env, tunables = os.environ, os.environ.get("GLIBC_TUNABLES", "")
+    chosen = any(f"MALLOC_{name.upper()}_" in env or f"glibc.malloc.{name}" in tunables for name in MALLOC_THRESHOLDS)
+    libc = glibc_malloc() if device.type == "cpu" and not chosen else None
+    if libc is None:
         return False
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return False
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (AttributeError, OSError, ValueError):  # no confstr (macOS), no such name, no mallopt
-        return False
+    global _trims_before_fork
     if not _trims_before_fork:
         # A forked process (a loader worker) shares the kept memory copy-on-write: each page the step after writes
         # would be copied, a fault 5 times as long as a fresh page's. Returned first, it is faulted in fresh.
-        os.register_at_fork(before=lambda: malloc_trim(0))
-        _trims_before_fork.append(True)
-    return all([mallopt(option, value) == 1 for option, value in KEPT_HOST_MEMORY.items()])
+        os.register_at_fork(before=lambda: libc.malloc_trim(0))
+        _trims_before_fork = True
+    return all([libc.mallopt(option, value) == 1 for option, value in KEPT_HOST_MEMORY.items()])
 
 
 def select_device(choice, local_rank=0):

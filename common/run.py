@@ -1,8 +1,9 @@
 """Starting a run, start_run(trainer) on every rank, in order: the writer rank takes the output directory's lock; the
-ranks agree on their arguments; each loads the checkpoint --resume names, and they agree on it; the seed is chosen; the
-data is scanned; a fresh start that would replace a run is refused; Trainer.build, then the checkpoint's state. Ranks
-that disagree would meet in collectives of other sizes or train apart: a difference ends every rank with one line
-naming it and the ranks on each side (exit code 2).
+ranks agree on their arguments; each loads the checkpoint --resume names, and they agree on it; on the CPU, malloc is
+set to keep freed memory (distributed.keep_freed_host_memory); the seed is chosen; the data is scanned; a fresh start
+that would replace a run is refused; Trainer.build, then the checkpoint's state. Ranks that disagree would meet in
+collectives of other sizes or train apart: a difference ends every rank with one line naming it and the ranks on each
+side (exit code 2).
 """
 
 import os

@@ -12,6 +12,7 @@ import torch
 from common import distributed
 from common.distributed import (
     FLIGHT_RECORDER,
+    MALLOC_THRESHOLDS,
     _address_of,
     flight_recorder,
     flight_recorder_files,
@@ -126,13 +127,17 @@ FAULTS = (
     "from harness.processes import refaulted_pages, resident_bytes_returned_at_fork\n"
     "print(refaulted_pages(), resident_bytes_returned_at_fork())"
 )
+MALLOC_SETTINGS = ("LD_PRELOAD", "GLIBC_TUNABLES", *(f"MALLOC_{name.upper()}_" for name in MALLOC_THRESHOLDS))
 
 
+@pytest.mark.skipif(distributed.glibc_malloc() is None, reason="glibc's malloc alone has these settings")
 def test_training_on_the_cpu_keeps_the_memory_a_step_frees_where_by_default_malloc_returns_it_and_faults_it_in_again():
-    """Through a new interpreter each (the setting is the process's): 80 MB freed and allocated again three times is
-    faulted in again, page by page, with glibc's defaults, and not once after keep_freed_host_memory; the memory it
-    keeps is returned before a fork (the child would share it copy-on-write, to be copied as the parent writes)."""
-    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    """Through a new interpreter each (the setting is the process's), glibc's malloc as it comes: 80 MB freed and
+    allocated again three times is faulted in again, page by page, with its defaults, and not once after
+    keep_freed_host_memory; the memory it keeps is returned before a fork (the child would share it copy-on-write,
+    to be copied as the parent writes)."""
+    env = {name: value for name, value in clean_env().items() if name not in MALLOC_SETTINGS}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     default, kept = (
         run([PYTHON, "-c", f"{setting}\n{FAULTS}"], timeout=120, env=env, prewarmed=False) for setting in ("", KEEPS)
     )
@@ -143,9 +148,17 @@ def test_training_on_the_cpu_keeps_the_memory_a_step_frees_where_by_default_mall
     assert returned > 40 << 20, kept.stdout
 
 
-def test_the_memory_is_kept_on_the_cpu_alone_and_not_where_the_environment_sets_malloc_s_thresholds(monkeypatch):
+def test_the_memory_is_kept_on_the_cpu_with_glibc_s_malloc_alone_where_the_environment_sets_no_threshold(
+    monkeypatch,
+):
     assert not distributed.keep_freed_host_memory(torch.device("cuda", 0))
     for name, value in [("MALLOC_TRIM_THRESHOLD_", "131072"), ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096")]:
         with monkeypatch.context() as patch:
             patch.setenv(name, value)
             assert not distributed.keep_freed_host_memory(torch.device("cpu"))
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "confstr", lambda name: "musl")  # (musl's has no such name: an error, also None)
+        assert distributed.glibc_malloc() is None and not distributed.keep_freed_host_memory(torch.device("cpu"))
+    if distributed.glibc_malloc() is not None:  # another tunable of malloc's is no choice of these thresholds
+        monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+        assert distributed.keep_freed_host_memory(torch.device("cpu"))
