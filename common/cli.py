@@ -338,6 +338,13 @@ def _device_flags(add):
         help="NHWC memory format for model and images (alone: on); auto: on for convolutional networks on the "
         "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)",
     )
+    add(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on the CPU with glibc's malloc: keep the memory a step frees for the next step, returned before each "
+        "fork (docs/reference.md); --no-keep-freed-memory: glibc's malloc as it comes (on)",
+    )
     add("--compile", action="store_true", help="torch.compile the model")
     add(
         "--find-unused-parameters",

@@ -32,6 +32,7 @@ class Runtime:
     local_world_size: int = 1  # processes on this node (they share its cores)
     num_devices: int = 1  # devices this process drives (several under DataParallel)
     device_ids: tuple = ()  # their indices, when several; else just `device`
+    host_memory_kept: bool = False  # malloc keeps freed memory for the next step (keep_freed_host_memory)
 
     @property
     def devices(self):
@@ -99,7 +100,7 @@ def keep_freed_host_memory(device):
     """Training on the CPU: glibc's malloc keeps the memory a step frees for the next step, where by default it gives
     most of it back to the kernel and every step faults it in again (docs/benchmarks.md); before a fork, the main
     heap's kept memory is returned. For this process and the loader workers it forks; True where set. Not on GPUs,
-    without glibc's malloc, nor where the environment sets malloc's thresholds."""
+    without glibc's malloc, nor where the environment sets malloc's thresholds (--no-keep-freed-memory: not called)."""
     env, tunables = os.environ, os.environ.get("GLIBC_TUNABLES", "")
     chosen = any(f"MALLOC_{name.upper()}_" in env or f"glibc.malloc.{name}" in tunables for name in MALLOC_THRESHOLDS)
     libc = glibc_malloc() if device.type == "cpu" and not chosen else None

@@ -28,9 +28,14 @@ def describe_environment(device, num_devices):
 def start_lines(trainer):
     """What every run says first, -e too: environment, data, presets, model, validation, recipe, resume."""
     config, runtime, data = trainer.config, trainer.runtime, trainer._data
+    kept = (
+        ", freed memory kept for the next step (--no-keep-freed-memory: glibc's defaults)"
+        if runtime.host_memory_kept
+        else ""
+    )
     lines = [
         f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
-        f"{describe_environment(runtime.device, runtime.num_devices)}"
+        f"{describe_environment(runtime.device, runtime.num_devices)}{kept}"
     ]
     hook = type(trainer).build_datasets
     source = (

@@ -122,7 +122,8 @@ def start_run(trainer):
         # A resumed run keeps the determinism it was started with.
         trainer._deterministic = config.deterministic or bool((checkpoint or {}).get("deterministic"))
         seeding.set_determinism(trainer._deterministic)
-        distributed.keep_freed_host_memory(trainer.runtime.device)
+        if config.keep_freed_memory:
+            trainer.runtime.host_memory_kept = distributed.keep_freed_host_memory(trainer.runtime.device)
         seed = choose_seed(trainer, path, checkpoint)
         datasets = trainer.build_datasets()
         refuse_to_replace_a_run(config, list(datasets[0]), trainer._checkpoints, resumed=checkpoint is not None)

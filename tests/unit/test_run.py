@@ -12,6 +12,7 @@ import torch
 
 from common import distributed
 from common.errors import UsageError
+from common.header import start_lines
 from common.run import argument_difference, comparable_args, ranks_text, resume_difference, resume_facts, start_run
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
@@ -305,8 +306,13 @@ def test_the_per_node_arguments_may_differ(no_platform_env):
 @pytest.mark.skipif(distributed.glibc_malloc() is None, reason="glibc's malloc alone has these settings")
 def test_a_run_on_the_cpu_keeps_the_memory_its_steps_free_and_returns_it_before_a_fork(monkeypatch):
     """start_run sets it (distributed.keep_freed_host_memory; the memory kept and returned: tests/unit/
-    test_distributed.py): 80 MB freed is still resident until the process forks."""
+    test_distributed.py): 80 MB freed is still resident until the process forks; the header says so.
+    --no-keep-freed-memory: not set."""
     for name in ("GLIBC_TUNABLES", *(f"MALLOC_{name.upper()}_" for name in distributed.MALLOC_THRESHOLDS)):
         monkeypatch.delenv(name, raising=False)
-    started()
-    assert resident_bytes_returned_at_fork() > 40 << 20
+    assert not started("--no-keep-freed-memory").runtime.host_memory_kept  # (not set by that run: the header's)
+    trainer = started()
+    assert trainer.runtime.host_memory_kept and resident_bytes_returned_at_fork() > 40 << 20
+    assert start_lines(trainer)[0].endswith(
+        ", freed memory kept for the next step (--no-keep-freed-memory: glibc's defaults)"
+    )
