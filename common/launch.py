@@ -8,6 +8,7 @@ killed loader worker) one line and 1. Anything else is a bug, and its traceback 
 
 import ctypes
 import errno
+import gc
 import multiprocessing
 import os
 import signal
@@ -121,6 +122,19 @@ def _clean_up():
         sys.modules[f"{__package__}.distributed"].destroy_process_group()
 
 
+def parsed_without_collections(parse_args):
+    """parse_args() with the garbage collector off: it imports torch and torchvision (checking --arch), which make
+    about 340,000 objects and, collector on, six full collections of them, 0.6 s of a 2.2 s start on 2 cores; they
+    leave next to no garbage. The collector is on again after it, whatever happens."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return parse_args()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def run_main(main, parse_args):
     """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one)."""
     try:
@@ -128,7 +142,7 @@ def run_main(main, parse_args):
             stop_at_once_until_training()
             if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun (or of the legacy launcher)
                 end_with_launcher()
-            main(parse_args())
+            main(parsed_without_collections(parse_args))
         finally:
             _clean_up()
         return 0

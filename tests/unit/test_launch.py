@@ -5,6 +5,7 @@ training ends the process at once, and a launcher's end (even SIGKILLed) reaches
 
 import contextlib
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import subprocess
 import pytest
 
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
-from common.launch import known_failure, outcome, stop_at_once_until_training
+from common.launch import known_failure, outcome, parsed_without_collections, stop_at_once_until_training
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -72,7 +73,7 @@ def test_a_parameter_ddp_never_saw_a_gradient_for_is_named_in_one_line():
 
 # Each case runs main() as a script's __main__ does (run_main, run_worker), in one interpreter of its own (they end
 # the process's loader workers and set its signal handlers on the way out).
-CASES = """import queue
+CASES = """import gc, queue
 from common.launch import run_main, run_worker
 from common.errors import UsageError, Preempted
 
@@ -87,6 +88,9 @@ for name, error in [("usage", UsageError("--lr must be positive")), ("stop", Pre
     except ValueError:
         code = "traceback"
     print(name, code, flush=True)
+shown = lambda where, value=None: print(where, "gc on", gc.isenabled(), *([] if value is None else [value])) or 7
+code = run_main(lambda config: shown("main:", config), lambda: shown("parse:"))
+print("after: gc on", gc.isenabled(), code, flush=True)
 lines = queue.Queue()
 for name, error in [("worker-usage", UsageError("-b 9")), ("worker-lost", RuntimeError("Connection reset by peer"))]:
     try:
@@ -104,6 +108,9 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
         "usage 2",
         "stop 75",
         "bug traceback",
+        "parse: gc on False",  # (the imports without full collections: parsed_without_collections)
+        "main: gc on True 7",
+        "after: gc on True 0",
         "worker-usage 2 (2, 'error: -b 9')",
         "worker-lost 1 None",
     ], result.stdout + result.stderr
@@ -169,3 +176,16 @@ def test_a_process_that_a_launcher_started_gets_sigterm_when_the_launcher_is_sig
         if worker is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(worker), signal.SIGKILL)
+
+
+def test_the_arguments_are_parsed_with_the_garbage_collector_off_and_it_is_on_again_after_even_on_an_error():
+    seen = []
+    assert parsed_without_collections(lambda: seen.append(gc.isenabled()) or "config") == "config"
+    assert seen == [False] and gc.isenabled()
+
+    def refused():
+        raise UsageError("--lr must be positive")
+
+    with pytest.raises(UsageError):
+        parsed_without_collections(refused)
+    assert gc.isenabled()
