@@ -80,6 +80,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_HOST_MEMORY = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 2**31 - 1}
 # The user's own choice of these thresholds: variables, or glibc's tunables of the same names
 MALLOC_THRESHOLDS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+MALLOC_VARIABLES = tuple(f"MALLOC_{name.upper()}_" for name in MALLOC_THRESHOLDS)
 _trims_before_fork = False  # (registered once a process: os.register_at_fork has no undo)
 
 
@@ -102,7 +103,8 @@ def keep_freed_host_memory(device):
     heap's kept memory is returned. For this process and the loader workers it forks; True where set. Not on GPUs,
     without glibc's malloc, nor where the environment sets malloc's thresholds (--no-keep-freed-memory: not called)."""
     env, tunables = os.environ, os.environ.get("GLIBC_TUNABLES", "")
-    chosen = any(f"MALLOC_{name.upper()}_" in env or f"glibc.malloc.{name}" in tunables for name in MALLOC_THRESHOLDS)
+    chosen = any(name in env for name in MALLOC_VARIABLES)
+    chosen = chosen or any(f"glibc.malloc.{name}" in tunables for name in MALLOC_THRESHOLDS)
     libc = glibc_malloc() if device.type == "cpu" and not chosen else None
     if libc is None:
         return False

@@ -12,7 +12,7 @@ import torch
 from common import distributed
 from common.distributed import (
     FLIGHT_RECORDER,
-    MALLOC_THRESHOLDS,
+    MALLOC_VARIABLES,
     _address_of,
     flight_recorder,
     flight_recorder_files,
@@ -127,7 +127,7 @@ FAULTS = (
     "from harness.processes import refaulted_pages, resident_bytes_returned_at_fork\n"
     "print(refaulted_pages(), resident_bytes_returned_at_fork())"
 )
-MALLOC_SETTINGS = ("LD_PRELOAD", "GLIBC_TUNABLES", *(f"MALLOC_{name.upper()}_" for name in MALLOC_THRESHOLDS))
+MALLOC_SETTINGS = ("LD_PRELOAD", "GLIBC_TUNABLES", *MALLOC_VARIABLES)
 
 
 @pytest.mark.skipif(distributed.glibc_malloc() is None, reason="glibc's malloc alone has these settings")

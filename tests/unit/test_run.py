@@ -308,7 +308,7 @@ def test_a_run_on_the_cpu_keeps_the_memory_its_steps_free_and_returns_it_before_
     """start_run sets it (distributed.keep_freed_host_memory; the memory kept and returned: tests/unit/
     test_distributed.py): 80 MB freed is still resident until the process forks; the header says so.
     --no-keep-freed-memory: not set."""
-    for name in ("GLIBC_TUNABLES", *(f"MALLOC_{name.upper()}_" for name in distributed.MALLOC_THRESHOLDS)):
+    for name in ("GLIBC_TUNABLES", *distributed.MALLOC_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     assert not started("--no-keep-freed-memory").runtime.host_memory_kept  # (not set by that run: the header's)
     trainer = started()
