@@ -88,8 +88,11 @@ for name, error in [("usage", UsageError("--lr must be positive")), ("stop", Pre
     except ValueError:
         code = "traceback"
     print(name, code, flush=True)
-shown = lambda where, value=None: print(where, "gc on", gc.isenabled(), *([] if value is None else [value])) or 7
-code = run_main(lambda config: shown("main:", config), lambda: shown("parse:"))
+def parse():
+    print("parse: gc on", gc.isenabled())
+    return 7
+
+code = run_main(lambda config: print("main: gc on", gc.isenabled(), config), parse)
 print("after: gc on", gc.isenabled(), code, flush=True)
 lines = queue.Queue()
 for name, error in [("worker-usage", UsageError("-b 9")), ("worker-lost", RuntimeError("Connection reset by peer"))]:
