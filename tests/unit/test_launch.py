@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
-from common.launch import known_failure, outcome, parsed_without_collections, stop_at_once_until_training
+from common.launch import known_failure, outcome, stop_at_once_until_training, without_collections
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -73,7 +73,7 @@ def test_a_parameter_ddp_never_saw_a_gradient_for_is_named_in_one_line():
 
 # Each case runs main() as a script's __main__ does (run_main, run_worker), in one interpreter of its own (they end
 # the process's loader workers and set its signal handlers on the way out).
-CASES = """import gc, queue
+CASES = """import gc, queue, sys
 from common.launch import run_main, run_worker
 from common.errors import UsageError, Preempted
 
@@ -95,6 +95,9 @@ def parse():
 code = run_main(lambda config: print("main: gc on", gc.isenabled(), config), parse)
 print("after: gc on", gc.isenabled(), code, flush=True)
 lines = queue.Queue()
+full = []  # the full collections from here on
+gc.callbacks.append(lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(phase))
+run_worker(0, lambda: print("worker: torchvision", "torchvision" in sys.modules, len(full), gc.isenabled()), lines)
 for name, error in [("worker-usage", UsageError("-b 9")), ("worker-lost", RuntimeError("Connection reset by peer"))]:
     try:
         run_worker(3, raising(error), lines)
@@ -111,9 +114,10 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
         "usage 2",
         "stop 75",
         "bug traceback",
-        "parse: gc on False",  # (the imports without full collections: parsed_without_collections)
+        "parse: gc on False",  # (the imports without full collections: without_collections)
         "main: gc on True 7",
         "after: gc on True 0",
+        "worker: torchvision True 1 True",  # imported by run_worker in one full collection; the collector on again
         "worker-usage 2 (2, 'error: -b 9')",
         "worker-lost 1 None",
     ], result.stdout + result.stderr
@@ -183,19 +187,19 @@ def test_a_process_that_a_launcher_started_gets_sigterm_when_the_launcher_is_sig
 
 def test_the_arguments_are_parsed_with_the_garbage_collector_off_and_it_is_on_again_after_even_on_an_error():
     seen = []
-    assert parsed_without_collections(lambda: seen.append(gc.isenabled()) or "config") == "config"
+    assert without_collections(lambda: seen.append(gc.isenabled()) or "config") == "config"
     assert seen == [False] and gc.isenabled()
 
     def refused():
         raise UsageError("--lr must be positive")
 
     with pytest.raises(UsageError):
-        parsed_without_collections(refused)
+        without_collections(refused)
     assert gc.isenabled()
 
 
 def test_what_the_parse_imported_is_moved_to_the_oldest_generation_in_one_collection():
     # Left in the youngest generation, the import's objects would be scanned by its next collections, then the next's.
-    made = parsed_without_collections(lambda: [[index] for index in range(20_000)])
+    made = without_collections(lambda: [[index] for index in range(20_000)])
     oldest = {id(item) for item in gc.get_objects(generation=2)}
     assert id(made) in oldest and all(id(item) in oldest for item in made[::1000])
