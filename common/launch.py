@@ -6,6 +6,7 @@ on request (Preempted) exits 75; Ctrl-C 130; a failure that is not this process'
 killed loader worker) one line and 1. Anything else is a bug, and its traceback is the report.
 """
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -26,19 +28,118 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a launcher's or scheduler's request to stop
 
 
-def _stop_during_start_up(signum, _frame):
-    raise Preempted(
-        f"stopped on {signal.Signals(signum).name} before training started: nothing was trained, nothing "
-        "written; start it again as it was started"
+STOP_UNHANDLED_AFTER = 2.0  # seconds a signal in start-up waits for the main thread before start-up's watch ends it
+_watch = None  # start-up's watch of the stop signals (_Watch), until training starts
+_FORK_HOOK = []  # registered once a process
+
+
+def _start_up_stop_line(name):
+    return (
+        f"stopped on {name} before training started: nothing was trained, nothing written; start it again as it was "
+        "started"
     )
+
+
+def _stop_during_start_up(signum, _frame):
+    if _watch is not None:
+        _watch.handled.set()
+    raise Preempted(_start_up_stop_line(signal.Signals(signum).name))
+
+
+def _interrupted_during_start_up(_signum, _frame):
+    if _watch is not None:
+        _watch.handled.set()
+    raise KeyboardInterrupt
 
 
 def stop_at_once_until_training():
     """From process start to the first step (imports, the folder scan, the checkpoint load: minutes on ImageNet
     over NFS) a stop signal ends the process at once with PREEMPTED_EXIT_CODE, as a stop in training does
-    (not 143, a death by SIGTERM); preemption.StopSignal takes over when training starts."""
+    (not 143, a death by SIGTERM), and Ctrl-C with 130, even while torch waits in C++ (start-up's watch);
+    preemption.StopSignal takes over when training starts (training_starts)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _stop_during_start_up)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_during_start_up)
+    _Watch.start()
+
+
+class _Watch:
+    """Start-up's watch: a thread reads each signal's number from Python's wakeup fd, and ends the process where the
+    main thread has not taken the signal within STOP_UNHANDLED_AFTER s. Python runs a handler only in the main
+    thread, between bytecodes; torch's rendezvous and collectives wait in C++ (for a rank that never comes: up to
+    --dist-timeout)."""
+
+    def __init__(self):
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.write, False)
+        self.handled = threading.Event()
+
+    @classmethod
+    def start(cls):
+        """Once a process, in its main thread; not where the wakeup fd is another's (an event loop)."""
+        global _watch
+        if _watch is not None or threading.current_thread() is not threading.main_thread():
+            return
+        watch = cls()
+        previous = signal.set_wakeup_fd(watch.write, warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            return watch.close()
+        _watch = watch
+        if not _FORK_HOOK:
+            _FORK_HOOK.append(os.register_at_fork(after_in_child=_forget_watch))
+        threading.Thread(target=watch.run, name="stop signals in start-up", daemon=True).start()
+
+    def run(self):
+        try:
+            while (data := os.read(self.read, 64)) and 0 not in data:  # (0: training started)
+                for signum in data:
+                    self._end_unless_handled(signum, signal.getsignal(signum))
+        finally:
+            os.close(self.read)
+
+    def _end_unless_handled(self, signum, handler):
+        if handler not in (_stop_during_start_up, _interrupted_during_start_up):
+            return  # another signal (a loader worker's SIGCHLD)
+        if self.handled.wait(STOP_UNHANDLED_AFTER) or signal.getsignal(signum) is not handler:
+            self.handled.clear()  # the main thread took it
+            return
+        if handler is _stop_during_start_up:
+            say(f"{_start_up_stop_line(signal.Signals(signum).name)} (waiting in torch)", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(PREEMPTED_EXIT_CODE if handler is _stop_during_start_up else 130)
+
+    def close(self):
+        for fd in (self.read, self.write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def training_starts():
+    """The end of start-up's watch (preemption.StopSignal's handlers have taken over): the wakeup fd released,
+    Ctrl-C Python's KeyboardInterrupt again."""
+    global _watch
+    if _watch is None or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is _interrupted_during_start_up:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.set_wakeup_fd(-1)
+    if previous != _watch.write:
+        signal.set_wakeup_fd(previous)
+    os.write(_watch.write, b"\0")
+    os.close(_watch.write)
+    _watch = None
+
+
+def _forget_watch():
+    """In a process forked in start-up: the parent's watch is not its own (no thread here; the pipe the parent's)."""
+    global _watch
+    if _watch is not None:
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        _watch.close()
+        _watch = None
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import distributed
 from .errors import Preempted
-from .launch import STOP_SIGNALS, launcher_ended
+from .launch import STOP_SIGNALS, launcher_ended, training_starts
 
 SECOND_SIGNAL_AFTER = 5  # seconds
 LAUNCHER_EXIT_WAIT = 0.5  # seconds a SIGTERM waits to tell whether it is the kernel's for an ended launcher
@@ -73,6 +73,7 @@ class StopSignal:
             for signum in STOP_SIGNALS:
                 self.handlers[signum] = signal.signal(signum, self._handle)
             self.handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._check_data_wait)
+            training_starts()  # start-up's watch ends
         # A CPU group of its own, so the flag never waits on GPU work.
         self.group = dist.new_group(backend="gloo") if listen and distributed.is_initialized() else None
         self.pending = None

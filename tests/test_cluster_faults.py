@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 
 import pytest
@@ -527,6 +528,30 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(stopped_in_s
         assert output.count(stop) == 2, output[-3000:]
     assert no_traceback_of_ours(output) and not (folder / "out").exists()
     assert not left_behind
+
+
+def test_a_stop_signal_while_a_rank_waits_in_its_rendezvous_ends_it_at_once_with_75(data, tmp_path):
+    """Seen: a rank whose rank 0 never came (a lost node, a wrong MASTER_ADDR) ignored SIGTERM, and with it its
+    launcher's end, until --dist-timeout (30 min): torch's rendezvous waits in C++, where Python runs no handler."""
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)) as rank_0:  # a store that takes the connection, never answers
+        env = clean_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        job = Job([PYTHON, REPO / "train_ddp.py", *TINY_NET, "--data", data, "--output-dir", tmp_path / "out"], env=env)
+        try:
+            rank_0.settimeout(WAIT)
+            connection, _ = rank_0.accept()  # rank 1 is in its rendezvous
+            time.sleep(0.5)
+            job.process.send_signal(signal.SIGTERM)
+            returncode, output = job.finish(timeout=30)
+            connection.close()
+        finally:
+            job.kill()
+    assert returncode == 75, output[-3000:]
+    assert output.splitlines()[-1] == (
+        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it was "
+        "started (waiting in torch)"
+    ), output[-3000:]
+    assert no_traceback_of_ours(output) and not job.left_behind
 
 
 # ----------------------------------------------------------------------------- no silent zero

@@ -13,7 +13,13 @@ import subprocess
 import pytest
 
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
-from common.launch import known_failure, outcome, stop_at_once_until_training, without_collections
+from common.launch import (
+    known_failure,
+    outcome,
+    stop_at_once_until_training,
+    training_starts,
+    without_collections,
+)
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -134,8 +140,61 @@ def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted()
         with pytest.raises(Preempted, match="stopped on SIGTERM before training started: nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
+        training_starts()  # start-up's watch ends, Ctrl-C is Python's again
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+# Start-up's watch, in an interpreter of its own: a signal the main thread takes, one in a child forked in start-up,
+# the watch's end when training starts, and a wait where Python runs no handler (a read the kernel restarts).
+WATCHED = """import os, signal, threading, time
+from common import launch
+from common.errors import Preempted
+launch.STOP_UNHANDLED_AFTER = 0.3
+launch.stop_at_once_until_training()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+except Preempted:
+    time.sleep(0.6)
+    print("taken, still here", flush=True)
+child = os.fork()
+if child == 0:
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    except Preempted:
+        os._exit(5)
+print("child", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
+time.sleep(0.6)
+launch.training_starts()
+time.sleep(0.1)
+watching = [thread.name for thread in threading.enumerate() if thread.name == "stop signals in start-up"]
+print("watch ended", watching, signal.set_wakeup_fd(-1), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+launch.stop_at_once_until_training()
+signal.siginterrupt(signal.SIGTERM, False)  # the kernel restarts the read: Python never sees the signal
+empty, _ = os.pipe()
+print("waiting", flush=True)
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+os.read(empty, 1)
+"""
+
+
+def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_signal_and_only_then():
+    result = subprocess.run(
+        [PYTHON, "-c", WATCHED], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.splitlines() == [
+        "taken, still here",
+        "child 5",  # its signal its own: the parent's watch did not see it
+        "watch ended [] -1 True",
+        "waiting",
+    ], result.stdout + result.stderr
+    assert result.returncode == 75, result.stderr
+    assert result.stderr.splitlines() == [
+        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it was "
+        "started (waiting in torch)"
+    ]
 
 
 LAUNCHED = """import os, signal, sys, time
