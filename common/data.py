@@ -6,6 +6,7 @@ place, so batches keep their size; in validation it is left out. At each checkpo
 OUTPUT/bad_images.txt. A validation that cannot read more than MAX_UNREADABLE_SHARE of its images ends the run.
 """
 
+import math
 import multiprocessing
 from typing import NamedTuple
 
@@ -52,6 +53,13 @@ def micro_batch(batch_size, world_size, accumulate):
             f"(-b {batch_size} over {world_size} process(es): {share})"
         )
     return share // accumulate
+
+
+def single_image_on_a_device(images, devices):
+    """Whether a batch of `images` split over `devices` as DataParallel splits it (Tensor.chunk) leaves some device a
+    single image: BatchNorm cannot train on one ("Expected more than 1 value per channel when training")."""
+    share = math.ceil(images / devices)
+    return images > 0 and (share == 1 or images % share == 1)
 
 
 # -j auto's most workers per process: 8 could not feed one H100 training ResNet-50, 15 could (docs/benchmarks.md).
@@ -222,11 +230,13 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.
         options["multiprocessing_context"] = "fork"
-    # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped.
+    # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped; and one that
+    # leaves a device a single image, on which BatchNorm cannot train (the header says so).
+    last = train_sampler.num_samples % options["batch_size"]
     train_loader = DataLoader(
         train_set,
         sampler=train_sampler,
-        drop_last=config.compile,
+        drop_last=config.compile or single_image_on_a_device(last, runtime.num_devices),
         generator=torch.Generator().manual_seed(seed),
         **options,
     )

@@ -139,6 +139,13 @@ def training_lines(trainer):
             "(the gradients synced over the ranks at the last); steps, the schedule, the EMA and checkpoints "
             "count optimizer steps"
         )
+    loader, sampler = trainer._data.train_loader, trainer._data.train_sampler
+    if loader.drop_last and not config.compile:
+        last = sampler.num_samples % loader.batch_size
+        lines.append(
+            f"last batch: each epoch's last {last} image{'s' * (last > 1)} per process {'are' if last > 1 else 'is'} "
+            "not trained on: a device would have a single image, on which BatchNorm cannot train"
+        )
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
         lines += trainer.shard.describe(trainer.model, trainer.optimizer)
     if not isinstance(trainer.scheduler, optim.LrSchedule):

@@ -12,7 +12,15 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data import BadImageLog, SkipUnreadable, build_data, loader_workers, per_process_batch, printable
+from common.data import (
+    BadImageLog,
+    SkipUnreadable,
+    build_data,
+    loader_workers,
+    per_process_batch,
+    printable,
+    single_image_on_a_device,
+)
 from common.datasets import ImageFiles, build_datasets, load_image
 from common.device_loader import Collate, DeviceLoader
 from common.errors import UnreadableImage, UsageError
@@ -384,3 +392,15 @@ def test_data_of_one_class_is_refused_in_one_line(tmp_path):
     _, train_set, val_set = tensor_datasets()
     with pytest.raises(UsageError, match=r"^the data has 0 classes \[\]: a classifier needs 2 or more$"):
         build_data(config, ([], train_set, val_set), 0, cpu_runtime())
+
+
+def test_a_last_batch_that_leaves_a_device_a_single_image_is_dropped_as_dataparallel_would_split_it(tiny_data):
+    for images in range(0, 20):
+        for devices in range(1, 9):
+            split = [len(chunk) for chunk in torch.arange(images).chunk(devices)]  # (DataParallel's scatter)
+            assert single_image_on_a_device(images, devices) == (1 in split), (images, devices, split)
+    assert len(build_datasets(parse("--data", tiny_data))[1]) == 24  # training images: 2 ranks take 12 each
+    for batch, world_size, dropped in [(4, 1, False), (23, 1, True), (22, 1, False), (22, 2, True), (10, 2, False)]:
+        data = data_of(parse("--data", tiny_data, "-j", "0", "-b", str(batch)), world_size=world_size)
+        assert data.train_loader.drop_last is dropped, (batch, world_size)
+        assert data.val_loader.drop_last is False

@@ -316,3 +316,15 @@ def test_a_run_on_the_cpu_keeps_the_memory_its_steps_free_and_returns_it_before_
     assert start_lines(trainer)[0].endswith(
         ", freed memory kept for the next step (--no-keep-freed-memory: glibc's defaults)"
     )
+
+
+def test_an_epoch_whose_last_batch_is_a_single_image_trains_a_batchnorm_model_without_it(tmp_path, capsys):
+    """Seen: 12 images at -b 11 ended the epoch in a traceback ("Expected more than 1 value per channel when
+    training": resnet18's last BatchNorm sees 1x1 activations of one image) on every epoch of every resume."""
+    trainer = trained("-a", "resnet18", "-b", "11", "--epochs", "1", "--output-dir", tmp_path / "out")
+    assert trainer.steps_per_epoch == 1
+    assert (
+        "last batch: each epoch's last 1 image per process is not trained on: a device would have a single image, on "
+        "which BatchNorm cannot train"
+    ) in capsys.readouterr().out.splitlines()
+    assert (tmp_path / "out" / "log.csv").read_text().splitlines()[1].startswith("0,")
