@@ -184,6 +184,8 @@ def choose_normalisation(config, train_set, channels):
     mean, std = (tuple(float(value) for value in found[name]) for name in ("mean", "std"))
     if len(mean) != channels or len(std) != channels:
         raise UsageError(f"mean {mean} and std {std} must have one value per image channel ({channels})")
+    if not all(math.isfinite(value) for value in (*mean, *std)):  # (nan, inf: a traceback, or a channel zeroed)
+        raise UsageError(f"mean {mean} and std {std} must be finite numbers")
     if min(std) <= 0:
         raise UsageError(f"std {std} must be positive")
     return mean, std, source

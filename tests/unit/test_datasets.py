@@ -201,6 +201,10 @@ def test_our_image_sets_are_rgb_and_take_three_values_of_mean_and_std(tiny_data)
             UsageError, match=r"^mean \(0\.5, 0\.5\) and std \(0\.2, 0\.2\) must have one value per image"
         ):
             build_data(config, build_datasets(config), 0, cpu_runtime())
+    for mean, std in [("nan,0,0", "1,1,1"), ("inf,0,0", "1,1,1"), ("0,0,0", "inf,1,1"), ("0,0,0", "1,1,0")]:
+        config = parse(*SMALL, "--dummy", "--mean", mean, "--std", std)
+        with pytest.raises(UsageError, match=r"^mean \(.*\) and std \(.*\) must be finite numbers$|must be positive$"):
+            build_data(config, build_datasets(config), 0, cpu_runtime())
 
 
 def test_uint8_and_float_images_of_the_same_pixels_give_the_same_inputs():
