@@ -58,7 +58,7 @@ def setup(config):
     import torch
 
     from common.data import micro_batch
-    from common.distributed import check_port_free, check_sync_bn, choose_backend, select_device
+    from common.distributed import check_port_free, check_sync_bn, choose_backend, port_number, select_device
     from common.run_dir import claim_rendezvous_file
 
     gpus = torch.cuda.device_count() if config.device != "cpu" else 0
@@ -69,7 +69,9 @@ def setup(config):
         nproc = gpus or CPU_PROCESSES
         if not gpus:
             say(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)")
-    if nproc < 1 or (gpus and nproc > gpus):
+    if nproc < 1 or config.nnodes < 1:
+        raise UsageError(f"--nproc-per-node {nproc} and --nnodes {config.nnodes} must be 1 or more")
+    if gpus and nproc > gpus:
         raise UsageError(f"--nproc-per-node {nproc} needs one GPU per process, but {gpus} are visible")
     if not 0 <= config.node_rank < config.nnodes:
         raise UsageError(f"--node-rank {config.node_rank} must be in 0..{config.nnodes - 1} (--nnodes {config.nnodes})")
@@ -78,14 +80,18 @@ def setup(config):
     choose_backend(config.dist_backend, device)
     check_sync_bn(config.sync_bn, device)
     url = config.dist_url or f"tcp://{config.master_addr}:{config.master_port}"
-    if url.startswith("tcp://") and config.node_rank == 0:
+    if url.startswith("tcp://"):
         host, _, port = url[len("tcp://") :].rpartition(":")
-        check_port_free(host, int(port))  # rank 0 will listen there
+        shown = f"--dist-url {url}" if config.dist_url else f"--master-port {port}"
+        port = port_number(port, shown, config.nnodes * nproc)
+        if config.node_rank == 0:
+            check_port_free(host, port)  # rank 0 will listen there
     elif url.startswith("file://"):
         claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", config.master_addr)
         os.environ.setdefault("MASTER_PORT", str(config.master_port))
+        port_number(os.environ["MASTER_PORT"], f"MASTER_PORT={os.environ['MASTER_PORT']}", config.nnodes * nproc)
     elif not url.startswith("tcp://"):
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
     return url, nproc

@@ -4,6 +4,7 @@
 
 import ctypes
 import datetime
+import errno
 import fcntl
 import ipaddress
 import os
@@ -49,14 +50,51 @@ class Runtime:
 
 
 def world_info_from_env():
-    """(rank, local_rank, world_size) set by torchrun / torch.distributed.launch or by Slurm."""
+    """(rank, local_rank, world_size) set by torchrun / torch.distributed.launch or by Slurm; a value that is no
+    whole number, or a rank outside 0..world_size-1, refused in one line (it was a traceback, or a rendezvous
+    waiting for a rank that never comes)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        return rank, int(env.get("LOCAL_RANK", rank)), world_size
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
-        return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
-    return 0, 0, 1
+        names = ("RANK", "LOCAL_RANK" if "LOCAL_RANK" in env else "RANK", "WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun, one task per device
+        names = ("SLURM_PROCID", "SLURM_LOCALID" if "SLURM_LOCALID" in env else None, "SLURM_NTASKS")
+    else:
+        return 0, 0, 1
+    rank, local_rank, world_size = (_whole_number(name) if name else 0 for name in names)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(
+            f"{names[0]}={rank} with {names[2]}={world_size}: the processes' ranks are 0 .. {names[2]}-1, and "
+            f"{names[2]} 1 or more (set by torchrun, srun or the job script)"
+        )
+    if local_rank < 0:
+        raise UsageError(
+            f"{names[1]}={local_rank}: a local rank is 0 or more (set by torchrun, srun or the job script)"
+        )
+    return rank, local_rank, world_size
+
+
+def _whole_number(name):
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r} is not a whole number (set by torchrun, srun or the job script)") from None
+
+
+def port_number(text, shown, processes):
+    """The rendezvous port `text` (`shown`: the flag or variable that gave it, as the user wrote it), one line refusing
+    what no store can listen on: not a whole number in 0..65535, or 0 (any free port) for more than one process,
+    which the others cannot know."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535 or (port == 0 and processes > 1):
+        raise UsageError(
+            f"{shown}: the rendezvous port must be a whole number in 1..65535 (0, any free port, only for a "
+            "single process)"
+        )
+    return port
 
 
 def usable_cores():
@@ -430,10 +468,12 @@ def check_port_free(address, port):
         try:
             sock.bind((address, port))
         except OSError as error:
-            raise UsageError(
-                f"cannot listen on {address}:{port} ({error.strerror}): "
+            why = (
                 "the port is in use; choose another --master-port"
+                if error.errno == errno.EADDRINUSE
+                else "node 0 listens there: --master-addr must name an address of node 0"
             )
+            raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): {why}") from None
 
 
 FLIGHT_RECORDER = (

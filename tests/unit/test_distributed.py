@@ -47,6 +47,70 @@ def test_ranks_come_from_torchrun_or_slurm(monkeypatch):
     assert distributed.world_info_from_env() == (3, 1, 4)  # torchrun's first
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_PORT")
+
+
+@pytest.mark.parametrize(
+    "env, line",
+    [
+        (
+            {"RANK": "abc", "WORLD_SIZE": "1"},
+            "RANK='abc' is not a whole number (set by torchrun, srun or the job script)",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
+        (
+            {"RANK": "-1", "WORLD_SIZE": "1"},
+            "RANK=-1 with WORLD_SIZE=1: the processes' ranks are 0 .. WORLD_SIZE-1, and",
+        ),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2: "),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0: "),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK=-1: a local rank is 0 or more"),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"}, "SLURM_PROCID=3 with SLURM_NTASKS=2: "),
+    ],
+)
+def test_ranks_that_no_rendezvous_can_meet_are_refused_in_one_line(monkeypatch, env, line):
+    """Seen: a traceback (int('abc')), or a rank outside the world waiting in its rendezvous until --dist-timeout."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError) as refused:
+        distributed.world_info_from_env()
+    assert str(refused.value).startswith(line)
+
+
+def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refused_in_one_line(monkeypatch):
+    import train_ddp
+    import train_spawn
+
+    assert distributed.port_number("29500", "MASTER_PORT=29500", 8) == 29500
+    assert distributed.port_number("0", "MASTER_PORT=0", 1) == 0  # (any free port: a group of one)
+    for text, processes in [("abc", 1), ("99999", 1), ("-1", 1), ("0", 2)]:
+        with pytest.raises(UsageError, match=rf"^MASTER_PORT={text}: the rendezvous port must be a whole number in "):
+            distributed.port_number(text, f"MASTER_PORT={text}", processes)
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for variables, line in [({"MASTER_PORT": "abc"}, "MASTER_PORT=abc: "), ({"RANK": "0", "WORLD_SIZE": "2"}, None)]:
+        monkeypatch.setenv("MASTER_PORT", "0")
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(UsageError, match=rf"^{line or 'MASTER_PORT=0: '}the rendezvous port must be"):
+            train_ddp.setup(train_ddp.parse_args(["--device", "cpu"]))
+    for flags, line in [
+        (["--nproc-per-node", "0"], "--nproc-per-node 0 and --nnodes 1 must be 1 or more"),
+        (["--nnodes", "0"], "--nproc-per-node 2 and --nnodes 0 must be 1 or more"),
+        (["--master-port", "70000"], "--master-port 70000: the rendezvous port must be"),
+        (["--master-port", "0"], "--master-port 0: the rendezvous port must be"),
+        (["--dist-url", "tcp://127.0.0.1:abc"], "--dist-url tcp://127.0.0.1:abc: the rendezvous port must be"),
+        (["--master-addr", "no-such-host.invalid"], "cannot listen on no-such-host.invalid:"),
+    ]:
+        with pytest.raises(UsageError) as refused:
+            train_spawn.setup(train_spawn.parse_args(["--device", "cpu", "--nproc-per-node", "2", *flags]))
+        assert str(refused.value).startswith(line), refused.value
+    assert str(refused.value).endswith(": node 0 listens there: --master-addr must name an address of node 0")
+
+
 def test_processes_on_this_node_come_from_the_launcher(monkeypatch):
     for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
