@@ -6,11 +6,13 @@ place, so batches keep their size; in validation it is left out. At each checkpo
 OUTPUT/bad_images.txt. A validation that cannot read more than MAX_UNREADABLE_SHARE of its images ends the run.
 """
 
+import functools
 import math
 import multiprocessing
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import device_loader, distributed
@@ -62,6 +64,22 @@ def single_image_on_a_device(images, devices):
     return images > 0 and (share == 1 or images % share == 1)
 
 
+def last_batch_for(data, model, devices):
+    """`data` with its train loader dropping the epoch's last batch where that batch would leave a device a single
+    image and `model` has BatchNorm layers (a model without trains on one image: its last batch is kept)."""
+    loader = data.train_loader
+    last = data.train_sampler.num_samples % loader.batch_size
+    if loader.drop_last or not single_image_on_a_device(last, devices) or not has_batch_norm(model):
+        return data
+    return data._replace(train_loader=data.make_train_loader(drop_last=True))
+
+
+def has_batch_norm(model):
+    """Whether `model` has BatchNorm layers (torch's own base class of all of them: SyncBatchNorm's and lazy ones too;
+    not torchvision's FrozenBatchNorm2d)."""
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+
+
 # -j auto's most workers per process: 8 could not feed one H100 training ResNet-50, 15 could (docs/benchmarks.md).
 MAX_AUTO_WORKERS = 16
 
@@ -85,6 +103,7 @@ class Data(NamedTuple):
     normalise: Normalise  # what makes the loaders' images the model's inputs (on the device: DeviceLoader)
     first_image: tuple  # (channels, height, width, dtype) of the first training image; None: none read
     normalisation: str  # what the header says of `normalise` and where it came from
+    make_train_loader: Callable  # train_loader made again: (drop_last) -> DataLoader
 
 
 def default_transforms(config, floating, mean):
@@ -230,15 +249,9 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
         # Forked workers start in milliseconds every epoch; a process made by mp.spawn would
         # otherwise spawn them too, re-importing torch each epoch.
         options["multiprocessing_context"] = "fork"
-    # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped; and one that
-    # leaves a device a single image, on which BatchNorm cannot train (the header says so).
-    last = train_sampler.num_samples % options["batch_size"]
-    train_loader = DataLoader(
-        train_set,
-        sampler=train_sampler,
-        drop_last=config.compile or single_image_on_a_device(last, runtime.num_devices),
-        generator=torch.Generator().manual_seed(seed),
-        **options,
+    # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped.
+    train_loader = functools.partial(
+        DataLoader, train_set, sampler=train_sampler, generator=torch.Generator().manual_seed(seed), **options
     )
     val_loader = DataLoader(
         val_set,
@@ -247,7 +260,9 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
         **options,
     )
     text = f"mean {', '.join(f'{m:.4g}' for m in mean)}, std {', '.join(f'{s:.4g}' for s in std)} ({source})"
-    return Data(classes, train_loader, val_loader, train_sampler, normalise, first, text)
+    return Data(
+        classes, train_loader(drop_last=config.compile), val_loader, train_sampler, normalise, first, text, train_loader
+    )
 
 
 # Files that cannot be decoded.

@@ -8,6 +8,7 @@ stopped: the data order and augmentation are functions of (seed, epoch, index) a
 (common/checkpoint.py).
 """
 
+import functools
 import math
 import sys
 import time
@@ -196,12 +197,13 @@ class Trainer:
         seeding.seed_all(seed)  # the same on every rank: the same initial weights (then seed_this_rank)
         self._data = data.build_data(config, datasets, seed, runtime, self.build_transforms)
         self.classes = self._data.classes
-        # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
-        self.steps_per_epoch = math.ceil(len(self._data.train_loader) / config.grad_accum_steps)
         self.per_process_batch = data.per_process_batch(config.batch_size, runtime.world_size)
         self.channels = self._data.first_image[0] if self._data.first_image else 3  # (of the images)
         self._diagnostics = Diagnostics(config, runtime, self.log.print)
         model = self._model_on_device()
+        self._data = data.last_batch_for(self._data, model, runtime.num_devices)
+        # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
+        self.steps_per_epoch = math.ceil(len(self._data.train_loader) / config.grad_accum_steps)
         self._diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
@@ -351,13 +353,19 @@ class Trainer:
             self._best_acc1 = max(val["acc1"], self._best_acc1)
             if is_best:
                 self._best_epoch = epoch + 1
-            bad_images = self.save(epoch + 1, is_best=is_best)
-            ema_row = ema_val if self.ema is not None else None
-            self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val, ema_row, bad_images))
-            self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
+            logged = functools.partial(self._log_epoch, epoch, epoch_start, train, val, ema_val)
+            self.save(epoch + 1, is_best=is_best, before_write=logged)
             if epoch + 1 < config.epochs and self._stop_agreed(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
         return self._finish(time.time() - wall_start, train, val, ema_val)
+
+    def _log_epoch(self, epoch, epoch_start, train, val, ema_val, bad_images):
+        """log.csv's row and the metrics' tables of `epoch`, written by save() before the epoch's checkpoint: a run
+        resumed from the checkpoint before drops them (Logger.start); written after it, a failed write or a kill in
+        between lost the row for good."""
+        ema_row = ema_val if self.ema is not None else None
+        self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val, ema_row, bad_images))
+        self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
 
     def train_one_epoch(self, model, epoch, first_step=0):
         """Train `epoch` from `first_step` (a resumed epoch starts part-way); returns its metrics over all ranks. No
@@ -504,12 +512,14 @@ class Trainer:
         self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
 
-    def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
+    def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False, before_write=None):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by
-        common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
-        unreadable files over all ranks."""
+        common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. before_write(the epoch's
+        unreadable files over all ranks) is called once they are gathered. Returns those files."""
         with self._stop_signal.no_stop_now():
             checkpoint = assemble(self, epoch, step_in_epoch, metrics)
+            if before_write is not None:
+                before_write(checkpoint["bad_images"])
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:
                 self.log.write_bad_images(checkpoint["bad_images"])

@@ -10,12 +10,14 @@ import shutil
 
 import pytest
 import torch
+import torch.nn as nn
 from PIL import Image
 
 from common.data import (
     BadImageLog,
     SkipUnreadable,
     build_data,
+    last_batch_for,
     loader_workers,
     per_process_batch,
     printable,
@@ -394,13 +396,17 @@ def test_data_of_one_class_is_refused_in_one_line(tmp_path):
         build_data(config, ([], train_set, val_set), 0, cpu_runtime())
 
 
-def test_a_last_batch_that_leaves_a_device_a_single_image_is_dropped_as_dataparallel_would_split_it(tiny_data):
+def test_a_last_batch_that_leaves_a_device_a_single_image_is_dropped_for_a_model_with_batchnorm(tiny_data):
     for images in range(0, 20):
         for devices in range(1, 9):
             split = [len(chunk) for chunk in torch.arange(images).chunk(devices)]  # (DataParallel's scatter)
             assert single_image_on_a_device(images, devices) == (1 in split), (images, devices, split)
     assert len(build_datasets(parse("--data", tiny_data))[1]) == 24  # training images: 2 ranks take 12 each
+    batch_norm, none = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), nn.Sequential(nn.Conv2d(3, 4, 3))
     for batch, world_size, dropped in [(4, 1, False), (23, 1, True), (22, 1, False), (22, 2, True), (10, 2, False)]:
         data = data_of(parse("--data", tiny_data, "-j", "0", "-b", str(batch)), world_size=world_size)
-        assert data.train_loader.drop_last is dropped, (batch, world_size)
-        assert data.val_loader.drop_last is False
+        assert data.train_loader.drop_last is False and data.val_loader.drop_last is False
+        assert last_batch_for(data, none, 1).train_loader.drop_last is False  # (a model without trains on one)
+        kept = last_batch_for(data, batch_norm, 1).train_loader
+        samples, share = 24 // world_size, batch // world_size
+        assert kept.drop_last is dropped and len(kept) == samples // share + (not dropped and samples % share > 0)

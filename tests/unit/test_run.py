@@ -325,6 +325,33 @@ def test_an_epoch_whose_last_batch_is_a_single_image_trains_a_batchnorm_model_wi
     assert trainer.steps_per_epoch == 1
     assert (
         "last batch: each epoch's last 1 image per process is not trained on: a device would have a single image, on "
-        "which BatchNorm cannot train"
+        "which the model's BatchNorm cannot train"
     ) in capsys.readouterr().out.splitlines()
     assert (tmp_path / "out" / "log.csv").read_text().splitlines()[1].startswith("0,")
+    assert (
+        trained("-b", "11", "--epochs", "1", "--output-dir", tmp_path / "tiny").steps_per_epoch == 2
+    )  # (no BatchNorm)
+    assert "last batch: " not in capsys.readouterr().out
+
+
+class LogUnwritableInTraining(Trainer):
+    """log.csv replaced by a folder during the first step: the epoch's row cannot be written."""
+
+    def train_step(self, model, images, labels):
+        log = Path(self.config.output_dir) / "log.csv"
+        if log.is_file():
+            log.unlink()
+            log.mkdir()
+        return super().train_step(model, images, labels)
+
+
+def test_an_epoch_s_row_of_log_csv_is_written_before_its_checkpoint(tmp_path):
+    """Seen: the checkpoint written, then a failed write (model_best.pth on a full disk) or a kill before log.csv's
+    row: the resumed run went on from the checkpoint, and the epoch's row was lost for good. The row now comes first:
+    where it cannot be written, the checkpoint is not either, and a resume trains that epoch again."""
+    trainer = start_run(
+        LogUnwritableInTraining(parse(*SMALL, "--epochs", "1", "--output-dir", tmp_path), cpu_runtime())
+    )
+    with pytest.raises(IsADirectoryError):
+        trainer.fit(trainer.model, trainer.model)
+    assert not (tmp_path / "checkpoint.pth").exists()
