@@ -499,8 +499,8 @@ def _check_run(trainer, checkpoint, path):
 
 def _restore_position(trainer, checkpoint, path):
     """Where the run goes on: the epoch and step, the partial epoch's metric sums and lr (after an epoch's last step:
-    its validation, whatever the batch). A data set or batch that changed is refused mid-epoch (the resumed epoch
-    would skip other images); a changed data set is a warning at an epoch's end."""
+    its validation, whatever the batch). A data set, batch or --ra-sampler that changed is refused mid-epoch (the
+    resumed epoch would skip other images); a changed data set is a warning at an epoch's end."""
     saved, now = checkpoint["samples"], samples(trainer)
     step = int(checkpoint["step_in_epoch"])
     trained = step >= saved["steps"]
@@ -521,10 +521,21 @@ def _restore_position(trainer, checkpoint, path):
         raise UsageError(
             f"{path} stopped part-way through an epoch with global batch {saved_batch}: resume it with -b {saved_batch}"
         )
+    order = [_epoch_order(args) for args in (checkpoint["args"], vars(trainer.config))]
+    if step and not trained and order[0] != order[1]:
+        raise UsageError(
+            f"{path} stopped part-way through an epoch drawn {order[0]}: resume it so (the rest of that epoch "
+            "comes from its order)"
+        )
     trainer.start_step = trainer.steps_per_epoch if trained else step
     if step:
         trainer._resumed_totals = checkpoint["train_totals"]
         trainer._epoch_lr = checkpoint["epoch_lr"]  # log.csv's lr: the epoch's first, not the resumed step's
+
+
+def _epoch_order(args):
+    """What, beside the seed and the data, draws an epoch's order: --ra-sampler and its --ra-reps."""
+    return f"with --ra-sampler --ra-reps {args.get('ra_reps')}" if args.get("ra_sampler") else "without --ra-sampler"
 
 
 def _load_optimizer(trainer, checkpoint, path):

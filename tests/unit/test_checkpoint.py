@@ -777,6 +777,11 @@ def one_epoch(tmp_path):
         ),
         (["-b", "6"], "stopped part-way through an epoch with global batch 4: resume it with -b 4"),
         (
+            ["--ra-sampler"],
+            "stopped part-way through an epoch drawn without --ra-sampler: resume it so (the rest of that epoch comes "
+            "from its order)",
+        ),
+        (
             ["--bias-weight-decay", "0"],
             "holds an optimizer with other parameter groups than this run's: resume it as it was "
             "started, with no --norm-weight-decay and no --bias-weight-decay (and the same "
@@ -786,8 +791,8 @@ def one_epoch(tmp_path):
     ],
 )
 def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one_epoch, flags, line):
-    """Another optimizer or trainer, another batch mid-epoch, other parameter groups; the same data of another kind
-    (PIL images, 12 of them: the same counts) goes on."""
+    """Another optimizer or trainer, another batch or order mid-epoch, other parameter groups; the same data of
+    another kind (PIL images, 12 of them: the same counts) goes on."""
     argv = [*SMALL, *TINY_NET, "--epochs", "2", "--output-dir", one_epoch, "--resume", "auto", *flags]
     if line is None:
         assert started(*argv).start_step == 2
