@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -78,6 +79,25 @@ def atomic_write(path, write, sync_folder=True):
     replace_synced(write_synced(path, write), path, sync_folder)
 
 
+# What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary
+TEMPORARY = re.compile(r"\..+\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
+
+
+def remove_leftover_temporaries(directory):
+    """Remove the temporaries (TEMPORARY) in `directory` and its metrics/ that a run killed while writing left there:
+    each as large as a checkpoint. Only by the holder of the directory's lock: no other run writes there. Returns
+    the removed files' sizes."""
+    removed = []
+    for folder in (Path(directory), Path(directory) / "metrics"):
+        for path in folder.glob(".*.tmp") if folder.is_dir() else []:
+            if TEMPORARY.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    removed.append(size)
+    return removed
+
+
 def link_or_copy(source, path):
     """`path` as a second name of `source`'s bytes (a hard link: no copy), else a synced copy; atomic either way
     (the folder is not synced), and no full-size temporary is left when the copy fails (a full disk)."""
@@ -118,6 +138,12 @@ class OutputLock:
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
+            removed = remove_leftover_temporaries(self.directory)
+            if removed and say is not None:
+                say(
+                    f"note: removed {len(removed)} temporary file(s) of {sum(removed) / 2**20:.1f} MiB from "
+                    f"{self.directory}, left by a run killed while it wrote them"
+                )
 
     def _unwritable(self, error):
         return UsageError(

@@ -119,6 +119,32 @@ def test_a_run_that_ends_before_it_wrote_leaves_no_directory_it_made(tmp_path):
         OutputLock(tmp_path / "a-file" / "run")
 
 
+def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing_else(tmp_path):
+    """Seen: a SIGKILL while a checkpoint was written left .checkpoint.pth.XXXXXXXX.tmp (65 MB for resnet50), which no
+    later run removed."""
+    out = tmp_path / "run"
+    (out / "metrics").mkdir(parents=True)
+    fd, half_written = run_dir.temporary_beside(out / "checkpoint.pth")
+    os.write(fd, b"x" * 3_000_000)
+    os.close(fd)
+    left = [
+        half_written,
+        out / f".checkpoint_prev.pth.{'ab12' * 8}.tmp",
+        out / "metrics" / ".val_epoch0.json.k2j4_x9z.tmp",
+    ]
+    for path in left[1:]:
+        path.write_bytes(b"y")
+    kept = [out / "notes.tmp", out / ".notes.tmp", out / ".mine.ABCDEFGH.tmp", out / "checkpoint.pth"]
+    for path in kept:
+        path.write_bytes(b"z")
+    said = []
+    OutputLock(out, say=said.append)
+    assert not any(path.exists() for path in left) and all(path.exists() for path in kept)
+    assert said == [
+        f"note: removed 3 temporary file(s) of 2.9 MiB from {out}, left by a run killed while it wrote them"
+    ]
+
+
 STOPPING_HOLDER = """import sys, time
 sys.path.insert(0, {repo!r})
 from common.run_dir import OutputLock
