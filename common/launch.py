@@ -13,6 +13,7 @@ import gc
 import importlib
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import threading
@@ -189,6 +190,12 @@ def known_failure(error):
         return (
             "error: DDP: the model has parameters that received no gradient: add --find-unused-parameters "
             "(or use them all in forward)"
+        )
+    wanted = re.search(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes", text)
+    if wanted:  # (the GPU's: diagnostics.out_of_memory)
+        return (
+            f"error: out of host memory: a tensor of {int(wanted.group(1)) / 2**30:.1f} GiB could not be allocated; "
+            "a smaller -b, crop size (--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)"
         )
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.

@@ -65,6 +65,17 @@ from harness.processes import PYTHON, REPO, clean_env
         (OSError(errno.EISDIR, "Is a directory", "/runs/x/log.csv"), None),
         (RuntimeError("a bug of ours"), None),
         (TypeError("another"), None),
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+                "to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"
+            ),
+            (
+                1,
+                "error: out of host memory: a tensor of 37.3 GiB could not be allocated; a smaller -b, crop size "
+                "(--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)",
+            ),
+        ),
     ],
 )
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):
