@@ -36,8 +36,8 @@ _FORK_HOOK = []  # registered once a process
 
 def _start_up_stop_line(name):
     return (
-        f"stopped on {name} before training started: nothing was trained, nothing written; start it again as it was "
-        "started"
+        f"stopped on {name} before training started: nothing was trained, no checkpoint written; start it again as it "
+        "was started"
     )
 
 

@@ -510,7 +510,7 @@ def test_a_stop_signal_before_training_ends_the_run_with_75_not_143(stopped_in_s
     over NFS) killed the process: 143, which a requeue logic reads as a crash."""
     (returncode, output, left_behind), folder = stopped_in_start_up_runs[launcher]
     stop = (
-        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it "
+        "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
         "was started"
     )
     if launcher == "dp":
@@ -548,8 +548,8 @@ def test_a_stop_signal_while_a_rank_waits_in_its_rendezvous_ends_it_at_once_with
             job.kill()
     assert returncode == 75, output[-3000:]
     assert output.splitlines()[-1] == (
-        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it was "
-        "started (waiting in torch)"
+        "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
+        "was started (waiting in torch)"
     ), output[-3000:]
     assert no_traceback_of_ours(output) and not job.left_behind
 

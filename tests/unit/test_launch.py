@@ -203,8 +203,8 @@ def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_si
     ], result.stdout + result.stderr
     assert result.returncode == 75, result.stderr
     assert result.stderr.splitlines() == [
-        "stopped on SIGTERM before training started: nothing was trained, nothing written; start it again as it was "
-        "started (waiting in torch)"
+        "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
+        "was started (waiting in torch)"
     ]
 
 
