@@ -83,6 +83,9 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
 
 
+ESCAPED = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})  # bad_images.txt's fields
+
+
 def write_text(path, text):
     atomic_write(path, lambda file: file.write(text.encode()))
 
@@ -207,11 +210,14 @@ class RunLogger:
                 write_text(self.output_dir / "metrics" / f"{split}_epoch{epoch}.json", text)
 
     def write_bad_images(self, found):
-        """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file)."""
+        """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file); a name's bytes
+        as they are, but for a backslash, tab or line break, written as \\, \\t, \\n, \\r (a line per file)."""
         if self.writes and not found:
             (self.output_dir / "bad_images.txt").unlink(missing_ok=True)  # an earlier epoch's: those read again
         elif self.writes:
-            lines = "".join(f"{path}\t{reason}\n" for path, reason in found)  # file names as their bytes
+            lines = "".join(
+                f"{str(path).translate(ESCAPED)}\t{str(reason).translate(ESCAPED)}\n" for path, reason in found
+            )
             atomic_write(
                 self.output_dir / "bad_images.txt", lambda file: file.write(lines.encode("utf-8", "surrogateescape"))
             )
