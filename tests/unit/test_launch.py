@@ -270,6 +270,8 @@ def test_the_arguments_are_parsed_with_the_garbage_collector_off_and_it_is_on_ag
 
 def test_what_the_parse_imported_is_moved_to_the_oldest_generation_in_one_collection():
     # Left in the youngest generation, the import's objects would be scanned by its next collections, then the next's.
-    made = without_collections(lambda: [[index] for index in range(20_000)])
+    made = without_collections(lambda: [[index] for index in range(100_000)])
     oldest = {id(item) for item in gc.get_objects(generation=2)}
     assert id(made) in oldest and all(id(item) in oldest for item in made[::1000])
+    few = without_collections(lambda: [[index] for index in range(1_000)])  # (torch imported before: no scan)
+    assert id(few) not in {id(item) for item in gc.get_objects(generation=2)}
