@@ -18,7 +18,7 @@ import torch
 
 from . import distributed
 from .config import flag
-from .errors import CheckpointWriteError, UsageError
+from .errors import CheckpointWriteError, Preempted, UsageError
 from .models import unwrap
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
@@ -178,6 +178,8 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
                 "not only tensors and plain data; nothing in it was run"
             )
         raise UsageError(f"cannot read checkpoint {path}: not a PyTorch checkpoint")
+    except Preempted:  # a stop signal while it loads (launch.py): never taken for a damaged file
+        raise
     except Exception as error:  # truncated zip, text, random bytes: the unpickler raises many kinds
         raise UsageError(
             f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint ({type(error).__name__})"

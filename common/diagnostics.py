@@ -17,7 +17,7 @@ import torch.nn as nn
 from . import distributed
 from .config import profile_steps
 from .distributed import flight_recorder_files
-from .errors import OutOfMemory, UsageError
+from .errors import OutOfMemory, Preempted, UsageError
 
 # A training epoch that waits longer than this share of its time for batches: said once, with levers.
 INPUT_BOUND = 1 / 3
@@ -68,6 +68,8 @@ def forward_flops(model, size, channels):
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             copy(torch.empty(1, channels, size, size, device="meta"))
         return counter.get_total_flops(), None
+    except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's failure
+        raise
     except Exception as error:  # any forward of a researcher's model: n/a, said once
         return None, (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 

@@ -30,6 +30,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a launcher's or scheduler's r
 
 
 STOP_UNHANDLED_AFTER = 2.0  # seconds a signal in start-up waits for the main thread before start-up's watch ends it
+STOP_HANDLED_WITHIN = 30.0  # seconds after the main thread took it, for the process to end (its clean-up)
 _watch = None  # start-up's watch of the stop signals (_Watch), until training starts
 _FORK_HOOK = []  # registered once a process
 
@@ -43,6 +44,7 @@ def _start_up_stop_line(name):
 
 def _stop_during_start_up(signum, _frame):
     if _watch is not None:
+        _watch.taken = signal.Signals(signum).name
         _watch.handled.set()
     raise Preempted(_start_up_stop_line(signal.Signals(signum).name))
 
@@ -67,14 +69,15 @@ def stop_at_once_until_training():
 
 class _Watch:
     """Start-up's watch: a thread reads each signal's number from Python's wakeup fd, and ends the process where the
-    main thread has not taken the signal within STOP_UNHANDLED_AFTER s. Python runs a handler only in the main
-    thread, between bytecodes; torch's rendezvous and collectives wait in C++ (for a rank that never comes: up to
-    --dist-timeout)."""
+    main thread has not taken the signal within STOP_UNHANDLED_AFTER s, or has not ended STOP_HANDLED_WITHIN s after
+    it took it. Python runs a handler only in the main thread, between bytecodes; torch's rendezvous and collectives
+    wait in C++ (for a rank that never comes: up to --dist-timeout)."""
 
     def __init__(self):
         self.read, self.write = os.pipe()
         os.set_blocking(self.write, False)
-        self.handled = threading.Event()
+        self.handled, self.ended = threading.Event(), threading.Event()
+        self.taken = None  # the stop signal the main thread took (its Preempted), if one did
 
     @classmethod
     def start(cls):
@@ -103,11 +106,16 @@ class _Watch:
     def _end_unless_handled(self, signum, handler):
         if handler not in (_stop_during_start_up, _interrupted_during_start_up):
             return  # another signal (a loader worker's SIGCHLD)
+        why = "waiting outside Python: a rendezvous, a collective or a read"
         if self.handled.wait(STOP_UNHANDLED_AFTER) or signal.getsignal(signum) is not handler:
-            self.handled.clear()  # the main thread took it
-            return
+            # The main thread took it (Preempted, KeyboardInterrupt) and ends the process; one that has not ended
+            # within STOP_HANDLED_WITHIN s (its clean-up waiting in C++) is ended here. (Two signals at once: one
+            # handler call, and the second byte waits here too.)
+            if self.ended.wait(STOP_HANDLED_WITHIN) or signal.getsignal(signum) is not handler:
+                return
+            why = f"still running {STOP_HANDLED_WITHIN:g} s after it"
         if handler is _stop_during_start_up:
-            say(f"{_start_up_stop_line(signal.Signals(signum).name)} (waiting in torch)", file=sys.stderr)
+            say(f"{_start_up_stop_line(signal.Signals(signum).name)} ({why})", file=sys.stderr)
         sys.stdout.flush()
         os._exit(PREEMPTED_EXIT_CODE if handler is _stop_during_start_up else 130)
 
@@ -119,18 +127,22 @@ class _Watch:
 
 def training_starts():
     """The end of start-up's watch (preemption.StopSignal's handlers have taken over): the wakeup fd released,
-    Ctrl-C Python's KeyboardInterrupt again."""
+    Ctrl-C Python's KeyboardInterrupt again. A stop signal the start-up took, but whose Preempted some code caught
+    (an `except Exception` of a dataset, say), is raised again here: the run stops before its first step."""
     global _watch
     if _watch is None or threading.current_thread() is not threading.main_thread():
         return
+    watch, _watch = _watch, None
     if signal.getsignal(signal.SIGINT) is _interrupted_during_start_up:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.set_wakeup_fd(-1)
-    if previous != _watch.write:
+    if previous != watch.write:
         signal.set_wakeup_fd(previous)
-    os.write(_watch.write, b"\0")
-    os.close(_watch.write)
-    _watch = None
+    watch.ended.set()
+    os.write(watch.write, b"\0")
+    os.close(watch.write)
+    if watch.taken:
+        raise Preempted(f"{_start_up_stop_line(watch.taken)} (its start-up went on after it)")
 
 
 def _forget_watch():

@@ -13,7 +13,7 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from .errors import UsageError, check_call, import_named
+from .errors import Preempted, UsageError, check_call, import_named
 
 
 def _classifiers(model, outputs):
@@ -230,6 +230,8 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                     )
             except NotImplementedError:
                 return
+            except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
+                raise
             except Exception as error:  # the layers' own shape checks: RuntimeError, AssertionError, ValueError
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here

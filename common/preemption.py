@@ -69,13 +69,13 @@ class StopSignal:
         self.received = None  # name of the signal, once one came
         self.received_at = None
         self.handlers = {}  # the handlers before ours, put back by close()
+        # A CPU group of its own, so the flag never waits on GPU work (made while start-up's watch still watches).
+        self.group = dist.new_group(backend="gloo") if listen and distributed.is_initialized() else None
         if listen and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self.handlers[signum] = signal.signal(signum, self._handle)
             self.handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._check_data_wait)
-            training_starts()  # start-up's watch ends
-        # A CPU group of its own, so the flag never waits on GPU work.
-        self.group = dist.new_group(backend="gloo") if listen and distributed.is_initialized() else None
+            training_starts()  # start-up's watch ends (a stop it took that was caught on the way: raised again)
         self.pending = None
         self.saving = False
         self.on_first = None  # called with the signal's name when the first one comes (the output lock's mark)

@@ -8,7 +8,6 @@ stopped: the data order and augmentation are functions of (seed, epoch, index) a
 (common/checkpoint.py).
 """
 
-import functools
 import math
 import sys
 import time
@@ -353,16 +352,16 @@ class Trainer:
             self._best_acc1 = max(val["acc1"], self._best_acc1)
             if is_best:
                 self._best_epoch = epoch + 1
-            logged = functools.partial(self._log_epoch, epoch, epoch_start, train, val, ema_val)
-            self.save(epoch + 1, is_best=is_best, before_write=logged)
+            self._log_epoch(epoch, epoch_start, train, val, ema_val, self._bad_images.sync())  # (before the save)
+            self.save(epoch + 1, is_best=is_best)
             if epoch + 1 < config.epochs and self._stop_agreed(now=True):
                 self._stopped(epoch + 1, 0)  # asked to stop during validation: no step of the next epoch
         return self._finish(time.time() - wall_start, train, val, ema_val)
 
     def _log_epoch(self, epoch, epoch_start, train, val, ema_val, bad_images):
-        """log.csv's row and the metrics' tables of `epoch`, written by save() before the epoch's checkpoint: a run
-        resumed from the checkpoint before drops them (Logger.start); written after it, a failed write or a kill in
-        between lost the row for good."""
+        """log.csv's row and the metrics' tables of `epoch` (`bad_images`: the ranks' unreadable files, pooled), written
+        before the epoch's checkpoint: a run resumed from the checkpoint before drops them (Logger.start); written
+        after it, a failed write or a kill in between lost the row for good."""
         ema_row = ema_val if self.ema is not None else None
         self.log.log_epoch(epoch_row(epoch, epoch_start, self._epoch_lr, train, val, ema_row, bad_images))
         self.log.write_tables(epoch, {"train": train, "val": val, **({"ema_val": ema_val} if self.ema else {})})
@@ -512,14 +511,12 @@ class Trainer:
         self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
         return summary
 
-    def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False, before_write=None):
+    def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):
         """A checkpoint after `step_in_epoch` steps of `epoch` (0: the epoch before is complete), assembled by
-        common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. before_write(the epoch's
-        unreadable files over all ranks) is called once they are gathered. Returns those files."""
+        common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
+        unreadable files over all ranks."""
         with self._stop_signal.no_stop_now():
             checkpoint = assemble(self, epoch, step_in_epoch, metrics)
-            if before_write is not None:
-                before_write(checkpoint["bad_images"])
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:
                 self.log.write_bad_images(checkpoint["bad_images"])

@@ -549,7 +549,7 @@ def test_a_stop_signal_while_a_rank_waits_in_its_rendezvous_ends_it_at_once_with
     assert returncode == 75, output[-3000:]
     assert output.splitlines()[-1] == (
         "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
-        "was started (waiting in torch)"
+        "was started (waiting outside Python: a rendezvous, a collective or a read)"
     ), output[-3000:]
     assert no_traceback_of_ours(output) and not job.left_behind
 

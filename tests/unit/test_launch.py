@@ -11,15 +11,20 @@ import signal
 import subprocess
 
 import pytest
+import torch
 
+from common.checkpoint import load_checkpoint
+from common.diagnostics import forward_flops
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
 from common.launch import (
+    _start_up_stop_line,
     known_failure,
     outcome,
     stop_at_once_until_training,
     training_starts,
     without_collections,
 )
+from common.models import check_input_size
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -150,18 +155,22 @@ def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted()
         stop_at_once_until_training()
         with pytest.raises(Preempted, match="stopped on SIGTERM before training started: nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
+        # Caught here, as an `except Exception` on the start-up's way would: training's start raises it again.
+        with pytest.raises(Preempted, match=r"before training started: .* \(its start-up went on after it\)$"):
+            training_starts()
     finally:
-        training_starts()  # start-up's watch ends, Ctrl-C is Python's again
+        training_starts()  # (ended: nothing more) Ctrl-C is Python's again
         for signum, handler in before.items():
             signal.signal(signum, handler)
 
 
-# Start-up's watch, in an interpreter of its own: a signal the main thread takes, one in a child forked in start-up,
-# the watch's end when training starts, and a wait where Python runs no handler (a read the kernel restarts).
+# Start-up's watch, in interpreters of their own. WATCHED: a signal the main thread takes, one in a child forked in
+# start-up, the watch's end when training starts, and a wait where Python runs no handler (a read the kernel
+# restarts). SWALLOWED: a stop the main thread took but did not end on (its clean-up hung, say).
 WATCHED = """import os, signal, threading, time
 from common import launch
 from common.errors import Preempted
-launch.STOP_UNHANDLED_AFTER = 0.3
+launch.STOP_UNHANDLED_AFTER, launch.STOP_HANDLED_WITHIN = 0.3, 5.0
 launch.stop_at_once_until_training()
 try:
     os.kill(os.getpid(), signal.SIGTERM)
@@ -177,8 +186,10 @@ if child == 0:
     except Preempted:
         os._exit(5)
 print("child", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
-time.sleep(0.6)
-launch.training_starts()
+try:
+    launch.training_starts()
+except Preempted as stop:
+    print("raised again at training's start:", str(stop).endswith("(its start-up went on after it)"))
 time.sleep(0.1)
 watching = [thread.name for thread in threading.enumerate() if thread.name == "stop signals in start-up"]
 print("watch ended", watching, signal.set_wakeup_fd(-1), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
@@ -189,23 +200,59 @@ print("waiting", flush=True)
 threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
 os.read(empty, 1)
 """
+SWALLOWED = """import os, signal, time
+from common import launch
+from common.errors import Preempted
+launch.STOP_UNHANDLED_AFTER, launch.STOP_HANDLED_WITHIN = 0.3, 0.5
+launch.stop_at_once_until_training()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+except Preempted:
+    print("swallowed", flush=True)
+time.sleep(10)
+"""
+STOP = "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
 
 
-def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_signal_and_only_then():
-    result = subprocess.run(
-        [PYTHON, "-c", WATCHED], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60
+def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_signal_or_end_on_it():
+    watched, swallowed = (
+        subprocess.run([PYTHON, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+        for code in (WATCHED, SWALLOWED)
     )
-    assert result.stdout.splitlines() == [
+    assert watched.stdout.splitlines() == [
         "taken, still here",
         "child 5",  # its signal its own: the parent's watch did not see it
+        "raised again at training's start: True",
         "watch ended [] -1 True",
         "waiting",
-    ], result.stdout + result.stderr
-    assert result.returncode == 75, result.stderr
-    assert result.stderr.splitlines() == [
-        "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
-        "was started (waiting in torch)"
+    ], watched.stdout + watched.stderr
+    assert watched.returncode == 75, watched.stderr
+    assert watched.stderr.splitlines() == [
+        f"{STOP}was started (waiting outside Python: a rendezvous, a collective or a read)"
     ]
+    assert (swallowed.returncode, swallowed.stdout) == (75, "swallowed\n"), swallowed.stderr
+    assert swallowed.stderr.splitlines() == [f"{STOP}was started (still running 0.5 s after it)"]
+
+
+class StoppedInForward(torch.nn.Module):
+    """A model whose forward is where a stop signal's handler runs (it raises Preempted there)."""
+
+    def forward(self, *_args, **_kwargs):
+        raise Preempted(_start_up_stop_line("SIGTERM"))
+
+
+def test_a_stop_signal_in_start_up_is_never_taken_for_a_model_s_or_a_checkpoint_s_fault(tmp_path, monkeypatch):
+    """Seen: SIGTERM during the checkpoint's load read as a damaged file (exit 2; --resume auto went on from the one
+    before and trained), and in the start-up checks' forwards as the model's failure (the run went on)."""
+    with pytest.raises(Preempted):
+        check_input_size(StoppedInForward(), "resnet18", [32], 32, 3, 2)
+    with pytest.raises(Preempted):
+        forward_flops(StoppedInForward(), 32, 3)
+    path = tmp_path / "checkpoint.pth"
+    torch.save({"state_dict": {}}, path)
+    monkeypatch.setattr(torch, "load", StoppedInForward().forward)  # (torch's load, where the handler ran)
+    with pytest.raises(Preempted):
+        load_checkpoint(path)
 
 
 LAUNCHED = """import os, signal, sys, time
