@@ -66,11 +66,17 @@ def single_image_on_a_device(images, devices):
 
 def last_batch_for(data, model, devices):
     """`data` with its train loader dropping the epoch's last batch where that batch would leave a device a single
-    image and `model` has BatchNorm layers (a model without trains on one image: its last batch is kept)."""
+    image and `model` has BatchNorm layers, which fail on one where they see 1x1 activations (not known before the
+    forward: one image of the epoch left out; a model without BatchNorm keeps it)."""
     loader = data.train_loader
     last = data.train_sampler.num_samples % loader.batch_size
     if loader.drop_last or not single_image_on_a_device(last, devices) or not has_batch_norm(model):
         return data
+    if data.train_sampler.num_samples < loader.batch_size:  # that batch is all there is
+        raise UsageError(
+            f"each process trains on {data.train_sampler.num_samples} image(s) an epoch, and a device would have a "
+            "single one, on which the model's BatchNorm cannot train: use more images, or fewer processes or GPUs"
+        )
     return data._replace(train_loader=data.make_train_loader(drop_last=True))
 
 

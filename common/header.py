@@ -144,7 +144,8 @@ def training_lines(trainer):
         last = sampler.num_samples % loader.batch_size
         lines.append(
             f"last batch: each epoch's last {last} image{'s' * (last > 1)} per process {'are' if last > 1 else 'is'} "
-            "not trained on: a device would have a single image, on which the model's BatchNorm cannot train"
+            "not trained on: a device would have a single image, and BatchNorm fails on one where it sees 1x1 "
+            "activations (the model has BatchNorm layers)"
         )
     if hasattr(trainer.shard, "describe"):  # train_fsdp.py: the units and what a rank holds
         lines += trainer.shard.describe(trainer.model, trainer.optimizer)

@@ -410,3 +410,8 @@ def test_a_last_batch_that_leaves_a_device_a_single_image_is_dropped_for_a_model
         kept = last_batch_for(data, batch_norm, 1).train_loader
         samples, share = 24 // world_size, batch // world_size
         assert kept.drop_last is dropped and len(kept) == samples // share + (not dropped and samples % share > 0)
+    data = data_of(parse("--data", tiny_data, "-j", "0", "-b", "48"), rank=23, world_size=24)  # (an image each)
+    with pytest.raises(
+        UsageError, match=r"^each process trains on 1 image\(s\) an epoch, and a device would have a single"
+    ):
+        last_batch_for(data, batch_norm, 1)

@@ -324,8 +324,8 @@ def test_an_epoch_whose_last_batch_is_a_single_image_trains_a_batchnorm_model_wi
     trainer = trained("-a", "resnet18", "-b", "11", "--epochs", "1", "--output-dir", tmp_path / "out")
     assert trainer.steps_per_epoch == 1
     assert (
-        "last batch: each epoch's last 1 image per process is not trained on: a device would have a single image, on "
-        "which the model's BatchNorm cannot train"
+        "last batch: each epoch's last 1 image per process is not trained on: a device would have a single image, and "
+        "BatchNorm fails on one where it sees 1x1 activations (the model has BatchNorm layers)"
     ) in capsys.readouterr().out.splitlines()
     assert (tmp_path / "out" / "log.csv").read_text().splitlines()[1].startswith("0,")
     assert (
