@@ -75,10 +75,9 @@ def world_info_from_env():
 
 def _whole_number(name):
     text = os.environ[name]
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"{name}={text!r} is not a whole number (set by torchrun, srun or the job script)") from None
+    if not re.fullmatch(r"-?[0-9]+", text):  # (int() takes "1_0", spaces and other scripts' digits)
+        raise UsageError(f"{name}={text!r} is not a whole number (set by torchrun, srun or the job script)")
+    return int(text)
 
 
 def port_number(text, shown, processes):
@@ -468,11 +467,10 @@ def check_port_free(address, port):
         try:
             sock.bind((address, port))
         except OSError as error:
-            why = (
-                "the port is in use; choose another --master-port"
-                if error.errno == errno.EADDRINUSE
-                else "node 0 listens there: --master-addr must name an address of node 0"
-            )
+            why = {
+                errno.EADDRINUSE: "the port is in use; choose another --master-port",
+                errno.EACCES: "a port below 1024 needs root; choose another --master-port",
+            }.get(error.errno, "node 0 listens there: --master-addr must name an address of node 0")
             raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): {why}") from None
 
 

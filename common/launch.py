@@ -190,6 +190,10 @@ def launcher_ended(wait=0.0):
     return False
 
 
+def _size(count):
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def known_failure(error):
     """One line for the errors that are not this process's own fault (their cause is reported
     elsewhere or is the machine's), else None."""
@@ -206,7 +210,7 @@ def known_failure(error):
     wanted = re.search(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes", text)
     if wanted:  # (the GPU's: diagnostics.out_of_memory)
         return (
-            f"error: out of host memory: a tensor of {int(wanted.group(1)) / 2**30:.1f} GiB could not be allocated; "
+            f"error: out of host memory: a tensor of {_size(int(wanted.group(1)))} could not be allocated; "
             "a smaller -b, crop size (--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)"
         )
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):

@@ -79,8 +79,8 @@ def atomic_write(path, write, sync_folder=True):
     replace_synced(write_synced(path, write), path, sync_folder)
 
 
-# What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary
-TEMPORARY = re.compile(r"\..+\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
+# What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary of the files a run writes
+TEMPORARY = re.compile(r"\..+\.(pth|csv|json|txt)\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
 
 
 def remove_leftover_temporaries(directory):

@@ -58,6 +58,7 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_N
             "RANK='abc' is not a whole number (set by torchrun, srun or the job script)",
         ),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
+        ({"RANK": "1_0", "WORLD_SIZE": "20"}, "RANK='1_0' is not a whole number"),  # (int() would take it: 10)
         (
             {"RANK": "-1", "WORLD_SIZE": "1"},
             "RANK=-1 with WORLD_SIZE=1: the processes' ranks are 0 .. WORLD_SIZE-1, and",

@@ -81,6 +81,14 @@ from harness.processes import PYTHON, REPO, clean_env
                 "(--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)",
             ),
         ),
+        (
+            RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 52428800 bytes. Error"),
+            (
+                1,
+                "error: out of host memory: a tensor of 50.0 MiB could not be allocated; a smaller -b, crop size "
+                "(--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)",
+            ),
+        ),
     ],
 )
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):

@@ -134,7 +134,8 @@ def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing
     ]
     for path in left[1:]:
         path.write_bytes(b"y")
-    kept = [out / "notes.tmp", out / ".notes.tmp", out / ".mine.ABCDEFGH.tmp", out / "checkpoint.pth"]
+    kept = [out / "notes.tmp", out / ".notes.tmp", out / ".mine.ABCDEFGH.tmp", out / ".backup.20240612.tmp"]
+    kept.append(out / "checkpoint.pth")
     for path in kept:
         path.write_bytes(b"z")
     said = []
