@@ -83,7 +83,14 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
 
 
-ESCAPED = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})  # bad_images.txt's fields
+# bad_images.txt's fields: what would split or hide a line (control characters, Unicode's line separators) escaped
+ESCAPED = str.maketrans(
+    {
+        **{code: f"\\x{code:02x}" for code in [*range(32), 127, 0x85]},
+        **{code: f"\\u{code:04x}" for code in (0x2028, 0x2029)},
+        **{"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"},
+    }
+)
 
 
 def write_text(path, text):

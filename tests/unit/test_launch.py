@@ -25,6 +25,7 @@ from common.launch import (
     without_collections,
 )
 from common.models import check_input_size
+from common.preemption import StopSignal
 from harness.processes import PYTHON, REPO, clean_env
 
 
@@ -158,14 +159,16 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
 
 
 def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted():
-    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM)}
     try:
         stop_at_once_until_training()
         with pytest.raises(Preempted, match="stopped on SIGTERM before training started: nothing was trained"):
             os.kill(os.getpid(), signal.SIGTERM)
-        # Caught here, as an `except Exception` on the start-up's way would: training's start raises it again.
+        # Caught here, as an `except Exception` on the start-up's way would: training's start (its StopSignal) raises
+        # it again, and ends the watch.
         with pytest.raises(Preempted, match=r"before training started: .* \(its start-up went on after it\)$"):
-            training_starts()
+            StopSignal(30.0)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.set_wakeup_fd(-1) == -1
     finally:
         training_starts()  # (ended: nothing more) Ctrl-C is Python's again
         for signum, handler in before.items():

@@ -107,14 +107,15 @@ def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
 def test_bad_images_txt_is_a_line_per_file_whatever_its_name_holds(tmp_path):
     log = RunLogger(tmp_path / "out", prints=False, writes=True)
     log.start(parse("--dummy"), resumed=False)
-    names = ["/d/a\nb.jpg", "/d/tab\there.jpg", "/d/back\\slash\r.jpg", "/d/caf\udce9.jpg"]  # (the last: bytes)
+    names = ["/d/a\nb.jpg", "/d/tab\there.jpg", "/d/back\\slash\r.jpg", "/d/caf\udce9.jpg", "/d/\x0b\u2028.jpg"]
     log.write_bad_images([[name, "cannot identify image file"] for name in names])
     lines = (tmp_path / "out" / "bad_images.txt").read_bytes().split(b"\n")
     assert lines == [
         b"/d/a\\nb.jpg\tcannot identify image file",
         b"/d/tab\\there.jpg\tcannot identify image file",
         b"/d/back\\\\slash\\r.jpg\tcannot identify image file",
-        b"/d/caf\xe9.jpg\tcannot identify image file",
+        b"/d/caf\xe9.jpg\tcannot identify image file",  # (a name's bytes that are no UTF-8: as they are)
+        b"/d/\\x0b\\u2028.jpg\tcannot identify image file",
         b"",
     ]
 
