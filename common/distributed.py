@@ -84,10 +84,7 @@ def port_number(text, shown, processes):
     """The rendezvous port `text` (`shown`: the flag or variable that gave it, as the user wrote it), one line refusing
     what no store can listen on: not a whole number in 0..65535, or 0 (any free port) for more than one process,
     which the others cannot know."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
+    port = int(text) if re.fullmatch(r"[0-9]+", str(text)) else -1  # (int() takes "29_500" and spaces)
     if not 0 <= port <= 65535 or (port == 0 and processes > 1):
         raise UsageError(
             f"{shown}: the rendezvous port must be a whole number in 1..65535 (0, any free port, only for a "
@@ -469,7 +466,7 @@ def check_port_free(address, port):
         except OSError as error:
             why = {
                 errno.EADDRINUSE: "the port is in use; choose another --master-port",
-                errno.EACCES: "a port below 1024 needs root; choose another --master-port",
+                errno.EACCES: f"{'a port below 1024 needs root; ' * (port < 1024)}choose another --master-port",
             }.get(error.errno, "node 0 listens there: --master-addr must name an address of node 0")
             raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): {why}") from None
 

@@ -44,6 +44,8 @@ def _start_up_stop_line(name):
 
 def _stop_during_start_up(signum, _frame):
     if _watch is not None:
+        if _watch.taken:  # a second one (Slurm signals every process, torchrun passes its own on): one stop
+            return
         _watch.taken = signal.Signals(signum).name
         _watch.handled.set()
     raise Preempted(_start_up_stop_line(signal.Signals(signum).name))
@@ -111,13 +113,16 @@ class _Watch:
             # The main thread took it (Preempted, KeyboardInterrupt) and ends the process; one that has not ended
             # within STOP_HANDLED_WITHIN s (its clean-up waiting in C++) is ended here. (Two signals at once: one
             # handler call, and the second byte waits here too.)
-            if self.ended.wait(STOP_HANDLED_WITHIN) or signal.getsignal(signum) is not handler:
+            if self.ended.wait(STOP_HANDLED_WITHIN):  # (its handlers may be gone: before_exit ignores stop signals)
                 return
             why = f"still running {STOP_HANDLED_WITHIN:g} s after it"
-        if handler is _stop_during_start_up:
-            say(f"{_start_up_stop_line(signal.Signals(signum).name)} ({why})", file=sys.stderr)
-        sys.stdout.flush()
-        os._exit(PREEMPTED_EXIT_CODE if handler is _stop_during_start_up else 130)
+        try:
+            with contextlib.suppress(Exception):  # (a closed stderr, a broken pipe: the process ends all the same)
+                if handler is _stop_during_start_up:
+                    say(f"{_start_up_stop_line(signal.Signals(signum).name)} ({why})", file=sys.stderr)
+                sys.stdout.flush()
+        finally:
+            os._exit(PREEMPTED_EXIT_CODE if handler is _stop_during_start_up else 130)
 
     def close(self):
         for fd in (self.read, self.write):
@@ -129,9 +134,17 @@ def training_starts():
     """The end of start-up's watch (preemption.StopSignal's handlers have taken over): the wakeup fd released,
     Ctrl-C Python's KeyboardInterrupt again. A stop signal the start-up took, but whose Preempted some code caught
     (an `except Exception` of a dataset, say), is raised again here: the run stops before its first step."""
+    taken = _end_watch()
+    if taken:
+        raise Preempted(f"{_start_up_stop_line(taken)} (its start-up went on after it)")
+
+
+def _end_watch():
+    """End start-up's watch (in the main thread; nothing where there is none): training started, or the run ended
+    (run_main, run_worker: a process that goes on, a notebook's, starts afresh). Returns the stop it took, if any."""
     global _watch
     if _watch is None or threading.current_thread() is not threading.main_thread():
-        return
+        return None
     watch, _watch = _watch, None
     if signal.getsignal(signal.SIGINT) is _interrupted_during_start_up:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -139,10 +152,10 @@ def training_starts():
     if previous != watch.write:
         signal.set_wakeup_fd(previous)
     watch.ended.set()
-    os.write(watch.write, b"\0")
+    with contextlib.suppress(OSError):  # (a watch thread that ended: its end of the pipe closed)
+        os.write(watch.write, b"\0")
     os.close(watch.write)
-    if watch.taken:
-        raise Preempted(f"{_start_up_stop_line(watch.taken)} (its start-up went on after it)")
+    return watch.taken
 
 
 def _forget_watch():
@@ -245,6 +258,7 @@ def _clean_up():
     if preemption is not None:
         preemption.before_exit()
         sys.modules[f"{__package__}.distributed"].destroy_process_group()
+    _end_watch()  # (after the clean-up, which it watches: one that hangs in C++ is ended STOP_HANDLED_WITHIN s on)
 
 
 MANY_NEW_OBJECTS = 50_000  # made by without_collections' make(), which then moves them to the oldest generation

@@ -218,7 +218,7 @@ class RunLogger:
 
     def write_bad_images(self, found):
         """bad_images.txt: one `path<TAB>reason` line per file skipped as undecodable (none: no file); a name's bytes
-        as they are, but for a backslash, tab or line break, written as \\, \\t, \\n, \\r (a line per file)."""
+        as they are, but for what would split or hide a line (ESCAPED: \\, \\t, \\n, \\r, \\xNN, \\u2028)."""
         if self.writes and not found:
             (self.output_dir / "bad_images.txt").unlink(missing_ok=True)  # an earlier epoch's: those read again
         elif self.writes:

@@ -220,15 +220,27 @@ try:
     os.kill(os.getpid(), signal.SIGTERM)
 except Preempted:
     print("swallowed", flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the clean-up on the way out does (preemption.before_exit)
 time.sleep(10)
+"""
+# Two stop signals at once (Slurm signals every process of a step, torchrun passes its own on): one stop, one line;
+# and the watch ends with the run (a process that goes on, a notebook's, starts afresh).
+TWO_AT_ONCE = """import os, signal
+from common import launch
+def main(_config):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
+print("exit", launch.run_main(main, lambda: None), "watch", launch._watch, flush=True)
 """
 STOP = "stopped on SIGTERM before training started: nothing was trained, no checkpoint written; start it again as it "
 
 
 def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_signal_or_end_on_it():
-    watched, swallowed = (
+    watched, swallowed, two = (
         subprocess.run([PYTHON, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
-        for code in (WATCHED, SWALLOWED)
+        for code in (WATCHED, SWALLOWED, TWO_AT_ONCE)
     )
     assert watched.stdout.splitlines() == [
         "taken, still here",
@@ -243,6 +255,8 @@ def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_si
     ]
     assert (swallowed.returncode, swallowed.stdout) == (75, "swallowed\n"), swallowed.stderr
     assert swallowed.stderr.splitlines() == [f"{STOP}was started (still running 0.5 s after it)"]
+    assert (two.returncode, two.stdout) == (0, "exit 75 watch None\n"), two.stderr
+    assert len(two.stderr.splitlines()) == 1 and two.stderr.startswith("stopped on SIG"), two.stderr
 
 
 class StoppedInForward(torch.nn.Module):
