@@ -59,7 +59,7 @@ def micro_batch(batch_size, world_size, accumulate):
 
 def single_image_on_a_device(images, devices):
     """Whether a batch of `images` split over `devices` as DataParallel splits it (Tensor.chunk) leaves some device a
-    single image: BatchNorm cannot train on one ("Expected more than 1 value per channel when training")."""
+    single image: BatchNorm fails on one where it sees 1x1 activations ("Expected more than 1 value per channel")."""
     share = math.ceil(images / devices)
     return images > 0 and (share == 1 or images % share == 1)
 
@@ -75,7 +75,8 @@ def last_batch_for(data, model, devices):
     if data.train_sampler.num_samples < loader.batch_size:  # that batch is all there is
         raise UsageError(
             f"each process trains on {data.train_sampler.num_samples} image(s) an epoch, and a device would have a "
-            "single one, on which the model's BatchNorm cannot train: use more images, or fewer processes or GPUs"
+            "single one, on which the model's BatchNorm fails where it sees 1x1 activations: use more images, or fewer "
+            "processes or GPUs"
         )
     return data._replace(train_loader=data.make_train_loader(drop_last=True))
 
