@@ -57,7 +57,7 @@ def setup(config, mode="ddp"):
             "MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
             "or export them in the job script when srun starts it"
         )
-    port_number(os.environ["MASTER_PORT"], f"MASTER_PORT={os.environ['MASTER_PORT']}", world_size)
+    port_number(os.environ["MASTER_PORT"], world_size)
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after

@@ -83,7 +83,7 @@ def setup(config):
     if url.startswith("tcp://"):
         host, _, port = url[len("tcp://") :].rpartition(":")
         shown = f"--dist-url {url}" if config.dist_url else f"--master-port {port}"
-        port = port_number(port, shown, config.nnodes * nproc)
+        port = port_number(port, config.nnodes * nproc, shown)
         if config.node_rank == 0:
             check_port_free(host, port)  # rank 0 will listen there
     elif url.startswith("file://"):
@@ -91,8 +91,8 @@ def setup(config):
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", config.master_addr)
         os.environ.setdefault("MASTER_PORT", str(config.master_port))
-        port_number(os.environ["MASTER_PORT"], f"MASTER_PORT={os.environ['MASTER_PORT']}", config.nnodes * nproc)
-    elif not url.startswith("tcp://"):
+        port_number(os.environ["MASTER_PORT"], config.nnodes * nproc)
+    else:
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
     return url, nproc
 

@@ -80,10 +80,11 @@ def _whole_number(name):
     return int(text)
 
 
-def port_number(text, shown, processes):
-    """The rendezvous port `text` (`shown`: the flag or variable that gave it, as the user wrote it), one line refusing
-    what no store can listen on: not a whole number in 0..65535, or 0 (any free port) for more than one process,
-    which the others cannot know."""
+def port_number(text, processes, shown=None):
+    """The rendezvous port `text` (`shown`: the flag that gave it, as the user wrote it; else MASTER_PORT=text), one
+    line refusing what no store can listen on: not a whole number in 0..65535, or 0 (any free port) for more than one
+    process, which the others cannot know."""
+    shown = shown or f"MASTER_PORT={text}"
     port = int(text) if re.fullmatch(r"[0-9]+", str(text)) else -1  # (int() takes "29_500" and spaces)
     if not 0 <= port <= 65535 or (port == 0 and processes > 1):
         raise UsageError(

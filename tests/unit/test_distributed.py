@@ -84,11 +84,11 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
     import train_ddp
     import train_spawn
 
-    assert distributed.port_number("29500", "MASTER_PORT=29500", 8) == 29500
-    assert distributed.port_number("0", "MASTER_PORT=0", 1) == 0  # (any free port: a group of one)
+    assert distributed.port_number("29500", 8) == 29500
+    assert distributed.port_number("0", 1) == 0  # (any free port: a group of one)
     for text, processes in [("abc", 1), ("99999", 1), ("-1", 1), ("0", 2), ("29_500", 2)]:
         with pytest.raises(UsageError, match=rf"^MASTER_PORT={text}: the rendezvous port must be a whole number in "):
-            distributed.port_number(text, f"MASTER_PORT={text}", processes)
+            distributed.port_number(text, processes)
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
