@@ -25,7 +25,7 @@ from torchvision.transforms.v2 import functional as F
 
 from . import distributed
 from .demo_data import ensure_demo_dataset
-from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
+from .errors import ESCAPED, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
 from .folder_index import FolderIndex, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -90,8 +90,9 @@ def encoded_jpeg(data, name):
 
 
 def printable(path):
-    """A file name that is not UTF-8 (its bytes kept as surrogates), with those bytes escaped."""
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    """A file name for a one-line message: what would split or hide the line escaped (errors.ESCAPED), and the bytes
+    of a name that is not UTF-8 (kept as surrogates) as \\xNN."""
+    return str(path).translate(ESCAPED).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def describe(error):

@@ -55,6 +55,17 @@ class Preempted(Exception):
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --resume auto
 
 
+# What would split or hide a line (control characters, Unicode's line separators), escaped: in bad_images.txt's fields
+# and in the file names of our one-line messages (datasets.printable)
+ESCAPED = str.maketrans(
+    {
+        **{code: f"\\x{code:02x}" for code in [*range(32), 127, 0x85]},
+        **{code: f"\\u{code:04x}" for code in (0x2028, 0x2029)},
+        **{"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"},
+    }
+)
+
+
 def say(message, file=None):
     """print(message, file=file, flush=True), in one write: print() makes two, and another process sharing the
     terminal or pipe (ranks, loader workers, torchrun) could land between them, gluing its output onto our line."""

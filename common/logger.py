@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS
-from .errors import UsageError, say
+from .errors import ESCAPED, UsageError, say
 from .metrics import MetricSums
 from .run_dir import atomic_write
 
@@ -81,16 +81,6 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
         row.update({field: ema_val[field.removeprefix("ema_val_")] for field in EMA_FIELDS})
         row.update(MetricSums.extra(ema_val, "ema_val_"))
     return {**row, **MetricSums.extra(train, "train_"), **MetricSums.extra(val, "val_")}
-
-
-# bad_images.txt's fields: what would split or hide a line (control characters, Unicode's line separators) escaped
-ESCAPED = str.maketrans(
-    {
-        **{code: f"\\x{code:02x}" for code in [*range(32), 127, 0x85]},
-        **{code: f"\\u{code:04x}" for code in (0x2028, 0x2029)},
-        **{"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"},
-    }
-)
 
 
 def write_text(path, text):

@@ -308,6 +308,15 @@ def test_a_file_name_that_is_not_utf8_is_printed_with_its_bytes_escaped():
     assert printable(b"broken-\xff.jpg".decode("utf-8", "surrogateescape")) == "broken-\\xff.jpg"
 
 
+def test_a_file_name_that_would_break_the_line_is_printed_escaped_and_strict_data_s_line_keeps_it_whole(tmp_path):
+    """A name holding a newline would split the warning, and --strict-data's error keeps only its last line."""
+    assert printable("a\nb\\c\u2028\x1b.jpg") == "a\\nb\\\\c\\u2028\\x1b.jpg"
+    bad = tmp_path / "line\nbreak.jpg"
+    bad.write_bytes(b"\xff\xd8 not a jpeg")
+    with pytest.raises(UnreadableImage, match=rf"^cannot decode {re.escape(str(tmp_path))}/line\\nbreak\.jpg \(.+\); "):
+        SkipUnreadable(ImageFiles([(str(bad), 0)]), replace=True, strict=True)[0]
+
+
 def test_the_reason_says_no_file_object_of_pil_s():
     """PIL names the object it read: a file's name is in the warning already, a BytesIO's address means nothing."""
     import io
