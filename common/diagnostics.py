@@ -395,6 +395,17 @@ class DeviceIdle:
         self.say(f"warning: the GPU's idle share is not measured ({error}); the input wait still is")
 
 
+def all_threads():
+    """profile()'s option to record every thread's operations, not only the main thread's (the loader's decode thread
+    of --decode gpu); none where this torch has no such option."""
+    try:
+        from torch.profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
 class StepProfiler:
     """--profile START:STEPS: torch.profiler (CPU and CUDA, shapes, memory) over steps START to START+STEPS-1 of this
     launch, a Chrome trace per rank. A window that reaches the end of a training epoch (or of the run) ends there."""
@@ -412,7 +423,12 @@ class StepProfiler:
             warnings.simplefilter("ignore")
             steps = schedule(wait=max(self.start - 1, 0), warmup=min(self.start, 1), active=self.steps, repeat=1)
         self.profile = profile(
-            activities=activities, record_shapes=True, profile_memory=True, schedule=steps, on_trace_ready=self._write
+            activities=activities,
+            record_shapes=True,
+            profile_memory=True,
+            schedule=steps,
+            on_trace_ready=self._write,
+            **all_threads(),
         )
         self.profile.start()
 

@@ -264,6 +264,23 @@ def test_the_profiler_writes_a_trace_of_the_asked_steps_and_the_run_goes_on(tmp_
     assert said and "training goes on" in said[0]
 
 
+def test_the_trace_holds_the_operations_of_other_threads_the_decode_thread_s(tmp_path):
+    """--decode gpu's decoding and crops run in the loader's decode thread: the trace must show them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    profiler = StepProfiler("0:2", tmp_path, cpu_runtime(), [].append)
+    with ThreadPoolExecutor(1, thread_name_prefix="decode") as pool:
+        for _ in range(2):
+            pool.submit(lambda: nn.functional.interpolate(torch.rand(1, 3, 8, 8), size=(4, 4))).result()
+            torch.randn(8, 8) @ torch.randn(8, 8)
+            profiler.step()
+    profiler.stop()
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    main = {event["tid"] for event in events if event.get("name") == "aten::mm"}
+    resized = {event["tid"] for event in events if event.get("name", "").startswith("aten::upsample")}
+    assert resized and main and not resized & main, (resized, main)
+
+
 def test_running_out_of_memory_ends_the_run_in_one_line_with_the_levers(tmp_path):
     trainer = built_trainer(*SMALL, "--output-dir", tmp_path, datasets=tensor_datasets())
     with pytest.raises(OutOfMemory) as raised:
