@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.datasets import encoded_jpeg
-from common.device_loader import Collate, DeviceLoader, equal_forwards
+from common.device_loader import Collate, DeviceLoader, _one_ahead, equal_forwards
 from common.errors import UnreadableImage
 from common.launch import known_failure
 from common.transforms import Normalise, TrainPreset
@@ -215,3 +215,26 @@ def test_decode_gpu_decodes_in_a_thread_one_batch_ahead_and_hands_the_batches_ov
     next(handed)
     handed.close()
     assert decode_threads() == []
+
+
+def test_on_a_gpu_every_batch_is_prepared_one_ahead_in_order():
+    """_prefetching's order (on a GPU: each batch's copy and normalisation queued on the side stream before the one
+    before is handed over), here with a prepare that records when it ran."""
+    begun = []
+    prepared = _one_ahead(lambda images, target: begun.append(images) or (images, target), ((k, k) for k in range(4)))
+    assert [(images, list(begun)) for images, _ in prepared] == [
+        (0, [0]),
+        (1, [0, 1]),
+        (2, [0, 1, 2]),
+        (3, [0, 1, 2, 3]),
+    ]
+    begun.clear()
+    ahead = _one_ahead(
+        lambda images, target: begun.append(images) or (images, target), ((k, k) for k in range(4)), always=True
+    )
+    assert [(images, list(begun)) for images, _ in ahead] == [
+        (0, [0, 1]),
+        (1, [0, 1, 2]),
+        (2, [0, 1, 2, 3]),
+        (3, [0, 1, 2, 3]),
+    ]
