@@ -52,8 +52,10 @@ test-slurm: $(STAMP)
 benchmark: $(STAMP)
 	$(PY) tools/benchmark.py
 
-# The GPU at steady state (ResNet-50, ViT-B/16, from synthetic data and JPEGs): one table under OUT/benchmark-gpu or
+# The GPU at steady state (ResNet-50, ViT-B/16, from synthetic data and JPEGs): one table under $OUT/benchmark-gpu or
 # ./benchmark-gpu, about 8 min on one H100 or H200 (estimated from its rows' times). Without a GPU it says so and exits 0.
+# On a machine with a torch of its own and no network to install the lock: python tools/benchmark_gpu.py (and
+# python tools/gpu_check.py), with that python.
 benchmark-gpu: $(STAMP)
 	$(PY) tools/benchmark_gpu.py
 

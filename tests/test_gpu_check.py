@@ -36,10 +36,11 @@ def cpu_harness_runs(tmp_path_factory):
     """The harness on the CPU, three times side by side (each starts one job at a time): the checks that must
     pass (the diagnostics' too); a row whose lr is too small to learn anything; FSDP's bf16 row and its comparison
     with DDP."""
-    return run_together(
+    out = tmp_path_factory.mktemp("gpu-check-out")
+    return out, run_together(
         [
             [PYTHON, CHECK, "--cpu", "--only", "ddp jpeg|dp1 synthetic|validation|resume|profile|memory|decode-gpu"],
-            [PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"],
+            [*(PYTHON, CHECK, "--cpu", "--quick", "--only", "dp1 jpeg", "--extra-args", "--lr 1e-30"), "--out", out],
             [PYTHON, CHECK, "--cpu", "--quick", "--only", "fsdp jpeg bf16|fsdp losses"],
         ],
         timeout=600,
@@ -54,7 +55,7 @@ def test_its_checks_pass_on_the_cpu(cpu_runs):
     model), a synthetic row's rate at steady state (make benchmark-gpu's window), validation by 1 and by 2 processes,
     the exact-resume check, a --profile trace of the asked steps, a step out of memory ending the run in one line, and
     --decode gpu's rows (here their code on the CPU, where the CPU's decoder is compared with itself)."""
-    result = cpu_runs[0]
+    result = cpu_runs[1][0]
     rows = table(assert_ok(result))
     assert set(rows) == {
         "ddp jpeg",
@@ -83,7 +84,7 @@ def test_its_checks_pass_on_the_cpu(cpu_runs):
 def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):
     """The FSDP rows of the harness on the CPU: the bf16 policy trains and its model_best.pth loads into a plain
     model; FSDP's losses per epoch are DDP's (here within 1e-5)."""
-    result = cpu_runs[2]
+    result = cpu_runs[1][2]
     rows = table(assert_ok(result))
     assert set(rows) == {"fsdp jpeg bf16", "fsdp losses = ddp losses"}, result.stdout[-3000:]
     assert all(row["result"].startswith("PASS") for row in rows.values()), result.stdout[-3000:]
@@ -93,10 +94,13 @@ def test_its_fsdp_checks_pass_on_the_cpu(cpu_runs):
 
 
 def test_it_fails_when_training_does_not_learn(cpu_runs):
-    result = cpu_runs[1]
+    """And --out keeps the table and the failed row's output (a GPU machine's $OUT, which comes back)."""
+    out, (_, result, _) = cpu_runs
     assert result.returncode == 1, result.stdout[-3000:]
     assert table(result.stdout)["dp1 jpeg"]["result"].startswith("FAIL: training loss did not fall")
     assert "0 passed, 1 failed" in result.stdout
+    assert table((out / "table.md").read_text())["dp1 jpeg"]["result"].startswith("FAIL: training loss did not fall")
+    assert "training loss did not fall" in (out / "dp1_jpeg.log").read_text()
 
 
 @pytest.mark.gpu

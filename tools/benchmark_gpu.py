@@ -18,13 +18,17 @@ their batches on the GPU (no loader, no copy); JPEG rows read 500x375 JPEGs (abo
 default workers. The bare loop is a plain PyTorch loop (no Trainer) on the same model and data: what is left to gain in
 ours.
 
-The table (markdown) and each row's figures (JSON) go to --out (default: ./benchmark-gpu), with every run's console
-output and log.csv (runs.tar.gz). Each row has its own time limit; with --deadline, rows that would start after it are
-not run (the exit status is 1 for a row that failed, not for one left out).
+A run whose rates never settle (each interval 10% off the later half's median) is measured over the later half of its
+lines, and the table says "not steady" (no verdict). The table (markdown) and the rows' figures (JSON) go to --out
+(default: $OUT/benchmark-gpu where OUT is set, else ./benchmark-gpu) after every row, with each run's console output,
+log.csv, summary.json and trace (runs/ROW/): a command cut short keeps what it measured. Each row has its own time
+limit (ROW_LIMIT); with --deadline S, no row starts after S seconds, nor runs past them (the exit status is 1 for a row
+that failed, not for one left out).
 """
 
 import argparse
 import csv
+import gzip
 import json
 import multiprocessing
 import os
@@ -34,7 +38,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,6 +62,8 @@ CPU_WITHIN = (
 # compiles or cuDNN tunes) are spent well before its end, and the window measures the decoding.
 JPEG_STEPS = 160
 FEWEST_INTERVALS = 3  # a window of fewer intervals is no measurement
+ROW_LIMIT = 420  # seconds a row may take (--cpu: 300); with --deadline, at most what is left of it
+LEAST_FOR_A_ROW = 60  # seconds: with less left before --deadline, a row is not started
 PRINT_FREQ = 10
 H200_BEFORE = (
     1495  # resnet50 float32 images/s, the first GPU run (H200, -b 64, start-up included): the float32 row's base
@@ -323,6 +328,16 @@ def steady(output, batch, within=STEADY_WITHIN):
     return None if first is None else window_figures(points, first)
 
 
+def unsteady(points):
+    """window_figures over the later half of `points`, for a run with no steady window: marked not steady, with the
+    rates of all its intervals (CheckFailed for fewer than two lines in that half)."""
+    first = len(points) // 2
+    if len(points) - first < 2:
+        raise CheckFailed(f"no steady window: {len(points)} progress lines")
+    rates = ", ".join(f"{rate:.0f}" for rate in interval_rates(points))
+    return {**window_figures(points, first), "steady": False, "rates": rates}
+
+
 def command(bench, repo, cpu):
     python = sys.executable
     common = ["-b", str(bench.batch), "--epochs", "1", "-p", str(PRINT_FREQ if not cpu else 2), "--seed", "0"]
@@ -361,7 +376,7 @@ def measure(bench, repo, workdir, cpu, timeout):
     """Run `bench`'s script and return its figures over the steady window (CheckFailed where it fails)."""
     if bench.mode == "bare":
         return bare_loop(bench, cpu, timeout)
-    out = Path(workdir) / re.sub(r"[^\w]+", "_", bench.name)
+    out = Path(workdir) / slug(bench.name)
     profile = ["--profile", bench.profile] if bench.profile else []
     status, output = run([*command(bench, repo, cpu), *profile, "--output-dir", out], job_env(cpu), timeout)
     (out / "console.log").parent.mkdir(parents=True, exist_ok=True)
@@ -371,12 +386,8 @@ def measure(bench, repo, workdir, cpu, timeout):
     if bench.profile:
         return trace_summary(out / "profile" / "rank0.json")
     figures = steady(output, bench.batch, within=CPU_WITHIN if cpu else STEADY_WITHIN)
-    if figures is None:
-        points = progress_points(output, bench.batch)
-        raise CheckFailed(
-            f"no steady window in {len(points)} progress lines: rates "
-            + ", ".join(f"{rate:.0f}" for rate in interval_rates(points))
-        )
+    if figures is None:  # (the rate still falling at the end: the loader's prefetched batches running out)
+        figures = unsteady(progress_points(output, bench.batch))
     with open(out / "log.csv", newline="") as file:
         epoch = list(csv.DictReader(file))[-1]
     summary = json.loads((out / "summary.json").read_text())
@@ -427,6 +438,7 @@ def trace_summary(path):
             busy, end = busy + stop - end, stop
     span = (max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]) if gpu else 0.0
     count = max(len(steps), 1)
+    threads = {event.get("tid") for event in steps}  # the training loop's; others: the loader's decode thread
     by_kernel, by_family = {}, {}
     for event in gpu:
         name = event["name"]
@@ -445,6 +457,7 @@ def trace_summary(path):
         "gpu_idle_pct": 100 * (1 - busy / span) if span else None,
         "kernels_per_step": sum(event["cat"] == "kernel" for event in gpu) / count,
         "syncs_per_step": {name: sum(e["name"] == name for e in events) / count for name in SYNCS},
+        "syncs_per_step_other_threads": sum(e["name"] in SYNCS and e.get("tid") not in threads for e in events) / count,
         "device_to_host_copies_per_step": sum(e["cat"] == "gpu_memcpy" and "DtoH" in e["name"] for e in gpu) / count,
         "gpu_ms_by_family_per_step": {
             family: round(ms / count / 1000, 3) for family, ms in sorted(by_family.items(), key=lambda item: -item[1])
@@ -635,6 +648,8 @@ def table(rows, facts):
             if "measured_images" in f
             else "CUDA events, last 2/3 of the steps"
         )
+        if f.get("steady") is False:
+            measured += f"; not steady: the later half (rates {f['rates']})"
         left_out = f"{f['excluded_seconds']:.1f} s" if "excluded_seconds" in f else "-"
         verdict = {True: "yes", False: "NO", None: "-"}[f.get("met")]
         if f.get("versus"):
@@ -653,7 +668,9 @@ def table(rows, facts):
             f"per step, GPU busy {f['gpu_busy_ms_per_step']:.1f} ms of {f['gpu_span_ms_per_step']:.1f} "
             f"(idle {cell(f['gpu_idle_pct'], '.1f')}%), {f['kernels_per_step']:.0f} kernels, host waits per step: "
             + ", ".join(f"{name} {n:g}" for name, n in f["syncs_per_step"].items())
-            + f", device-to-host copies {f['device_to_host_copies_per_step']:g}",
+            + f" ({f['syncs_per_step_other_threads']:g} of them on threads other than the steps': the loader's), "
+            f"device-to-host copies {f['device_to_host_copies_per_step']:g}; GPU busy counts CUDA kernels, copies "
+            "and memsets (nvJPEG's hardware decoder, where it is used, is none of them)",
             "",
             "| GPU time by kind | ms per step |",
             "|---|---:|",
@@ -664,24 +681,51 @@ def table(rows, facts):
     return "\n".join(lines)
 
 
-def keep_runs(workdir, out):
-    """Every run's console.log, log.csv and summary.json in one archive under `out`."""
-    with tarfile.open(out / "runs.tar.gz", "w:gz") as archive:
-        for path in sorted(Path(workdir).glob("*/*")):
-            if path.name in ("console.log", "log.csv", "summary.json"):
-                archive.add(path, arcname=str(path.relative_to(workdir)))
+def keep_run(bench, workdir, out):
+    """`bench`'s run's console.log, log.csv, summary.json and trace (gzipped) under `out`/runs/ROW."""
+    run_dir, kept = Path(workdir) / slug(bench.name), Path(out) / "runs" / slug(bench.name)
+    for name in ("console.log", "log.csv", "summary.json", "profile/rank0.json"):
+        if (run_dir / name).is_file():
+            kept.mkdir(parents=True, exist_ok=True)
+            if name.endswith(".json") and name.startswith("profile/"):
+                with open(run_dir / name, "rb") as source, gzip.open(kept / "rank0.json.gz", "wb") as target:
+                    shutil.copyfileobj(source, target)
+            else:
+                shutil.copy(run_dir / name, kept / name)
+
+
+def slug(name):
+    return re.sub(r"[^\w]+", "_", name)
+
+
+def save(rows, facts, repo, out):
+    """The table and the rows' figures so far (after every row: a command cut short keeps what it measured)."""
+    (out / "table.md").write_text(table(rows, facts) + "\n")
+    (out / "rows.json").write_text(
+        json.dumps({"environment": facts, "repo": repo, "rows": [asdict(bench) for bench in rows]}, indent=1)
+    )
+
+
+def row_limit(cpu, deadline, started):
+    """A row's time limit: ROW_LIMIT (--cpu: 300), or what is left before --deadline where less."""
+    limit = 300 if cpu else ROW_LIMIT
+    return limit if deadline is None else min(limit, round(deadline - (time.monotonic() - started)))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose scripts run (default: this one)")
-    parser.add_argument("--out", default="benchmark-gpu", help="where the table goes (%(default)s)")
+    parser.add_argument(
+        "--out",
+        default=str(Path(os.environ["OUT"]) / "benchmark-gpu") if os.environ.get("OUT") else "benchmark-gpu",
+        help="where the table, the figures and the runs' outputs go (%(default)s)",
+    )
     parser.add_argument(
         "--deadline",
         type=float,
         default=None,
-        help="seconds after which no row starts (a lease of a GPU machine); default: none",
+        help="seconds after which no row starts or runs on (a lease of a GPU machine); default: none",
     )
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (a tiny model)")
     parser.add_argument(
@@ -706,8 +750,8 @@ def main(argv=None):
     rows = selected(rows, args.only)
     print(f"benchmark-gpu: {len(rows)} rows, runs in {workdir}, table to {out}", flush=True)
     for bench in rows:
-        if args.deadline is not None and time.monotonic() - started > args.deadline:
-            bench.result = {"error": f"not run: past --deadline {args.deadline:g} s", "skipped": True}
+        if row_limit(args.cpu, args.deadline, started) < LEAST_FOR_A_ROW:
+            bench.result = {"error": f"not run: too near --deadline {args.deadline:g} s", "skipped": True}
             continue
         if bench.data == "jpeg" and not (workdir / "jpegs").is_dir():
             count, size = (
@@ -721,21 +765,18 @@ def main(argv=None):
             )
         begin = time.monotonic()
         try:
-            bench.result = measure(bench, args.repo, workdir, args.cpu, timeout=300 if args.cpu else 420)
-            if not bench.profile:
-                bench.result["met"] = met(bench, bench.result, rows)
-        except (CheckFailed, OSError, ValueError, KeyError) as error:
+            bench.result = measure(bench, args.repo, workdir, args.cpu, row_limit(args.cpu, args.deadline, started))
+            if not bench.profile:  # (a run that never settled: its share of another row said, no verdict)
+                reached = met(bench, bench.result, rows)
+                bench.result["met"] = reached if bench.result.get("steady", True) else None
+        except Exception as error:  # (CheckFailed, or this harness's own: the next rows still run)
             bench.result = {"error": "FAIL: " + (str(error).splitlines() or [type(error).__name__])[0][:200]}
         print(f"{bench.name}: {json.dumps(bench.result)} ({time.monotonic() - begin:.0f} s)", flush=True)
-        (out / "table.md").write_text(table(rows, facts) + "\n")  # after every row: a cut-short run keeps its rows
-    text = table(rows, facts)
-    (out / "table.md").write_text(text + "\n")
-    (out / "rows.json").write_text(
-        json.dumps({"environment": facts, "repo": args.repo, "rows": [asdict(bench) for bench in rows]}, indent=1)
-    )
-    keep_runs(workdir, out)
+        keep_run(bench, workdir, out)
+        save(rows, facts, args.repo, out)
+    save(rows, facts, args.repo, out)
     shutil.rmtree(workdir, ignore_errors=True)
-    print("\n" + text)
+    print("\n" + table(rows, facts))
     return 1 if any("error" in bench.result and not bench.result.get("skipped") for bench in rows) else 0
 
 

@@ -44,6 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -630,12 +631,33 @@ def rows_for(setup, quick):
     return rows
 
 
+def table(rows, failures):
+    lines = [
+        "| row | flags | img/s per GPU | expected | peak GPU memory (GiB) | MFU % | result |",
+        "|---|---|---:|---|---:|---:|---|",
+    ]
+    for row in rows:
+        rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
+        peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
+        lines.append(
+            f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {row.target} | {peak} | {row.mfu} | {row.result} |"
+        )
+    done = sum(row.result != "not run" for row in rows)
+    return "\n".join([*lines, "", f"{done - failures} passed, {failures} failed, {len(rows) - done} not run yet"])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="JPEG rows only (no synthetic ResNet-50)")
     parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (gloo, tiny model)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
+    parser.add_argument(
+        "--out",
+        default=str(Path(os.environ["OUT"]) / "gpu-check") if os.environ.get("OUT") else None,
+        help="a folder for the table and each failed row's output, written after every row (default: $OUT/gpu-check "
+        "where OUT is set, else none)",
+    )
     parser.add_argument(
         "--extra-args",
         default="",
@@ -688,6 +710,9 @@ def main(argv=None):
     if args.only:
         checks = [(row, check) for row, check in checks if re.search(args.only, row.name)]
 
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     failures = 0
     for row, check in checks:
         start = time.monotonic()
@@ -695,23 +720,17 @@ def main(argv=None):
             check(setup, row)
             if row.result == "not run":
                 row.result = "PASS"
-        except CheckFailed as error:
+        except Exception as error:  # (CheckFailed, or a CUDA error of a check run here: the next rows still run)
             failures += 1
-            row.result = "FAIL: " + str(error).splitlines()[0]
-            print(f"--- {row.name}: FAIL\n{error}", file=sys.stderr, flush=True)
+            detail = str(error) if isinstance(error, CheckFailed) else traceback.format_exc()
+            row.result = "FAIL: " + ((str(error).splitlines() or [""])[0] or type(error).__name__)
+            print(f"--- {row.name}: FAIL\n{detail}", file=sys.stderr, flush=True)
+            if out:
+                (out / (re.sub(r"[^\w]+", "_", row.name) + ".log")).write_text(detail)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
-
-    print(
-        "\n| row | flags | img/s per GPU | expected | peak GPU memory (GiB) | MFU % | result |\n"
-        "|---|---|---:|---|---:|---:|---|"
-    )
-    for row, _ in checks:
-        rate = "-" if math.isnan(row.images_per_second) else f"{row.images_per_second:.0f}"
-        peak = "-" if math.isnan(row.peak_gib) else f"{row.peak_gib:.2f}"
-        print(
-            f"| {row.name} | {' '.join(row.flags) or '-'} | {rate} | {row.target} | {peak} | {row.mfu} | {row.result} |"
-        )
-    print(f"\n{len(checks) - failures} passed, {failures} failed")
+        if out:
+            (out / "table.md").write_text(table([row for row, _ in checks], failures) + "\n")
+    print("\n" + table([row for row, _ in checks], failures))
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0
