@@ -107,7 +107,11 @@ class _Watch:
 
     def _end_unless_handled(self, signum, handler):
         if handler not in (_stop_during_start_up, _interrupted_during_start_up):
-            return  # another signal (a loader worker's SIGCHLD)
+            if not (self.handled.is_set() and signum in (*STOP_SIGNALS, signal.SIGINT)):
+                return  # another signal (a loader worker's SIGCHLD)
+            # The main thread took it before this thread read its number, and has since set the handlers aside (the
+            # clean-up on the way out ignores stop signals): it must still end.
+            handler = _interrupted_during_start_up if signum == signal.SIGINT else _stop_during_start_up
         why = "waiting outside Python: a rendezvous, a collective or a read"
         if self.handled.wait(STOP_UNHANDLED_AFTER) or signal.getsignal(signum) is not handler:
             # The main thread took it (Preempted, KeyboardInterrupt) and ends the process; one that has not ended

@@ -177,7 +177,8 @@ def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted()
 
 # Start-up's watch, in interpreters of their own. WATCHED: a signal the main thread takes, one in a child forked in
 # start-up, the watch's end when training starts, and a wait where Python runs no handler (a read the kernel
-# restarts). SWALLOWED: a stop the main thread took but did not end on (its clean-up hung, say).
+# restarts). SWALLOWED: a stop the main thread took but did not end on (its clean-up hung, say), the watch's thread
+# late to read it.
 WATCHED = """import os, signal, threading, time
 from common import launch
 from common.errors import Preempted
@@ -211,16 +212,17 @@ print("waiting", flush=True)
 threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
 os.read(empty, 1)
 """
-SWALLOWED = """import os, signal, time
+SWALLOWED = """import os, signal, sys, time
 from common import launch
 from common.errors import Preempted
 launch.STOP_UNHANDLED_AFTER, launch.STOP_HANDLED_WITHIN = 0.3, 0.5
 launch.stop_at_once_until_training()
+sys.setswitchinterval(5.0)  # the watch's thread reads the signal's number late: once the handlers are set aside
 try:
     os.kill(os.getpid(), signal.SIGTERM)
 except Preempted:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the clean-up on the way out does (preemption.before_exit)
     print("swallowed", flush=True)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the clean-up on the way out does (preemption.before_exit)
 time.sleep(10)
 """
 # Two stop signals at once (Slurm signals every process of a step, torchrun passes its own on): one stop, one line;
