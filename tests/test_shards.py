@@ -267,3 +267,16 @@ def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, caps
         f"error: two train images of {source.resolve()} have the same key (their paths without the extension, dots "
         "made _): rename one"
     ]
+
+
+def test_an_out_that_cannot_be_made_is_refused_in_one_line_with_nothing_written(tmp_path, tiny_data, capsys):
+    """As tools/prepare_imagenet.py says it: `cannot write to OUT: why`, exit code 2, no traceback."""
+    (tmp_path / "a-file").write_text("")
+    for out, why in (
+        (tmp_path / "a-file", "File exists"),
+        (tmp_path / "a-file" / "out", "Not a directory"),
+        (Path("/proc/no-such-folder"), "No such file or directory"),
+    ):
+        assert make_shards.main([str(tiny_data), str(out), "--workers", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: cannot write to {out}: {why}"]
+    assert [path.name for path in tmp_path.iterdir()] == ["a-file"] and not (tmp_path / "a-file").read_text()

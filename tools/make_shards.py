@@ -124,13 +124,15 @@ def done(shard):
         return False
 
 
-def open_output(out, manifest):
-    """OUT, created, with its manifest and class list; UsageError if an earlier run wrote it with other options."""
-    out.mkdir(parents=True, exist_ok=True)
+def open_output(out, manifest, classes, splits):
+    """OUT, created, with its manifest, class list and split folders (no temporary left by a killed run): whether an
+    earlier run wrote it. UsageError if that run had other options, or OUT cannot be written (one line, nothing else
+    written)."""
     path = out / MANIFEST
-    if path.exists():
-        earlier = json.loads(path.read_text())
-        if earlier != manifest:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        earlier = json.loads(path.read_text()) if path.exists() else None
+        if earlier is not None and earlier != manifest:
             changed = [
                 f"{name} {earlier.get(name)} -> {manifest[name]}"
                 for name in manifest
@@ -140,9 +142,16 @@ def open_output(out, manifest):
                 f"{out} holds shards written with other options ({', '.join(changed)}): give another "
                 "OUT, or rerun the command that wrote them"
             )
-        return True
-    atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
-    return False
+        if earlier is None:
+            atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+        atomic_write(out / CLASSES, lambda file: file.write("".join(f"{name}\n" for name in classes).encode()))
+        for split in splits:
+            (out / split).mkdir(exist_ok=True)
+            for stale in (out / split).glob(".*.tmp"):  # a killed run's unfinished shard
+                stale.unlink()
+    except OSError as error:  # (as tools/prepare_imagenet.py says it)
+        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
+    return earlier is not None
 
 
 def make_shards(args):
@@ -170,14 +179,10 @@ def write_all(out, classes, samples, source, args):
         "quality": args.quality if args.resize else None,
         **{split: len(samples[split]) for split in samples},
     }
-    if open_output(out, manifest):
+    if open_output(out, manifest, classes, samples):
         print(f"carrying on in {out}", flush=True)
-    atomic_write(out / CLASSES, lambda file: file.write("".join(f"{name}\n" for name in classes).encode()))
     jobs = []
     for split, items in samples.items():
-        (out / split).mkdir(exist_ok=True)
-        for stale in (out / split).glob(".*.tmp"):  # a killed run's unfinished shard
-            stale.unlink()
         for number in range((len(items) + args.shard_size - 1) // args.shard_size):
             shard = out / split / f"{split}-{number:06d}.tar"
             if not done(shard):
