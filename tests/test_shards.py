@@ -263,10 +263,27 @@ def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, caps
     for name in ("00000.b.jpg", "00000_b.jpg"):
         shutil.copy(first, first.with_name(name))
     assert make_shards.main([str(source), str(tmp_path / "out"), "--workers", "1"]) == 2
+    folder = source / "train" / "ring"
     assert capsys.readouterr().err.splitlines() == [
-        f"error: two train images of {source.resolve()} have the same key (their paths without the extension, dots "
-        "made _): rename one"
+        f"error: two train images of {source.resolve()} have the same key ring/00000_b (their paths without the "
+        f"extension, dots made _): {folder / '00000.b.jpg'} and {folder / '00000_b.jpg'}: rename one"
     ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_without_val_is_named_as_make_shards_names_it_src(tmp_path, tiny_data, capsys):
+    """common/folder_index.py says it of the training scripts' --data; make_shards has no --data flag."""
+    source = shutil.copytree(tiny_data / "train", tmp_path / "data" / "train").parent
+    assert make_shards.main([str(source), str(tmp_path / "out"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: SRC {source} has no val/ folder: expected {source}/{{train,val}}/<class>/<image>"
+    ]
+    (source / "train.csv").write_text("train/ring/00000.jpg,ring\n")
+    assert make_shards.main([str(source), str(tmp_path / "out"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: SRC {source} has train.csv but no val.csv: give both splits"
+    ]
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_out_that_cannot_be_made_is_refused_in_one_line_with_nothing_written(tmp_path, tiny_data, capsys):

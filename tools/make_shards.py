@@ -158,7 +158,13 @@ def make_shards(args):
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise UsageError(f"SRC {src} is not a folder")
-    classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
+    try:
+        classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
+    except UsageError as error:  # said of the training scripts' --data: here it is SRC
+        text = str(error)
+        raise UsageError(
+            f"SRC {src}{text[len(f'--data {src}') :]}" if text.startswith(f"--data {src}") else text
+        ) from None
     samples = {"train": folder_samples(train, src / "train"), "val": folder_samples(val, src / "val")}
     write_all(out, classes, samples, {"source": str(src.resolve())}, args)
 
@@ -167,11 +173,15 @@ def write_all(out, classes, samples, source, args):
     """OUT's class list and shards of samples {split: [(key, extension, label, path, offset, size)]}, in their order,
     args.shard_size each, the shards not done yet written by args.workers processes."""
     for split, items in samples.items():
-        if len({key for key, *_ in items}) < len(items):
-            raise UsageError(
-                f"two {split} images of {source['source']} have the same key (their paths without the "
-                "extension, dots made _): rename one"
-            )
+        first = {}
+        for key, _, _, path, offset, _ in items:
+            where = path if offset is None else f"{path} at byte {offset}"  # (an image inside an archive)
+            if key in first:
+                raise UsageError(
+                    f"two {split} images of {source['source']} have the same key {key} (their paths without the "
+                    f"extension, dots made _): {first[key]} and {where}: rename one"
+                )
+            first[key] = where
     manifest = {
         **source,
         "shard_size": args.shard_size,
