@@ -723,3 +723,29 @@ def test_shards_straight_from_the_archives_are_those_make_shards_writes_from_the
     assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
         f"error: {prepared[0]} holds class folders: give the shards an OUT_DIR of their own"
     ], refused.stdout
+
+
+def tree(root):
+    """{relative path: bytes or None (a folder)} of everything under root."""
+    return {path.relative_to(root): None if path.is_dir() else path.read_bytes() for path in root.rglob("*")}
+
+
+def test_an_out_dir_where_it_reads_is_refused_before_anything_is_written(images, tmp_path, capsys):
+    """An OUT_DIR that is, holds or lies inside an input (ARCHIVE_DIR's train/ or val/) would add its train/, val/
+    and .prepare/ to the classes it reads; a source inside what OUT_DIR writes would be read while written. An
+    OUT_DIR beside the inputs (ARCHIVE_DIR itself, or a folder of it, for archives or Kaggle's layout) is fine."""
+    source = make_valprep(tmp_path / "extracted", images)
+    inner = make_valprep(tmp_path / "outer" / "train" / "extracted", images)
+    before = tree(tmp_path)
+    for archive_dir, out, read in (
+        (source, source / "train", source / "train"),
+        (source, source, source / "train"),
+        (source, source / "val" / "n01440764", source / "val"),
+        (inner, tmp_path / "outer", inner / "train"),
+    ):
+        for shards in ([], ["--shards"]):
+            line = one_error_line(capsys, archive_dir, out, *shards)
+            assert line.startswith(f"error: OUT_DIR {out} would write {out}/") and f"where it reads {read}:" in line
+    assert tree(tmp_path) == before
+    assert_ok(prepare(source, source / "prepared"))
+    assert contents(source / "prepared") == images

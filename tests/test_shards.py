@@ -297,3 +297,23 @@ def test_an_out_that_cannot_be_made_is_refused_in_one_line_with_nothing_written(
         assert make_shards.main([str(tiny_data), str(out), "--workers", "1"]) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: cannot write to {out}: {why}"]
     assert [path.name for path in tmp_path.iterdir()] == ["a-file"] and not (tmp_path / "a-file").read_text()
+
+
+def test_an_out_where_it_reads_is_refused_before_anything_is_written(tmp_path, tiny_data, capsys):
+    """OUT in SRC's train/ or val/ (or SRC itself) would add train/ and val/ to its classes; SRC inside OUT's train/
+    would be read while written. An OUT beside them, in SRC, is fine."""
+    source = shutil.copytree(tiny_data, tmp_path / "data")
+    inner = shutil.copytree(tiny_data, tmp_path / "outer" / "train" / "data")
+    before = sorted(tmp_path.rglob("*"))
+    for src, out, read in (
+        (source, source / "train", source / "train"),
+        (source, source, source / "train"),
+        (source, source / "val" / "ring", source / "val"),
+        (inner, tmp_path / "outer", inner / "train"),
+    ):
+        assert make_shards.main([str(src), str(out), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: OUT {out} would write {out}/") and f"where it reads {read}:" in err, err
+        assert len(err.splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
+    assert make_shards.main([str(source), str(source / "shards"), "--workers", "1"]) == 0

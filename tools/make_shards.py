@@ -43,7 +43,7 @@ from common.shards import (
     shard_stamp,
     write_index,
 )
-from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import Stopped, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 
 def sample_key(relative):
@@ -166,6 +166,12 @@ def make_shards(args):
             f"SRC {src}{text[len(f'--data {src}') :]}" if text.startswith(f"--data {src}") else text
         ) from None
     samples = {"train": folder_samples(train, src / "train"), "val": folder_samples(val, src / "val")}
+    folders = {os.path.dirname(path) for items in samples.values() for _, _, _, path, _, _ in items}
+    crossing = overlap([src / "train", src / "val", *sorted(folders)], [out / "train", out / "val"])
+    if crossing:  # (an OUT beside train/ and val/, in SRC or SRC itself for an image folder, is fine)
+        raise UsageError(
+            f"OUT {out} would write {crossing[1]} where it reads {crossing[0]}: give an OUT apart from SRC's images"
+        )
     write_all(out, classes, samples, {"source": str(src.resolve())}, args)
 
 

@@ -54,7 +54,7 @@ from common.folder_index import IMG_EXTENSIONS
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
-from shared import Stopped, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import Stopped, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 # torchvision.datasets.imagenet.ARCHIVE_META, written out: importing torchvision imports torch, which made this tool
 # take 7 s of CPU to start and seconds to exit (tests/test_prepare_imagenet.py compares the two).
@@ -601,6 +601,14 @@ def prepare_shards(args, train, val, labels):
 def prepare(args):
     start, out_dir = time.monotonic(), Path(args.out_dir)
     train, val, labels = find_inputs(Path(args.archive_dir))
+    crossing = overlap(
+        [path for path in (train, val, labels) if path], [out_dir / "train", out_dir / "val", out_dir / STATE]
+    )
+    if crossing:  # (an OUT_DIR beside the inputs, ARCHIVE_DIR itself or a folder in it, is fine)
+        raise Failure(
+            f"OUT_DIR {out_dir} would write {crossing[1]} where it reads {crossing[0]}: give an OUT_DIR apart "
+            "from the images it prepares"
+        )
     holds = (
         "shards"
         if (out_dir / MANIFEST).exists()

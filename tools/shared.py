@@ -1,5 +1,6 @@
 """What tools/prepare_imagenet.py and tools/make_shards.py share: a whole-number type for their command lines, an
-image resized as a JPEG, and the pool of worker processes that a stop signal or an error stops at once."""
+image resized as a JPEG, the check that they write nowhere they read, and the pool of worker processes that a stop
+signal or an error stops at once."""
 
 import argparse
 import io
@@ -53,6 +54,19 @@ def whole(low, high=None):
         return int(text)
 
     return parse
+
+
+def overlap(reads, writes):
+    """(read, written): the first path of `reads` that is, holds or lies inside a path of `writes` (links resolved),
+    or None. A tool writing there would add its output to the images it reads (an OUT inside the source's train/)
+    or read what it writes."""
+    resolved = [(path, Path(path).resolve()) for path in writes]
+    for read in reads:
+        real = Path(read).resolve()
+        for written, target in resolved:
+            if real == target or target in real.parents or real in target.parents:
+                return read, written
+    return None
 
 
 def worker_pool(workers):
