@@ -749,3 +749,13 @@ def test_an_out_dir_where_it_reads_is_refused_before_anything_is_written(images,
     assert tree(tmp_path) == before
     assert_ok(prepare(source, source / "prepared"))
     assert contents(source / "prepared") == images
+
+
+def test_shard_size_without_shards_and_shards_where_no_folder_can_be_made_are_one_line(images, tmp_path, capsys):
+    source = make_valprep(tmp_path / "extracted", images)
+    line = one_error_line(capsys, source, tmp_path / "out", "--shard-size", "5")
+    assert "--shard-size 5 is for --shards" in line, line
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "a-file").write_text("")
+    line = one_error_line(capsys, source, tmp_path / "a-file", "--shards")
+    assert line == f"error: cannot write to {tmp_path / 'a-file'}: Not a directory"

@@ -69,6 +69,7 @@ KAGGLE_ROOT, KAGGLE_LABELS = "ILSVRC/Data/CLS-LOC", "LOC_val_solution.csv"
 OFFICIAL_COUNTS = {"classes": 1000, "train images": 1_281_167, "val images": 50_000}
 STATE = ".prepare"  # completion markers and MD5 stamps, outside the class folders
 VAL_CHUNK = 500  # val images per task of the worker pool
+SHARD_SIZE = 2500  # images per shard with --shards, as tools/make_shards.py's default
 
 
 class Failure(Exception):
@@ -624,7 +625,10 @@ def prepare(args):
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
     if args.shards:
-        state.mkdir(parents=True, exist_ok=True)
+        try:
+            state.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise Failure(f"cannot write to {out_dir}: {error.strerror or error}") from None
     for path in [] if args.skip_md5 else [path for path in (train, val, labels) if path and path.name in OFFICIAL_MD5]:
         verify_md5(path, state)
     if args.shards:
@@ -698,9 +702,13 @@ def parse_args():
         help="write webdataset tar shards (tools/make_shards.py's) instead of class folders",
     )
     parser.add_argument(
-        "--shard-size", type=whole(1), default=2500, metavar="N", help="images per shard with --shards (%(default)s)"
+        "--shard-size", type=whole(1), metavar="N", help=f"images per shard with --shards ({SHARD_SIZE})"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.shard_size and not args.shards:  # (it would be ignored: class folders have no shards)
+        parser.error(f"--shard-size {args.shard_size} is for --shards: add --shards, or leave it out")
+    args.shard_size = args.shard_size or SHARD_SIZE
+    return args
 
 
 def main():
