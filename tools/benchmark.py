@@ -26,7 +26,6 @@ c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): th
    log.csv's input wait, images/s and TFLOP/s (docs/benchmarks.md, "Why is my run slow?").
 """
 
-import argparse
 import csv
 import math
 import os
@@ -43,12 +42,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 from common.augment import image_augmentation  # noqa: E402
+from common.cli import Parser  # noqa: E402
 from common.data import SkipUnreadable  # noqa: E402
 from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
+from common.errors import UsageError  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
+from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
 
 
 def make_jpegs(root, per_class, classes=2, seed=0):
@@ -178,8 +181,7 @@ def training_rate(mode, data_args, batch, epochs_args, workdir, model_args):
     result = subprocess.run(
         [str(part) for part in command + common], env=env, capture_output=True, text=True, timeout=1800
     )
-    if result.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    check_child({"dp": "train_dp.py", "ddp": "torchrun train_ddp.py", "spawn": "train_spawn.py"}[mode], result)
     # The mean over the epochs after the first: one short epoch is dominated by its start.
     rates = [float(row["images_per_second"]) for row in log_rows(out)]
     return sum(rates[1:]) / len(rates[1:]) if len(rates) > 1 else rates[0]
@@ -408,8 +410,7 @@ def res_compare(sizes, epochs, rounds, workdir):
                 "1000",
             ]
             result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-            if result.returncode != 0:
-                raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            check_child("train_dp.py", result)
             channels_last = "channels_last memory format" in result.stdout
             last = log_rows(out)[-1]
             rows[size].append((float(last["images_per_second"]), float(last["seconds"])))
@@ -499,8 +500,7 @@ def wait_compare(jpeg_dir, crop, epochs=2):
             str(out),
         ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        if result.returncode != 0:
-            raise RuntimeError(f"train_dp.py failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        check_child("train_dp.py", result)
         last = log_rows(out)[-1]
         print(
             f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
@@ -537,8 +537,22 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
         print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
 
 
+def batch_sizes(text):
+    """--batches: global batch sizes, whole numbers of at least 1 separated by commas (an argparse type)."""
+    return [whole(1)(part) for part in text.split(",")]
+
+
+def jpeg_sizes(jpeg_dir):
+    """The sizes of the JPEGs (*.jpg) of the ImageFolder `jpeg_dir`'s train/; UsageError unless it has some, and
+    a val/ (the training runs validate)."""
+    sizes = [path.stat().st_size for path in Path(jpeg_dir, "train").rglob("*.jpg")]
+    if not sizes or not Path(jpeg_dir, "val").is_dir():
+        raise UsageError(f"--jpeg-dir {jpeg_dir}: expected an ImageFolder of JPEGs, train/<class>/*.jpg and val/")
+    return sizes
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--gpu",
         action="store_true",
@@ -546,10 +560,12 @@ def main():
     )
     parser.add_argument("--jpeg-dir", help="an ImageFolder of JPEGs (train/ and val/); default: generated")
     parser.add_argument("--quick", action="store_true", help="fewer images: a smoke test, not a measurement")
-    parser.add_argument("--arch", default="resnet18", help="model of the training table (%(default)s)")
-    parser.add_argument("--crop", type=int, default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
-    parser.add_argument("--batches", default="32,128", help="two global batch sizes (%(default)s)")
-    parser.add_argument("--workers", type=int, default=1, help="loader workers per process (%(default)s)")
+    parser.add_argument(
+        "--arch", type=torchvision_model, default="resnet18", help="model of the training table (%(default)s)"
+    )
+    parser.add_argument("--crop", type=whole(1), default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
+    parser.add_argument("--batches", type=batch_sizes, default="32,128", help="two global batch sizes (%(default)s)")
+    parser.add_argument("--workers", type=whole(0), default=1, help="loader workers per process (%(default)s)")
     parser.add_argument(
         "--resize-compare", action="store_true", help="only the table of original vs prepare_imagenet.py --resize JPEGs"
     )
@@ -617,12 +633,12 @@ def main():
     jpeg_dir = Path(args.jpeg_dir) if args.jpeg_dir else REPO / "data" / "bench-jpegs-500x375"
     if not args.jpeg_dir and not (jpeg_dir / "val").is_dir():
         make_jpegs(jpeg_dir, per_class=256)
+    sizes = jpeg_sizes(jpeg_dir)
 
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
         + (f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if gpu else ", no GPU")
     )
-    sizes = [path.stat().st_size for path in (jpeg_dir / "train").rglob("*.jpg")]
     print(f"jpegs: {jpeg_dir} ({len(sizes)} train images, {sum(sizes) / len(sizes) / 1024:.0f} KB on average)\n")
 
     if args.resize_compare:
@@ -645,7 +661,7 @@ def main():
     for name, rate in rates.items():
         print(f"| {name} | {rate:.0f} | {rate / classic:.2f}x |")
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     workdir = tempfile.mkdtemp(prefix="bench-")
     model_args = [
         "-a",
@@ -689,4 +705,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

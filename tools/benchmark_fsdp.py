@@ -21,6 +21,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from common.cli import Parser  # noqa: E402
+from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
 
 
 def worker(arch):
@@ -98,14 +102,15 @@ def measure(arch, processes):
         arch,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    output = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-    return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+    check_child(f"torchrun --nproc_per_node={processes}", result)
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="vit_b_16")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=torchvision_model, default="vit_b_16")
+    parser.add_argument("--processes", type=whole(1), nargs="+", default=[1, 2, 4])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -130,4 +135,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -13,7 +13,6 @@ c. Listing 1,281,167 samples at a run's start: the scripts read the shards' inde
    same count is tools/benchmark_startup.py's.
 """
 
-import argparse
 import json
 import math
 import os
@@ -31,11 +30,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 import make_shards  # noqa: E402
-from benchmark import cpu_of_children, make_jpegs  # noqa: E402
+from benchmark import cpu_of_children, jpeg_sizes, make_jpegs  # noqa: E402
+from common.cli import Parser  # noqa: E402
 from common.datasets import ImageFiles, ShardedImages  # noqa: E402
 from common.folder_index import scan_image_folder  # noqa: E402
 from common.shards import scan_shards, shard_stamp, write_index  # noqa: E402
 from common.transforms import TrainPreset  # noqa: E402
+from shared import run_tool, whole  # noqa: E402
 
 
 def opened_files(data, workdir):
@@ -128,10 +129,14 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jpeg-dir", help="an ImageFolder (train/, val/) of JPEGs (default: 2 x 400 generated)")
-    parser.add_argument("--images", type=int, default=800, help="images per loader-worker measurement (default 800)")
+    parser.add_argument(
+        "--images", type=whole(1), default=800, help="images per loader-worker measurement (default 800)"
+    )
     args = parser.parse_args()
+    if args.jpeg_dir:
+        jpeg_sizes(args.jpeg_dir)  # (UsageError, before anything is made)
     workdir = Path(tempfile.mkdtemp(prefix="bench-shards-"))
     try:
         folder = Path(args.jpeg_dir) if args.jpeg_dir else make_jpegs(workdir / "jpegs", per_class=400)
@@ -168,4 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

@@ -15,11 +15,11 @@ killed (SIGKILL) with its process group and every process that carries its marke
 (torchrun starts its workers in sessions of their own).
 """
 
-import argparse
 import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +29,11 @@ import time
 import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from common.cli import Parser  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from shared import run_tool, whole  # noqa: E402
+
 FULL_TRAIN, VAL_PER_CLASS, CLASSES = 1_281_167, 50, 1000
 MARK, STEP = "_BENCHMARK_STARTUP_MARK", "Epoch: [0] ["
 DROP = {
@@ -77,12 +82,29 @@ def build_tree(root, scale):
     want = {"train_files": train_total, "val_per_class": val_per_class}
     if want.items() <= json.loads(read(marker) or "{}").items():
         return
+    start = time.perf_counter()
     if os.path.exists(root):
-        raise SystemExit(f"{root} exists and is not a tree of this scale built by this script: pass another --root")
+        raise UsageError(f"--root {root} exists and is not a tree of this scale built by this script: pass another")
+    try:
+        os.makedirs(root)
+        print(
+            f"building {root}: {train_total} train + {val_per_class * CLASSES} val files (hard links)", file=sys.stderr
+        )
+        write_tree(root, train_total, val_per_class)
+        with open(marker, "w") as file:
+            json.dump({**want, "scale": scale, "build_seconds": round(time.perf_counter() - start, 1)}, file)
+    except BaseException as error:  # a tree part-way (a full disk, Ctrl-C): none, not one a rerun refuses
+        shutil.rmtree(root, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise UsageError(f"cannot write to --root {root}: {error.strerror or error}") from None
+        raise
+
+
+def write_tree(root, train_total, val_per_class):
+    """The fake tree's folders and files under root (an empty folder)."""
     from PIL import Image
 
-    print(f"building {root}: {train_total} train + {val_per_class * CLASSES} val files (hard links)", file=sys.stderr)
-    start, val_index = time.perf_counter(), 0
+    val_index = 0
     for i in range(CLASSES):
         name = f"n{1440764 + 7919 * i:08d}"
         train_dir, val_dir, source = f"{root}/train/{name}", f"{root}/val/{name}", f"{root}/train/{name}/{name}_1.JPEG"
@@ -94,8 +116,6 @@ def build_tree(root, scale):
         for _ in range(val_per_class):
             val_index += 1
             os.link(source, f"{val_dir}/ILSVRC2012_val_{val_index:08d}.JPEG")
-    with open(marker, "w") as file:
-        json.dump({**want, "scale": scale, "build_seconds": round(time.perf_counter() - start, 1)}, file)
 
 
 def read(path):
@@ -271,16 +291,16 @@ def table(rounds, nproc):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--root",
         help="where the fake tree is built and kept (default /tmp/fake-imagenet, "
         "or /tmp/fake-imagenet-SCALE below full scale)",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of ImageNet's files (default 1)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of measurements (default 2)")
-    parser.add_argument("--nproc", type=int, default=8, help="torchrun --nproc_per_node (default 8)")
-    parser.add_argument("--ddp-rounds", type=int, help="rounds with the torchrun run (default: all; 0: none)")
+    parser.add_argument("--repeats", type=whole(1), default=2, help="rounds of measurements (default 2)")
+    parser.add_argument("--nproc", type=whole(1), default=8, help="torchrun --nproc_per_node (default 8)")
+    parser.add_argument("--ddp-rounds", type=whole(0), help="rounds with the torchrun run (default: all; 0: none)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess (default 600)")
     opts = parser.parse_args()
     if not 0 < opts.scale <= 1:
@@ -315,4 +335,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

@@ -1,6 +1,7 @@
-"""What tools/prepare_imagenet.py and tools/make_shards.py share: a whole-number type for their command lines, an
-image resized as a JPEG, the check that they write nowhere they read, and the pool of worker processes that a stop
-signal or an error stops at once."""
+"""What the tools share: whole numbers and torchvision's model names for their command lines, a bad input
+(UsageError) or a child's failure ended in one line, an image resized as a JPEG, the check that prepare_imagenet.py
+and make_shards.py write nowhere they read, and the pool of worker processes that a stop signal or an error stops at
+once."""
 
 import argparse
 import io
@@ -12,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.errors import UsageError, say
 from common.launch import end_with_launcher
 
 
@@ -67,6 +69,40 @@ def overlap(reads, writes):
             if real == target or target in real.parents or real in target.parents:
                 return read, written
     return None
+
+
+def torchvision_model(text):
+    """An argparse type: the name of a torchvision classification model (what the benchmarks build)."""
+    import torchvision
+
+    if text not in torchvision.models.list_models(module=torchvision.models):
+        raise argparse.ArgumentTypeError(f"{text!r}: no torchvision classification model of that name")
+    return text
+
+
+def run_tool(main, *args):
+    """main(*args)'s return value, for sys.exit; a UsageError said in one line on stderr (`error: ...`), its exit
+    code returned (2: bad input), never a traceback."""
+    try:
+        return main(*args)
+    except UsageError as error:
+        say(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+def check_child(what, result):
+    """Nothing, if the subprocess.run `result` (`what`: the command, in words) succeeded. Else its own line
+    `error: ...` as a UsageError of ours, `what: ...`, with exit code 2 where its was 2 (bad input: ours, given on to
+    it), else 1; a child that wrote no such line is a bug: RuntimeError with the end of its output."""
+    if result.returncode == 0:
+        return
+    output = f"{result.stdout or ''}\n{result.stderr or ''}"
+    line = next((line for line in output.splitlines() if line.startswith("error: ")), None)
+    if line is None:
+        raise RuntimeError(f"{what} failed (exit code {result.returncode}):\n{output[-4000:]}")
+    error = UsageError(f"{what}: {line.removeprefix('error: ')}")
+    error.exit_code = 2 if result.returncode == 2 else 1
+    raise error
 
 
 def worker_pool(workers):

@@ -1,0 +1,104 @@
+"""The benchmarks of tools/ (benchmark.py, benchmark_shards.py, benchmark_startup.py, benchmark_fsdp.py) on bad input:
+one line, `error: ...` (argparse's `PROG: error: ...`), exit code 2, never a traceback, nothing left half-built. Each
+main() is run in-process as its `__main__` runs it (shared.run_tool), and one run of each error path as a real
+process; a training script's own error line, given on by a benchmark that started it."""
+
+import re
+import signal
+import sys
+from subprocess import CompletedProcess
+
+import pytest
+
+from harness.jobs import no_traceback_of_ours, run
+from harness.processes import PYTHON, REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import benchmark  # noqa: E402
+import benchmark_fsdp  # noqa: E402
+import benchmark_shards  # noqa: E402
+import benchmark_startup  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from shared import check_child, run_tool  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+TOOLS = {
+    "benchmark.py": benchmark,
+    "benchmark_shards.py": benchmark_shards,
+    "benchmark_startup.py": benchmark_startup,
+    "benchmark_fsdp.py": benchmark_fsdp,
+}
+
+
+def one_error_line(capsys, tool, *args):
+    """`tool`'s main() with these arguments, in this process, as its __main__ runs it: exit code 2 and one line,
+    no traceback; this process's signal handlers untouched."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [str(REPO / "tools" / tool), *map(str, args)])
+        try:
+            code = run_tool(TOOLS[tool].main)
+        except SystemExit as exit:  # argparse's
+            code = exit.code
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
+    out, err = capsys.readouterr()
+    lines = (out + err).strip().splitlines()
+    assert code == 2 and len(lines) == 1 and re.match(rf"({re.escape(tool)}: )?error: ", lines[0]), out + err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "tool, args, expected",
+    [
+        ("benchmark.py", ["--quick", "--batches", "0"], "argument --batches: '0': expected a whole number"),
+        ("benchmark.py", ["--quick", "--batches", "32,x"], "argument --batches: 'x': expected a whole number"),
+        ("benchmark.py", ["--quick", "--workers", "-1"], "argument --workers: '-1': expected a whole number"),
+        ("benchmark.py", ["--quick", "--arch", "nonexist"], "'nonexist': no torchvision classification model"),
+        ("benchmark.py", ["--crop", "0"], "argument --crop: '0': expected a whole number of at least 1"),
+        ("benchmark.py", ["--quick", "--jpeg-dir", "{tmp}/nowhere"], "--jpeg-dir {tmp}/nowhere: expected an Image"),
+        ("benchmark_shards.py", ["--images", "0"], "argument --images: '0': expected a whole number"),
+        ("benchmark_shards.py", ["--jpeg-dir", "{tmp}/nowhere"], "--jpeg-dir {tmp}/nowhere: expected an ImageFolder"),
+        ("benchmark_startup.py", ["--root", "/proc/no-such-tree"], "cannot write to --root /proc/no-such-tree: No "),
+        ("benchmark_startup.py", ["--root", "{tmp}/a-file/tree"], "cannot write to --root {tmp}/a-file/tree: Not a "),
+        ("benchmark_startup.py", ["--root", "{tmp}", "--scale", "0.001"], "--root {tmp} exists and is not a tree"),
+        ("benchmark_startup.py", ["--nproc", "0"], "argument --nproc: '0': expected a whole number"),
+        ("benchmark_fsdp.py", ["--processes", "0"], "argument --processes: '0': expected a whole number"),
+        ("benchmark_fsdp.py", ["--arch", "nonexist"], "'nonexist': no torchvision classification model"),
+    ],
+)
+def test_bad_input_to_a_benchmark_is_one_line_and_exit_code_2(capsys, tmp_path, tool, args, expected):
+    (tmp_path / "a-file").write_text("")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    assert expected.replace("{tmp}", str(tmp_path)) in one_error_line(capsys, tool, *args)
+    assert [path.name for path in tmp_path.iterdir()] == ["a-file"]  # nothing made, nothing left
+
+
+def test_each_benchmark_s_main_ends_a_bad_input_in_one_line_as_a_process(tmp_path):
+    """What the in-process runs cannot see: the scripts' `__main__` (sys.exit(run_tool(main))), the exit code and
+    the line as a process ends with them."""
+    for tool, args in (
+        ("benchmark.py", ["--quick", "--jpeg-dir", tmp_path / "nowhere"]),
+        ("benchmark_shards.py", ["--jpeg-dir", tmp_path / "nowhere"]),
+        ("benchmark_startup.py", ["--root", "/proc/no-such-tree"]),
+        ("benchmark_fsdp.py", ["--processes", "0"]),
+    ):
+        result = run([PYTHON, REPO / "tools" / tool, *args], timeout=120)
+        lines = result.stdout.splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and "error: " in lines[0], (tool, result.stdout[-3000:])
+        assert no_traceback_of_ours(result.stdout)
+
+
+def test_a_training_script_s_error_line_is_given_on_as_the_benchmark_s_own(tmp_path):
+    """benchmark.py starts the training scripts: one that refuses its input ends the benchmark with its line, said of
+    it, exit code 2 (1 where the script's was 1); one that wrote no such line is a bug, reported with its output."""
+    result = run([PYTHON, REPO / "train_dp.py", "--dummy", "-b", "0", "--output-dir", tmp_path / "out"], timeout=120)
+    with pytest.raises(UsageError) as refused:
+        check_child("train_dp.py", result)
+    assert (str(refused.value), refused.value.exit_code) == ("train_dp.py: --batch-size must be positive, got 0", 2)
+    with pytest.raises(UsageError) as failed:
+        check_child("torchrun train_ddp.py", CompletedProcess([], 1, "...\nerror: rank 1 failed\n", ""))
+    assert (str(failed.value), failed.value.exit_code) == ("torchrun train_ddp.py: rank 1 failed", 1)
+    with pytest.raises(RuntimeError, match=r"(?s)spawn failed \(exit code 1\):.*Traceback"):
+        check_child("spawn", CompletedProcess([], 1, "Traceback (most recent call last):\n", ""))
+    check_child("train_dp.py", CompletedProcess([], 0, "error: in a line of a run that succeeded\n", ""))
