@@ -102,3 +102,10 @@ def test_a_training_script_s_error_line_is_given_on_as_the_benchmark_s_own(tmp_p
     with pytest.raises(RuntimeError, match=r"(?s)spawn failed \(exit code 1\):.*Traceback"):
         check_child("spawn", CompletedProcess([], 1, "Traceback (most recent call last):\n", ""))
     check_child("train_dp.py", CompletedProcess([], 0, "error: in a line of a run that succeeded\n", ""))
+
+
+def test_benchmark_shards_lists_its_imagenet_sized_indexes(tmp_path):
+    """Its sparse shards hold their first and last members' tar headers, which read_index checks (without them, every
+    index was refused and the listing ended in `UsageError: ... hold no sample`)."""
+    seconds, index_bytes = benchmark_shards.index_listing(tmp_path, samples=5000, per_shard=2500)
+    assert seconds > 0 and index_bytes > 0

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +121,11 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
             ]
             with open(shard, "wb") as file:
                 file.truncate(rows[-1][3] + rows[-1][4] + 1024)  # sparse: the size an index records, nothing read
+                for key, extension, _, offset, size in (rows[0], rows[-1]):  # the members read_index checks
+                    member = tarfile.TarInfo(f"{key}.{extension}")
+                    member.size = size
+                    file.seek(offset - tarfile.BLOCKSIZE)
+                    file.write(member.tobuf(tarfile.GNU_FORMAT))
             write_index(shard, rows, shard_stamp(shard))
     start = time.perf_counter()
     classes, train, val = scan_shards(root)
