@@ -11,7 +11,7 @@ from subprocess import CompletedProcess
 import pytest
 
 from harness.jobs import no_traceback_of_ours, run
-from harness.processes import PYTHON, REPO
+from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
 import benchmark  # noqa: E402
@@ -109,3 +109,16 @@ def test_benchmark_shards_lists_its_imagenet_sized_indexes(tmp_path):
     index was refused and the listing ended in `UsageError: ... hold no sample`)."""
     seconds, index_bytes = benchmark_shards.index_listing(tmp_path, samples=5000, per_shard=2500)
     assert seconds > 0 and index_bytes > 0
+
+
+def test_benchmark_s_training_table_ends_in_the_script_s_line_and_leaves_no_folder(tmp_path, tiny_data):
+    """A training run that refuses its input (here LR from the environment, which the scripts read) ends
+    benchmark.py with its line, said of it; the runs' folder (under TMPDIR) is removed, as after a table."""
+    (tmp_path / "tmp").mkdir()
+    command = [PYTHON, REPO / "tools" / "benchmark.py", "--quick", "--jpeg-dir", tiny_data, "--batches", "8"]
+    # (a new interpreter: the prewarm server has read TMPDIR already)
+    result = run(command, env=clean_env(LR="x", TMPDIR=tmp_path / "tmp"), timeout=300, prewarmed=False)
+    assert result.returncode == 2 and result.stdout.splitlines()[-1] == (
+        "error: train_dp.py: environment variable LR='x' is not a valid float"
+    ), result.stdout[-3000:]
+    assert no_traceback_of_ours(result.stdout) and list((tmp_path / "tmp").glob("bench-*")) == []

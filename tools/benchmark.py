@@ -681,24 +681,30 @@ def main():
     )
     print("| data | global batch | " + " | ".join(["dp", "ddp (torchrun)", "spawn", "classic loop"]) + " |")
     print("|---|---:|---:|---:|---:|---:|")
-    for data_name, data_args in [("dummy", []), ("jpeg", ["--data", str(jpeg_dir)])]:
-        for batch in batches:
-            images_per_epoch = train_images // 4 if data_name == "dummy" else len(sizes)
-            epochs = ["--epochs", str(max(2, round(train_images / images_per_epoch)))]
-            if data_name == "dummy":
-                data_args = ["--dummy", "--dummy-size", str(images_per_epoch)]
-            cells = [
-                training_rate(mode, data_args, batch, epochs, workdir, model_args) for mode in ("dp", "ddp", "spawn")
-            ]
-            classic_cell = (
-                f"{classic_loop_rate(jpeg_dir, batch, crop, args.workers, train_images, args.arch):.0f}"
-                if data_name == "jpeg"
-                else "-"
-            )
-            print(
-                f"| {data_name} | {batch} | " + " | ".join(f"{cell:.0f}" for cell in cells) + f" | {classic_cell} |",
-                flush=True,
-            )
+    try:  # (the runs' output folders, kept by no one)
+        for data_name, data_args in [("dummy", []), ("jpeg", ["--data", str(jpeg_dir)])]:
+            for batch in batches:
+                images_per_epoch = train_images // 4 if data_name == "dummy" else len(sizes)
+                epochs = ["--epochs", str(max(2, round(train_images / images_per_epoch)))]
+                if data_name == "dummy":
+                    data_args = ["--dummy", "--dummy-size", str(images_per_epoch)]
+                cells = [
+                    training_rate(mode, data_args, batch, epochs, workdir, model_args)
+                    for mode in ("dp", "ddp", "spawn")
+                ]
+                classic_cell = (
+                    f"{classic_loop_rate(jpeg_dir, batch, crop, args.workers, train_images, args.arch):.0f}"
+                    if data_name == "jpeg"
+                    else "-"
+                )
+                print(
+                    f"| {data_name} | {batch} | "
+                    + " | ".join(f"{cell:.0f}" for cell in cells)
+                    + f" | {classic_cell} |",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
     if gpu:
         print("\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)")
