@@ -26,6 +26,7 @@ c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): th
    log.csv's input wait, images/s and TFLOP/s (docs/benchmarks.md, "Why is my run slow?").
 """
 
+import argparse
 import csv
 import math
 import os
@@ -537,9 +538,17 @@ def channels_last_compare(steps, batch=32, rounds=3, models=None):
         print(f"| {arch} | {size} px | {default:.1f} | {nhwc:.1f} | {nhwc / default:.2f}x |", flush=True)
 
 
-def batch_sizes(text):
-    """--batches: global batch sizes, whole numbers of at least 1 separated by commas (an argparse type)."""
+def sizes_list(text):
+    """--batches, --res-compare: whole numbers of at least 1 separated by commas (an argparse type)."""
     return [whole(1)(part) for part in text.split(",")]
+
+
+def model_sizes(text):
+    """--models: ARCH:PX,... as [(torchvision model, input size in px)] (an argparse type)."""
+    pairs = [entry.partition(":") for entry in text.split(",")]
+    if not all(colon for _, colon, _ in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ARCH:PX, separated by commas")
+    return [(torchvision_model(arch), whole(1)(size)) for arch, _, size in pairs]
 
 
 def jpeg_sizes(jpeg_dir):
@@ -564,7 +573,7 @@ def main():
         "--arch", type=torchvision_model, default="resnet18", help="model of the training table (%(default)s)"
     )
     parser.add_argument("--crop", type=whole(1), default=None, help="training crop (default: 224 on GPU, 112 on CPU)")
-    parser.add_argument("--batches", type=batch_sizes, default="32,128", help="two global batch sizes (%(default)s)")
+    parser.add_argument("--batches", type=sizes_list, default="32,128", help="two global batch sizes (%(default)s)")
     parser.add_argument("--workers", type=whole(0), default=1, help="loader workers per process (%(default)s)")
     parser.add_argument(
         "--resize-compare", action="store_true", help="only the table of original vs prepare_imagenet.py --resize JPEGs"
@@ -581,9 +590,10 @@ def main():
     )
     parser.add_argument(
         "--res-compare",
+        type=sizes_list,
         default=None,
         nargs="?",
-        const="24,32",
+        const=[24, 32],
         metavar="PX,PX",
         help="only the table of demo-set epochs at these training crop sizes (24,32)",
     )
@@ -594,6 +604,7 @@ def main():
     )
     parser.add_argument(
         "--models",
+        type=model_sizes,
         default=None,
         metavar="ARCH:PX,...",
         help="models of --channels-last-compare (default: "
@@ -606,19 +617,14 @@ def main():
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.channels_last_compare:
-        models = (
-            [(entry.split(":")[0], int(entry.split(":")[1])) for entry in args.models.split(",")]
-            if args.models
-            else None
-        )
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads\n\ndefault memory format vs channels_last, training step, batch 32\n"
         )
-        channels_last_compare(steps=3 if args.quick else 6, models=models)
+        channels_last_compare(steps=3 if args.quick else 6, models=args.models)
         return
     if args.res_compare:
-        sizes = [int(size) for size in args.res_compare.split(",")]
+        sizes = args.res_compare
         print(
             f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n"
             f"train_dp.py on the demo set, second of 2 epochs, median of 3 runs per size\n"
