@@ -378,9 +378,19 @@ LABEL_NAMES = ("label", "labels", "cls")  # an integer column of one of these na
 
 
 def has_hf_dataset(root):
-    """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train and a validation split."""
+    """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train split. Not where train/ holds
+    folders or tars (an image folder, shards) or train.csv is there: parquet files in them (a user's features, say)
+    make no dataset, and the search would walk every image."""
     root = Path(root)
-    return (root / "dataset_dict.json").is_file() or "train" in parquet_splits(root)
+    if (root / "dataset_dict.json").is_file():
+        return True
+    try:
+        entries = list(os.scandir(root / "train"))
+    except OSError:  # (none: the Hub's data/train-*.parquet)
+        entries = []
+    if any(entry.is_dir() or entry.name.endswith(".tar") for entry in entries) or split_files(root):
+        return False
+    return "train" in parquet_splits(root)
 
 
 def parquet_splits(root):
@@ -405,12 +415,17 @@ def _load(root):
             "pip install -r requirements-hf.txt"
         ) from None
     datasets.disable_progress_bars()
-    if (Path(root) / "dataset_dict.json").is_file():
-        return datasets.load_from_disk(str(root))
-    # (its cache read now: datasets reads HF_DATASETS_CACHE once, when imported)
-    return datasets.load_dataset(
-        "parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE")
-    )
+    try:
+        if (Path(root) / "dataset_dict.json").is_file():
+            return datasets.load_from_disk(str(root))
+        # (its cache read now: datasets reads HF_DATASETS_CACHE once, when imported)
+        return datasets.load_dataset(
+            "parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE")
+        )
+    except Preempted:
+        raise
+    except Exception as error:  # damaged: a file cut short or missing, JSON or parquet that is not (pyarrow's, json's)
+        raise UsageError(f"--data {root}: the Hugging Face dataset cannot be loaded ({describe(error)})") from None
 
 
 def load_splits(root):

@@ -6,6 +6,7 @@ from, in its order; parquet is read through datasets' arrow copy, made once; wha
 
 import io
 import re
+import shutil
 import sys
 
 import pytest
@@ -255,6 +256,37 @@ def test_a_hugging_face_dataset_gives_the_items_of_the_folder_it_was_made_from(f
             (image, label), (expected, expected_label) = ours[index], theirs[index]
             assert torch.equal(image, expected) and label == expected_label
     assert train.name(4) == f"{copy}/train[4]:{theirs_name(reference[0], 4)}"
+
+
+def test_parquet_files_inside_an_image_folder_or_shards_make_no_hugging_face_dataset(folder, tmp_path):
+    """A user's features kept beside the images (extras/train-features.parquet) were read as the dataset, and the
+    folder ignored; the search walked every image of the folder."""
+    hf_copy(folder, tmp_path / "features", "parquet")
+    shutil.copytree(tmp_path / "features" / "data", folder / "extras")
+    (folder / "train" / "ring" / "train-stats.parquet").write_bytes(b"not read")
+    assert not has_hf_dataset(folder)
+    classes, train, _ = build_datasets(parse("--data", folder))
+    assert isinstance(train, ImageFiles) and not isinstance(train, HFImages) and len(train) == 9
+    shards = tmp_path / "shards"
+    (shards / "train").mkdir(parents=True)
+    (shards / "train" / "train-000000.tar").write_bytes(b"")
+    shutil.copytree(tmp_path / "features" / "data", shards / "extras")
+    assert not has_hf_dataset(shards) and has_hf_dataset(tmp_path / "features")
+
+
+def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
+    disk = hf_copy(folder, tmp_path / "disk")
+    arrow = next((disk / "train").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:200])
+    with pytest.raises(UsageError, match=rf"^--data {re.escape(str(disk))}: the Hugging Face dataset cannot be loaded"):
+        load_splits(disk)
+    (disk / "dataset_dict.json").write_text("{not json")
+    with pytest.raises(UsageError, match=r"the Hugging Face dataset cannot be loaded \(.+\)$"):
+        load_splits(disk)
+    hub = hf_copy(folder, tmp_path / "hub", "parquet")
+    (hub / "data" / "train-00000-of-00001.parquet").write_bytes(b"garbage")
+    with pytest.raises(UsageError, match=r"the Hugging Face dataset cannot be loaded \(.+\)$"):
+        load_splits(hub)
 
 
 def theirs_name(files, index):
