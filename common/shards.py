@@ -215,7 +215,27 @@ def split_index(root, split, cache=None):
     index = ShardIndex(shards, [shard_samples(shard, cache) for shard in shards])
     if not len(index):
         raise UsageError(f"the {split} shards of --data {root} hold no sample")
+    check_each_sample_once(index, root, split)
     return index
+
+
+def check_each_sample_once(index, root, split):
+    """One line where a sample is in two shards (a shard copied, or shards of two runs mixed): it would be trained on,
+    and validated, twice an epoch. (A key twice in one shard is one sample: index_tar keeps its last. ImageNet's 1.28M
+    names: about 0.4 s, on rank 0.)"""
+    names = index.names.blob.split(b"\0")[:-1]
+    if len(set(names)) == len(names):
+        return
+    seen = {}
+    for position, name in enumerate(names):
+        if name in seen:
+            shards = [index.shards[index.shard_of[k]] for k in (seen[name], position)]
+            raise UsageError(
+                f"the {split} shards of --data {root} hold {split_member(os.fsdecode(name))[0]} twice, in {shards[0]} "
+                f"and {shards[1]}: a shard copied, or the shards of two runs of make_shards.py mixed? Each image may "
+                "be in one shard only"
+            )
+        seen[name] = position
 
 
 def scan_shards(root, cache=None):

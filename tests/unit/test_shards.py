@@ -68,6 +68,20 @@ def test_the_scripts_read_a_folder_of_shards_as_shards(shards, no_platform_env):
     assert classes == ["circle", "ring", "square"]
 
 
+def test_a_sample_in_two_shards_is_refused_in_one_line_naming_both(shards, tmp_path):
+    """A shard copied (val-000001.tar as val-000009.tar) was read twice: validation counted its images twice."""
+    copy = tmp_path / "copied"
+    shutil.copytree(shards, copy)
+    shutil.copy(copy / "val" / "val-000001.tar", copy / "val" / "val-000009.tar")
+    with pytest.raises(
+        UsageError,
+        match=rf"^the val shards of --data {copy} hold \w+/\w+ twice, in {copy}/val/val-000001\.tar and "
+        rf"{copy}/val/val-000009\.tar: a shard copied, or the shards of two runs of make_shards\.py mixed\? Each "
+        "image may be in one shard only$",
+    ):
+        build_datasets(parse("--data", copy))
+
+
 def test_a_reader_names_a_sample_its_shard_cuts_short(shards, tmp_path):
     _, train, _ = scan_shards(shards)
     cut = tmp_path / "cut.tar"
