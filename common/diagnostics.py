@@ -155,7 +155,9 @@ class Diagnostics:
 
     def count_flops(self, model, channels):
         """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's)."""
-        for size in sorted({self.crop(epoch) for epoch in range(self.config.epochs)}):
+        schedule = self.config.crop_schedule  # (its crop is the same from its last epoch on)
+        epochs = min(self.config.epochs, schedule.last_epoch + 1 if schedule else 1)
+        for size in sorted({self.crop(epoch) for epoch in range(epochs)}):
             self.flops[size], problem = forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
 
@@ -166,7 +168,7 @@ class Diagnostics:
 
     def describe(self, epoch_ends):
         """The header's lines: the FLOPs counted, the peak the utilisation is of, the trace asked; `epoch_ends`: the
-        steps of this launch at which its epochs end (where a trace's window ends too)."""
+        steps of this launch at which its epochs end, in order (where a trace's window ends too; a range)."""
         if self.flops_problem:
             lines = [
                 f"FLOPs: n/a (the model's forward does not run on the meta device: {self.flops_problem}); "
@@ -190,11 +192,12 @@ class Diagnostics:
             )
         if self.config.profile:
             (start, steps), launch = profile_steps(self.config.profile), epoch_ends[-1]
+            cut = next(end for end in epoch_ends if end > start) if start < launch else None  # (the first epoch end)
             lines.append(
                 f"warning: --profile {self.config.profile}: this launch runs {launch} training steps (0 to "
                 f"{launch - 1}): no trace will be written; give a START below {launch}"
                 if start >= launch
-                else f"profile: steps {start} to {min(start + steps, *(end for end in epoch_ends if end > start)) - 1}"
+                else f"profile: steps {start} to {min(start + steps, cut) - 1}"
                 f" of this launch, one Chrome trace per rank in {self.trace_dir()}"
             )
         return lines

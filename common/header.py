@@ -161,9 +161,7 @@ def training_lines(trainer):
             f"{config.model_ema_steps} steps, {config.epochs} epochs)"
         )
     first, steps = trainer.steps_per_epoch - trainer.start_step, trainer.steps_per_epoch  # (a resumed epoch: its rest)
-    lines += trainer._diagnostics.describe(
-        [first + steps * epoch for epoch in range(config.epochs - trainer.start_epoch)]
-    )
+    lines += trainer._diagnostics.describe(range(first, first + steps * (config.epochs - trainer.start_epoch), steps))
     lines.append(f"output: {config.output_dir}")
     return lines
 

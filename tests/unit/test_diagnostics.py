@@ -249,6 +249,20 @@ def test_the_header_says_the_profile_window_this_launch_reaches_or_that_none_is(
         assert any(said.startswith(line) for said in training_lines(trainer)), training_lines(trainer)
 
 
+def test_a_run_of_ten_billion_epochs_starts_at_once(tmp_path):
+    """The header's profile window and the FLOPs counted at each crop of --res-schedule went through every epoch of
+    the run: --epochs 9999999999 never finished its start-up."""
+    from common.header import training_lines
+
+    trainer = built_trainer(
+        *SMALL,
+        *("--epochs", "9999999999", "--profile", "4:5", "--res-schedule", "16:32:0:3:16", "--output-dir", tmp_path),
+        datasets=tensor_datasets(),
+    )
+    assert sorted(trainer._diagnostics.flops) == [16, 32]
+    assert any(line.startswith("profile: steps 4 to 5 of this launch") for line in training_lines(trainer))
+
+
 def test_the_profiler_writes_a_trace_of_the_asked_steps_and_the_run_goes_on(tmp_path):
     said = []
     profiler = StepProfiler("2:3", tmp_path / "profile", cpu_runtime(rank=1, world_size=2), said.append)
