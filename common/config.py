@@ -11,6 +11,7 @@ import argparse
 import difflib
 import math
 import os
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -114,8 +115,11 @@ def resolve(namespace, mode):
     source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
     values = dict(vars(namespace))
     _data_source(values)
-    _layered_defaults(values)
-    _check(values)
+    from_environment = _layered_defaults(values)
+    try:
+        _check(values)
+    except UsageError as error:  # (a value the environment gave: the line names its variable)
+        raise _naming_the_variable(error, from_environment) from None
     if mode == "fsdp":
         _check_fsdp(values)
     _learning_rate(values)
@@ -158,7 +162,8 @@ def _data_source(values):
 def _layered_defaults(values):
     """Each flag not given takes the value of the highest layer of preset_layers that has it; `data_preset` and
     `from_data_preset` say which dataset preset gave what (the header names them), `lr_source` and
-    `lr_reference_batch` where the lr came from and for which batch (--lr-scaling linear)."""
+    `lr_reference_batch` where the lr came from and for which batch (--lr-scaling linear). Returns {name: variable}
+    of the values an environment variable gave."""
     preset_name = "demo" if values["dataset"] == "demo" else "imagenet"
     from_env = {
         "epochs": env_default("EPOCHS", int),
@@ -185,14 +190,28 @@ def _layered_defaults(values):
     ]
     warmup_given = values["warmup_epochs"] is not None
     chosen = {name: value for _, layer in layers for name, value in layer.items()}  # (the highest layer's)
+    variables = {"epochs": "EPOCHS", "batch_size": "BATCH_SIZE", "lr": "LR", "dist_backend": "BACKEND"}
+    given = {name: variables[name] for name, value in from_env.items() if value is not None and values[name] is None}
     for name, value in chosen.items():
         if values.get(name) is None:
             values[name] = value
     if values["stop_grace"] is None:  # (the flag, else the environment's STOP_GRACE, else torchrun's own 30 s)
         grace = env_default("STOP_GRACE", float)
         values["stop_grace"] = 30.0 if grace is None else grace
+        given.update({"stop_grace": "STOP_GRACE"} if grace is not None else {})
     if not warmup_given and values["warmup_epochs"] >= values["epochs"]:
         values["warmup_epochs"] = 0.0  # the preset's warmup does not fit a run this short
+    return given
+
+
+def _naming_the_variable(error, from_environment):
+    """`error`, whose line starts with a flag whose value came from an environment variable ({name: variable}), with
+    the variable named after the flag (the user set LR, not --lr)."""
+    text = str(error)
+    for name, variable in from_environment.items():
+        if text.startswith(f"{flag(name)} "):
+            return UsageError(f"{flag(name)} (from {variable}={os.environ[variable].strip()}){text[len(flag(name)) :]}")
+    return error
 
 
 def _positive(values, names):
@@ -245,6 +264,7 @@ def _check(values):
             "lr_gamma",
         ],
     )
+    _within(values, "batch_size", 1, sys.maxsize, "a whole number from 1 to 2**63 - 1")  # (the sampler's islice)
     if values["peak_tflops"] is not None:
         _positive(values, ["peak_tflops"])
     if values["workers"] != "auto":

@@ -122,7 +122,7 @@ def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
 
 def test_non_positive_environment_value_raises_usage_error(no_platform_env):
     no_platform_env.setenv("BATCH_SIZE", "0")
-    with pytest.raises(UsageError, match="--batch-size must be positive"):
+    with pytest.raises(UsageError, match=r"^--batch-size \(from BATCH_SIZE=0\) must be positive, got 0$"):
         parse("--data", "/x")
 
 
@@ -131,9 +131,15 @@ def test_non_positive_environment_value_raises_usage_error(no_platform_env):
     [
         (["-j", "-1"], {}, "--workers must be auto or 0 or more, got -1"),
         (["--lr", "inf"], {}, "--lr must be finite, got inf"),
-        ([], {"LR": "inf"}, "--lr must be finite, got inf"),
-        ([], {"EPOCHS": "-2"}, "--epochs must be positive, got -2"),
-        ([], {"STOP_GRACE": "0"}, "--stop-grace must be positive, got 0.0"),
+        ([], {"LR": "inf"}, "--lr (from LR=inf) must be finite, got inf"),
+        ([], {"EPOCHS": "-2"}, "--epochs (from EPOCHS=-2) must be positive, got -2"),
+        (
+            [],
+            {"BATCH_SIZE": str(2**63)},
+            f"--batch-size (from BATCH_SIZE={2**63}) must be a whole number from 1 to 2**63 - 1, got {2**63}",
+        ),
+        (["--lr", "-1"], {"LR": "0.5"}, "--lr must be positive, got -1.0"),  # (the flag's value, not LR's)
+        ([], {"STOP_GRACE": "0"}, "--stop-grace (from STOP_GRACE=0) must be positive, got 0.0"),
         (["--stop-grace", "nan"], {}, "--stop-grace must be positive, got nan"),
         (["--warmup-epochs", "nan"], {}, "--warmup-epochs must be in [0, --epochs), got nan"),
         (["--clip-grad-norm", "inf"], {}, "--clip-grad-norm must be finite, got inf"),
