@@ -44,13 +44,19 @@ nproc_per_node() {  # NPROC_PER_NODE, else WORKER_PER_NODE, else Slurm's GPUs, e
   echo "$n"
 }
 
+show() {  # the command, quoted as the shell reads it back (a path with a space can be pasted)
+  local line
+  printf -v line ' %q' "$@"
+  echo "+$line" >&2
+}
+
 run() {  # print the command, then become it
-  echo "+ $*" >&2
+  show "$@"
   exec "$@"
 }
 
 run_requeueing() {  # under sbatch: run the job step; on SIGUSR1 or SIGTERM, stop it with a checkpoint and requeue
-  echo "+ $*" >&2
+  show "$@"
   "$@" &
   local step=$!
   # A signal to this script (sbatch --signal=B:USR1@120, scancel --batch) reaches only this shell. It

@@ -220,7 +220,7 @@ def single_node_launches(tmp_path_factory):
     """The reference runs of tests/test_distributed.py and tests/test_run_scripts.py, started together as a user
     starts them, through run_scripts/: single_node_dp.sh (train_dp.py), single_node_ddp.sh (torchrun, 2 processes)
     and single_node_spawn.sh (train_spawn.py, 2 processes). (output dir, mode -> CompletedProcess)."""
-    exact_data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("single-node")
+    exact_data, out = once(exact_folder, tmp_path_factory), tmp_path_factory.mktemp("single node")  # (a space)
     env = {"dp": {}, "ddp": dict(NPROC_PER_NODE=2), "spawn": dict(NPROC_PER_NODE=2, MASTER_PORT=free_port())}
     commands = [
         (

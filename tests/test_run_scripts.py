@@ -2,6 +2,7 @@
 (two launches on 127.0.0.1), and a managed platform's environment."""
 
 import re
+import shlex
 
 import pytest
 import torch
@@ -114,8 +115,9 @@ def one_node_of_two_processes(single_nodes):
 )
 def test_single_node_scripts_train_and_print_their_command(single_nodes, script, world_size):
     output, out = single_nodes[script]
-    command = next(line for line in output.splitlines() if line.startswith("+ "))
-    assert script.replace("single_node_", "train_").replace(".sh", ".py") in command
+    command = shlex.split(next(line for line in output.splitlines() if line.startswith("+ "))[2:])
+    assert script.replace("single_node_", "train_").replace(".sh", ".py") in " ".join(command)
+    assert command[command.index("--output-dir") + 1] == str(out)  # (quoted: its folder's name holds a space)
     assert f"world size {world_size}" in output
     assert (out / "checkpoint.pth").exists()
 
