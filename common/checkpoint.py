@@ -451,8 +451,14 @@ def restore(trainer, checkpoint, path):
             trainer.log.print(f"model EMA: {path} holds none; it starts from the checkpoint's weights")
     trainer._best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
     states = checkpoint["rng_states"]
-    if len(states) == trainer.runtime.world_size:  # else: another world size, fresh streams
+    if len(states) == trainer.runtime.world_size:
         trainer._rng.load_state_dict(states[trainer.runtime.rank])
+    else:
+        trainer.log.print(
+            f"note: {path} was written by {len(states)} process(es), this run has {trainer.runtime.world_size}: each "
+            "process's random streams (dropout, stochastic depth) start afresh from the seed; the data's order and "
+            "augmentation are functions of the seed alone and go on"
+        )
     trainer._bad_images.load_state_dict(checkpoint["bad_images"])
     if "trainer_state" in checkpoint:  # (since checkpoints had it)
         trainer.load_state_dict(checkpoint["trainer_state"])

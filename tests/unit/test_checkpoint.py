@@ -817,6 +817,20 @@ def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_
     assert "warning: the data changed since " in capsys.readouterr().out
 
 
+def test_a_run_on_another_number_of_processes_says_its_random_streams_start_afresh(one_epoch, capsys):
+    """FSDP (and DDP) checkpoints resume on any number of processes; each process's streams cannot go on then."""
+    saved = torch.load(one_epoch / "checkpoint.pth", weights_only=True)
+    torch.save(
+        {**saved, "rng_states": saved["rng_states"] * 2}, one_epoch / "checkpoint.pth"
+    )  # as 2 processes wrote it
+    resumed = started(*SMALL, *TINY_NET, "--epochs", "2", "--output-dir", one_epoch, "--resume", "auto")
+    assert resumed.start_step == 2
+    assert (
+        f"note: {one_epoch / 'checkpoint.pth'} was written by 2 process(es), this run has 1: each process's random "
+        "streams (dropout, stochastic depth) start afresh from the seed" in capsys.readouterr().out
+    )
+
+
 class TwoGroups(Trainer):
     """A backbone at a tenth of the head's lr: the researcher's own parameter groups."""
 
