@@ -470,8 +470,14 @@ def _splits(root):
     _check_validation(root, loaded, train, val, image, label)
     rows = {split: HFRows(loaded[split], image, label, f"{root}/{split}") for split in (train, val)}
     count = max(int(rows[train].labels.max(initial=-1)), int(rows[val].labels.max(initial=-1))) + 1
-    classes = getattr(features[label], "names", None) or [str(index) for index in range(count)]
-    return list(classes), rows[train], rows[val]
+    classes = getattr(features[label], "names", None)
+    unseen = np.setdiff1d(rows[val].labels, rows[train].labels) if classes is None else []
+    if len(unseen):  # (as with train.csv: a class validation has and training never sees)
+        raise UsageError(
+            f"--data {root}: its {val} split has labels {', '.join(map(str, unseen[:5]))} that its {train} split "
+            "never has (integer labels, no ClassLabel to name the classes): every class must be trained on"
+        )
+    return list(classes or [str(index) for index in range(count)]), rows[train], rows[val]
 
 
 def _check_validation(root, loaded, train, val, image, label):

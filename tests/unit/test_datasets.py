@@ -336,6 +336,13 @@ def test_what_the_data_lacks_gets_one_line(folder, tmp_path):
     datasets.DatasetDict({"train": plain, "validation": plain}).save_to_disk(str(tmp_path / "no-label"))
     with pytest.raises(UsageError, match=r"its train split has no label column \(columns: image, category\)"):
         load_splits(tmp_path / "no-label")
+    integers = rows.select([0, 1]).cast_column("label", datasets.Value("int64"))
+    wider = datasets.Dataset.from_dict({"image": [image] * 2, "label": [1, 4]}, features=integers.features)
+    datasets.DatasetDict({"train": integers, "validation": wider}).save_to_disk(str(tmp_path / "unseen"))
+    with pytest.raises(UsageError, match=r"its validation split has labels 4 that its train split never has"):
+        load_splits(tmp_path / "unseen")  # (it was trained on: 5 classes, class 4 never seen)
+    datasets.DatasetDict({"train": integers, "validation": integers.select([1])}).save_to_disk(str(tmp_path / "ints"))
+    assert load_splits(tmp_path / "ints")[0] == ["0", "1"]
 
 
 def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder, tmp_path):
