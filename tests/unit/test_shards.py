@@ -68,18 +68,29 @@ def test_the_scripts_read_a_folder_of_shards_as_shards(shards, no_platform_env):
     assert classes == ["circle", "ring", "square"]
 
 
-def test_a_sample_in_two_shards_is_refused_in_one_line_naming_both(shards, tmp_path):
-    """A shard copied (val-000001.tar as val-000009.tar) was read twice: validation counted its images twice."""
+def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(shards, tmp_path):
+    """val-000001.tar copied as val-000009.tar was read twice: validation counted its images twice. Shards whose keys
+    restart in each (a writer's counter) are no copies: their sizes differ."""
     copy = tmp_path / "copied"
     shutil.copytree(shards, copy)
     shutil.copy(copy / "val" / "val-000001.tar", copy / "val" / "val-000009.tar")
     with pytest.raises(
         UsageError,
-        match=rf"^the val shards of --data {copy} hold \w+/\w+ twice, in {copy}/val/val-000001\.tar and "
-        rf"{copy}/val/val-000009\.tar: a shard copied, or the shards of two runs of make_shards\.py mixed\? Each "
-        "image may be in one shard only$",
+        match=rf"^{copy}/val/val-000001\.tar and {copy}/val/val-000009\.tar hold the same 5 samples \(names and "
+        rf"sizes\): a shard copied\? Each image of --data {copy}'s val shards may be in one shard only$",
     ):
         build_datasets(parse("--data", copy))
+    counters = tmp_path / "counters"
+    for split in ("train", "val"):
+        (counters / split).mkdir(parents=True)
+        for n in range(2):
+            samples = [
+                (f"{k:06d}.{extension}", data)
+                for k in range(2)
+                for extension, data in (("jpg", b"x" * (n + k + 1)), ("cls", b"0"))
+            ]
+            webdataset_tar(counters / split / f"{split}-{n:06d}.tar", samples)
+    assert [len(index) for index in scan_shards(counters)[1:]] == [4, 4]
 
 
 def test_a_reader_names_a_sample_its_shard_cuts_short(shards, tmp_path):
