@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 from . import distributed
 from .demo_data import ensure_demo_dataset
 from .errors import ESCAPED, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
-from .folder_index import FolderIndex, scan_image_folder, scan_split_files, split_files
+from .folder_index import SPLIT_FILES, FolderIndex, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 # JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
@@ -379,8 +379,8 @@ LABEL_NAMES = ("label", "labels", "cls")  # an integer column of one of these na
 
 def has_hf_dataset(root):
     """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train split. Not where train/ holds
-    folders or tars (an image folder, shards) or train.csv is there: parquet files in them (a user's features, say)
-    make no dataset, and the search would walk every image."""
+    class folders (not hidden) or tars and no parquet file, nor beside train.csv: parquet files kept in an image folder
+    or beside shards (a user's features, say) make no dataset, and the search would walk every image."""
     root = Path(root)
     if (root / "dataset_dict.json").is_file():
         return True
@@ -388,8 +388,12 @@ def has_hf_dataset(root):
         entries = list(os.scandir(root / "train"))
     except OSError:  # (none: the Hub's data/train-*.parquet)
         entries = []
-    if any(entry.is_dir() or entry.name.endswith(".tar") for entry in entries) or split_files(root):
-        return False
+    if not any(entry.name.endswith(".parquet") for entry in entries):
+        split_file = any((root / f"{split}{suffix}").is_file() for split in ("train", "val") for suffix in SPLIT_FILES)
+        if split_file or any(
+            (entry.is_dir() and not entry.name.startswith(".")) or entry.name.endswith(".tar") for entry in entries
+        ):
+            return False
     return "train" in parquet_splits(root)
 
 

@@ -134,9 +134,12 @@ def read_split_file(path, root):
     return rows
 
 
+SPLIT_FILES = (".csv", ".tsv")  # train.csv and val.csv, or .tsv
+
+
 def split_files(root):
     """{split: path} of the CSV or TSV split files in `root` (train.csv and val.csv, or .tsv), or None."""
-    for suffix in (".csv", ".tsv"):
+    for suffix in SPLIT_FILES:
         found = {split: Path(root) / f"{split}{suffix}" for split in ("train", "val")}
         if any(path.is_file() for path in found.values()):
             missing = [path.name for path in found.values() if not path.is_file()]

@@ -272,6 +272,19 @@ def test_parquet_files_inside_an_image_folder_or_shards_make_no_hugging_face_dat
     (shards / "train" / "train-000000.tar").write_bytes(b"")
     shutil.copytree(tmp_path / "features" / "data", shards / "extras")
     assert not has_hf_dataset(shards) and has_hf_dataset(tmp_path / "features")
+    listed = tmp_path / "listed"  # train.csv and val.csv, and the user's parquet files beside them
+    shutil.copytree(tmp_path / "features" / "data", listed / "extras")
+    (listed / "train.csv").write_text("a.jpg,0\n")
+    (listed / "val.csv").write_text("b.jpg,0\n")
+    assert not has_hf_dataset(listed)
+    hub = tmp_path / "hub"  # the Hub's train/*.parquet, with a hidden folder beside them (a notebook's checkpoints)
+    for split in ("train", "validation"):
+        shutil.copy(
+            next((tmp_path / "features" / "data").glob(f"{split}-*")),
+            (hub / split).mkdir(parents=True) or hub / split / "0000.parquet",
+        )
+    (hub / "train" / ".ipynb_checkpoints").mkdir()
+    assert has_hf_dataset(hub) and len(build_datasets(parse("--data", hub))[1]) == 9
 
 
 def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
