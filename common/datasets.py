@@ -379,8 +379,8 @@ LABEL_NAMES = ("label", "labels", "cls")  # an integer column of one of these na
 
 def has_hf_dataset(root):
     """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train split. Not where train/ holds
-    class folders (not hidden) or tars and no parquet file, nor beside train.csv: parquet files kept in an image folder
-    or beside shards (a user's features, say) make no dataset, and the search would walk every image."""
+    folders or tars and no parquet file, nor beside train.csv: parquet files kept in an image folder or beside shards
+    (a user's features, say) make no dataset, and the search would walk every image."""
     root = Path(root)
     if (root / "dataset_dict.json").is_file():
         return True
@@ -390,9 +390,7 @@ def has_hf_dataset(root):
         entries = []
     if not any(entry.name.endswith(".parquet") for entry in entries):
         split_file = any((root / f"{split}{suffix}").is_file() for split in ("train", "val") for suffix in SPLIT_FILES)
-        if split_file or any(
-            (entry.is_dir() and not entry.name.startswith(".")) or entry.name.endswith(".tar") for entry in entries
-        ):
+        if split_file or any(entry.is_dir() or entry.name.endswith(".tar") for entry in entries):
             return False
     return "train" in parquet_splits(root)
 
