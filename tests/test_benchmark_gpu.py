@@ -13,7 +13,10 @@ from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
 from benchmark_gpu import (
+    cpu_rows,
     gpu_rows,
+    measure,
+    met,
     progress_points,
     row_limit,
     selected,
@@ -150,6 +153,23 @@ def test_rows_on_request_run_only_where_only_names_them():
         "vit_b_16 bf16",
         "vit_b_16 bf16, bare PyTorch loop",
     }
+
+
+def test_a_share_of_a_row_that_never_settled_gets_no_verdict():
+    rows = gpu_rows("jpegs")
+    base, jpegs = rows[0], next(bench for bench in rows if bench.versus == rows[0].name and bench.share)
+    figures = {"images_per_second": 2000.0}
+    base.result = {"images_per_second": 4000.0}
+    assert met(jpegs, figures, rows) is False and figures["versus"] == 0.5
+    base.result, figures = {"images_per_second": 4000.0, "steady": False}, {"images_per_second": 2000.0}
+    assert met(jpegs, figures, rows) is None and "versus" not in figures
+
+
+def test_a_row_cut_at_its_limit_keeps_what_it_printed(tmp_path):
+    tiny = cpu_rows("jpegs")[0]
+    with pytest.raises(CheckFailed, match=r"no end after 0\.3 s"):
+        measure(tiny, REPO, tmp_path, True, 0.3)
+    assert (tmp_path / "tiny" / "console.log").is_file()
 
 
 def test_a_row_s_limit_is_what_is_left_before_the_deadline_where_less():

@@ -22,8 +22,8 @@ A run whose rates never settle (each interval 10% off the later half's median) i
 lines, and the table says "not steady" (no verdict). The table (markdown) and the rows' figures (JSON) go to --out
 (default: $OUT/benchmark-gpu where OUT is set, else ./benchmark-gpu) after every row, with each run's console output,
 log.csv, summary.json and trace (runs/ROW/): a command cut short keeps what it measured. Each row has its own time
-limit (ROW_LIMIT); with --deadline S, no row starts after S seconds, nor runs past them (the exit status is 1 for a row
-that failed, not for one left out).
+limit (ROW_LIMIT); with --deadline S, no row starts within LEAST_FOR_A_ROW seconds of S, and a row is stopped at S
+(SIGTERM, then SIGKILL 30 s later) (the exit status is 1 for a row that failed, not for one left out).
 """
 
 import argparse
@@ -378,8 +378,12 @@ def measure(bench, repo, workdir, cpu, timeout):
         return bare_loop(bench, cpu, timeout)
     out = Path(workdir) / slug(bench.name)
     profile = ["--profile", bench.profile] if bench.profile else []
-    status, output = run([*command(bench, repo, cpu), *profile, "--output-dir", out], job_env(cpu), timeout)
-    (out / "console.log").parent.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        status, output = run([*command(bench, repo, cpu), *profile, "--output-dir", out], job_env(cpu), timeout)
+    except CheckFailed as cut:  # (past its limit: what it printed is what tells why)
+        (out / "console.log").write_text(cut.output or "")
+        raise
     (out / "console.log").write_text(output)
     if status != 0:
         raise CheckFailed(f"exit status {status}: {output.strip().splitlines()[-1] if output.strip() else ''}")
@@ -617,7 +621,14 @@ def met(bench, figures, rows):
         return figures["images_per_second"] >= int(found["rate"])
     if found and found["mfu"]:
         return figures.get("mfu_pct") is not None and figures["mfu_pct"] >= int(found["mfu"])
-    versus = next((row.result.get("images_per_second") for row in rows if row.name == bench.versus), None)
+    versus = next(
+        (
+            row.result.get("images_per_second")
+            for row in rows
+            if row.name == bench.versus and row.result.get("steady", 1)
+        ),
+        None,
+    )  # (a row that never settled: no base for a share)
     if versus:
         figures["versus"] = figures["images_per_second"] / versus
         return figures["versus"] >= bench.share if bench.share else None
@@ -668,7 +679,8 @@ def table(rows, facts):
             f"per step, GPU busy {f['gpu_busy_ms_per_step']:.1f} ms of {f['gpu_span_ms_per_step']:.1f} "
             f"(idle {cell(f['gpu_idle_pct'], '.1f')}%), {f['kernels_per_step']:.0f} kernels, host waits per step: "
             + ", ".join(f"{name} {n:g}" for name, n in f["syncs_per_step"].items())
-            + f" ({f['syncs_per_step_other_threads']:g} of them on threads other than the steps': the loader's), "
+            + f" ({f['syncs_per_step_other_threads']:g} of them on threads other than the steps': the loader's decode "
+            "thread, autograd's), "
             f"device-to-host copies {f['device_to_host_copies_per_step']:g}; GPU busy counts CUDA kernels, copies "
             "and memsets (nvJPEG's hardware decoder, where it is used, is none of them)",
             "",
@@ -750,9 +762,6 @@ def main(argv=None):
     rows = selected(rows, args.only)
     print(f"benchmark-gpu: {len(rows)} rows, runs in {workdir}, table to {out}", flush=True)
     for bench in rows:
-        if row_limit(args.cpu, args.deadline, started) < LEAST_FOR_A_ROW:
-            bench.result = {"error": f"not run: too near --deadline {args.deadline:g} s", "skipped": True}
-            continue
         if bench.data == "jpeg" and not (workdir / "jpegs").is_dir():
             count, size = (
                 make_jpeg_folder(workdir / "jpegs", 2, 4, 8)
@@ -763,9 +772,12 @@ def main(argv=None):
                 f"jpegs: {count} train images, {size:.0f} KB on average ({time.monotonic() - started:.0f} s)",
                 flush=True,
             )
-        begin = time.monotonic()
+        begin, limit = time.monotonic(), row_limit(args.cpu, args.deadline, started)  # (after the JPEGs were made)
+        if limit < LEAST_FOR_A_ROW:
+            bench.result = {"error": f"not run: too near --deadline {args.deadline:g} s", "skipped": True}
+            continue
         try:
-            bench.result = measure(bench, args.repo, workdir, args.cpu, row_limit(args.cpu, args.deadline, started))
+            bench.result = measure(bench, args.repo, workdir, args.cpu, limit)
             if not bench.profile:  # (a run that never settled: its share of another row said, no verdict)
                 reached = met(bench, bench.result, rows)
                 bench.result["met"] = reached if bench.result.get("steady", True) else None

@@ -726,7 +726,7 @@ def main(argv=None):
             row.result = "FAIL: " + ((str(error).splitlines() or [""])[0] or type(error).__name__)
             print(f"--- {row.name}: FAIL\n{detail}", file=sys.stderr, flush=True)
             if out:
-                (out / (re.sub(r"[^\w]+", "_", row.name) + ".log")).write_text(detail)
+                (out / (re.sub(r"[^\w]+", "_", row.name) + ".log")).write_text(getattr(error, "output", None) or detail)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
         if out:
             (out / "table.md").write_text(table([row for row, _ in checks], failures) + "\n")
