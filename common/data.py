@@ -67,8 +67,13 @@ def single_image_on_a_device(images, devices):
 def last_batch_for(data, model, devices):
     """`data` with its train loader dropping the epoch's last batch where that batch would leave a device a single
     image and `model` has BatchNorm layers, which fail on one where they see 1x1 activations (not known before the
-    forward: one image of the epoch left out; a model without BatchNorm keeps it)."""
+    forward: one image of the epoch left out; a model without BatchNorm keeps it). One line where no batch is left."""
     loader = data.train_loader
+    if len(loader) == 0:  # (--compile drops the last partial batch: a batch of another size compiles another graph)
+        raise UsageError(
+            f"each process trains on {data.train_sampler.num_samples} image(s) an epoch, fewer than its batch of "
+            f"{loader.batch_size}, and --compile leaves out the last partial batch: no step would run; use a smaller -b"
+        )
     last = data.train_sampler.num_samples % loader.batch_size
     if loader.drop_last or not single_image_on_a_device(last, devices) or not has_batch_norm(model):
         return data

@@ -424,3 +424,8 @@ def test_a_last_batch_that_leaves_a_device_a_single_image_is_dropped_for_a_model
         UsageError, match=r"^each process trains on 1 image\(s\) an epoch, and a device would have a single"
     ):
         last_batch_for(data, batch_norm, 1)
+    compiled = data_of(parse("--data", tiny_data, "-j", "0", "-b", "32", "--compile"))  # (its last batch left out)
+    with pytest.raises(
+        UsageError, match=r"^each process trains on 24 image\(s\) an epoch, fewer than its batch of 32, and --compile"
+    ):
+        last_batch_for(compiled, none, 1)
