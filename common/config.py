@@ -85,6 +85,17 @@ class ResSchedule(NamedTuple):
         """The smallest and the largest crop."""
         return sorted({self.size(0), self.size(self.last_epoch)})
 
+    def crops(self, epochs):
+        """The crops of epochs 0 to epochs - 1, each once, in order, without going through the epochs one by one where
+        each crop is within a STEP of the one before: then every multiple of STEP between the ends is passed."""
+        last, span = min(epochs - 1, self.last_epoch + 1), self.last_epoch - self.first_epoch  # (+ 1: END after a jump)
+        if span and abs(self.end - self.start) < self.step * span:
+            low, high = sorted((self.size(0), self.size(last)))
+            return list(range(low, high + 1, self.step))
+        return sorted(
+            {self.size(epoch) for epoch in range(min(self.first_epoch, last), last + 1)}
+        )  # (few: a STEP each)
+
     @staticmethod
     def parse(text):
         """The ResSchedule of a --res-schedule text (ValueError if it is not one); None for none."""

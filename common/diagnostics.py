@@ -3,6 +3,7 @@ peak memory per epoch, a profiler trace (--profile), and the evidence a GPU job 
 snapshot on out-of-memory, NCCL's Flight Recorder dump). Nothing reads a value back from the device per step.
 """
 
+import bisect
 import contextlib
 import os
 import re
@@ -155,9 +156,8 @@ class Diagnostics:
 
     def count_flops(self, model, channels):
         """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's)."""
-        schedule = self.config.crop_schedule  # (its crop is the same from its last epoch on)
-        epochs = min(self.config.epochs, schedule.last_epoch + 1 if schedule else 1)
-        for size in sorted({self.crop(epoch) for epoch in range(epochs)}):
+        schedule = self.config.crop_schedule
+        for size in schedule.crops(self.config.epochs) if schedule else [self.config.train_crop_size]:
             self.flops[size], problem = forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
 
@@ -192,7 +192,7 @@ class Diagnostics:
             )
         if self.config.profile:
             (start, steps), launch = profile_steps(self.config.profile), epoch_ends[-1]
-            cut = next(end for end in epoch_ends if end > start) if start < launch else None  # (the first epoch end)
+            cut = epoch_ends[bisect.bisect_right(epoch_ends, start)] if start < launch else None  # (the next epoch end)
             lines.append(
                 f"warning: --profile {self.config.profile}: this launch runs {launch} training steps (0 to "
                 f"{launch - 1}): no trace will be written; give a START below {launch}"

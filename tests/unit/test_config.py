@@ -329,3 +329,17 @@ def test_the_layers_come_lowest_precedence_first_and_the_demo_set_keeps_its_own_
     assert preset_layers("imagenet", "imagenet", None, {}, None)[0][1] is RECIPE_DEFAULTS
     assert preset_layers("demo", "demo", "tv-v2", {}, None)[3][1] == {}  # on the demo set, no ImageNet scale
     assert preset_layers("imagenet", "imagenet", "tv-v2", {"lr": 0.3, "epochs": None}, None)[4][1] == {"lr": 0.3}
+
+
+def test_the_crops_of_a_res_schedule_are_those_its_epochs_go_through_without_going_through_them():
+    import random
+
+    draw = random.Random(0)
+    for _ in range(3000):
+        start, end, first = draw.randint(1, 300), draw.randint(1, 300), draw.randint(0, 30)
+        schedule, epochs = (
+            ResSchedule(start, end, first, first + draw.randint(0, 60), draw.choice([8, 32])),
+            draw.randint(1, 120),
+        )
+        assert schedule.crops(epochs) == sorted({schedule.size(epoch) for epoch in range(epochs)}), (schedule, epochs)
+    assert ResSchedule(160, 224, 0, 9_999_999_999).crops(10**10) == [160, 192, 224]  # (at once)
