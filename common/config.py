@@ -92,9 +92,8 @@ class ResSchedule(NamedTuple):
         if span and abs(self.end - self.start) < self.step * span:
             low, high = sorted((self.size(0), self.size(last)))
             return list(range(low, high + 1, self.step))
-        return sorted(
-            {self.size(epoch) for epoch in range(min(self.first_epoch, last), last + 1)}
-        )  # (few: a STEP each)
+        # (else few epochs change the crop: each by a STEP or more)
+        return sorted({self.size(epoch) for epoch in range(min(self.first_epoch, last), last + 1)})
 
     @staticmethod
     def parse(text):
