@@ -439,7 +439,13 @@ def restore(trainer, checkpoint, path):
     _restore_position(trainer, checkpoint, path)
     _load_optimizer(trainer, checkpoint, path)
     _restore_scheduler(trainer, checkpoint, path)
-    trainer.scaler.load_state_dict(checkpoint["scaler"])
+    if checkpoint["scaler"]:  # (none: saved without --amp fp16; this run's loss scale starts at its default)
+        trainer.scaler.load_state_dict(checkpoint["scaler"])
+    if trainer.ema is None and "model_ema" in checkpoint:
+        trainer.log.print(
+            f"warning: {path} holds a model EMA and this run has no --model-ema: the EMA is not kept (this run's "
+            "checkpoints hold none); resume with --model-ema to keep it"
+        )
     if trainer.ema is not None:
         if "model_ema" in checkpoint:
             checkpoints.load_weights(

@@ -313,6 +313,9 @@ def describe_item(item):
     return f"a {type(item).__name__} of {len(item)}" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
 
 
+FLOAT_SLACK = 0.1  # how far a float image may stray outside 0-1 (a resize's overshoot), not a 0-255 or normalised one
+
+
 class ItemCheck:
     """A dataset item as the loaders need it: (image, label), the image a uint8 or float CHW tensor (a PIL image
     converted to RGB uint8) with the channels and dtype of the first; the label an int below num_classes. Anything
@@ -336,6 +339,12 @@ class ItemCheck:
                 )
             if image.is_floating_point():
                 image = image.float()
+                low, high = torch.aminmax(image) if image.numel() else (torch.tensor(0.0), torch.tensor(1.0))
+                if not (low >= -FLOAT_SLACK and high <= 1 + FLOAT_SLACK):  # (nan: neither)
+                    raise BadItem(
+                        f"{where}: a float image of values {low:.4g} to {high:.4g}; expected 0-1: divide a 0-255 image "
+                        "by 255 (or give it as uint8), and leave normalising to --mean/--std (it would be done twice)"
+                    )
             elif image.dtype != torch.uint8:
                 raise BadItem(f"{where}: an image of dtype {image.dtype}; expected uint8 (0-255) or float (0-1)")
         else:

@@ -73,6 +73,15 @@ def float_tensors(config):
     return splits(lambda i: (pixels(i).float() / 255, torch.tensor(i % 3)))
 
 
+def float_0_255(config):
+    """Float images left on the 0-255 scale (a forgotten / 255): trained on, the loss ran to 1e18."""
+    return splits(lambda i: (pixels(i).float(), i % 3))
+
+
+def nan_images(config):
+    return splits(lambda i: (torch.full((3, 20, 6), float("nan")), i % 3))
+
+
 def gray_tensors(config):
     return splits(lambda i: (pixels(i, channels=1), i % 3))
 

@@ -831,6 +831,22 @@ def test_a_run_on_another_number_of_processes_says_its_random_streams_start_afre
     )
 
 
+def test_a_resume_with_fp16_added_starts_its_loss_scale_afresh_and_one_without_model_ema_says_it_is_dropped(
+    tmp_path, capsys
+):
+    """--amp fp16 added: torch's GradScaler refused the checkpoint's empty state (a traceback). --model-ema left out:
+    the EMA was dropped without a word (the opposite way says so)."""
+    whole_epoch = started(*SMALL, *TINY_NET, "--epochs", "1", "--model-ema", "--output-dir", tmp_path)
+    whole_epoch.fit(whole_epoch.model, whole_epoch.model)
+    capsys.readouterr()
+    resumed = started(*SMALL, *TINY_NET, "--epochs", "2", "--amp", "fp16", "--output-dir", tmp_path, "--resume", "auto")
+    assert resumed.start_epoch == 1 and resumed.scaler.is_enabled()
+    assert (
+        f"warning: {tmp_path / 'checkpoint.pth'} holds a model EMA and this run has no --model-ema: the EMA is not "
+        "kept" in capsys.readouterr().out
+    )
+
+
 class TwoGroups(Trainer):
     """A backbone at a tenth of the head's lr: the researcher's own parameter groups."""
 

@@ -142,6 +142,8 @@ REFUSED = {
     "two_things": "returned tuple: return (classes, train_set, val_set)",
     "uint16_images": "an image of dtype torch.int16; expected uint8 (0-255) or float (0-1)",
     "gray_tensors": "the images have 1 channel(s): give --mean and --std with 1 value(s) each",
+    "float_0_255": "a float image of values 20 to 60; expected 0-1: divide a 0-255 image by 255",
+    "nan_images": "a float image of values nan to nan; expected 0-1",
 }
 
 
