@@ -29,7 +29,7 @@ from .datasets import (
     printable,
 )
 from .device_loader import Collate
-from .errors import BadItem, Preempted, UnreadableImage, UsageError, say
+from .errors import BadItem, Preempted, UnreadableImage, UsageError, say, wrong_return
 from .preemption import ignore_stop_signals
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation
@@ -204,7 +204,10 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
     checked, each image transformed with its own seed."""
     classes, train_set, val_set = datasets
     floating = bool(first and first[3].is_floating_point)
-    train_transform, val_transform = build_transforms(*default_transforms(config, floating, mean))
+    pair = build_transforms(*default_transforms(config, floating, mean))
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        raise wrong_return(pair, "build_transforms(train, val)", "(train, val)")
+    train_transform, val_transform = pair
     check_replaced(config, train_transform)
     if config.decode == "gpu":
         check_device_decode(datasets, train_transform, val_transform)

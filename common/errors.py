@@ -87,6 +87,18 @@ def import_named(text, flag, builtin=True):
         raise UsageError(f"{flag} {text}: cannot import {name} from {module_name} ({error})") from None
 
 
+def returned(value, kind, hook, expected):
+    """`value`, what the hook `hook` returned, where it is a `kind`; else wrong_return's UsageError."""
+    if not isinstance(value, kind):
+        raise wrong_return(value, hook, expected)
+    return value
+
+
+def wrong_return(value, hook, expected):
+    """The one line for a hook of a researcher's Trainer (adapting.md) that returned `value`, not `expected`."""
+    return UsageError(f"{hook} returned {type(value).__name__} {str(value)[:60]!r}: expected {expected}")
+
+
 def check_call(function, flag, text, call, *args, **kwargs):
     """UsageError unless `function` (what `flag` `text` named) can be called with these arguments (`call` says how)."""
     if not callable(function):

@@ -21,10 +21,10 @@ from .checkpoint import SingleFile, assemble, init_from
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
 from .diagnostics import Diagnostics
-from .errors import Preempted, UsageError, import_named
+from .errors import Preempted, UsageError, import_named, returned, wrong_return
 from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
-from .metrics import MetricSums, ProgressMeter
+from .metrics import MetricSums, ProgressMeter, SummedMetric
 from .preemption import StopSignal
 
 # What a Trainer holds for the library. A subclass may read the public ones (docs/adapting.md lists them, and when each
@@ -214,13 +214,21 @@ class Trainer:
         if self.ema is not None:
             self._sharded(self.ema.module)
         seeding.seed_this_rank(seed, runtime.rank, runtime.devices)
-        self.criterion = self.build_criterion().to(device)
-        self._metrics = {split: self.build_metrics(split, self.classes) for split in ("train", "val")}
-        self.optimizer = self.build_optimizer(self.model)
-        self._criterion_parameters = self._train_criterion(self.optimizer)
-        self.scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
+        criterion = "an nn.Module (nn.CrossEntropyLoss(), not F.cross_entropy: its state is checkpointed)"
+        self.criterion = returned(self.build_criterion(), nn.Module, "build_criterion()", criterion).to(device)
+        self._metrics = {split: self._built_metrics(split) for split in ("train", "val")}
+        if not config.evaluate and not any(parameter.requires_grad for parameter in self.model.parameters()):
+            raise UsageError("the model (build_model) has no parameter to train: every one is frozen or it has none")
+        optimizer = returned(
+            self.build_optimizer(self.model), torch.optim.Optimizer, "build_optimizer(model)", "an optimizer"
+        )
+        self.optimizer, self._criterion_parameters = optimizer, self._train_criterion(optimizer)
+        self.scheduler = self._built_scheduler()
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
-        self._batch_transform = self.build_batch_transform(self.classes)
+        transform = self.build_batch_transform(self.classes)
+        if transform is not None and not callable(transform):
+            raise wrong_return(transform, "build_batch_transform(classes)", "a callable, or None")
+        self._batch_transform = transform
         self._rng = seeding.RandomStreams(runtime.devices)
         self._bad_images = data.BadImageLog(runtime.rank, runtime.world_size)
         # On the CPU the loader workers normalise, unless the batches are decoded here (--decode gpu).
@@ -245,7 +253,7 @@ class Trainer:
     def _model_on_device(self):
         """build_model's model for these classes, adapted to the data, on the device (not yet wrapped)."""
         config, device = self.config, self.runtime.device
-        model = self.build_model(self.classes)
+        model = returned(self.build_model(self.classes), nn.Module, "build_model(classes)", "an nn.Module")
         # What was changed of a torchvision model for this data (the header says it): the pretrained heads
         # replaced for these classes (build_model; --init-from's here), the first convolution adapted to the channels.
         changes = [*getattr(model, "adaptations", [])]
@@ -270,6 +278,24 @@ class Trainer:
         if self.shard:
             return model
         return model.to(device, memory_format=torch.channels_last if self._channels_last else None)
+
+    def _built_metrics(self, split):
+        """build_metrics(split, classes), checked: {name: SummedMetric}."""
+        metrics = returned(
+            self.build_metrics(split, self.classes), dict, f"build_metrics({split!r}, classes)", "a dict"
+        )
+        for name, metric in metrics.items():
+            returned(metric, SummedMetric, f"build_metrics({split!r}, classes)[{name!r}]", "a SummedMetric")
+        return metrics
+
+    def _built_scheduler(self):
+        """build_scheduler(optimizer, steps_per_epoch), checked: stepped, and saved and loaded with checkpoints."""
+        scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
+        if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+            raise wrong_return(
+                scheduler, "build_scheduler(optimizer, steps_per_epoch)", "an lr scheduler (step, state_dict)"
+            )
+        return scheduler
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them

@@ -480,3 +480,49 @@ def test_only_a_model_the_library_built_gets_its_first_convolution_adapted_to_th
     OwnResNet.built_for = None
     library = built_trainer(*flags, trainer=OwnResNet, datasets=grey)
     assert library._model_changes == ["conv1: 3 -> 1 channels, the fresh filters' first channel"]
+
+
+# A researcher's hook that returns what the Trainer cannot use: one line naming the hook (each was a traceback, later).
+WRONG_RETURNS = {
+    "build_model": (lambda self, classes: None, "build_model(classes) returned NoneType 'None': expected an nn.Module"),
+    "build_criterion": (
+        lambda self: F.cross_entropy,
+        "build_criterion() returned function '<function cross_entropy at",
+    ),
+    "build_optimizer": (
+        lambda self, model: None,
+        "build_optimizer(model) returned NoneType 'None': expected an optimizer",
+    ),
+    "build_scheduler": (
+        lambda self, optimizer, steps: None,
+        "build_scheduler(optimizer, steps_per_epoch) returned NoneType 'None': expected an lr scheduler",
+    ),
+    "build_metrics": (
+        lambda self, split, classes: [],
+        "build_metrics('train', classes) returned list '[]': expected a dict",
+    ),
+    "build_batch_transform": (
+        lambda self, classes: 3,
+        "build_batch_transform(classes) returned int '3': expected a callable",
+    ),
+    "build_transforms": (lambda self, train, val: train, "build_transforms(train, val) returned TrainPreset"),
+}
+
+
+@pytest.mark.parametrize("hook", WRONG_RETURNS)
+def test_a_hook_that_returns_what_the_trainer_cannot_use_is_one_line_naming_it(hook):
+    method, line = WRONG_RETURNS[hook]
+    wrong = type("Wrong", (Trainer,), {hook: method})
+    with pytest.raises(UsageError) as refused:
+        built_trainer(*SMALL, trainer=wrong, datasets=tensor_datasets())
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_a_model_with_nothing_to_train_is_one_line():
+    from tests.tiny_models import TinyNet
+
+    frozen = type(
+        "Frozen", (Trainer,), {"build_model": lambda self, classes: TinyNet(len(classes)).requires_grad_(False)}
+    )
+    with pytest.raises(UsageError, match=r"^the model \(build_model\) has no parameter to train"):
+        built_trainer(*SMALL, *TINY_NET, trainer=frozen, datasets=tensor_datasets())
