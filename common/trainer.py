@@ -299,7 +299,8 @@ class Trainer:
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
-        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's."""
+        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's. An optimizer of none of
+        the model's parameters is refused."""
         parameters = [parameter for parameter in self.criterion.parameters() if parameter.requires_grad]
         if parameters and self.shard is not None:
             raise UsageError(
@@ -307,6 +308,12 @@ class Trainer:
                 "nor checkpoints with its optimizer: make them the model's (build_model)"
             )
         held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        if not self.config.evaluate and not any(id(parameter) in held for parameter in trained):
+            raise UsageError(
+                "the optimizer (build_optimizer) holds none of the model's parameters: nothing would train (give it "
+                "the `model` it is called with: model.parameters())"
+            )
         missing = [parameter for parameter in parameters if id(parameter) not in held]
         if missing:
             optimizer.add_param_group({"params": missing, "weight_decay": 0.0})

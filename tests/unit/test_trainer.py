@@ -518,6 +518,17 @@ def test_a_hook_that_returns_what_the_trainer_cannot_use_is_one_line_naming_it(h
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value), str(refused.value)
 
 
+def test_an_optimizer_of_none_of_the_model_s_parameters_is_one_line():
+    """SGD([a parameter of its own]): trained nothing, exit 0."""
+    elsewhere = type(
+        "Elsewhere",
+        (Trainer,),
+        {"build_optimizer": lambda self, model: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)},
+    )
+    with pytest.raises(UsageError, match=r"^the optimizer \(build_optimizer\) holds none of the model's parameters"):
+        built_trainer(*SMALL, *TINY_NET, trainer=elsewhere, datasets=tensor_datasets())
+
+
 def test_a_model_with_nothing_to_train_is_one_line():
     from tests.tiny_models import TinyNet
 
