@@ -20,7 +20,7 @@ from pathlib import Path
 
 from common import cli, launch  # torch is imported after the arguments are parsed: --help is instant
 from common.config import env_default
-from common.errors import PREEMPTED_EXIT_CODE, UsageError, say
+from common.errors import UsageError, say
 
 CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node
 
@@ -150,9 +150,10 @@ def main(config):
     # A scheduler's stop signal reaches this process only: pass it to the workers, which
     # agree on a step, save a checkpoint and exit (SIGINT: which stop at once). One that comes while they
     # are being started is passed on once they are.
-    processes, early = [], []
+    processes, early, passed = [], [], set()
 
     def pass_on(signum, _frame):
+        passed.add(signum)
         if not processes:
             early.append(signum)
         for process in processes:
@@ -183,14 +184,10 @@ def main(config):
             code, line = usage_errors.get()
             say(line, file=sys.stderr)
             raise SystemExit(code) from None
-        if error.exit_code not in (PREEMPTED_EXIT_CODE, 130):  # stopped on request
-            say(
-                f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); "
-                "see the errors above",
-                file=sys.stderr,
-            )
-        # A worker killed by a signal: 128 + its number, as a shell reports it (a negative code would exit 256 - N).
-        raise SystemExit(128 - error.exit_code if error.exit_code < 0 else error.exit_code or 1) from None
+        line, code = launch.worker_ended(error, passed)
+        if line:
+            say(line, file=sys.stderr)
+        raise SystemExit(code) from None
 
 
 if __name__ == "__main__":

@@ -42,6 +42,21 @@ def _start_up_stop_line(name):
     )
 
 
+def worker_ended(error, passed):
+    """(line or None, exit code) of train_spawn.py whose worker ended as `error` (spawn's ProcessExitedException)
+    says, with no line of its own; `passed`: the signals it passed on to the workers. A worker that one of those
+    killed was still starting (spawn's own start-up, before its handlers): stopped as start-up's stops are."""
+    if error.exit_code < 0 and -error.exit_code in passed:
+        interrupted = -error.exit_code == signal.SIGINT
+        line = None if interrupted else _start_up_stop_line(signal.Signals(-error.exit_code).name)
+        return line, 130 if interrupted else PREEMPTED_EXIT_CODE
+    if error.exit_code in (PREEMPTED_EXIT_CODE, 130):  # stopped on request: the worker said so
+        return None, error.exit_code
+    line = f"error: process {error.error_index} exited ({error.signal_name or error.exit_code}); see the errors above"
+    # A worker killed by a signal: 128 + its number, as a shell reports it (a negative code would exit 256 - N).
+    return line, 128 - error.exit_code if error.exit_code < 0 else error.exit_code or 1
+
+
 def _stop_during_start_up(signum, _frame):
     if _watch is not None:
         if _watch.taken:  # a second one (Slurm signals every process, torchrun passes its own on): one stop

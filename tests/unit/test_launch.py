@@ -349,3 +349,22 @@ def test_what_the_parse_imported_is_moved_to_the_oldest_generation_in_one_collec
     assert id(made) in oldest and all(id(item) in oldest for item in made[::1000])
     few = without_collections(lambda: [[index] for index in range(1_000)])  # (torch imported before: no scan)
     assert id(few) not in {id(item) for item in gc.get_objects(generation=2)}
+
+
+def test_a_spawned_worker_that_a_passed_on_stop_signal_killed_while_it_started_is_a_stop_before_training():
+    """train_spawn.py passes a stop signal on to its workers; one still in spawn's own start-up (before its handlers)
+    dies of it: exit 75 and start-up's line, as a stop before training (was 143 and "process 0 exited (SIGTERM)")."""
+    import torch.multiprocessing as mp
+
+    from common.launch import worker_ended
+
+    def ended(code, name=None):
+        return mp.ProcessExitedException("ended", 0, 123, code, name)
+
+    assert worker_ended(ended(-signal.SIGTERM, "SIGTERM"), {signal.SIGTERM}) == (f"{STOP}was started", 75)
+    assert worker_ended(ended(-signal.SIGINT, "SIGINT"), {signal.SIGINT}) == (None, 130)
+    assert worker_ended(ended(-signal.SIGTERM, "SIGTERM"), set()) == (
+        "error: process 0 exited (SIGTERM); see the errors above",
+        143,
+    )  # (killed by someone else: a crash to report)
+    assert worker_ended(ended(75), {signal.SIGTERM}) == (None, 75) and worker_ended(ended(2), set())[1] == 2
