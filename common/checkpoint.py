@@ -56,6 +56,8 @@ def save_checkpoint(state, output_dir, is_best, keep_previous=False):
         if is_best:
             copy_to_best(latest, output_dir)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+        if isinstance(error.__context__, KeyboardInterrupt):  # Ctrl-C during the write, which torch's error wraps
+            raise KeyboardInterrupt from None
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         if written:  # (the latest is this best epoch: a resume copies it, checkpoint.restore's repair_best)
             raise CheckpointWriteError(

@@ -847,6 +847,32 @@ def test_a_resume_with_fp16_added_starts_its_loss_scale_afresh_and_one_without_m
     )
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write(tmp_path, monkeypatch):
+    """torch.save turns a KeyboardInterrupt in its write into its own RuntimeError ("unexpected pos"), which read as a
+    disk fault: exit 1 and "could not write a checkpoint". It is Ctrl-C's (exit 130), and no temporary is left."""
+    import io
+
+    save = torch.save
+
+    class Interrupted(io.RawIOBase):
+        def __init__(self, file):
+            self.file, self.writes = file, 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return self.file.write(data)
+
+    monkeypatch.setattr(torch, "save", lambda state, file: save(state, Interrupted(file)))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}}, tmp_path, is_best=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 class TwoGroups(Trainer):
     """A backbone at a tenth of the head's lr: the researcher's own parameter groups."""
 
