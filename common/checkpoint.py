@@ -18,7 +18,7 @@ import torch
 
 from . import distributed
 from .config import flag
-from .errors import CheckpointWriteError, Preempted, UsageError
+from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within
 from .models import unwrap
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
@@ -56,8 +56,7 @@ def save_checkpoint(state, output_dir, is_best, keep_previous=False):
         if is_best:
             copy_to_best(latest, output_dir)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
-        if isinstance(error.__context__, KeyboardInterrupt):  # Ctrl-C during the write, which torch's error wraps
-            raise KeyboardInterrupt from None
+        raise_interrupt_within(error)
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         if written:  # (the latest is this best epoch: a resume copies it, checkpoint.restore's repair_best)
             raise CheckpointWriteError(

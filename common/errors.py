@@ -66,6 +66,13 @@ ESCAPED = str.maketrans(
 )
 
 
+def raise_interrupt_within(error):
+    """Raise KeyboardInterrupt where `error` is a library's own error around one (torch.save turns a Ctrl-C in its
+    writer into a RuntimeError, "unexpected pos"): an interrupt, not a failed write."""
+    if isinstance(error.__context__, KeyboardInterrupt):
+        raise KeyboardInterrupt from None
+
+
 def say(message, file=None):
     """print(message, file=file, flush=True), in one write: print() makes two, and another process sharing the
     terminal or pipe (ranks, loader workers, torchrun) could land between them, gluing its output onto our line."""

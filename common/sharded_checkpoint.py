@@ -17,7 +17,7 @@ import torch
 
 from . import distributed
 from .checkpoint import BEST, CHECKPOINT, check_weights, first_readable, load_checkpoint, stale_best
-from .errors import CheckpointWriteError, UsageError
+from .errors import CheckpointWriteError, UsageError, raise_interrupt_within
 from .models import unwrap
 from .run_dir import atomic_write, fsync
 
@@ -325,6 +325,7 @@ class ShardedCheckpoints:
             if is_best:
                 export(directory, self.output_dir / BEST, check=False)  # (its files just checksummed)
         except _failures() as error:  # a full disk, a shard unreadable for the export
+            raise_interrupt_within(error)
             reason = _reason(error)
             if switched:  # (the latest is this best epoch: a resume exports it, checkpoint.restore's repair_best)
                 raise CheckpointWriteError(
