@@ -217,12 +217,8 @@ class Trainer:
         criterion = "an nn.Module (nn.CrossEntropyLoss(), not F.cross_entropy: its state is checkpointed)"
         self.criterion = returned(self.build_criterion(), nn.Module, "build_criterion()", criterion).to(device)
         self._metrics = {split: self._built_metrics(split) for split in ("train", "val")}
-        if not config.evaluate and not any(parameter.requires_grad for parameter in self.model.parameters()):
-            raise UsageError("the model (build_model) has no parameter to train: every one is frozen or it has none")
-        optimizer = returned(
-            self.build_optimizer(self.model), torch.optim.Optimizer, "build_optimizer(model)", "an optimizer"
-        )
-        self.optimizer, self._criterion_parameters = optimizer, self._train_criterion(optimizer)
+        self.optimizer = self._built_optimizer()
+        self._criterion_parameters = self._train_criterion(self.optimizer)
         self.scheduler = self._built_scheduler()
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.amp == "fp16")
         transform = self.build_batch_transform(self.classes)
@@ -288,6 +284,23 @@ class Trainer:
             returned(metric, SummedMetric, f"build_metrics({split!r}, classes)[{name!r}]", "a SummedMetric")
         return metrics
 
+    def _built_optimizer(self):
+        """build_optimizer(model), checked: an optimizer holding model parameters to train (else nothing would)."""
+        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        # Before build_optimizer: torch's optimizers refuse an empty list, in a traceback.
+        if not self.config.evaluate and not trained:
+            raise UsageError("the model (build_model) has no parameter to train: every one is frozen or it has none")
+        optimizer = returned(
+            self.build_optimizer(self.model), torch.optim.Optimizer, "build_optimizer(model)", "an optimizer"
+        )
+        held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        if not self.config.evaluate and not any(id(parameter) in held for parameter in trained):
+            raise UsageError(
+                "the optimizer (build_optimizer) holds none of the model's parameters: nothing would train (give it "
+                "the `model` it is called with: model.parameters())"
+            )
+        return optimizer
+
     def _built_scheduler(self):
         """build_scheduler(optimizer, steps_per_epoch), checked: stepped, and saved and loaded with checkpoints."""
         scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
@@ -299,8 +312,7 @@ class Trainer:
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
-        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's. An optimizer of none of
-        the model's parameters is refused."""
+        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's."""
         parameters = [parameter for parameter in self.criterion.parameters() if parameter.requires_grad]
         if parameters and self.shard is not None:
             raise UsageError(
@@ -308,12 +320,6 @@ class Trainer:
                 "nor checkpoints with its optimizer: make them the model's (build_model)"
             )
         held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        trained = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
-        if not self.config.evaluate and not any(id(parameter) in held for parameter in trained):
-            raise UsageError(
-                "the optimizer (build_optimizer) holds none of the model's parameters: nothing would train (give it "
-                "the `model` it is called with: model.parameters())"
-            )
         missing = [parameter for parameter in parameters if id(parameter) not in held]
         if missing:
             optimizer.add_param_group({"params": missing, "weight_decay": 0.0})

@@ -51,7 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, steady  # noqa: E402
+from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, slug, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
@@ -726,7 +726,7 @@ def main(argv=None):
             row.result = "FAIL: " + ((str(error).splitlines() or [""])[0] or type(error).__name__)
             print(f"--- {row.name}: FAIL\n{detail}", file=sys.stderr, flush=True)
             if out:
-                (out / (re.sub(r"[^\w]+", "_", row.name) + ".log")).write_text(getattr(error, "output", None) or detail)
+                (out / f"{slug(row.name)}.log").write_text(getattr(error, "output", None) or detail)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
         if out:
             (out / "table.md").write_text(table([row for row, _ in checks], failures) + "\n")
