@@ -442,11 +442,6 @@ def restore(trainer, checkpoint, path):
     _restore_scheduler(trainer, checkpoint, path)
     if checkpoint["scaler"]:  # (none: saved without --amp fp16; this run's loss scale starts at its default)
         trainer.scaler.load_state_dict(checkpoint["scaler"])
-    if trainer.ema is None and "model_ema" in checkpoint:
-        trainer.log.print(
-            f"warning: {path} holds a model EMA and this run has no --model-ema: the EMA is not kept (this run's "
-            "checkpoints hold none); resume with --model-ema to keep it"
-        )
     if trainer.ema is not None:
         if "model_ema" in checkpoint:
             checkpoints.load_weights(
@@ -456,6 +451,11 @@ def restore(trainer, checkpoint, path):
         else:
             trainer.ema.restart(0)
             trainer.log.print(f"model EMA: {path} holds none; it starts from the checkpoint's weights")
+    elif "model_ema" in checkpoint:
+        trainer.log.print(
+            f"warning: {path} holds a model EMA and this run has no --model-ema: the EMA is not kept (this run's "
+            "checkpoints hold none); resume with --model-ema to keep it"
+        )
     trainer._best_ema_acc1 = float(checkpoint.get("best_ema_acc1", 0.0))
     states = checkpoint["rng_states"]
     if len(states) == trainer.runtime.world_size:

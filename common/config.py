@@ -169,18 +169,22 @@ def _data_source(values):
         values["data"] = str(DEFAULT_ROOT)
 
 
+# The flags an environment variable may give (below the command line, above the presets): {name: (variable, type)}.
+ENVIRONMENT_DEFAULTS = {
+    "epochs": ("EPOCHS", int),
+    "batch_size": ("BATCH_SIZE", int),
+    "lr": ("LR", float),
+    "dist_backend": ("BACKEND", str),
+}
+
+
 def _layered_defaults(values):
     """Each flag not given takes the value of the highest layer of preset_layers that has it; `data_preset` and
     `from_data_preset` say which dataset preset gave what (the header names them), `lr_source` and
     `lr_reference_batch` where the lr came from and for which batch (--lr-scaling linear). Returns {name: variable}
     of the values an environment variable gave."""
     preset_name = "demo" if values["dataset"] == "demo" else "imagenet"
-    from_env = {
-        "epochs": env_default("EPOCHS", int),
-        "batch_size": env_default("BATCH_SIZE", int),
-        "lr": env_default("LR", float),
-        "dist_backend": env_default("BACKEND"),
-    }
+    from_env = {name: env_default(variable, kind) for name, (variable, kind) in ENVIRONMENT_DEFAULTS.items()}
     layers = preset_layers(values["dataset"], preset_name, values["preset"], from_env, values["lr"])
     # --lr-scaling linear scales an lr from the batch it was given for: the user's (--lr, LR) for 256 images,
     # a preset's for that preset's batch.
@@ -200,8 +204,11 @@ def _layered_defaults(values):
     ]
     warmup_given = values["warmup_epochs"] is not None
     chosen = {name: value for _, layer in layers for name, value in layer.items()}  # (the highest layer's)
-    variables = {"epochs": "EPOCHS", "batch_size": "BATCH_SIZE", "lr": "LR", "dist_backend": "BACKEND"}
-    given = {name: variables[name] for name, value in from_env.items() if value is not None and values[name] is None}
+    given = {
+        name: ENVIRONMENT_DEFAULTS[name][0]
+        for name, value in from_env.items()
+        if value is not None and values[name] is None
+    }
     for name, value in chosen.items():
         if values.get(name) is None:
             values[name] = value
