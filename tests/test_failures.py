@@ -486,6 +486,15 @@ def test_a_line_of_ours_written_into_another_process_s_unfinished_line_is_read_a
     ]
 
 
+def job_processes(job, count, timeout=30):
+    """The job's live processes, once `count` of them are (or at the timeout): loader workers live while their
+    loader does, not at an epoch's end (validation, the checkpoint), where a test that read the line late may be."""
+    deadline = time.monotonic() + timeout
+    while len(running := job.leftovers()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running
+
+
 def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     """Fails on purpose, three times, and shows that nothing of the failed jobs is left. A job whose line
     never comes: torchrun, its two workers (each in a session of its own) and their loader workers."""
@@ -497,7 +506,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     # (torchrun's launcher forked by the prewarm server: found by its session; its workers by theirs)
     assert isinstance(job.process, PrewarmedProcess) or os.environ.get("PREWARMED") == "0"
     job.wait_for(at(0, 2))
-    running = job.leftovers()
+    running = job_processes(job, 5)
     assert len(running) >= 5, running  # torchrun, 2 workers, a loader worker each
     with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
         job.wait_for(re.compile("a line this job never prints"), timeout=1)
@@ -521,7 +530,7 @@ def test_a_test_that_fails_leaves_no_process_of_its_jobs(data, tmp_path):
     )
     assert isinstance(job.process, PrewarmedProcess) or os.environ.get("PREWARMED") == "0"  # (then a plain one)
     job.wait_for(at(0, 2))
-    running = job.leftovers()
+    running = job_processes(job, 3)
     assert len(running) >= 3 and job.process.pid in running, running
     with pytest.raises(AssertionError, match="no line matching 'a line this job never prints'"):
         job.wait_for(re.compile("a line this job never prints"), timeout=1)
