@@ -383,7 +383,8 @@ def first_item(dataset, split, num_classes):
 # A Hugging Face dataset on disk.
 
 TRAIN_SPLITS, VAL_SPLITS = ("train",), ("validation", "val", "valid")
-LABEL_NAMES = ("label", "labels", "cls")  # an integer column of one of these names, where no ClassLabel says it
+# The columns trained on: the first of these names the split has, else its only column of the kind (timm's defaults)
+IMAGE_NAMES, LABEL_NAMES = ("image", "img"), ("label", "labels", "cls")
 
 
 def has_hf_dataset(root):
@@ -467,11 +468,8 @@ def _splits(root):
             f"{', '.join(loaded) or 'none'}"
         )
     features = loaded[train].features
-    image = next((name for name, kind in features.items() if type(kind).__name__ == "Image"), None)
-    label = next(
-        (name for name, kind in features.items() if type(kind).__name__ == "ClassLabel"),
-        next((name for name in LABEL_NAMES if name in features), None),
-    )
+    image = _column(root, train, features, IMAGE_NAMES, "Image")
+    label = _column(root, train, features, LABEL_NAMES, "ClassLabel")
     if image is None or label is None:
         raise UsageError(
             f"--data {root}: its {train} split has no {'image' if image is None else 'label'} column "
@@ -489,6 +487,20 @@ def _splits(root):
             "never has (integer labels, no ClassLabel to name the classes): every class must be trained on"
         )
     return list(classes or [str(index) for index in range(count)]), rows[train], rows[val]
+
+
+def _column(root, split, features, names, kind):
+    """The column of `names` the split has first, else its only column of `kind` (None where it has none); several
+    of `kind` and none named: one line (a dataset's other ClassLabel, a domain say, was trained on as the classes).
+    A label column may be integers: named, it is taken whatever it holds (and checked later)."""
+    typed = [name for name, feature in features.items() if type(feature).__name__ == kind]
+    named = next((name for name in names if name in (features if kind == "ClassLabel" else typed)), None)
+    if named is None and len(typed) > 1:
+        raise UsageError(
+            f"--data {root}: its {split} split has {len(typed)} {kind} columns ({', '.join(typed)}) and none named "
+            f"{' or '.join(names)}: name the one to train on so (DatasetDict.rename_column)"
+        )
+    return named or next(iter(typed), None)
 
 
 def _check_validation(root, loaded, train, val, image, label):

@@ -408,6 +408,33 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
     assert load_splits(tmp_path / "fewer")[0] == ["a", "b", "c"]
 
 
+def test_the_columns_named_image_and_label_are_trained_on_and_several_unnamed_are_refused(folder, tmp_path):
+    """A ClassLabel before the label column (a domain, say) was trained on as the classes, exit 0: the column named
+    label is; where none is named and two could be, one line (as two image columns)."""
+    import datasets
+
+    image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
+    kinds = {"picture": datasets.Image(), "domain": datasets.ClassLabel(names=["photo", "sketch"])}
+
+    def saved(name, **columns):
+        features = datasets.Features({column: kind or kinds[column] for column, kind in columns.items()})
+        rows = {
+            column: [image] * 3 if type(kind).__name__ == "Image" else [0, 1, 0] for column, kind in features.items()
+        }
+        split = datasets.Dataset.from_dict(rows, features=features)
+        datasets.DatasetDict({"train": split, "validation": split}).save_to_disk(str(tmp_path / name))
+        return tmp_path / name
+
+    three = datasets.ClassLabel(names=["a", "b", "c"])
+    found = load_splits(saved("domain first", picture=None, domain=None, image=datasets.Image(), label=three))
+    assert found[0] == ["a", "b", "c"] and found[1].image == "image"
+    assert load_splits(saved("ints", image=datasets.Image(), domain=None, cls=datasets.Value("int64")))[0] == ["0", "1"]
+    with pytest.raises(UsageError, match=r"train split has 2 ClassLabel columns \(domain, kind\) and none named label"):
+        load_splits(saved("two labels", image=datasets.Image(), domain=None, kind=three))
+    with pytest.raises(UsageError, match=r"train split has 2 Image columns \(picture, photo\) and none named image"):
+        load_splits(saved("two images", picture=None, photo=datasets.Image(), label=three))
+
+
 def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):
     """A row whose image is None: skipped and named SPLIT[ROW] as any unreadable row (was an AttributeError)."""
     import datasets
