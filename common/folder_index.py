@@ -5,6 +5,7 @@ workers copy as reference counts touch it. The order is ImageFolder's: sample i 
 """
 
 import csv
+import io
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -116,19 +117,24 @@ def read_split_file(path, root):
     """[(path, class name)] of a CSV or TSV split file of rows `path,label` (a first such row is a header), paths
     relative to `root` unless absolute."""
     delimiter = "\t" if path.suffix == ".tsv" else ","
-    rows = []
     try:
-        with open(path, newline="") as file:
-            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
-                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
-                    continue
-                if len(row) != 2 or not row[0].strip() or not row[1].strip():
-                    raise UsageError(
-                        f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}"
-                    )
-                rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
+        data = Path(path).read_bytes()
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")  # (as Excel's "CSV UTF-8" saves it: its mark before the header)
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise UsageError(
+            f"{path} line {line}: byte {data[error.start]:#04x} is not UTF-8: save the file as UTF-8"
+        ) from None
+    rows = []
+    for number, row in enumerate(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter), start=1):
+        if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+            continue
+        if len(row) != 2 or not row[0].strip() or not row[1].strip():
+            raise UsageError(f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}")
+        rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
     if not rows:
         raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
     return rows

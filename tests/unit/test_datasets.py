@@ -102,9 +102,16 @@ def csv_splits(tiny_data, tmp_path_factory):
     return root
 
 
-def test_csv_and_tsv_splits_list_the_image_folder_s_files_in_its_order(csv_splits, tiny_data):
+def test_csv_and_tsv_splits_list_the_image_folder_s_files_in_its_order(csv_splits, tiny_data, tmp_path):
+    """Also a CSV that Excel saved ("CSV UTF-8": a byte order mark before the header, which was read as a row of
+    class `label`: 4 classes, exit 0)."""
     folder = build_datasets(parse("--data", tiny_data))
-    for kind in ("csv", "tsv"):
+    shutil.copytree(csv_splits / "csv", tmp_path / "excel", symlinks=True)
+    for split in ("train", "val"):
+        (tmp_path / "excel" / f"{split}.csv").write_bytes(
+            b"\xef\xbb\xbf" + (csv_splits / "csv" / f"{split}.csv").read_bytes()
+        )
+    for kind in ("csv", "tsv", tmp_path / "excel"):
         classes, train, val = build_datasets(parse("--data", csv_splits / kind))
         assert classes == folder[0] == ["circle", "ring", "square"]
         for ours, theirs in ((train, folder[1]), (val, folder[2])):
@@ -122,8 +129,12 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
     (tmp_path / "short").mkdir()
     (tmp_path / "short" / "train.csv").write_text("path,label\na.jpg\n")
     (tmp_path / "short" / "val.csv").write_text("b.jpg,cat\n")
+    (tmp_path / "latin").mkdir()  # (a traceback: UnicodeDecodeError)
+    (tmp_path / "latin" / "train.csv").write_bytes("path,label\na.jpg,cat\nb.jpg,caf\u00e9\n".encode("cp1252"))
+    (tmp_path / "latin" / "val.csv").write_text("b.jpg,cat\n")
     for name, line in [
         ("one", "has train.csv but no val.csv: give both splits"),
+        ("latin", r"train.csv line 3: byte 0xe9 is not UTF-8: save the file as UTF-8$"),
         ("unknown", r"val labels dog of \S+ do not occur in its train split"),
         ("short", r"train.csv line 2: expected path,label, got 'a.jpg'"),
     ]:
