@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 from . import distributed
 from .demo_data import ensure_demo_dataset
 from .errors import ESCAPED, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
-from .folder_index import SPLIT_FILES, FolderIndex, scan_image_folder, scan_split_files, split_files
+from .folder_index import SPLIT_FILES, FolderIndex, rgb, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
 # JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
@@ -114,12 +114,8 @@ def _torchvision_decoded(encoded):
 
 
 def _pil_rgb(image):
-    """A PIL image as an RGB uint8 CHW tensor; 16-bit grayscale (a PNG's) scaled to its high byte, as torchvision scales
-    it, not clipped to white, as PIL's convert("RGB") would."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        values = (torch.from_numpy(np.asarray(image, dtype=np.int32)).clamp(0, 65535) >> 8).to(torch.uint8)
-        return values.expand(3, *values.shape).contiguous()
-    return F.pil_to_tensor(image.convert("RGB"))
+    """A PIL image as an RGB uint8 CHW tensor (folder_index.rgb)."""
+    return F.pil_to_tensor(rgb(image))
 
 
 class SyntheticImages(Dataset):

@@ -110,6 +110,18 @@ def scan_image_folder(root):
     return Scan(classes["train"], index("train"), index("val"))
 
 
+def rgb(image):
+    """A PIL image in RGB. 16-bit grayscale (a PNG's; a PGM's, which PIL opens as 32-bit "I") scaled to its high byte,
+    as torchvision scales it, not clipped to white, as PIL's convert("RGB") would; another 32-bit image, whose range
+    nothing says (a TIFF's), as convert("RGB") makes it (ImageFolder's), not shifted to black. (Here, beside the
+    file lists: tools/ decode images without importing torch.)"""
+    from PIL import Image
+
+    if image.mode in ("I;16", "I;16B", "I;16L") or (image.mode == "I" and image.format in ("PNG", "PPM")):
+        return Image.fromarray((np.asarray(image, dtype=np.int32).clip(0, 65535) >> 8).astype(np.uint8)).convert("RGB")
+    return image.convert("RGB")
+
+
 # The file lists of train.csv and val.csv (or .tsv).
 
 

@@ -60,6 +60,14 @@ def test_load_image_decodes_jpegs_with_torchvision_and_other_formats_png_too_wit
     # 16-bit grayscale: scaled to 8 bits as torchvision scales it (its high byte), not clipped to white by PIL.
     Image.new("I;16", (8, 6), 40000).save(tmp_path / "grey16.png")
     assert load_image(str(tmp_path / "grey16.png")).unique().tolist() == [40000 >> 8]
+    Image.new("I;16", (8, 6), 40000).save(tmp_path / "grey16.pgm")  # (PIL opens it as 32-bit "I")
+    assert load_image(str(tmp_path / "grey16.pgm")).unique().tolist() == [40000 >> 8]
+    # A 32-bit TIFF, whose range nothing says: as ImageFolder decodes it (was shifted to black, 0).
+    Image.new("I", (8, 6), 120).save(tmp_path / "int32.tif")
+    reference = torchvision.datasets.folder.pil_loader(str(tmp_path / "int32.tif"))
+    assert torch.equal(
+        load_image(str(tmp_path / "int32.tif")), torchvision.transforms.v2.functional.pil_to_tensor(reference)
+    )
 
 
 def test_load_image_of_a_broken_file_names_it(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +92,19 @@ def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(sh
             ]
             webdataset_tar(counters / split / f"{split}-{n:06d}.tar", samples)
     assert [len(index) for index in scan_shards(counters)[1:]] == [4, 4]
+
+
+def test_resize_gives_a_16_bit_image_as_training_decodes_it(tmp_path):
+    """make_shards.py and prepare_imagenet.py --resize: a 16-bit PNG's high byte, as load_image decodes the original
+    (was clipped to white by PIL's convert("RGB"): every pixel 255)."""
+    from PIL import Image
+
+    from common.datasets import decode_bytes, load_image
+    from shared import resize_jpeg
+
+    Image.fromarray((np.arange(48 * 64).reshape(48, 64) * 21).astype(np.uint16)).save(tmp_path / "grey16.png")
+    resized = decode_bytes(resize_jpeg((tmp_path / "grey16.png").read_bytes(), 64), "jpg")
+    assert (resized.int() - load_image(str(tmp_path / "grey16.png")).int()).abs().float().mean() < 2  # (JPEG's loss)
 
 
 def test_a_reader_names_a_sample_its_shard_cuts_short(shards, tmp_path):
