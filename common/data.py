@@ -26,10 +26,9 @@ from .datasets import (
     SyntheticImages,
     describe,
     first_item,
-    printable,
 )
 from .device_loader import Collate
-from .errors import BadItem, Preempted, UnreadableImage, UsageError, say, wrong_return
+from .errors import BadItem, Preempted, UnreadableImage, UsageError, printable, say, wrong_return
 from .preemption import ignore_stop_signals
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation

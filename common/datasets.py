@@ -25,7 +25,7 @@ from torchvision.transforms.v2 import functional as F
 
 from . import distributed
 from .demo_data import ensure_demo_dataset
-from .errors import ESCAPED, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
+from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
 from .folder_index import SPLIT_FILES, FolderIndex, rgb, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -87,12 +87,6 @@ def encoded_jpeg(data, name):
     except Exception:  # (PIL raises OSError, ValueError, SyntaxError, ...: the worker's decoder says why)
         return None
     return EncodedJPEG(torch.frombuffer(bytearray(data), dtype=torch.uint8), height, width, name)
-
-
-def printable(path):
-    """A file name for a one-line message: what would split or hide the line escaped (errors.ESCAPED), and the bytes
-    of a name that is not UTF-8 (kept as surrogates) as \\xNN."""
-    return str(path).translate(ESCAPED).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def describe(error):

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import default_collate
 
 from . import distributed
-from .datasets import EncodedJPEG, SyntheticImages, decode_bytes, decoded, describe, printable
-from .errors import UnreadableFile, UnreadableImage
+from .datasets import EncodedJPEG, SyntheticImages, decode_bytes, decoded, describe
+from .errors import UnreadableFile, UnreadableImage, printable
 from .preemption import waiting_for_data
 from .transforms import planned
 

@@ -56,7 +56,7 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; continue with --res
 
 
 # What would split or hide a line (control characters, Unicode's line separators), escaped: in bad_images.txt's fields
-# and in the file names of our one-line messages (datasets.printable)
+# and in the file names of our one-line messages (printable)
 ESCAPED = str.maketrans(
     {
         **{code: f"\\x{code:02x}" for code in [*range(32), 127, 0x85]},
@@ -64,6 +64,12 @@ ESCAPED = str.maketrans(
         **{"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"},
     }
 )
+
+
+def printable(path):
+    """A file name for a one-line message: what would split or hide the line escaped (errors.ESCAPED), and the bytes
+    of a name that is not UTF-8 (kept as surrogates) as \\xNN."""
+    return str(path).translate(ESCAPED).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def raise_interrupt_within(error):

@@ -12,7 +12,8 @@ as tools/prepare_imagenet.py --resize makes them) beside KEY.cls (its label). KE
 without the extension (dots in its name become "_"). Beside each shard, written after it, its index (.idx: each
 sample's key, extension, label, byte offset and size, in numpy's .npz format), which the scripts read instead of the
 shards to list the samples, and a loader worker reads each image at its offset. The same images in shards and in the
-folder they came from give bitwise the same run.
+folder they came from give bitwise the same run. A file that cannot be read (a broken link) is stored empty, one
+--resize cannot decode unchanged, each with a warning: training skips and names it, as on the folder.
 
 Stopped (Ctrl-C, a kill, a crash)? Run the same command again: it carries on. A shard is written to a temporary
 file, fsynced and renamed into place, then its index; a shard counts as done once its index matches it, and a
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
-from common.errors import UsageError
+from common.errors import UsageError, printable
 from common.folder_index import scan_image_folder, scan_split_files, split_files
 from common.run_dir import atomic_write
 from common.shards import (
@@ -87,18 +88,23 @@ def read_sample(path, offset, size):
 
 def write_shard(shard, samples, resize, quality):
     """Write `shard` (atomically) from its samples (key, extension, label, path, offset, size), then its index; the
-    keys --resize could not decode (stored unchanged: the training loader names them as unreadable)."""
-    undecodable = []
+    warnings for the samples it could not read (stored empty) or --resize could not decode (stored unchanged): as
+    on their folder, the training loader skips and names them."""
+    warnings = []
 
     def write(file):
         with tarfile.open(fileobj=file, mode="w", format=tarfile.GNU_FORMAT) as tar:
             for key, extension, label, *where in samples:
-                data = read_sample(*where)
-                if resize:
+                try:
+                    data = read_sample(*where)
+                except OSError as error:  # (a broken link, a file without read permission)
+                    data = b""
+                    warnings.append(f"cannot read {printable(where[0])} ({error.strerror}): stored empty as {key}")
+                if resize and data:
                     try:
                         data, extension = resize_jpeg(data, resize, quality), "jpg"
                     except (OSError, SyntaxError, ValueError):
-                        undecodable.append(key)
+                        warnings.append(f"cannot decode {key}: stored unchanged")
                 for name, content in ((f"{key}.{extension}", data), (f"{key}.cls", str(label).encode())):
                     info = tarfile.TarInfo(name)
                     info.size, info.mode = len(content), 0o644  # mtime 0, no owner: the same images, the same shard
@@ -112,7 +118,7 @@ def write_shard(shard, samples, resize, quality):
             "disk full or failing?"
         )
     write_index(shard, index, shard_stamp(shard))
-    return undecodable
+    return warnings
 
 
 def done(shard):
@@ -144,7 +150,8 @@ def open_output(out, manifest, classes, splits):
             )
         if earlier is None:
             atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
-        atomic_write(out / CLASSES, lambda file: file.write("".join(f"{name}\n" for name in classes).encode()))
+        listed = "".join(f"{name}\n" for name in classes).encode("utf-8", "surrogateescape")  # (a name as its bytes)
+        atomic_write(out / CLASSES, lambda file: file.write(listed))
         for split in splits:
             (out / split).mkdir(exist_ok=True)
             for stale in (out / split).glob(".*.tmp"):  # a killed run's unfinished shard
@@ -165,6 +172,9 @@ def make_shards(args):
         raise UsageError(
             f"SRC {src}{text[len(f'--data {src}') :]}" if text.startswith(f"--data {src}") else text
         ) from None
+    broken = next((name for name in classes if "\n" in name or "\r" in name), None)
+    if broken is not None:  # (classes.txt lists a class a line)
+        raise UsageError(f"SRC {src}: class {printable(broken)} has a line break in its name: rename it")
     samples = {"train": folder_samples(train, src / "train"), "val": folder_samples(val, src / "val")}
     folders = {os.path.dirname(path) for items in samples.values() for _, _, _, path, _, _ in items}
     crossing = overlap([src / "train", src / "val", *sorted(folders)], [out / "train", out / "val"])
@@ -203,9 +213,9 @@ def write_all(out, classes, samples, source, args):
             shard = out / split / f"{split}-{number:06d}.tar"
             if not done(shard):
                 jobs.append((shard, items[number * args.shard_size : (number + 1) * args.shard_size]))
-    for count, ((shard, part), undecodable) in enumerate(zip(jobs, written(jobs, args)), start=1):
-        for key in undecodable:
-            print(f"warning: cannot decode {shard.name}:{key}: stored unchanged", file=sys.stderr, flush=True)
+    for count, ((shard, part), warnings) in enumerate(zip(jobs, written(jobs, args)), start=1):
+        for warning in warnings:
+            print(f"warning: {shard.name}: {warning}", file=sys.stderr, flush=True)
         print(
             f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)", flush=True
         )

@@ -20,12 +20,11 @@ from common.data import (
     last_batch_for,
     loader_workers,
     per_process_batch,
-    printable,
     single_image_on_a_device,
 )
 from common.datasets import ImageFiles, build_datasets, load_image
 from common.device_loader import Collate, DeviceLoader
-from common.errors import UnreadableImage, UsageError
+from common.errors import UnreadableImage, UsageError, printable
 from common.preemption import StopNow
 from common.samplers import RepeatedAugmentationSampler
 from common.transforms import Normalise

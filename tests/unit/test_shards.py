@@ -94,6 +94,32 @@ def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(sh
     assert [len(index) for index in scan_shards(counters)[1:]] == [4, 4]
 
 
+def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_keep_their_bytes(
+    tiny_data, tmp_path, capsys
+):
+    """A broken link in SRC: stored empty with a warning, so that training skips and names it as on the folder (was a
+    traceback, and OUT left holding a manifest that refused the rerun). A class folder whose name is not UTF-8: the
+    folder's class name (was a traceback); one with a line break, which classes.txt cannot list: one line."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_data, src)
+    (src / "train" / "ring" / "zz-gone.jpg").symlink_to(tmp_path / "nonexistent")
+    for split in ("train", "val"):
+        os.rename(src / split / "square", os.fsencode(src / split) + b"/squ\xe4re")
+    assert make_shards.main([str(src), str(tmp_path / "out"), "--workers", "1"]) == 0
+    assert "cannot read " + str(
+        src / "train" / "ring" / "zz-gone.jpg"
+    ) + " (No such file or directory): stored empty" in (capsys.readouterr().err)
+    classes, train, _ = scan_shards(tmp_path / "out")
+    assert classes == scan_image_folder(src).classes and classes[2] == os.fsdecode(b"squ\xe4re")
+    gone = next(index for index in range(len(train)) if train.name(index).endswith(":ring/zz-gone"))
+    with pytest.raises(UnreadableFile):
+        ShardedImages(train)[gone]
+    for split in ("train", "val"):
+        os.rename(os.fsencode(src / split) + b"/squ\xe4re", src / split / "new\nline")
+    with pytest.raises(UsageError, match=r"class new\\nline has a line break in its name: rename it$"):
+        make_shards.make_shards(make_shards.parse_args([str(src), str(tmp_path / "out2")]))
+
+
 def test_resize_gives_a_16_bit_image_as_training_decodes_it(tmp_path):
     """make_shards.py and prepare_imagenet.py --resize: a 16-bit PNG's high byte, as load_image decodes the original
     (was clipped to white by PIL's convert("RGB"): every pixel 255)."""
