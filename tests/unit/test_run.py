@@ -146,6 +146,21 @@ def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(
     )
 
 
+def test_a_resume_takes_the_weight_decay_and_momentum_its_flags_give(finished, tmp_path):
+    """--wd and --momentum changed on a resume were silently the checkpoint's (args.json saying the new ones); the
+    same flags keep the checkpoint's groups as they were (a trainer's own settings in them too)."""
+    out = tmp_path / "copy"
+    out.mkdir()
+    (out / "checkpoint.pth").write_bytes((finished / "checkpoint.pth").read_bytes())
+    groups = started("--epochs", "2", "--wd", "0.05", "--momentum", "0", "--resume", "auto", "--output-dir", out)
+    assert [(group["weight_decay"], group["momentum"]) for group in groups.optimizer.param_groups] == [(0.05, 0.0)]
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    checkpoint["optimizer"]["param_groups"][0]["weight_decay"] = 0.5  # as a trainer's own schedule of it would leave it
+    torch.save(checkpoint, out / "checkpoint.pth")
+    kept = started("--epochs", "2", "--resume", "auto", "--output-dir", out)
+    assert [group["weight_decay"] for group in kept.optimizer.param_groups] == [0.5]
+
+
 def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
     try:
         trained("--epochs", "1", "--deterministic", "--output-dir", tmp_path)
