@@ -2,6 +2,7 @@
 which optimizer, and where it writes; and summary.json's figures at its end. Every part a run uses is named here,
 whoever built it (a registry that hides where a part comes from is not what we want: style.md)."""
 
+import json
 import os
 import platform
 import time
@@ -209,14 +210,15 @@ def run_summary(trainer, seconds, train, val, ema_val):
 
 
 def trained_already(trainer, eval_model):
-    """A relaunch of a run trained to --epochs: nothing to do, unless summary.json is missing (a failed write, a kill):
-    then the final weights (and the EMA's) are validated again to write it, with log.csv's last epoch's figures."""
+    """A relaunch of a run trained to --epochs: nothing to do, unless summary.json is missing (a failed write, a kill)
+    or another length's: then the final weights (and the EMA's) are validated again to write it, with log.csv's last
+    epoch's figures."""
     config, log = trainer.config, trainer.log
     log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
     path = Path(config.output_dir) / "summary.json"
-    if not distributed.computed_by_rank_0(lambda: log.writes and not path.exists()):
+    if not distributed.computed_by_rank_0(lambda: log.writes and _summary_epochs(path) != trainer.start_epoch):
         return None
-    log.print(f"{path} is missing: the final weights are validated to write it again")
+    log.print(f"{path} is missing or of another run's length: the final weights are validated to write it again")
     start, last = time.time(), log.last_row()
     val = trainer.evaluate(eval_model)
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
@@ -228,6 +230,14 @@ def trained_already(trainer, eval_model):
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary
+
+
+def _summary_epochs(path):
+    """The epochs summary.json at `path` says its run trained, or None where there is no such file to read."""
+    try:
+        return json.loads(path.read_text()).get("epochs")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # The hyperparameters the header names, where an optimizer has them.

@@ -124,6 +124,8 @@ class RunLogger:
                     path.unlink(missing_ok=True)
             for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
                 events.unlink()
+        else:  # a run that goes on is not finished: its summary.json (of fewer --epochs, say) would pass for this one's
+            (self.output_dir / "summary.json").unlink(missing_ok=True)
         self.fields = CSV_FIELDS + EMA_FIELDS if ema else list(CSV_FIELDS)
         if not resumed or not log.exists():
             self._rewrite_log([])

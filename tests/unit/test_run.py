@@ -4,6 +4,7 @@ fails before writing leaves no directory it made, and a Trainer holds its docume
 subclass may assign; what the ranks of one job compare before they train (arguments, checkpoints) and the one line
 that names the first difference."""
 
+import json
 import re
 from pathlib import Path
 
@@ -159,6 +160,48 @@ def test_a_resume_takes_the_weight_decay_and_momentum_its_flags_give(finished, t
     torch.save(checkpoint, out / "checkpoint.pth")
     kept = started("--epochs", "2", "--resume", "auto", "--output-dir", out)
     assert [group["weight_decay"] for group in kept.optimizer.param_groups] == [0.5]
+
+
+class Watched(Trainer):
+    """Records at each step whether summary.json is there; raises at its step `stop_at` (counted from 1), as a kill
+    would end the run there."""
+
+    stop_at, seen = None, []
+
+    def train_step(self, model, images, labels):
+        Watched.seen.append((Path(self.config.output_dir) / "summary.json").exists())
+        if len(Watched.seen) == Watched.stop_at:
+            raise RuntimeError("stopped here")
+        return super().train_step(model, images, labels)
+
+
+def test_a_run_that_goes_on_has_no_summary_of_its_shorter_run_and_one_past_its_epochs_is_refused(finished, tmp_path):
+    """A finished run resumed for more epochs kept the shorter run's summary.json until its end (and for ever, where
+    it was stopped in the last epoch and relaunched: "nothing to do"); a checkpoint mid-epoch past a lowered --epochs
+    wrote a summary of weights trained further than log.csv says: refused."""
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name in ("checkpoint.pth", "summary.json", "log.csv"):
+        (out / name).write_bytes((finished / name).read_bytes())
+    Watched.seen, Watched.stop_at = [], None
+    run = start_run(Watched(parse(*SMALL, "--epochs", "2", "--resume", "auto", "--output-dir", out), cpu_runtime()))
+    run.fit(run.model, run.model)
+    assert Watched.seen and not any(Watched.seen)
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    (out / "summary.json").write_bytes((finished / "summary.json").read_bytes())  # (a relaunch after a stop, say)
+    trained("--epochs", "2", "--resume", "auto", "--output-dir", out)
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    # Stopped at epoch 1 step 1 with its checkpoint, then relaunched with --epochs 1.
+    Watched.seen, Watched.stop_at = [], run.steps_per_epoch + 2
+    argv = (*SMALL, "--epochs", "2", "--checkpoint-interval", "1", "--output-dir", tmp_path / "past")
+    run = start_run(Watched(parse(*argv), cpu_runtime()))
+    with pytest.raises(RuntimeError, match="stopped here"):
+        try:
+            run.fit(run.model, run.model)
+        finally:
+            run._stop_signal.close()  # (the failed run's signal handlers: not this process's from now on)
+    with pytest.raises(UsageError, match=r"stands at epoch 1 step 1, past --epochs 1: .* give --epochs 2 or more"):
+        trained("--epochs", "1", "--resume", "auto", "--output-dir", tmp_path / "past")
 
 
 def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
