@@ -553,29 +553,22 @@ def _epoch_order(args):
     return f"with --ra-sampler --ra-reps {args.get('ra_reps')}" if args.get("ra_sampler") else "without --ra-sampler"
 
 
-# The flags that set the optimizer's parameter groups' settings (not their lr, which the schedule sets from the flags)
-GROUP_FLAGS, GROUP_SETTINGS = (
-    ("weight_decay", "momentum", "norm_weight_decay", "bias_weight_decay"),
-    ("weight_decay", "momentum"),
-)
-
-
 def _load_optimizer(trainer, checkpoint, path):
     """The optimizer's state. Its groups' settings come back with it: where a resume changes the flags that set them
     (--wd 0.05 on a run of 1e-4), this run's (were silently the checkpoint's, args.json saying otherwise)."""
-    built = [{key: group[key] for key in GROUP_SETTINGS if key in group} for group in trainer.optimizer.param_groups]
+    settings = ("weight_decay", "momentum")  # (their flags: --wd, --momentum, --norm-weight-decay, ...; not the lr)
+    built = [{key: group[key] for key in settings if key in group} for group in trainer.optimizer.param_groups]
     saved = checkpoint.get("args", {})
     try:
         trainer._checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
     except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
-        saved = checkpoint.get("args", {})
         names = ("norm_weight_decay", "bias_weight_decay")
         flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}" for name in names]
         raise UsageError(
             f"{path} holds an optimizer with other parameter groups than this run's: resume it as it "
             f"was started, with {' and '.join(flags)} (and the same build_optimizer)"
         ) from None
-    if any(name in saved and saved[name] != getattr(trainer.config, name) for name in GROUP_FLAGS):
+    if any(saved.get(name, value) != value for name, value in vars(trainer.config).items() if name.endswith(settings)):
         for group, settings in zip(trainer.optimizer.param_groups, built):
             group.update(settings)
 

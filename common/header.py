@@ -13,6 +13,7 @@ import torch
 from . import distributed, optim
 from .config import RECIPES
 from .device_loader import SyntheticOnDevice
+from .errors import UsageError
 from .fsdp import state_bytes
 from .models import warn_slow_amp
 
@@ -214,6 +215,11 @@ def trained_already(trainer, eval_model):
     or another length's: then the final weights (and the EMA's) are validated again to write it, with log.csv's last
     epoch's figures."""
     config, log = trainer.config, trainer.log
+    if trainer.start_step:  # (mid-epoch past a lowered --epochs: its weights trained further than any epoch's end)
+        raise UsageError(
+            f"{trainer.resumed_from} stands at epoch {trainer.start_epoch} step {trainer.start_step}, past --epochs "
+            f"{config.epochs}: a run is not taken back; give --epochs {trainer.start_epoch + 1} or more to finish it"
+        )
     log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
     path = Path(config.output_dir) / "summary.json"
     if not distributed.computed_by_rank_0(lambda: log.writes and _summary_epochs(path) != trainer.start_epoch):

@@ -352,11 +352,6 @@ class Trainer:
             if self.ema is not None:
                 self.evaluate(self.ema.module, label="EMA")
             return None
-        if self.start_epoch >= config.epochs and self.start_step:  # (its weights are past every epoch's end)
-            raise UsageError(
-                f"{self.resumed_from} stands at epoch {self.start_epoch} step {self.start_step}, past --epochs "
-                f"{config.epochs}: a run is not taken back; give --epochs {self.start_epoch + 1} or more to finish it"
-            )
         if self.start_epoch >= config.epochs:  # (summary.json written again where a failed write lost it)
             return trained_already(self, eval_model)
         for line in training_lines(self):
