@@ -72,8 +72,9 @@ def trained_outputs(output_dir, there):
 
 
 def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
-    """Refuse, unless --overwrite, a fresh start that would replace the run in --output-dir: a relaunch that forgot
-    --resume auto, or --resume auto that found no checkpoint (`resumed`) where the run left outputs worth keeping."""
+    """Refuse, unless --overwrite, a start that would replace the run in --output-dir: a relaunch that forgot --resume
+    auto, --resume auto that found no checkpoint (`resumed`) where the run left outputs worth keeping, or --resume of
+    a checkpoint from elsewhere."""
     output_dir = Path(config.output_dir)
     there = checkpoints.existing(output_dir)
     if config.evaluate or config.overwrite:
@@ -85,7 +86,8 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
                 f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no checkpoint to continue "
                 "it from: start over with --overwrite (its outputs are replaced) or another --output-dir"
             )
-    if not there or config.resume:
+    ours = config.resume and Path(config.resume).resolve().is_relative_to(output_dir.resolve())
+    if not there or config.resume == "auto" or ours:
         return
     try:
         other = checkpoints.peek(there[0])
@@ -103,6 +105,11 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
         if other
         else f"({', '.join(path.name for path in there)}; the first is damaged)"
     )
+    if config.resume:  # another directory's checkpoint, whose run would replace this one's files (and mix its logs)
+        raise UsageError(
+            f"{output_dir} holds a run {where}, which --resume {config.resume} would replace: continue that "
+            f"checkpoint in another --output-dir, or {start_over}"
+        )
     raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 
 

@@ -61,7 +61,7 @@ def finished(tmp_path_factory):
     return out
 
 
-def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing(finished):
+def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing(finished, tmp_path):
     before = {path.name: path.read_bytes() for path in finished.iterdir() if path.is_file()}
     with pytest.raises(
         UsageError,
@@ -76,6 +76,14 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
         r"choose another --output-dir",
     ):
         started("--epochs", "2", "--output-dir", finished, "--dataset", "tests.custom_datasets:two_classes")
+    # Another directory's checkpoint resumed here (was accepted: its files replaced this run's, log.csv mixed both).
+    elsewhere = tmp_path / "elsewhere.pth"
+    elsewhere.write_bytes((finished / "checkpoint.pth").read_bytes())
+    with pytest.raises(
+        UsageError, match=r"holds a run at epoch 1 step 0, which --resume \S+elsewhere.pth would replace"
+    ):
+        started("--epochs", "2", "--output-dir", finished, "--resume", elsewhere)
+    assert started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth").resumed_from
     # (run.lock aside: in this process the lock is this process's own, so the refused starts took it again; a
     # second process is refused by the lock itself: test_cluster_faults.py, test_run_dir.py)
     assert {
