@@ -412,6 +412,10 @@ def evaluated_as_trained(config, args):
         return config
     values["val_preprocessing"] = f"{said} of the checkpoint's run"  # (not the preset's)
     values["from_data_preset"] = [name for name in config.from_data_preset if name not in _PARTS]
+    try:  # (checked before with the preset's: a crop given against the checkpoint's resize evaluated padded images)
+        _check_val_sizes(values)
+    except UsageError as error:
+        raise UsageError(f"{error}; the size a flag does not give is the checkpoint's run's") from None
     return Config(**values)
 
 

@@ -340,6 +340,8 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     config = evaluate("--val-crop-size", "16").config
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 16, "bicubic")
     assert config.val_preprocessing == "resize and interpolation of the checkpoint's run"
+    with pytest.raises(UsageError, match=r"--val-crop-size 32 is larger than --val-resize-size 24: .*the checkpoint's"):
+        evaluate("--val-crop-size", "32")  # (was evaluated: the checkpoint's resize, the crop padded with black)
 
 
 def test_the_ranks_text_and_the_first_difference():
