@@ -25,18 +25,13 @@ from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in case the latest is damaged
 BEST = "model_best.pth"
-# Added to parameter names by DataParallel / DistributedDataParallel and torch.compile.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Added to parameter names by DataParallel / DistributedDataParallel and torch.compile, each once or more.
+WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
 
 def strip_prefixes(state_dict):
     """Parameter names without wrapper prefixes (checkpoints of pytorch/examples' main.py have `module.`)."""
-    clean = {}
-    for name, value in state_dict.items():
-        while name.startswith(WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]  # (each prefix is one name and its dot)
-        clean[name] = value
-    return clean
+    return {WRAPPER_PREFIXES.sub("", name): value for name, value in state_dict.items()}
 
 
 def save_checkpoint(state, output_dir, is_best, keep_previous=False):
@@ -500,7 +495,13 @@ def _own_state(trainer):
 
 
 def _check_run(trainer, checkpoint, path):
-    """Refuse what would not go on as the checkpoint's run: another --trainer, another --opt."""
+    """Refuse what would not go on as the checkpoint's run: a part missing (edited), another --trainer or --opt."""
+    parts = ("args", "samples", "scheduler", "scheduler_type", "scaler", "epoch_lr", "train_totals", "rng_states")
+    missing = [key for key in (*parts, "bad_images") if key not in checkpoint] or [
+        f"args['{key}']" for key in ("trainer", "opt", "batch_size") if key not in checkpoint["args"]
+    ]
+    if missing:
+        raise UsageError(f"{path} lacks {', '.join(missing)}: not a whole checkpoint of these scripts (edited?)")
     saved = checkpoint["args"]
     if saved["trainer"] != trainer.config.trainer:
         with_it = f"with --trainer {saved['trainer']}" if saved["trainer"] else "without --trainer"

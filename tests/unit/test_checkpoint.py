@@ -802,6 +802,21 @@ def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one
     assert str(refused.value).endswith(line), str(refused.value)
 
 
+@pytest.mark.parametrize("part", ["scheduler", "samples", "args/trainer"])
+def test_a_checkpoint_without_a_part_it_resumes_from_is_refused_in_one_line(one_epoch, tmp_path, part):
+    """Edited by hand, whole to its checks (was a KeyError traceback)."""
+    saved = torch.load(one_epoch / "checkpoint.pth", weights_only=True)
+    *outer, key = part.split("/")
+    del (saved[outer[0]] if outer else saved)[key]
+    torch.save(saved, tmp_path / "edited.pth")
+    argv = [*SMALL, *TINY_NET, "--epochs", "2", "--output-dir", tmp_path / "out", "--resume", tmp_path / "edited.pth"]
+    name = f"args['{key}']" if outer else key
+    with pytest.raises(
+        UsageError, match=rf"edited.pth lacks {re.escape(name)}: not a whole checkpoint of these scripts"
+    ):
+        started(*argv)
+
+
 def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_epoch, tmp_path, capsys):
     more = ["--dataset", "tests.custom_datasets:more_uint8_tensors"]  # 15 training images, not 12
     with pytest.raises(
