@@ -3,6 +3,7 @@ written whole (say), and `package.module:name` on the command line imported or r
 nothing of this repository, nor torch.
 """
 
+import errno
 import importlib
 import inspect
 import sys
@@ -12,6 +13,20 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line and exit code 2."""
 
     exit_code = 2
+
+
+# A full disk or quota, a file too large: the OSError is itself the one line (launch: exit code 1, "make room")
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def unwritable_output(directory, error):
+    """What to raise for the OSError `error` of writing to the output directory: itself where it is NO_ROOM (a full
+    disk is no bad input), else one line naming the directory (exit code 2: another directory is the remedy)."""
+    if error.errno in NO_ROOM:
+        return error
+    return UsageError(
+        f"cannot write to --output-dir {directory} ({error.strerror or error}): choose a directory you can write to"
+    )
 
 
 class CheckpointWriteError(UsageError):

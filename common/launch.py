@@ -20,10 +20,10 @@ import threading
 import time
 import traceback
 
-from .errors import PREEMPTED_EXIT_CODE, Preempted, UsageError, say
+from .errors import NO_ROOM, PREEMPTED_EXIT_CODE, Preempted, UsageError, say
 
 # A write the file system refused: full, over quota, read-only, or over the process's file size limit (RLIMIT_FSIZE).
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+DISK_FULL = (*NO_ROOM, errno.EROFS)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a launcher's or scheduler's request to stop

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import BEST, CHECKPOINT, PREVIOUS
-from .errors import ESCAPED, UsageError, say
+from .errors import ESCAPED, say, unwritable_output
 from .metrics import MetricSums
 from .run_dir import atomic_write
 
@@ -108,10 +108,7 @@ class RunLogger:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_text(self.output_dir / "args.json", json.dumps(vars(config), indent=2, default=str))
         except OSError as error:
-            raise UsageError(
-                f"cannot write to --output-dir {self.output_dir} ({error.strerror or error}): "
-                "choose a directory you can write to"
-            ) from None
+            raise unwritable_output(self.output_dir, error) from None
         log = self.output_dir / "log.csv"
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):

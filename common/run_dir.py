@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .errors import UsageError, say
+from .errors import UsageError, say, unwritable_output
 
 LOCK = "run.lock"
 LOCK_WAIT_ON_RESTART = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
@@ -146,10 +146,7 @@ class OutputLock:
                 )
 
     def _unwritable(self, error):
-        return UsageError(
-            f"cannot write to --output-dir {self.directory} ({error.strerror or error}): "
-            "choose a directory you can write to"
-        )
+        return unwritable_output(self.directory, error)
 
     def _take(self, wait, say):
         """True once the lock is this process's; False on a file system that does not lock (self.warning)."""
