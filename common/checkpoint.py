@@ -18,7 +18,7 @@ import torch
 
 from . import distributed
 from .config import flag
-from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within
+from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
@@ -52,7 +52,7 @@ def save_checkpoint(state, output_dir, is_best, keep_previous=False):
             copy_to_best(latest, output_dir)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         raise_interrupt_within(error)
-        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        reason = written_reason(error)
         if written:  # (the latest is this best epoch: a resume copies it, checkpoint.restore's repair_best)
             raise CheckpointWriteError(
                 f"could not copy {latest} to {BEST} ({reason}); the checkpoint itself is written "

@@ -94,6 +94,15 @@ def raise_interrupt_within(error):
         raise KeyboardInterrupt from None
 
 
+def written_reason(error):
+    """Why a write failed, in a few words: its OSError's reason, also where a library's own error holds it (torch.save
+    raises "unexpected pos 704 vs 598" around "No space left on device"); else the error's first line."""
+    inner = error if isinstance(error, OSError) else error.__context__
+    if isinstance(inner, OSError) and inner.strerror:
+        return inner.strerror
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def say(message, file=None):
     """print(message, file=file, flush=True), in one write: print() makes two, and another process sharing the
     terminal or pipe (ranks, loader workers, torchrun) could land between them, gluing its output onto our line."""

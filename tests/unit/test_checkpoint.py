@@ -8,7 +8,9 @@ with."""
 import collections
 import csv
 import re
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch.nn as nn
 import torchvision
 
 from common import checkpoint
-from common.errors import UsageError
+from common.errors import CheckpointWriteError, UsageError
 from common.logger import MEASURED
 from common.models import build_model, unwrap
 from common.run import start_run
@@ -66,6 +68,22 @@ def test_save_checkpoint_round_trip_keeps_the_previous_one_and_no_temp_files(tmp
 def test_save_checkpoint_without_best_writes_only_the_latest(tmp_path):
     checkpoint.save_checkpoint({"epoch": 1, "state_dict": {}}, tmp_path, is_best=False)
     assert [path.name for path in tmp_path.iterdir()] == ["checkpoint.pth"]
+
+
+def test_a_checkpoint_that_the_disk_cannot_hold_says_why_and_leaves_the_one_before(tmp_path):
+    """torch.save's own error ("unexpected pos 29568 vs 29520") hid the write's reason: now it is said. A real failed
+    write: a file size limit (EFBIG, as a quota)."""
+    checkpoint.save_checkpoint({"epoch": 1, "state_dict": {}}, tmp_path, is_best=False)
+    before = (tmp_path / "checkpoint.pth").read_bytes()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 4096, limits[1]))
+    try:
+        with pytest.raises(CheckpointWriteError, match=r"^could not write a checkpoint to \S+ \(File too large\); the"):
+            checkpoint.save_checkpoint({"epoch": 2, "state_dict": {"w": torch.zeros(100_000)}}, tmp_path, is_best=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert (tmp_path / "checkpoint.pth").read_bytes() == before and len(list(tmp_path.iterdir())) == 1
 
 
 def test_saved_state_dict_loads_into_plain_torchvision_model_strictly(tmp_path):
