@@ -335,8 +335,8 @@ WRITTEN_BY = {None: "fa90e47"}
 
 
 def is_ours(checkpoint):
-    """Whether a checkpoint was written by these scripts (any version), not weights from elsewhere."""
-    return "format_version" in checkpoint or "step_in_epoch" in checkpoint
+    """Whether a checkpoint was written by these scripts (any version), not weights from elsewhere (or exported)."""
+    return ("format_version" in checkpoint or "step_in_epoch" in checkpoint) and "exported_from" not in checkpoint
 
 
 def check_format(checkpoint, path):

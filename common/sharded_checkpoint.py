@@ -374,7 +374,8 @@ def export(directory, out, check=True):
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(directory), no_dist=True)
-    kept = ("epoch", "arch", "num_classes", "classes", "seed", "best_acc1", "best_ema_acc1", "args", "checkpoint_id")
+    kept = ("epoch", "step_in_epoch", "arch", "num_classes", "classes", "seed", "best_acc1", "best_ema_acc1", "args")
+    kept += ("checkpoint_id",)
     exported = {key: state[key] for key in kept if key in state}
     exported.update(exported_from=str(directory), state_dict=template["state_dict"])
     if "model_ema" in template:

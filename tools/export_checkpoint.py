@@ -40,8 +40,9 @@ def main(argv=None):
         print(f"error: cannot export {args.checkpoint} to {args.out}: {reason}", file=sys.stderr)
         return 1
     ema = " and the EMA's" if "model_ema" in exported else ""
+    step = f" and {exported['step_in_epoch']} step(s)" if exported.get("step_in_epoch") else ""
     print(
-        f"wrote {args.out}: {exported.get('arch')} weights{ema} of epoch {exported.get('epoch')} "
+        f"wrote {args.out}: {exported.get('arch')} weights{ema} after {exported.get('epoch')} epoch(s){step} "
         f"({len(exported['state_dict'])} tensors) from {Path(args.checkpoint).resolve()}"
     )
     return 0

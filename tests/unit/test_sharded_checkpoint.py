@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from common.checkpoint import restore
+from common.checkpoint import check_format, is_ours, restore
 from common.errors import CheckpointWriteError, UsageError
 from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
 from conftest import sharded_trainer
@@ -111,6 +111,16 @@ def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_on
         model.load_state_dict(exported["model_ema"]["state_dict"])
         assert all(torch.equal(value, model.state_dict()[name]) for name, value in whole(trainer.ema.module).items())
         assert exported["arch"] == "tests.tiny_models:BlockNet" and "optimizer" not in exported
+
+
+def test_an_export_of_a_checkpoint_mid_epoch_keeps_its_step_and_stays_weights_from_elsewhere(group_of_one, tmp_path):
+    """Its step was dropped: "weights of epoch 1" and -e's "after 1 epoch(s)" for weights 2 steps further."""
+    trainer = trained(tmp_path)
+    trainer.save(1, step_in_epoch=2)
+    exported = export(tmp_path / LATEST, tmp_path / "exported.pth")
+    assert (exported["epoch"], exported["step_in_epoch"]) == (1, 2)
+    assert not is_ours(exported)
+    check_format(exported, tmp_path / "exported.pth")  # (not a checkpoint of an older format: passes)
 
 
 def test_an_asynchronous_save_becomes_the_latest_once_written(group_of_one, tmp_path):
