@@ -103,6 +103,12 @@ def start_lines(trainer):
             f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
             + (f", step {trainer.start_step})" if trainer.start_step else ")")
         )
+        here = Path(config.output_dir).resolve()  # (another directory's run: its best epoch is not in this one)
+        if trainer._best_acc1 and not Path(trainer.resumed_from).resolve().is_relative_to(here):
+            lines.append(
+                f"note: the best acc@1 so far, {trainer._best_acc1:.2f}, is the resumed run's, whose model_best.pth "
+                f"stays in its directory; {here / 'model_best.pth'} is written when an epoch here beats it"
+            )
     return lines
 
 

@@ -83,7 +83,14 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
         UsageError, match=r"holds a run at epoch 1 step 0, which --resume \S+elsewhere.pth would replace"
     ):
         started("--epochs", "2", "--output-dir", finished, "--resume", elsewhere)
-    assert started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth").resumed_from
+    resumed = started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth")
+    assert not any(line.startswith("note: the best acc@1 so far") for line in start_lines(resumed))
+    # Into a directory of its own: its best epoch's model_best.pth is not there (summary.json and done: say its acc@1)
+    lines = start_lines(started("--epochs", "2", "--output-dir", tmp_path / "new", "--resume", elsewhere))
+    assert any(
+        re.match(r"note: the best acc@1 so far, \S+, is the resumed run's, whose model_best.pth stays", line)
+        for line in lines
+    ), lines
     # (run.lock aside: in this process the lock is this process's own, so the refused starts took it again; a
     # second process is refused by the lock itself: test_cluster_faults.py, test_run_dir.py)
     assert {
