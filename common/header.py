@@ -103,13 +103,19 @@ def start_lines(trainer):
             f"resumed from {trainer.resumed_from} (epoch {trainer.start_epoch}"
             + (f", step {trainer.start_step})" if trainer.start_step else ")")
         )
-        here = Path(config.output_dir).resolve()  # (another directory's run: its best epoch is not in this one)
-        if trainer._best_acc1 and not Path(trainer.resumed_from).resolve().is_relative_to(here):
-            lines.append(
-                f"note: the best acc@1 so far, {trainer._best_acc1:.2f}, is the resumed run's, whose model_best.pth "
-                f"stays in its directory; {here / 'model_best.pth'} is written when an epoch here beats it"
-            )
+        lines += _best_elsewhere(trainer)
     return lines
+
+
+def _best_elsewhere(trainer):
+    """A note where the run resumed another directory's checkpoint: its best epoch is not in this one."""
+    here = Path(trainer.config.output_dir).resolve()
+    if not trainer._best_acc1 or Path(trainer.resumed_from).resolve().is_relative_to(here):
+        return []
+    return [
+        f"note: the best acc@1 so far, {trainer._best_acc1:.2f}, is the resumed run's, whose model_best.pth stays in "
+        f"its directory; {here / 'model_best.pth'} is written when an epoch here beats it"
+    ]
 
 
 def warnings(trainer):
@@ -228,9 +234,11 @@ def trained_already(trainer, eval_model):
         )
     log.print(f"already trained {trainer.start_epoch} of --epochs {config.epochs}: nothing to do")
     path = Path(config.output_dir) / "summary.json"
-    if not distributed.computed_by_rank_0(lambda: log.writes and _summary_epochs(path) != trainer.start_epoch):
+    found = distributed.computed_by_rank_0(lambda: log.writes and _summary_epochs(path))
+    if found == trainer.start_epoch or found is False:  # (False: not the writer rank's to write)
         return None
-    log.print(f"{path} is missing or of another run's length: the final weights are validated to write it again")
+    what = "is missing" if found is None else f"is of {found} epochs' run"
+    log.print(f"{path} {what}: the final weights are validated to write it again")
     start, last = time.time(), log.last_row()
     val = trainer.evaluate(eval_model)
     ema_val = trainer.evaluate(trainer.ema.module, label="EMA") if trainer.ema is not None else None
