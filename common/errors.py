@@ -15,15 +15,21 @@ class UsageError(Exception):
     exit_code = 2
 
 
-# A full disk or quota, a file too large: the OSError is itself the one line (launch: exit code 1, "make room")
+# A full disk or quota, a file too large
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+class NoRoom(UsageError):
+    """The output directory has no room for a write (NO_ROOM): one line, exit code 1 (no bad input: make room)."""
+
+    exit_code = 1
+
+
 def unwritable_output(directory, error):
-    """What to raise for the OSError `error` of writing to the output directory: itself where it is NO_ROOM (a full
-    disk is no bad input), else one line naming the directory (exit code 2: another directory is the remedy)."""
+    """The one line for the OSError `error` of writing to the output directory: NoRoom where the disk is full (exit
+    code 1, make room), else a UsageError (exit code 2: another directory is the remedy)."""
     if error.errno in NO_ROOM:
-        return error
+        return NoRoom(f"cannot write to --output-dir {directory} ({error.strerror}): make room, then run it again")
     return UsageError(
         f"cannot write to --output-dir {directory} ({error.strerror or error}): choose a directory you can write to"
     )

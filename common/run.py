@@ -12,7 +12,7 @@ from pathlib import Path
 from . import distributed, seeding
 from .checkpoint import check_format, restore
 from .config import PER_NODE, evaluated_as_trained, flag
-from .errors import UsageError, say
+from .errors import NoRoom, UsageError, say
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
 
 
@@ -27,7 +27,7 @@ def take_output_dir(trainer):
     try:
         return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarted else 0, say=say), None
     except UsageError as failure:  # said by every rank, by check_start
-        return None, str(failure)
+        return None, failure
 
 
 def load_agreed_checkpoint(trainer):
@@ -236,11 +236,13 @@ def resume_difference(per_rank):
 
 def check_start(config, error):
     """The job's first collective: every rank gives its arguments and the error that stopped its start-up or None; a
-    difference, or any rank's error, is raised on every rank as one UsageError, so none waits for another."""
-    gathered = distributed.all_gather_object({"args": comparable_args(config), "error": error})
+    difference, or any rank's error, is raised on every rank as one UsageError (NoRoom where a disk was full: exit
+    code 1), so none waits for another."""
+    mine = {"args": comparable_args(config), "error": error and str(error), "no_room": isinstance(error, NoRoom)}
+    gathered = distributed.all_gather_object(mine)
     line = argument_difference([rank["args"] for rank in gathered]) or distributed.first_error(gathered)
     if line is not None:
-        raise UsageError(line)
+        raise (NoRoom if any(rank["no_room"] for rank in gathered) else UsageError)(line)
 
 
 def check_resume(resumed_from, error):

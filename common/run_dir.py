@@ -195,7 +195,7 @@ class OutputLock:
         for it to end. Once; a lock that cannot be written stays as it was."""
         if not self.stopping and not self.warning:
             self.stopping = True
-            with contextlib.suppress(UsageError):
+            with contextlib.suppress(UsageError, OSError):  # (a full disk: NoRoom, a UsageError)
                 self._write_holder(stopping=reason)
 
     def abandon(self):

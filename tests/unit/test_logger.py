@@ -3,7 +3,6 @@ resume), TensorBoard's per-step scalars equal to the progress lines and shown on
 and summary.json; only the writer rank writes."""
 
 import csv
-import errno
 import re
 import resource
 import signal
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import UsageError
+from common.errors import NoRoom, UsageError
 from common.logger import CSV_FIELDS, DIAGNOSTICS, EMA_FIELDS, STEP_TAGS, RunLogger, epoch_row
 from common.run import start_run
 from common.trainer import Trainer
@@ -55,19 +54,19 @@ pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the
 
 
 def test_an_output_directory_on_a_full_disk_is_the_write_s_error_and_a_read_only_one_bad_input(tmp_path):
-    """The first write of a run (args.json) on a full disk was "choose a directory you can write to", exit code 2: it
-    is the OSError (launch: "make room", exit code 1). A real failed write: a file size limit (EFBIG, as a quota)."""
+    """The first write of a run (args.json) on a full disk was "choose a directory you can write to", exit code 2: now
+    "make room", exit code 1 (NoRoom). A real failed write: a file size limit (EFBIG, as a quota)."""
     config = parse(*SMALL)
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     before = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (else the kernel ends this process)
     resource.setrlimit(resource.RLIMIT_FSIZE, (16, limits[1]))
     try:
-        with pytest.raises(OSError) as failed:
+        with pytest.raises(NoRoom, match=r"^cannot write to --output-dir \S+full \(File too large\): make room, then"):
             RunLogger(tmp_path / "full", prints=False, writes=True).start(config, resumed=True)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, before)
-    assert failed.value.errno == errno.EFBIG and not isinstance(failed.value, UsageError)
+    assert NoRoom.exit_code == 1
     (tmp_path / "file").write_text("")
     with pytest.raises(
         UsageError, match=r"cannot write to --output-dir \S+ \(Not a directory\): choose a directory you can write to"

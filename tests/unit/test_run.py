@@ -12,9 +12,17 @@ import pytest
 import torch
 
 from common import distributed
-from common.errors import UsageError
+from common.errors import NoRoom, UsageError
 from common.header import start_lines
-from common.run import argument_difference, comparable_args, ranks_text, resume_difference, resume_facts, start_run
+from common.run import (
+    argument_difference,
+    check_start,
+    comparable_args,
+    ranks_text,
+    resume_difference,
+    resume_facts,
+    start_run,
+)
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
 from harness.processes import resident_bytes_returned_at_fork
@@ -349,6 +357,16 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     assert config.val_preprocessing == "resize and interpolation of the checkpoint's run"
     with pytest.raises(UsageError, match=r"--val-crop-size 32 is larger than --val-resize-size 24: .*the checkpoint's"):
         evaluate("--val-crop-size", "32")  # (was evaluated: the checkpoint's resize, the crop padded with black)
+
+
+def test_a_start_that_found_no_room_ends_every_rank_with_exit_code_1():
+    """check_start shares a rank's error with every rank: a full disk's stays NoRoom (exit code 1, not bad input)."""
+    config = parse(*SMALL)
+    with pytest.raises(NoRoom, match="^no room here$"):
+        check_start(config, NoRoom("no room here"))
+    with pytest.raises(UsageError, match="^bad$") as refused:
+        check_start(config, UsageError("bad"))
+    assert type(refused.value) is UsageError
 
 
 def test_the_ranks_text_and_the_first_difference():

@@ -3,13 +3,15 @@ temporary), temporaries of names no other process may take, and the output direc
 second refused in one line naming the first, released however the first ends, waited for by a restarted job."""
 
 import os
+import resource
+import signal
 import subprocess
 import time
 
 import pytest
 
 from common import checkpoint, run_dir
-from common.errors import UsageError
+from common.errors import NoRoom, UsageError
 from common.run_dir import OutputLock, atomic_write, link_or_copy
 from harness.processes import PYTHON, REPO
 
@@ -154,6 +156,24 @@ lock.mark_stopping("SIGTERM")
 print("stopping", flush=True)
 time.sleep(2)
 """
+
+
+def test_a_stop_on_a_full_disk_leaves_the_lock_as_it_was_and_a_start_there_is_one_line_exit_code_1(tmp_path):
+    """The lock's "stopping" write on a full disk raised from the stop signal's handler (a run that should stop with a
+    checkpoint failed without one); the lock taken on a full disk is NoRoom, shared with every rank (check_start). A
+    real failed write: a file size limit (EFBIG, as a quota)."""
+    lock = OutputLock(tmp_path / "run", wait=0, say=print)
+    before = (tmp_path / "run" / "run.lock").read_bytes()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, limits[1]))
+    try:
+        lock.mark_stopping("SIGTERM")
+        with pytest.raises(NoRoom, match=r"\(File too large\): make room, then run it again$"):
+            OutputLock(tmp_path / "other", wait=0, say=print)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert lock.stopping and (tmp_path / "run" / "run.lock").read_bytes() == before
 
 
 def test_a_run_started_while_the_holder_is_stopping_waits_for_it_instead_of_being_refused(tmp_path):
