@@ -107,8 +107,9 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     )
     if config.resume:  # another directory's checkpoint, whose run would replace this one's files (and mix its logs)
         raise UsageError(
-            f"{output_dir} holds a run {where}, which --resume {config.resume} would replace: continue that "
-            f"checkpoint in another --output-dir, or {start_over}"
+            f"{output_dir} holds a run {where}, which --resume {config.resume} would replace: continue this run with "
+            "--resume auto, or that checkpoint in another --output-dir (or here with --overwrite: this run's files "
+            "are deleted)"
         )
     raise UsageError(f"{output_dir} holds a run {where}: continue it with --resume auto, or {start_over}")
 

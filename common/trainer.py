@@ -11,6 +11,7 @@ stopped: the data order and augmentation are functions of (seed, epoch, index) a
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -356,9 +357,10 @@ class Trainer:
             return trained_already(self, eval_model)
         for line in training_lines(self):
             log.print(line)
+        here = Path(config.output_dir).resolve()  # (another directory's checkpoint: this one's files start afresh)
         log.start(
             config,
-            self.resumed_from is not None,
+            self.resumed_from is not None and Path(self.resumed_from).resolve().is_relative_to(here),
             ema=self.ema is not None,
             checkpoints=self._checkpoints.names,
             global_step=self.start_epoch * self.steps_per_epoch + self.start_step,

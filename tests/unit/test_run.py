@@ -6,6 +6,7 @@ that names the first difference."""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,11 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
         UsageError, match=r"holds a run at epoch 1 step 0, which --resume \S+elsewhere.pth would replace"
     ):
         started("--epochs", "2", "--output-dir", finished, "--resume", elsewhere)
+    # With --overwrite, that directory's files start afresh (its log.csv kept the replaced run's rows before).
+    shutil.copytree(finished, tmp_path / "replaced")
+    trained("--epochs", "2", "--overwrite", "--output-dir", tmp_path / "replaced", "--resume", elsewhere)
+    rows = (tmp_path / "replaced" / "log.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["1"], rows
     resumed = started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth")
     assert not any(line.startswith("note: the best acc@1 so far") for line in start_lines(resumed))
     # Into a directory of its own: its best epoch's model_best.pth is not there (summary.json and done: say its acc@1)
