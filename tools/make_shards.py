@@ -21,6 +21,7 @@ finished shard is never rewritten.
 """
 
 import argparse
+import errno
 import io
 import json
 import os
@@ -77,6 +78,9 @@ def folder_samples(files, split_root):
     return samples
 
 
+GONE = (errno.ENOENT, errno.EACCES, errno.ELOOP, errno.EISDIR)  # a file that no rerun reads: stored empty
+
+
 def read_sample(path, offset, size):
     """A sample's bytes: the file at `path`, or `size` bytes at `offset` in it (an image inside an archive)."""
     with open(path, "rb") as file:
@@ -97,9 +101,17 @@ def write_shard(shard, samples, resize, quality):
             for key, extension, label, *where in samples:
                 try:
                     data = read_sample(*where)
-                except OSError as error:  # (a broken link, a file without read permission)
-                    data = b""
-                    warnings.append(f"cannot read {printable(where[0])} ({error.strerror}): stored empty as {key}")
+                except OSError as error:
+                    if where[1] is not None or error.errno not in GONE:  # (a disk's or a mount's failure: not for good)
+                        raise UsageError(
+                            f"cannot read {printable(where[0])} ({error.strerror}): run the same command again once "
+                            "it reads (it carries on)"
+                        ) from None
+                    data = b""  # (a broken link, a file without read permission: as on the folder, for good)
+                    warnings.append(
+                        f"cannot read {printable(where[0])} ({error.strerror}): stored empty as {key} (to read it "
+                        f"again: delete {shard.name} and its index, and rerun)"
+                    )
                 if resize and data:
                     try:
                         data, extension = resize_jpeg(data, resize, quality), "jpg"

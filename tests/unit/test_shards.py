@@ -5,6 +5,7 @@ shards cut short are named in one line."""
 import io
 import os
 import shutil
+import socket
 import sys
 import tarfile
 from pathlib import Path
@@ -114,6 +115,15 @@ def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_kee
     gone = next(index for index in range(len(train)) if train.name(index).endswith(":ring/zz-gone"))
     with pytest.raises(UnreadableFile):
         ShardedImages(train)[gone]
+    # A file that may read on a rerun (a socket here: ENXIO; a disk's or a mount's failure): one line, stopped.
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(src / "val" / "ring" / "zz-socket.jpg"))
+    try:
+        with pytest.raises(UsageError, match=r"zz-socket.jpg \(No such device or address\): run the same command"):
+            make_shards.make_shards(make_shards.parse_args([str(src), str(tmp_path / "out3"), "--workers", "1"]))
+    finally:
+        listening.close()
+        (src / "val" / "ring" / "zz-socket.jpg").unlink()
     for split in ("train", "val"):
         os.rename(os.fsencode(src / split) + b"/squ\xe4re", src / split / "new\nline")
     with pytest.raises(UsageError, match=r"class new\\nline has a line break in its name: rename it$"):
