@@ -5,7 +5,6 @@ workers copy as reference counts touch it. The order is ImageFolder's: sample i 
 """
 
 import csv
-import io
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -128,25 +127,27 @@ def rgb(image):
 def read_split_file(path, root):
     """[(path, class name)] of a CSV or TSV split file of rows `path,label` (a first such row is a header), paths
     relative to `root` unless absolute."""
-    delimiter = "\t" if path.suffix == ".tsv" else ","
-    try:
-        data = Path(path).read_bytes()
+    delimiter, rows = "\t" if path.suffix == ".tsv" else ",", []
+    try:  # (utf-8-sig: as Excel's "CSV UTF-8" saves it, its mark before the header)
+        with open(path, newline="", encoding="utf-8-sig") as file:
+            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
+                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+                    continue
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    raise UsageError(
+                        f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}"
+                    )
+                rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
-    try:
-        text = data.decode("utf-8-sig")  # (as Excel's "CSV UTF-8" saves it: its mark before the header)
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise UsageError(
-            f"{path} line {line}: byte {data[error.start]:#04x} is not UTF-8: save the file as UTF-8"
-        ) from None
-    rows = []
-    for number, row in enumerate(csv.reader(io.StringIO(text, newline=""), delimiter=delimiter), start=1):
-        if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
-            continue
-        if len(row) != 2 or not row[0].strip() or not row[1].strip():
-            raise UsageError(f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}")
-        rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
+    except UnicodeDecodeError:  # (its line found in the bytes, read again: a rare error)
+        data = Path(path).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line, byte = data.count(b"\n", 0, error.start) + 1, data[error.start]
+            raise UsageError(f"{path} line {line}: byte {byte:#04x} is not UTF-8: save the file as UTF-8") from None
+        raise UsageError(f"cannot read {path}: it changed while it was read") from None
     if not rows:
         raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
     return rows

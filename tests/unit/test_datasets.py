@@ -140,9 +140,14 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
     (tmp_path / "latin").mkdir()  # (a traceback: UnicodeDecodeError)
     (tmp_path / "latin" / "train.csv").write_bytes("path,label\na.jpg,cat\nb.jpg,caf\u00e9\n".encode("cp1252"))
     (tmp_path / "latin" / "val.csv").write_text("b.jpg,cat\n")
+    shutil.copytree(tmp_path / "latin", tmp_path / "latin-marked")  # (Excel's mark before it: the same line and byte)
+    (tmp_path / "latin-marked" / "train.csv").write_bytes(
+        b"\xef\xbb\xbf" + (tmp_path / "latin" / "train.csv").read_bytes()
+    )
     for name, line in [
         ("one", "has train.csv but no val.csv: give both splits"),
         ("latin", r"train.csv line 3: byte 0xe9 is not UTF-8: save the file as UTF-8$"),
+        ("latin-marked", r"train.csv line 3: byte 0xe9 is not UTF-8: save the file as UTF-8$"),
         ("unknown", r"val labels dog of \S+ do not occur in its train split"),
         ("short", r"train.csv line 2: expected path,label, got 'a.jpg'"),
     ]:
