@@ -247,6 +247,7 @@ def trained_already(trainer, eval_model):
     summary = run_summary(
         trainer, time.time() - start, {"images_per_second": last.get("images_per_second")}, val, ema_val
     )
+    summary["epochs"] = trainer.start_epoch  # (the weights' epochs, where --epochs was lowered)
     log.finish(summary)
     log.print(f"done: best acc@1 {trainer._best_acc1:.2f}, final acc@1 {val['acc1']:.2f}; {path} written")
     return summary

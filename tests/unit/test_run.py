@@ -220,6 +220,9 @@ def test_a_run_that_goes_on_has_no_summary_of_its_shorter_run_and_one_past_its_e
     (out / "summary.json").write_bytes((finished / "summary.json").read_bytes())  # (a relaunch after a stop, say)
     trained("--epochs", "2", "--resume", "auto", "--output-dir", out)
     assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    (out / "summary.json").unlink()  # written again by a relaunch with fewer --epochs: of the weights' 2
+    trained("--epochs", "1", "--resume", "auto", "--output-dir", out)
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
     # Stopped at epoch 1 step 1 with its checkpoint, then relaunched with --epochs 1.
     Watched.seen, Watched.stop_at = [], run.steps_per_epoch + 2
     argv = (*SMALL, "--epochs", "2", "--checkpoint-interval", "1", "--output-dir", tmp_path / "past")
