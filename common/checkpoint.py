@@ -496,8 +496,9 @@ def _own_state(trainer):
 
 def _check_run(trainer, checkpoint, path):
     """Refuse what would not go on as the checkpoint's run: a part missing (edited), another --trainer or --opt."""
-    parts = ("args", "samples", "scheduler", "scheduler_type", "scaler", "epoch_lr", "train_totals", "rng_states")
-    missing = [key for key in (*parts, "bad_images") if key not in checkpoint] or [
+    parts = ("args", "samples", "step_in_epoch", "scheduler", "scheduler_type", "scaler", "epoch_lr", "train_totals")
+    parts += ("rng_states", "bad_images") + (("optimizer",) if "state_dict" in checkpoint else ())  # (FSDP's: shards)
+    missing = [key for key in parts if key not in checkpoint] or [
         f"args['{key}']" for key in ("trainer", "opt", "batch_size") if key not in checkpoint["args"]
     ]
     if missing:

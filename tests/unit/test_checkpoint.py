@@ -820,7 +820,7 @@ def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one
     assert str(refused.value).endswith(line), str(refused.value)
 
 
-@pytest.mark.parametrize("part", ["scheduler", "samples", "args/trainer"])
+@pytest.mark.parametrize("part", ["scheduler", "samples", "optimizer", "step_in_epoch", "args/trainer"])
 def test_a_checkpoint_without_a_part_it_resumes_from_is_refused_in_one_line(one_epoch, tmp_path, part):
     """Edited by hand, whole to its checks (was a KeyError traceback)."""
     saved = torch.load(one_epoch / "checkpoint.pth", weights_only=True)
