@@ -564,7 +564,7 @@ def _load_optimizer(trainer, checkpoint, path):
     try:
         trainer._checkpoints.load_optimizer(trainer.model, trainer.optimizer, checkpoint, path)
     except ValueError:  # other parameter groups: --norm-weight-decay / --bias-weight-decay changed, say
-        names = ("norm_weight_decay", "bias_weight_decay")
+        names = ("weight_decay", "norm_weight_decay", "bias_weight_decay")  # (a decay equal to --wd's joins its group)
         flags = [f"{flag(name)} {saved[name]}" if saved.get(name) is not None else f"no {flag(name)}" for name in names]
         raise UsageError(
             f"{path} holds an optimizer with other parameter groups than this run's: resume it as it "

@@ -802,7 +802,7 @@ def one_epoch(tmp_path):
         (
             ["--bias-weight-decay", "0"],
             "holds an optimizer with other parameter groups than this run's: resume it as it was "
-            "started, with no --norm-weight-decay and no --bias-weight-decay (and the same "
+            "started, with --weight-decay 0.0001 and no --norm-weight-decay and no --bias-weight-decay (and the same "
             "build_optimizer)",
         ),
         (["--dataset", "tests.custom_datasets:pil_images"], None),
