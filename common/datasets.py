@@ -374,7 +374,7 @@ def first_item(dataset, split, num_classes):
 
 TRAIN_SPLITS, VAL_SPLITS = ("train",), ("validation", "val", "valid")
 # The columns trained on: the first of these names the split has, else its only column of the kind (timm's defaults)
-IMAGE_NAMES, LABEL_NAMES = ("image", "img"), ("label", "labels", "cls")
+IMAGE_NAMES, LABEL_NAMES = ("image", "img"), ("label", "labels", "cls", "fine_label")  # (fine_label: CIFAR-100's)
 
 
 def has_hf_dataset(root):

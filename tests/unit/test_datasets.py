@@ -453,6 +453,10 @@ def test_the_columns_named_image_and_label_are_trained_on_and_several_unnamed_ar
     found = load_splits(saved("domain first", picture=None, domain=None, image=datasets.Image(), label=three))
     assert found[0] == ["a", "b", "c"] and found[1].image == "image"
     assert load_splits(saved("ints", image=datasets.Image(), domain=None, cls=datasets.Value("int64")))[0] == ["0", "1"]
+    cifar100 = saved(
+        "cifar100", img=datasets.Image(), fine_label=three, coarse_label=datasets.ClassLabel(names=["x", "y"])
+    )
+    assert load_splits(cifar100)[0] == ["a", "b", "c"]  # (its columns, as the Hub's uoft-cs/cifar100 has them)
     with pytest.raises(UsageError, match=r"train split has 2 ClassLabel columns \(domain, kind\) and none named label"):
         load_splits(saved("two labels", image=datasets.Image(), domain=None, kind=three))
     with pytest.raises(UsageError, match=r"train split has 2 Image columns \(picture, photo\) and none named image"):
