@@ -320,7 +320,7 @@ class ItemCheck:
             raise BadItem(f"{where} is {describe_item(item)}; items must be (image, label)")
         image, label = item
         if isinstance(image, Image.Image):
-            image = F.pil_to_tensor(image.convert("RGB"))
+            image = _pil_rgb(image)  # (as a file of --data: a 16-bit image its high byte)
         elif isinstance(image, torch.Tensor):
             if image.ndim != 3 or not 1 <= image.shape[0] <= 4:
                 raise BadItem(

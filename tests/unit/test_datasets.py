@@ -20,6 +20,7 @@ from common.data import build_data
 from common.datasets import (
     HFImages,
     ImageFiles,
+    ItemCheck,
     SyntheticImages,
     build_datasets,
     has_hf_dataset,
@@ -65,6 +66,9 @@ def test_load_image_decodes_jpegs_with_torchvision_and_other_formats_png_too_wit
     # A 32-bit TIFF, whose range nothing says: as ImageFolder decodes it (was shifted to black, 0).
     Image.new("I", (8, 6), 120).save(tmp_path / "int32.tif")
     reference = torchvision.datasets.folder.pil_loader(str(tmp_path / "int32.tif"))
+    # A researcher's dataset that gives the 16-bit image as PIL opens it: the same pixels as the file (was white).
+    opened = Image.open(tmp_path / "grey16.png")
+    assert ItemCheck(1, "train")((opened, 0), 0)[0].unique().tolist() == [40000 >> 8]
     assert torch.equal(
         load_image(str(tmp_path / "int32.tif")), torchvision.transforms.v2.functional.pil_to_tensor(reference)
     )
