@@ -198,8 +198,9 @@ def read_classes(root):
     """The class names of root/classes.txt, or None where there is none."""
     path = Path(root) / CLASSES
     try:
-        # (a folder's name as make_shards.py wrote it: its bytes that are not UTF-8 kept, its only separator "\n")
-        classes = [line for line in path.read_bytes().decode("utf-8", "surrogateescape").split("\n") if line]
+        # (a folder's name as make_shards.py wrote it, its bytes that are not UTF-8 kept; a hand-made file's "\r\n" too)
+        lines = path.read_bytes().decode("utf-8", "surrogateescape").split("\n")
+        classes = [line.removesuffix("\r") for line in lines if line.removesuffix("\r")]
     except FileNotFoundError:
         return None
     except OSError as error:

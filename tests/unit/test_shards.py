@@ -21,6 +21,7 @@ from common.shards import (
     ShardReader,
     index_path,
     index_tar,
+    read_classes,
     read_index,
     scan_shards,
     shard_stamp,
@@ -112,6 +113,9 @@ def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_kee
     ) + " (No such file or directory): stored empty" in (capsys.readouterr().err)
     classes, train, _ = scan_shards(tmp_path / "out")
     assert classes == scan_image_folder(src).classes and classes[2] == os.fsdecode(b"squ\xe4re")
+    listed = (tmp_path / "out" / "classes.txt").read_bytes()
+    (tmp_path / "out" / "classes.txt").write_bytes(listed.replace(b"\n", b"\r\n"))  # (written by hand elsewhere)
+    assert read_classes(tmp_path / "out") == classes
     gone = next(index for index in range(len(train)) if train.name(index).endswith(":ring/zz-gone"))
     with pytest.raises(UnreadableFile):
         ShardedImages(train)[gone]
