@@ -419,10 +419,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
             self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
-            self.scheduler.step()
             done = step + 1
             if done % self.config.print_freq == 0 or done == self.steps_per_epoch:
-                self._progress_line(progress, metrics, epoch, step)
+                self._progress_line(progress, metrics, epoch, step)  # (its lr: the one this step used)
+            self.scheduler.step()
             if self.ema is not None:
                 self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
             self._diagnostics.after_step()  # (--profile)

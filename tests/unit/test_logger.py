@@ -186,6 +186,24 @@ def runs(tmp_path_factory):
     return root, printed
 
 
+def test_the_progress_line_s_lr_is_the_one_its_step_trained_with(tmp_path):
+    """It was the next step's: an epoch's last line gave the next epoch's lr (0.005 for steps that trained at 0.05),
+    and a run's last line an lr it never used. log.csv's lr (the epoch's) is the measure."""
+    import contextlib
+    import io
+
+    argv = (*SMALL, "--lr-schedule", "step", "--lr-step-size", "1", "--warmup-epochs", "0", "--output-dir", tmp_path)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        run = start_run(Trainer(parse(*argv), cpu_runtime()))
+        run.fit(run.model, run.model)
+    printed = {step: values[2] for step, values in printed_steps(output.getvalue()).items()}
+    epochs = [float(row["lr"]) for row in csv.DictReader(open(tmp_path / "log.csv"))]
+    assert epochs == pytest.approx([0.05, 0.005]) and len(printed) == 6
+    assert all(lr == pytest.approx(epochs[(step - 1) // 6], rel=1e-3) for step, lr in printed.items()), printed
+    assert scalars(tmp_path)["step/lr"][-1][1] == pytest.approx(0.005)
+
+
 def test_per_step_tensorboard_scalars_are_the_progress_lines_values_every_p_steps(runs):
     root, printed = runs
     logged, steps = scalars(root / "whole"), printed_steps(printed["whole"])
