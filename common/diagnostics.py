@@ -435,7 +435,8 @@ class StepProfiler:
         )
         self.profile.start()
 
-    recording = property(lambda self: self.start < self.done and not self.written)  # a step of the window done
+    # Recording from step START on: once START steps are done (an epoch's end then stops it, whatever it recorded)
+    recording = property(lambda self: self.start <= self.done and not self.written)
 
     def step(self):
         """After each training step; True once the trace is written."""
@@ -449,6 +450,13 @@ class StepProfiler:
         self.profile.stop()  # a recording cut short by the run's end is written as far as it got
 
     def _write(self, profile):
+        if self.done <= self.start:  # (stopped before the window's first step ran: an epoch's end, its validation)
+            self.written = True
+            self.say(
+                f"profile: none written: the epoch ended after {self.done} steps of this launch, before step "
+                f"{self.start}; a START within an epoch records its steps"
+            )
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.path))
         self.written = True

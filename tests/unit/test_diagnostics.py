@@ -230,6 +230,23 @@ def test_a_profile_window_that_reaches_an_epoch_s_end_ends_there(tmp_path):
     ]
 
 
+def test_a_profile_window_that_starts_at_an_epoch_s_end_records_no_validation_as_a_step(tmp_path):
+    """--profile 3:2 over epochs of 3 steps: its step 3 was recorded from the epoch's end on (validation, the
+    checkpoint: a step 20 times as long), and a run that ended there wrote a trace of no step. Now none, said."""
+    said = []
+    profiler = StepProfiler("3:2", tmp_path, cpu_runtime(), said.append)
+    for _ in range(3):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        profiler.step()
+    assert profiler.recording  # (as the epoch's end reads it: it stops the profiler)
+    profiler.stop()
+    assert not (tmp_path / "rank0.json").exists() and profiler.written
+    assert said == [
+        "profile: none written: the epoch ended after 3 steps of this launch, before step 3; a START "
+        "within an epoch records its steps"
+    ]
+
+
 def test_the_header_says_the_profile_window_this_launch_reaches_or_that_none_is(tmp_path):
     """12 train items, batch 4: 3 steps an epoch, 2 epochs: 6 steps. --profile 50:5 said nothing and wrote no trace."""
     from common.header import training_lines
