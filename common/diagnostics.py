@@ -312,12 +312,18 @@ class Diagnostics:
         if self.profiler is not None and self.profiler.recording:  # its window ends with the training epoch
             self.profiler.stop()
             self.profiler = None
-        if not self.hinted and (
-            hint := input_bound(wait, slowest, self.runtime.world_size, epoch, self.config.workers)
-        ):
+        if not self.hinted and (hint := input_bound(wait, slowest, self.runtime.world_size, epoch, self.workers_now())):
             self.hinted = True
             self.say(hint)
         return figures
+
+    def workers_now(self):
+        """-j as the loaders took it: 'auto' with the number it came to (the levers' line said "auto per process")."""
+        from .data import loader_workers as workers  # (data.py's: the count; this module's loader_workers: their pids)
+
+        if self.config.workers != "auto":
+            return self.config.workers
+        return f"auto: {workers('auto', self.runtime.local_world_size)}"
 
     def summary(self):
         """summary.json's figures: the FLOPs per image (at the last epoch's crop) and the last epoch's rate and

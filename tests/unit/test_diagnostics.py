@@ -13,11 +13,13 @@ import torch.nn as nn
 import torchvision
 from torch.utils.data import DataLoader
 
+from common import data
 from common.diagnostics import (
     INPUT_BOUND,
     Diagnostics,
     StepProfiler,
     forward_flops,
+    input_bound,
     loader_workers,
     peak_by_name,
     peak_rss,
@@ -163,6 +165,14 @@ def test_the_peak_is_found_by_the_gpu_s_name_at_the_run_s_precision():
     assert peak_by_name("NVIDIA A10G", "bf16") is None and peak_by_name("NVIDIA GeForce RTX 4090", "bf16") is None
     assert peak_tflops(400.0, torch.device("cpu"), "bf16") == (400.0, "--peak-tflops")
     assert peak_tflops(None, torch.device("cpu"), "bf16")[0] is None
+
+
+def test_the_input_bound_levers_say_the_loader_workers_auto_came_to():
+    """Its line said "-j; auto per process now"; the count is data.loader_workers', as the data line says it."""
+    auto = Diagnostics(parse(*SMALL, "-j", "auto"), cpu_runtime(), print).workers_now()
+    assert auto == f"auto: {data.loader_workers('auto', 1)}"
+    assert Diagnostics(parse(*SMALL, "-j", "3"), cpu_runtime(), print).workers_now() == 3
+    assert "(-j; auto: 1 per process now)" in input_bound(60, 60, 1, 0, "auto: 1")
 
 
 def test_the_wait_is_the_time_spent_fetching_batches_against_the_loop_s():
