@@ -712,8 +712,10 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    if gpu:
-        print("\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)")
+    print(
+        "\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)"
+        + ("" if gpu else "\n\nskipped: no CUDA GPU on this machine")
+    )
 
 
 if __name__ == "__main__":
