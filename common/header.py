@@ -307,6 +307,8 @@ def describe_preset(config, first_image=None):
         "val_crop_size": "val crop {}",
         "lr_schedule": "{} schedule",
     }
+    if config.res_schedule:  # (its crops, not the preset's: the schedule line says them)
+        names.pop("train_crop_size")
     given = [text.format(getattr(config, name)) for name, text in names.items() if name in config.from_data_preset]
     if not given:
         return []

@@ -164,5 +164,9 @@ def test_the_header_names_what_the_dataset_preset_set():
         "preset: demo (the built-in demo set) sets lr 0.04, 32 px crops, val resize 36, val crop 32, cosine schedule; "
         "flags, the environment and --preset override it"
     ]
+    assert describe_preset(parse("-b", "32", "--epochs", "3", "--res-schedule", "32:64:0:2:16")) == [
+        "preset: demo (the built-in demo set) sets lr 0.04, val resize 36, val crop 32, cosine schedule; "
+        "flags, the environment and --preset override it"
+    ]  # (its "32 px crops" were the schedule's 48 and 64 px in epochs 1 and 2)
     flags = "--dummy -b 8 --epochs 1 --lr 0.1 --lr-schedule step --train-crop-size 16 --val-resize-size 16"
     assert describe_preset(parse(*flags.split(), "--val-crop-size", "16")) == []
