@@ -101,8 +101,9 @@ def resolve_resume(resume, output_dir):
         raise UsageError(
             f"--resume {resume}: a directory; give a checkpoint file (OUTPUT/checkpoint.pth), or --resume auto"
         )
-    if not Path(resume).is_file():
-        raise UsageError(f"--resume {resume}: no such file (give a checkpoint.pth, or --resume auto)")
+    if not Path(resume).is_file():  # (a device, a FIFO: not a checkpoint either)
+        what = "not a file" if Path(resume).exists() else "no such file"
+        raise UsageError(f"--resume {resume}: {what} (give a checkpoint.pth, or --resume auto)")
     return Path(resume)
 
 

@@ -325,6 +325,8 @@ def test_resume_auto_is_none_in_an_empty_dir_and_the_checkpoint_when_present(tmp
 def test_resolve_resume_of_a_missing_file_raises_usage_error(tmp_path):
     with pytest.raises(UsageError, match="no such file"):
         checkpoint.resolve_resume(str(tmp_path / "missing.pth"), tmp_path)
+    with pytest.raises(UsageError, match=r"^--resume /dev/null: not a file \(give a checkpoint.pth"):
+        checkpoint.resolve_resume("/dev/null", tmp_path)  # (it said "no such file")
     with pytest.raises(UsageError, match=r"^--resume \S+: a directory; give a checkpoint file"):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)  # a directory is not a checkpoint
     (tmp_path / "state.pth").write_bytes(b"x")  # train_fsdp.py's: said so (it said "no such file")
