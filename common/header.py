@@ -16,6 +16,7 @@ from .device_loader import SyntheticOnDevice
 from .errors import UsageError
 from .fsdp import state_bytes
 from .models import warn_slow_amp
+from .run_dir import holds
 
 
 def describe_environment(device, num_devices):
@@ -109,12 +110,12 @@ def start_lines(trainer):
 
 def _best_elsewhere(trainer):
     """A note where the run resumed another directory's checkpoint: its best epoch is not in this one."""
-    here = Path(trainer.config.output_dir).resolve()
-    if not trainer._best_acc1 or Path(trainer.resumed_from).resolve().is_relative_to(here):
+    here = trainer.config.output_dir
+    if not trainer._best_acc1 or holds(here, trainer.resumed_from):
         return []
     return [
         f"note: the best acc@1 so far, {trainer._best_acc1:.2f}, is the resumed run's, whose model_best.pth stays in "
-        f"its directory; {here / 'model_best.pth'} is written when an epoch here beats it"
+        f"its directory; {Path(here).resolve() / 'model_best.pth'} is written when an epoch here beats it"
     ]
 
 

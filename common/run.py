@@ -13,7 +13,7 @@ from . import distributed, seeding
 from .checkpoint import check_format, restore
 from .config import PER_NODE, evaluated_as_trained, flag
 from .errors import NoRoom, UsageError, say
-from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock
+from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
 
 
 def take_output_dir(trainer):
@@ -86,7 +86,7 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
                 f"--resume auto: {output_dir} holds a run ({', '.join(found)}) but no checkpoint to continue "
                 "it from: start over with --overwrite (its outputs are replaced) or another --output-dir"
             )
-    ours = config.resume and Path(config.resume).resolve().is_relative_to(output_dir.resolve())
+    ours = config.resume and holds(output_dir, config.resume)
     if not there or config.resume == "auto" or ours:
         return
     try:

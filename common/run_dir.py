@@ -98,6 +98,12 @@ def remove_leftover_temporaries(directory):
     return removed
 
 
+def holds(directory, path):
+    """Whether `path` lies in `directory`, links followed: a checkpoint of the run there (FSDP's checkpoint link too),
+    not one from elsewhere."""
+    return Path(path).resolve().is_relative_to(Path(directory).resolve())
+
+
 def link_or_copy(source, path):
     """`path` as a second name of `source`'s bytes (a hard link: no copy), else a synced copy; atomic either way
     (the folder is not synced), and no full-size temporary is left when the copy fails (a full disk)."""

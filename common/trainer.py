@@ -11,7 +11,6 @@ stopped: the data order and augmentation are functions of (seed, epoch, index) a
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -27,6 +26,7 @@ from .header import run_summary, start_lines, trained_already, training_lines, w
 from .logger import RunLogger, epoch_row
 from .metrics import MetricSums, ProgressMeter, SummedMetric
 from .preemption import StopSignal
+from .run_dir import holds
 
 # What a Trainer holds for the library. A subclass may read the public ones (docs/adapting.md lists them, and when each
 # is there) and assigns none of these: a hook that does is refused in one line (Trainer.__setattr__).
@@ -357,10 +357,10 @@ class Trainer:
             return trained_already(self, eval_model)
         for line in training_lines(self):
             log.print(line)
-        here = Path(config.output_dir).resolve()  # (another directory's checkpoint: this one's files start afresh)
         log.start(
             config,
-            self.resumed_from is not None and Path(self.resumed_from).resolve().is_relative_to(here),
+            # (another directory's checkpoint: this one's files start afresh)
+            self.resumed_from is not None and holds(config.output_dir, self.resumed_from),
             ema=self.ema is not None,
             checkpoints=self._checkpoints.names,
             global_step=self.start_epoch * self.steps_per_epoch + self.start_step,
