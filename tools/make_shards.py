@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
-from common.errors import UsageError, printable
+from common.errors import NO_ROOM, NoRoom, UsageError, printable
 from common.folder_index import scan_image_folder, scan_split_files, split_files
 from common.run_dir import atomic_write
 from common.shards import (
@@ -122,15 +122,25 @@ def write_shard(shard, samples, resize, quality):
                     info.size, info.mode = len(content), 0o644  # mtime 0, no owner: the same images, the same shard
                     tar.addfile(info, io.BytesIO(content))
 
-    atomic_write(shard, write)
-    index, cut = index_tar(shard)
-    if cut is not None or [key for key, *_ in index] != [key for key, *_ in samples]:
-        raise UsageError(
-            f"{shard} does not read back as written ({len(index)} of its {len(samples)} samples): is the "
-            "disk full or failing?"
-        )
-    write_index(shard, index, shard_stamp(shard))
+    try:
+        atomic_write(shard, write)
+        index, cut = index_tar(shard)
+        if cut is not None or [key for key, *_ in index] != [key for key, *_ in samples]:
+            raise UsageError(
+                f"{shard} does not read back as written ({len(index)} of its {len(samples)} samples): is the "
+                "disk full or failing?"
+            )
+        write_index(shard, index, shard_stamp(shard))
+    except OSError as error:  # (the shard or its index: a full disk, a quota; the shard's temporary removed)
+        kind = NoRoom if error.errno in NO_ROOM else UsageError
+        raise kind(f"cannot write {shard} ({error.strerror or error}): {REMEDY[kind]}") from None
     return warnings
+
+
+REMEDY = {
+    NoRoom: "make room, then run the same command again (it carries on)",
+    UsageError: "run the same command again once it can be written (it carries on)",
+}
 
 
 def done(shard):
@@ -287,7 +297,7 @@ def main(argv=None):
         return 0
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return error.exit_code
     except (KeyboardInterrupt, Stopped) as stopped:
         print("stopped: run the same command again to carry on", file=sys.stderr, flush=True)
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143

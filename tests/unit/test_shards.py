@@ -134,6 +134,27 @@ def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_kee
         make_shards.make_shards(make_shards.parse_args([str(src), str(tmp_path / "out2")]))
 
 
+def test_a_shard_the_disk_cannot_hold_is_one_line_and_the_same_command_carries_on(tiny_data, tmp_path, capsys):
+    """A full disk while a shard is written (here a file-size limit: EFBIG, a real failed write): one line, exit code
+    1 as for the training scripts' full disk, no temporary left (was: a traceback)."""
+    import resource
+
+    out, before = tmp_path / "out", resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, before[1]))  # the manifest and classes.txt fit, a shard does not
+    try:
+        code = make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: cannot write {out / 'train' / 'train-000000.tar'} (File too large): make room, then run the same "
+        "command again (it carries on)"
+    ]
+    assert not any((out / "train").iterdir())
+    assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 0
+    assert [len(index) for index in scan_shards(out)[1:]] == [24, 12]
+
+
 def test_resize_gives_a_16_bit_image_as_training_decodes_it(tmp_path):
     """make_shards.py and prepare_imagenet.py --resize: a 16-bit PNG's high byte, as load_image decodes the original
     (was clipped to white by PIL's convert("RGB"): every pixel 255)."""
