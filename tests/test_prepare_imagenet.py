@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -593,6 +594,21 @@ def one_error_line(capsys, *args):
         out + err
     )  # argparse's
     return lines[0]
+
+
+def test_a_full_disk_is_one_line_of_exit_code_1_and_the_same_command_carries_on(archives, images, tmp_path):
+    """A disk that cannot hold an image (here a file-size limit, a real failed write: EFBIG) in a worker: one line,
+    exit code 1 (make room), not 2 (bad input); so with --shards (tools/make_shards.py's)."""
+    for flags, out in (([], tmp_path / "folder"), (["--shards"], tmp_path / "shards")):
+        command = shlex.join([str(PYTHON), str(SCRIPT), str(archives), str(out), "--skip-md5", *flags])
+        full = run(["bash", "-c", f"ulimit -f 8 && exec {command}"], timeout=60)  # 8 KiB: the largest image is 10
+        assert full.returncode == 1, full.stdout
+        assert re.search(
+            r"^error: cannot write .* \(File too large\): make room, then run the same command again", full.stdout, re.M
+        ), full.stdout
+        assert "Traceback" not in full.stdout
+        assert_ok(prepare(archives, out, "--skip-md5", *flags))
+    assert contents(tmp_path / "folder") == images
 
 
 def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tools_start_without_torch():

@@ -50,6 +50,7 @@ from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
+from common.errors import NO_ROOM
 from common.folder_index import IMG_EXTENSIONS
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
@@ -73,7 +74,9 @@ SHARD_SIZE = 2500  # images per shard with --shards, as tools/make_shards.py's d
 
 
 class Failure(Exception):
-    """Bad input: one line on stderr and exit code 2."""
+    """Bad input: one line on stderr and exit code 2 (1 for a full disk: NoRoom's)."""
+
+    exit_code = 2
 
 
 class Job(NamedTuple):
@@ -218,8 +221,14 @@ def run_job(job, out_dir, resize, quality, redo=False):
             out_dir / STATE / job.marker,
             json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode(),
         )
-    except (OSError, tarfile.TarError, EOFError) as error:
-        raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}")
+    except OSError as error:
+        if error.errno not in NO_ROOM:
+            raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
+        failure = Failure(f"cannot write to {out_dir} ({error.strerror}): make room, then run the same command again")
+        failure.exit_code = 1  # (as the training scripts' NoRoom: no bad input)
+        raise failure from None
+    except (tarfile.TarError, EOFError) as error:
+        raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
     return images, undecodable
 
 
@@ -596,7 +605,9 @@ def prepare_shards(args, train, val, labels):
     try:
         make_shards.write_all(Path(args.out_dir), classes, samples, source, args)
     except UsageError as error:
-        raise Failure(str(error)) from None
+        failure = Failure(str(error))
+        failure.exit_code = error.exit_code  # (NoRoom's 1 for a full disk)
+        raise failure from None
 
 
 def prepare(args):
@@ -719,7 +730,7 @@ def main():
         return 0
     except Failure as error:
         say(f"error: {error}")
-        return 2
+        return error.exit_code
     except BrokenProcessPool:
         say("error: a worker process died (out of memory?): run the same command again to carry on")
         return 1
