@@ -5,6 +5,7 @@ state_dict. docs/reference.md, "Checkpoint format", says what each key holds.
 """
 
 import argparse
+import collections
 import copy
 import io
 import pickle
@@ -25,6 +26,7 @@ from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in case the latest is damaged
 BEST = "model_best.pth"
+PLAIN = (str, int, float, bool, type(None))  # (a value of another type in args: its str(), as in args.json)
 # Added to parameter names by DataParallel / DistributedDataParallel and torch.compile, each once or more.
 WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
@@ -75,11 +77,8 @@ def copy_to_best(path, output_dir):
 def stale_best(checkpoint, path, latest, best, peek):
     """Whether `best` (model_best.pth) must be written again from the checkpoint at `path`: it is the `latest`, ends
     its best epoch, and `best` is missing, unreadable or another checkpoint's (checkpoint_id)."""
-    if (
-        checkpoint.get("best_epoch") != checkpoint.get("epoch")
-        or checkpoint.get("step_in_epoch")
-        or Path(path).resolve() != latest.resolve()
-    ):
+    ends_best = checkpoint.get("best_epoch") == checkpoint.get("epoch") and not checkpoint.get("step_in_epoch")
+    if not ends_best or Path(path).resolve() != latest.resolve():
         return False
     try:  # (model_best.pth is the checkpoint's copy, or its export: the same checkpoint_id)
         return not best.exists() or peek(best).get("checkpoint_id") != checkpoint.get("checkpoint_id")
@@ -240,12 +239,8 @@ def init_from(model, path, arch, channels, num_classes):
         weights, changes = load_checkpoint(path, foreign=True)["state_dict"], []
     first, _ = first_conv(model)
     given = weights.get(f"{first}.weight")
-    if (
-        given is not None
-        and given.ndim == 4
-        and given.shape[1] == channels != 3
-        and adapt_first_conv(model, arch, channels, pretrained=False)
-    ):
+    other_channels = given is not None and given.ndim == 4 and given.shape[1] == channels != 3
+    if other_channels and adapt_first_conv(model, arch, channels, pretrained=False):
         changes.append(f"{first}: 3 -> {channels} channels, as in {Path(path).name}")
     own = model.state_dict()
     heads = {f"{name}.{part}" for name, _ in _classifiers(model, num_classes) for part in ("weight", "bias")}
@@ -285,11 +280,8 @@ class SingleFile:
         return load_checkpoint(path, mmap=True)
 
     def load_resume(self, resume, output_dir, warn):
-        if (
-            resume == "auto"
-            and not (Path(output_dir) / CHECKPOINT).is_file()
-            and (Path(output_dir) / "checkpoint").is_dir()
-        ):
+        sharded = not (Path(output_dir) / CHECKPOINT).is_file() and (Path(output_dir) / "checkpoint").is_dir()
+        if resume == "auto" and sharded:
             raise UsageError(
                 f"{output_dir} holds a run of train_fsdp.py (sharded checkpoints in checkpoint/): continue "
                 "it with train_fsdp.py, or choose another --output-dir"
@@ -318,13 +310,10 @@ class SingleFile:
 
     def repair_best(self, checkpoint, path, output_dir, say):
         """model_best.pth copied again from the resumed checkpoint where stale_best says so (its save was cut short)."""
-        output_dir = Path(output_dir)
-        if stale_best(checkpoint, path, output_dir / CHECKPOINT, output_dir / BEST, self.peek):
+        best = Path(output_dir) / BEST
+        if stale_best(checkpoint, path, Path(output_dir) / CHECKPOINT, best, self.peek):
             copy_to_best(path, output_dir)
-            say(
-                f"warning: {output_dir / BEST} did not hold the best epoch {checkpoint['epoch']}: "
-                f"copied again from {path}"
-            )
+            say(f"warning: {best} did not hold the best epoch {checkpoint['epoch']}: copied again from {path}")
 
     def wait(self):
         """Nothing to wait for: a single file is written when write() returns."""
@@ -372,7 +361,7 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
     collective (it gathers the ranks' random streams, unreadable files and metric sums); the writer rank saves what it
     returns."""
     ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
-    return {
+    checkpoint = {
         "format_version": FORMAT_VERSION,
         "epoch": epoch,
         "step_in_epoch": step_in_epoch,
@@ -382,7 +371,7 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
         "seed": trainer.seed,
         "world_size": trainer.runtime.world_size,
         "deterministic": trainer._deterministic,
-        "args": dict(vars(trainer.config)),
+        "args": _walk(vars(trainer.config), lambda x: x if isinstance(x, PLAIN) else str(x)),
         "samples": samples(trainer),
         **trainer._checkpoints.states(trainer),  # state_dict, optimizer, model_ema (sharded: each rank's shards)
         "scheduler": trainer.scheduler.state_dict(),
@@ -396,9 +385,10 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
         "bad_images": trainer._bad_images.state_dict(),
         # (copies: a sharded checkpoint's state.pth may be written after the next steps, --async-checkpoint)
         "criterion": copy.deepcopy(trainer.criterion.state_dict()),
-        "trainer_state": _own_state(trainer),
+        "trainer_state": copy.deepcopy(trainer.state_dict()),
         **ema,
     }
+    return _loadable(trainer, checkpoint)
 
 
 def restore(trainer, checkpoint, path):
@@ -477,22 +467,30 @@ def _load_criterion(trainer, state, path):
         ) from None
 
 
-def _own_state(trainer):
-    """A copy of the subclass's state_dict(), refused in one line at the first save where torch.load(weights_only=True)
-    could not read it back."""
-    own = copy.deepcopy(trainer.state_dict())
-    if own and not getattr(trainer, "_own_state_checked", False):
+def _walk(value, leaf):
+    """`value` with leaf(x) in place of each x in it that is no dict, OrderedDict, list or tuple."""
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((key, _walk(item, leaf)) for key, item in value.items())
+    return type(value)(_walk(item, leaf) for item in value) if type(value) in (list, tuple) else leaf(value)
+
+
+def _loadable(trainer, checkpoint):
+    """`checkpoint`, each part's data but its tensors read back with weights_only=True at every save (a trainer's own
+    state may gain an object late), else one line naming the part (was: saved, exit 0, and no resume could load it)."""
+    for key, part in checkpoint.items():
         buffer = io.BytesIO()
-        torch.save(own, buffer)
+        torch.save(_walk(part, lambda x: None if isinstance(x, torch.Tensor) else x), buffer)
         try:
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except pickle.UnpicklingError as error:
+            where = {"trainer_state": f"{type(trainer).__name__}.state_dict() returned"}.get(
+                key, f"the {key}'s state_dict() holds" if key in ("optimizer", "scheduler") else f"{key} holds"
+            )
             raise UsageError(
-                f"{type(trainer).__name__}.state_dict() returned {unsafe_global(error) or 'an object'}, "
-                "which a resume cannot load (weights_only): return plain data and tensors"
+                f"{where} {unsafe_global(error) or 'an object'}, which a resume cannot load (weights_only): return "
+                "plain data and tensors"
             ) from None
-        trainer._own_state_checked = True
-    return own
+    return checkpoint
 
 
 def _check_run(trainer, checkpoint, path):

@@ -109,7 +109,7 @@ class MetricSums:
 
     def _value(self, name, value):
         """A named value (a scalar tensor or number) as a float64 scalar on the device."""
-        if name in BUILT_IN or name == "count":
+        if name in BUILT_IN or name in RUN_OWN:  # (an acc1 of one's own had replaced the run's, exit 0)
             raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
         if not isinstance(value, torch.Tensor):
             return torch.tensor(float(value), dtype=torch.float64, device=self.device)

@@ -38,7 +38,7 @@ PRIVATE_ATTRIBUTES = ("_checkpoints", "_best_acc1", "_best_ema_acc1", "_best_epo
                       "_stop_signal", "_output_lock", "_deterministic", "_bare_model_guard", "_resuming", "_data",
                       "_diagnostics", "_model_changes", "_aux_weight", "_channels_last", "_metrics",
                       "_criterion_parameters", "_batch_transform", "_rng", "_bad_images", "_train_batches",
-                      "_val_batches", "_own_state_checked")
+                      "_val_batches")
 # fmt: on
 OWNED = frozenset(PUBLIC_ATTRIBUTES + PRIVATE_ATTRIBUTES)
 

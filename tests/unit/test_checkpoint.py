@@ -652,20 +652,46 @@ def test_a_criterion_s_parameters_and_a_trainer_s_own_state_resume_bitwise(tmp_p
 
 
 class NumpyState(Trainer):
+    """Plain state at the first save; a numpy scalar (np.mean of a history, say) from the second on."""
+
+    saves = 0
+
     def state_dict(self):
         import numpy
 
-        return {"seen": numpy.float64(1.0)}
+        self.saves += 1
+        return {"seen": 1.0 if self.saves == 1 else numpy.float64(1.0)}
+
+    @classmethod
+    def add_arguments(cls, parser):
+        parser.add_argument("--extra-weights", type=Path, nargs="*", default=[Path("none.pth")])
 
 
-def test_a_trainer_state_that_a_resume_could_not_load_is_refused_at_the_first_save(tmp_path):
-    trainer = built_trainer(*SMALL, *TINY_NET, "--output-dir", tmp_path, trainer=NumpyState)
+def test_what_a_resume_could_not_load_is_refused_at_every_save_and_flags_of_other_types_are_saved_as_text(tmp_path):
+    """A checkpoint that torch.load(weights_only=True) could not read was written, exit 0, where the trainer's state
+    was plain at the first save only (the check ran once) or a --trainer flag held a Path (args was not checked)."""
+    trainer = built_trainer(
+        *SMALL,
+        *TINY_NET,
+        "--output-dir",
+        tmp_path,
+        "--trainer",
+        "tests.unit.test_checkpoint:NumpyState",
+        trainer=NumpyState,
+    )
+    saved = checkpoint.assemble(trainer, epoch=1, step_in_epoch=0)
+    torch.save(saved, tmp_path / "c.pth")
+    assert torch.load(tmp_path / "c.pth", weights_only=True)["args"]["extra_weights"] == ["none.pth"]
     with pytest.raises(
         UsageError,
         match=r"^NumpyState.state_dict\(\) returned numpy\.\S+, which a resume cannot load "
         r"\(weights_only\): return plain data and tensors$",
     ):
-        checkpoint.assemble(trainer, epoch=1, step_in_epoch=0)
+        checkpoint.assemble(trainer, epoch=1, step_in_epoch=1)
+    trainer.saves = 0
+    trainer.optimizer.param_groups[0]["note"] = Path("x")  # (an optimizer of one's own, an object in its groups)
+    with pytest.raises(UsageError, match=r"^the optimizer's state_dict\(\) holds pathlib\.\w*Path, which a resume"):
+        checkpoint.assemble(trainer, epoch=1, step_in_epoch=1)
 
 
 def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_weights_only(tmp_path):

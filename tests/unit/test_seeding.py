@@ -3,6 +3,7 @@ process's random streams are a state of their own, saved and put back."""
 
 import random
 
+import numpy
 import torch
 
 from common.seeding import RandomStreams, seed_all, seed_this_rank
@@ -28,13 +29,18 @@ SMALL = [
 ]
 
 
-def test_the_streams_of_a_process_are_saved_and_put_back():
+def test_the_streams_of_a_process_are_saved_and_put_back(tmp_path):
+    """numpy's too (a researcher's np.random in a step: was neither seeded nor saved, so no --seed repeated the run),
+    through a checkpoint's torch.load(weights_only=True)."""
     streams = RandomStreams([torch.device("cpu")])
-    state = streams.state_dict()
+    numpy.random.standard_normal()  # (its state then holds a cached normal)
+    torch.save(streams.state_dict(), tmp_path / "streams.pth")
+    expected = torch.rand(3), random.random(), numpy.random.standard_normal(3)
+    state = torch.load(tmp_path / "streams.pth", weights_only=True)
     assert state["cuda"] == []  # (one per GPU the process drives)
-    expected = torch.rand(3), random.random()
     streams.load_state_dict(state)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert numpy.array_equal(numpy.random.standard_normal(3), expected[2])
 
 
 def test_ranks_start_from_the_same_weights_and_draw_their_own_dropout_masks(no_platform_env):
@@ -52,8 +58,8 @@ def test_ranks_start_from_the_same_weights_and_draw_their_own_dropout_masks(no_p
 
 def test_seed_this_rank_moves_every_stream_by_the_rank():
     seed_all(3)
-    same = torch.rand(2)
+    same = torch.rand(2), numpy.random.rand(2)
     seed_this_rank(3, 0, [torch.device("cpu")])
-    assert torch.equal(torch.rand(2), same)
+    assert torch.equal(torch.rand(2), same[0]) and numpy.array_equal(numpy.random.rand(2), same[1])
     seed_this_rank(3, 1, [torch.device("cpu")])
-    assert not torch.equal(torch.rand(2), same)
+    assert not torch.equal(torch.rand(2), same[0]) and not numpy.array_equal(numpy.random.rand(2), same[1])
