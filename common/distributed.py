@@ -377,6 +377,15 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def weighted_mean(value, weight):
+    """The mean of the scalar tensor `value` over all ranks, each weighted by its `weight` (images): the same on every
+    rank, as DataParallel's one process computes it. `value` itself without a process group."""
+    if not is_initialized():
+        return value
+    both = all_reduce_sum(torch.stack([value.float() * weight, value.new_tensor(weight, dtype=torch.float32)]))
+    return both[0] / both[1]
+
+
 def average_gradients(parameters):
     """Average the gradients of `parameters` over all ranks, in one all-reduce: for parameters outside DDP's
     buckets (a criterion's), whose gradients are each rank's own. Those without a gradient (on every rank alike)

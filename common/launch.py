@@ -245,6 +245,12 @@ def known_failure(error):
             f"error: out of host memory: a tensor of {_size(int(wanted.group(1)))} could not be allocated; "
             "a smaller -b, crop size (--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)"
         )
+    if "view size is not compatible with input tensor's size and stride" in text:  # (the traceback says where)
+        error.add_note(
+            "hint: under --channels-last (auto: on for convolutional networks on the CPU, and with --amp on GPUs) "
+            "activations and gradients are NHWC in memory, which .view() cannot flatten (LBFGS's step does so): "
+            "give --channels-last off, or use .reshape()"
+        )
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"

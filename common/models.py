@@ -481,7 +481,12 @@ def step_result(result, method, classes=None):
         loss, output, values = (*result, {}) if len(result) == 2 else result
         if isinstance(output, torch.Tensor) and isinstance(values, dict):
             check_logits(output, classes, method)  # (a shape: no wait for the device)
-            return loss, output, values
+            if loss.numel() != 1:  # (was a traceback from backward)
+                raise UsageError(
+                    f"{method}'s loss has shape {list(loss.shape)}: return the batch's mean, a scalar (a criterion of "
+                    "reduction='none' gives one per image)"
+                )
+            return loss.reshape(()), output, values
     raise UsageError(
         f"{method} returned {type(result).__name__}"
         + (f" of {', '.join(type(part).__name__ for part in result)}" if isinstance(result, tuple) else "")

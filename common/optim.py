@@ -4,11 +4,14 @@ recomputes it) after an optional linear warmup from 1% of lr: step (x gamma ever
 train.py's schedulers (LinearLR warmup, then CosineAnnealingLR or StepLR counted from its end).
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from .errors import UsageError, wrong_return
 
 WARMUP_START = 0.01
 # The layers whose parameters --norm-weight-decay covers: those of torchvision's utils.set_weight_decay
@@ -124,3 +127,23 @@ def build_scheduler(optimizer, config, steps_per_epoch):
         config.lr_min / config.lr,
     )
     return LrSchedule(optimizer, factor)
+
+
+def checked_scheduler(scheduler):
+    """A Trainer's scheduler, once it has what the trainer uses: step() without arguments, once per optimizer step,
+    and state_dict / load_state_dict (checkpoints). One line otherwise (ReduceLROnPlateau's step needs a metric)."""
+    if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        raise wrong_return(
+            scheduler, "build_scheduler(optimizer, steps_per_epoch)", "an lr scheduler (step, state_dict)"
+        )
+    try:
+        inspect.signature(scheduler.step).bind()
+    except TypeError:
+        raise UsageError(
+            f"build_scheduler returned {type(scheduler).__name__}, whose step() needs an argument: the trainer steps "
+            "the scheduler once per optimizer step, without one (keep a ReduceLROnPlateau as your own, in "
+            "state_dict, and step it in after_validation)"
+        ) from None
+    except ValueError:  # (no signature to read)
+        pass
+    return scheduler

@@ -303,13 +303,8 @@ class Trainer:
         return optimizer
 
     def _built_scheduler(self):
-        """build_scheduler(optimizer, steps_per_epoch), checked: stepped, and saved and loaded with checkpoints."""
-        scheduler = self.build_scheduler(self.optimizer, self.steps_per_epoch)
-        if not all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
-            raise wrong_return(
-                scheduler, "build_scheduler(optimizer, steps_per_epoch)", "an lr scheduler (step, state_dict)"
-            )
-        return scheduler
+        """build_scheduler(optimizer, steps_per_epoch), checked (optim.checked_scheduler)."""
+        return optim.checked_scheduler(self.build_scheduler(self.optimizer, self.steps_per_epoch))
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
@@ -496,7 +491,9 @@ class Trainer:
             if zero:  # (the closure's)
                 step_loss = step_loss + loss.detach() * share
         distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
-        return step_loss
+        return (
+            distributed.weighted_mean(step_loss, total) if zero else step_loss
+        )  # (DP's: a line search branches on it)
 
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""

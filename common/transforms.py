@@ -164,7 +164,7 @@ def choose_normalisation(config, train_set, channels):
     """(mean, std, source) for images of `channels` channels: --mean/--std, else the train set's `mean` and `std`
     attributes, else ImageNet's for 3 channels; UsageError otherwise, or for lengths that are not `channels`."""
     given = {name: getattr(config, name) for name in ("mean", "std")}
-    found = {name: given[name] or getattr(train_set, name, None) for name in given}
+    found = {name: given[name] or _per_channel(getattr(train_set, name, None), name) for name in given}
     if all(found.values()):
         source = (
             "--mean/--std"
@@ -188,4 +188,19 @@ def choose_normalisation(config, train_set, channels):
         raise UsageError(f"mean {mean} and std {std} must be finite numbers")
     if min(std) <= 0:
         raise UsageError(f"std {std} must be positive")
+    if min(mean) < 0 or max(mean) > 1 or max(std) > 1:  # (CIFAR's 125.3, ...: every input near -2, exit 0)
+        raise UsageError(
+            f"mean {mean} and std {std} ({source}) must lie in 0-1, the scale of the images they normalise (on the "
+            "0-255 scale: divide them by 255)"
+        )
     return mean, std, source
+
+
+def _per_channel(value, name):
+    """A train set's `mean` or `std` attribute as a tuple of numbers (a tensor's or array's too), or None."""
+    if value is None:
+        return None
+    try:
+        return tuple(float(number) for number in (value.flatten() if hasattr(value, "flatten") else value))
+    except (TypeError, ValueError):
+        raise UsageError(f"the train set's {name} is {value!r}: give one number per image channel") from None

@@ -6,8 +6,11 @@ keep, checked at start in one line: tests/unit/test_datasets.py, test_models.py,
 import re
 
 import pytest
+import torch
 
+from conftest import log_rows
 from harness.jobs import assert_ok, no_traceback_of_ours, run_prewarmed, run_together, torchrun_command
+from harness.processes import PYTHON, REPO
 
 pytestmark = pytest.mark.e2e
 SMALL = [
@@ -27,6 +30,13 @@ SMALL = [
     "1",
     "-a",
     "tests.tiny_models:TinyNet",
+]
+
+
+# L-BFGS (tests.tiny_models.LineSearch): NHWC gradients cannot be flattened by its .view(-1), hence channels-last off
+LINE_SEARCH = [
+    *("-a", "tests.tiny_models:TinyNet", "--trainer", "tests.tiny_models:LineSearch"),
+    *("--channels-last", "off", "--dist-timeout", "60"),
 ]
 
 
@@ -106,22 +116,43 @@ def model_runs(tiny_data, tmp_path_factory):
             "--output-dir",
             out / "uf",
         ),
+        "line_search": torchrun_command("train_ddp.py", 2, *common, *LINE_SEARCH, "--output-dir", out / "ls"),
+        "line_search_dp": [PYTHON, REPO / "train_dp.py", *common, *LINE_SEARCH, "--output-dir", out / "ls_dp"],
     }
-    return dict(zip(commands, run_together(list(commands.values()))))
+    return dict(zip(commands, run_together(list(commands.values())))), out
 
 
 def test_googlenet_trains_under_torchrun_with_its_auxiliary_heads(model_runs):
     """Seen once: both ranks ended with `TypeError: cross_entropy_loss(): argument 'input' (position 1) must be
     Tensor, not GoogLeNetOutputs`."""
-    result = model_runs["googlenet"]
+    result = model_runs[0]["googlenet"]
     assert_ok(result)
     assert re.search(r"^ \* Acc@1 .*\(12 images\)$", result.stdout, re.MULTILINE)
 
 
 def test_a_parameter_left_unused_needs_find_unused_parameters_and_says_so_in_one_line(model_runs):
-    refused, trained = model_runs["unused"], model_runs["unused_found"]
+    refused, trained = model_runs[0]["unused"], model_runs[0]["unused_found"]
     assert refused.returncode != 0 and no_traceback_of_ours(refused.stdout), refused.stdout[-3000:]
     assert "parameters that received no gradient: add --find-unused-parameters" in refused.stdout, refused.stdout[
         -3000:
     ]
     assert_ok(trained)
+
+
+def test_a_line_search_s_closure_gets_the_loss_over_all_ranks_as_under_dataparallel(model_runs):
+    """L-BFGS's strong-Wolfe line search calls closure() as often as the losses it returns ask: under DDP each rank got
+    its own images' loss, so the ranks made different numbers of calls and waited in each other's collectives for
+    --dist-timeout. Now every rank gets the step's loss over all ranks: DataParallel's, call for call."""
+    runs, out = model_runs
+    for name in ("line_search", "line_search_dp"):
+        assert_ok(runs[name])
+    losses = [
+        torch.load(out / folder / "checkpoint.pth", weights_only=True)["trainer_state"]["losses"]
+        for folder in ("ls", "ls_dp")
+    ]
+    assert len(losses[0]) == len(losses[1]) > 6  # (6 steps, some of more than one call)
+    assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-6)
+    assert losses[0][:6] == pytest.approx(losses[1][:6], rel=1e-3)  # (L-BFGS's steps grow the rounding's differences)
+    assert float(log_rows(out / "ls")[0]["train_loss"]) == pytest.approx(
+        float(log_rows(out / "ls_dp")[0]["train_loss"]), rel=1e-2
+    )

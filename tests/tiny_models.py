@@ -256,3 +256,28 @@ class StallsRank1(Trainer):
         if self.steps_done == 3 and self.runtime.rank == 1:
             time.sleep(300)
         return super().train_step(model, images, labels)
+
+
+class LineSearch(Trainer):
+    """L-BFGS with its strong-Wolfe line search, whose closure() calls branch on the loss closure() returns: every rank
+    must get the step's loss over all ranks, as DataParallel's one process does (a rank's own loss: the ranks made
+    different numbers of calls, and their collectives waited for each other until --dist-timeout). Its state: the
+    losses closure() returned."""
+
+    def build_optimizer(self, model):
+        self.losses = []
+        return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, line_search_fn="strong_wolfe")
+
+    def optimizer_step(self, model, closure):
+        def recorded():
+            loss = closure()
+            self.losses.append(float(loss))
+            return loss
+
+        self.optimizer.step(recorded)
+
+    def state_dict(self):
+        return {"losses": self.losses}
+
+    def load_state_dict(self, state):
+        self.losses = list(state["losses"])

@@ -8,6 +8,7 @@ import io
 import re
 import shutil
 import sys
+import types
 
 import pytest
 import torch
@@ -210,6 +211,22 @@ def test_pil_images_and_tensors_are_taken_normalised_as_the_header_says(name, no
     assert (
         build_data(given, build_datasets(given), 0, cpu_runtime()).normalisation == "mean 0.5, std 0.25 (--mean/--std)"
     )
+
+
+def test_a_dataset_s_mean_and_std_may_be_tensors_and_must_be_on_the_images_0_1_scale():
+    """A tensor's (images.float().mean(...) / 255) was a traceback; CIFAR's 0-255 figures (125.3, ...) trained on inputs
+    near -2, exit 0."""
+    from common.transforms import choose_normalisation
+
+    config, train = parse(*SMALL), types.SimpleNamespace(mean=torch.tensor([0.5, 0.4, 0.3]), std=torch.full((3,), 0.25))
+    assert choose_normalisation(config, train, 3) == (
+        (0.5, pytest.approx(0.4), pytest.approx(0.3)),
+        (0.25, 0.25, 0.25),
+        "the dataset's mean/std",
+    )
+    train = types.SimpleNamespace(mean=(125.3, 123.0, 113.9), std=(63.0, 62.1, 66.7))
+    with pytest.raises(UsageError, match=r"must lie in 0-1, the scale of the images .* divide them by 255\)$"):
+        choose_normalisation(config, train, 3)
 
 
 def test_dataset_names_a_function_of_args_or_is_refused_in_one_line():

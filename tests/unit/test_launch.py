@@ -102,6 +102,18 @@ def test_a_parameter_ddp_never_saw_a_gradient_for_is_named_in_one_line():
     )
 
 
+def test_a_view_that_channels_last_memory_cannot_take_keeps_its_traceback_with_a_hint():
+    """L-BFGS flattens NHWC gradients with .view(-1): a traceback (the view may be the researcher's own code, which it
+    locates) with a note naming --channels-last off (was: the traceback alone)."""
+    model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    model(torch.ones(1, 3, 5, 5).to(memory_format=torch.channels_last)).sum().backward()
+    optimizer = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(RuntimeError, match="view size is not compatible") as raised:
+        optimizer.step(lambda: model(torch.ones(1, 3, 5, 5)).sum())
+    assert outcome(raised.value) is None  # (a traceback)
+    assert "give --channels-last off" in raised.value.__notes__[0]
+
+
 # Each case runs main() as a script's __main__ does (run_main, run_worker), in one interpreter of its own (they end
 # the process's loader workers and set its signal handlers on the way out).
 CASES = """import gc, queue, sys

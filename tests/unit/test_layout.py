@@ -124,7 +124,7 @@ READING_PATH = {
     "models.py": ["gradient_sync", "autocast", "step_result", "loss_with_aux", "BareModelGuard.__enter__",
                   "BareModelGuard.__exit__"],
     "metrics.py": ["MetricSums.update"],
-    "distributed.py": ["average_gradients"],
+    "distributed.py": ["average_gradients", "weighted_mean"],
     "preemption.py": ["StopSignal.poll"],
     "diagnostics.py": ["Diagnostics.timed", "Diagnostics.after_step"],
 }  # fmt: skip

@@ -518,6 +518,33 @@ def test_a_hook_that_returns_what_the_trainer_cannot_use_is_one_line_naming_it(h
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value), str(refused.value)
 
 
+def test_a_loss_per_image_or_a_scheduler_that_needs_a_metric_is_one_line_and_a_loss_of_one_value_is_taken():
+    """A criterion of reduction='none' (was a traceback from backward), a loss of shape [1] (a traceback from the
+    metric sums), ReduceLROnPlateau from build_scheduler (a traceback at its first step)."""
+    per_image = type("PerImage", (Trainer,), {"build_criterion": lambda self: nn.CrossEntropyLoss(reduction="none")})
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=per_image, datasets=tensor_datasets())
+    with pytest.raises(UsageError, match=r"^train_step's loss has shape \[4\]: return the batch's mean, a scalar"):
+        trainer.train_one_epoch(trainer.model, 0)
+    one_value = type(
+        "OneValue",
+        (Trainer,),
+        {
+            "train_step": lambda self, model, images, labels: (
+                lambda logits: (nn.functional.cross_entropy(logits, labels).reshape(1), logits)
+            )(model(images))
+        },
+    )
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=one_value, datasets=tensor_datasets())
+    assert trainer.train_one_epoch(trainer.model, 0)["count"] == 12
+    plateau = type(
+        "Plateau",
+        (Trainer,),
+        {"build_scheduler": lambda self, optimizer, steps: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)},
+    )
+    with pytest.raises(UsageError, match=r"^build_scheduler returned ReduceLROnPlateau, whose step\(\) needs an"):
+        built_trainer(*SMALL, *TINY_NET, trainer=plateau, datasets=tensor_datasets())
+
+
 def test_an_optimizer_of_none_of_the_model_s_parameters_is_one_line():
     """SGD([a parameter of its own]): trained nothing, exit 0."""
     elsewhere = type(
