@@ -10,7 +10,7 @@ and the presets (common/config.py). This module imports no torch: --help and usa
 import argparse
 
 from .config import RECIPES, resolve
-from .errors import import_named
+from .errors import UsageError, import_named
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,10 +63,13 @@ def parse_args(parser, argv=None, mode="dp"):
     name = chosen_trainer.parse_known_args(argv)[0].trainer
     found = import_named(name, "--trainer", builtin=False) if name else None  # (imports torch, if any)
     add_arguments = getattr(found, "add_arguments", None)
-    if add_arguments is not None:
-        add_arguments(parser.add_argument_group(f"--trainer {name}"))
-    if mode == "fsdp":
-        _fsdp_flags(parser.add_argument_group("FSDP (train_fsdp.py)").add_argument)
+    try:
+        if mode == "fsdp":
+            _fsdp_flags(parser.add_argument_group("FSDP (train_fsdp.py)").add_argument)
+        if add_arguments is not None:
+            add_arguments(parser.add_argument_group(f"--trainer {name}"))
+    except argparse.ArgumentError as error:  # (was a traceback)
+        raise UsageError(f"--trainer {name}'s add_arguments: {error}: give yours another name") from None
     return resolve(parser.parse_args(argv), mode)
 
 

@@ -6,6 +6,7 @@ image or a CHW tensor and a class index.
 
 import io
 import math
+import numbers
 import os
 import re
 from functools import partial
@@ -349,6 +350,8 @@ class ItemCheck:
             )
         if isinstance(label, torch.Tensor) and label.numel() == 1 and not label.is_floating_point():
             label = label.item()
+        if isinstance(label, numbers.Integral) and not isinstance(label, bool):  # (numpy's int64 too)
+            label = int(label)
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < self.num_classes:
             raise BadItem(f"{where}: label {label!r}; expected a class index, an int in 0..{self.num_classes - 1}")
         return image, label
@@ -367,6 +370,14 @@ def first_item(dataset, split, num_classes):
     if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
         return None
     image, _ = ItemCheck(num_classes, split)(dataset[0], 0)
+    if type(dataset).__module__ != __name__:  # a researcher's: its last item too (a __len__ too large was skipped)
+        try:
+            dataset[len(dataset) - 1]
+        except IndexError as error:
+            raise UsageError(
+                f"the {split} set's last item, {len(dataset) - 1}, raises IndexError ({error}): does its __len__, "
+                f"{len(dataset)}, count more items than it has?"
+            ) from None
     return (image.shape[0], *image.shape[-2:], image.dtype)
 
 

@@ -39,6 +39,10 @@ PRIVATE_ATTRIBUTES = ("_checkpoints", "_best_acc1", "_best_ema_acc1", "_best_epo
                       "_diagnostics", "_model_changes", "_aux_weight", "_channels_last", "_metrics",
                       "_criterion_parameters", "_batch_transform", "_rng", "_bad_images", "_train_batches",
                       "_val_batches")
+# The methods a subclass overrides (docs/adapting.md); another of the Trainer's that it defines, the header warns of.
+HOOKS = ("add_arguments", "build_datasets", "build_transforms", "build_model", "shard_units", "build_criterion",
+         "build_optimizer", "build_scheduler", "build_metrics", "build_batch_transform", "state_dict",
+         "load_state_dict", "after_validation", "train_step", "optimizer_step", "clip_gradients", "evaluate_step")
 # fmt: on
 OWNED = frozenset(PUBLIC_ATTRIBUTES + PRIVATE_ATTRIBUTES)
 

@@ -111,6 +111,20 @@ def hwc_tensors(config):
     return splits(lambda i: (pixels(i, size=20).permute(1, 2, 0).contiguous()[:, :6], i % 3))
 
 
+def length_too_large(config):
+    """A __len__ that counts 4 items more than the dataset has: its last items' IndexError was taken for an unreadable
+    image, skipped and replaced, exit 0."""
+    images = [pixels(index) for index in range(TRAIN)]
+    return CLASSES, Items(TRAIN + 4, lambda i: (images[i], i % 3)), Items(VAL, lambda i: (pixels(i), i % 3))
+
+
+def numpy_labels(config):
+    """Labels as numpy integers (a label array indexed): class indices all the same."""
+    import numpy
+
+    return splits(lambda i: (pixels(i), numpy.int64(i % 3)))
+
+
 def labels_out_of_range(config):
     return splits(lambda i: (pixels(i), 3 + i % 3))
 

@@ -281,3 +281,11 @@ class LineSearch(Trainer):
 
     def load_state_dict(self, state):
         self.losses = list(state["losses"])
+
+
+class FlagClash(Trainer):
+    """Adds a flag the scripts have already (one line, was argparse's traceback)."""
+
+    @classmethod
+    def add_arguments(cls, parser):
+        parser.add_argument("--warmup-epochs", type=int)

@@ -76,3 +76,9 @@ def test_a_trainer_s_own_flags_join_the_command_line_and_its_config():
     assert (config.teacher, config.teacher_arch, config.distill_alpha) == ("t.pth", "resnet50", 0.3)
     with pytest.raises(UsageError, match="--trainer examples.nothing:Here: cannot import Here from examples.nothing"):
         parse("--trainer", "examples.nothing:Here")
+    with pytest.raises(
+        UsageError,
+        match=r"^--trainer tests.tiny_models:FlagClash's add_arguments: argument --warmup-epochs: conflicting option "
+        r"string: --warmup-epochs: give yours another name$",
+    ):
+        parse("--trainer", "tests.tiny_models:FlagClash")

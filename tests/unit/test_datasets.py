@@ -173,16 +173,25 @@ REFUSED = {
     "gray_tensors": "the images have 1 channel(s): give --mean and --std with 1 value(s) each",
     "float_0_255": "a float image of values 20 to 60; expected 0-1: divide a 0-255 image by 255",
     "nan_images": "a float image of values nan to nan; expected 0-1",
+    "length_too_large": "the train set's last item, 15, raises IndexError (list index out of range): does its "
+    "__len__, 16, count more items than it has?",
 }
 
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_a_dataset_item_the_loaders_cannot_take_is_refused_in_one_line(name):
-    """Checked at start on item 0, before any training."""
+    """Checked at start on item 0 (and the last), before any training."""
     config = parse(*SMALL, "--dataset", f"tests.custom_datasets:{name}")
     with pytest.raises(UsageError) as refused:
         build_data(config, build_datasets(config), 0, cpu_runtime())
     assert REFUSED[name] in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_numpy_integer_labels_are_class_indices():
+    """Were refused: `label np.int64(0); expected a class index, an int in 0..2`."""
+    config = parse(*SMALL, "--dataset", "tests.custom_datasets:numpy_labels")
+    _, labels, _ = next(iter(build_data(config, build_datasets(config), 0, cpu_runtime()).train_loader))
+    assert labels.dtype == torch.int64 and set(labels.tolist()) <= {0, 1, 2}
 
 
 def test_an_item_found_bad_later_ends_the_run_in_one_line_naming_it():

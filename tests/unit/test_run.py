@@ -457,3 +457,28 @@ def test_an_epoch_s_row_of_log_csv_is_written_before_its_checkpoint(tmp_path):
     with pytest.raises(IsADirectoryError):
         trainer.fit(trainer.model, trainer.model)
     assert not (tmp_path / "checkpoint.pth").exists()
+
+
+def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name():
+    """A helper of one's own named `save` turned every checkpoint off, exit 0: the header names each of the Trainer's
+    own methods (not its HOOKS, those of its section "the parts a researcher changes") that a subclass replaces."""
+    import inspect
+
+    from common.header import _library_replaced
+    from common.trainer import HOOKS
+    from examples.sam import SAM
+
+    source, start = inspect.getsourcelines(Trainer)
+    first, last = (next(i for i, line in enumerate(source) if marker in line) for marker in ("researcher", "building"))
+    starts = {
+        name: inspect.getsourcelines(getattr(method, "__func__", method))[1] - start
+        for name, method in vars(Trainer).items()
+        if callable(getattr(method, "__func__", method)) and not name.startswith("__")
+    }
+    assert {name for name, start in starts.items() if first < start < last} == set(HOOKS)
+    assert _library_replaced(SAM) == []  # (hooks alone: build_optimizer, optimizer_step)
+    helper = type("Helper", (Trainer,), {"save": lambda self, images: None, "build_model": Trainer.build_model})
+    assert _library_replaced(helper) == [
+        "warning: Helper replaces the Trainer's own save (not hooks: the loops call them; docs/adapting.md): the "
+        "tests no longer cover this run; give a method of your own another name"
+    ]
