@@ -63,7 +63,6 @@ def start_lines(trainer):
     lines += describe_preset(config, data.first_image)
     if config.trainer:
         lines.append(f"trainer: {config.trainer}")
-        lines += _library_replaced(type(trainer))
     hook = type(trainer).build_batch_transform
     if hook.__qualname__ != "Trainer.build_batch_transform":  # (the default's: the preset's and the flags' lines)
         lines.append(
@@ -107,24 +106,6 @@ def start_lines(trainer):
         )
         lines += _best_elsewhere(trainer)
     return lines
-
-
-def _library_replaced(cls):
-    """A warning naming the Trainer's own methods (not its HOOKS) that the subclass `cls` replaces: a helper of one's
-    own named `save` had turned every checkpoint off, exit 0."""
-    from .trainer import HOOKS, Trainer
-
-    names = [
-        name
-        for name, method in vars(Trainer).items()
-        if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
-    ]
-    if not names:
-        return []
-    return [
-        f"warning: {cls.__name__} replaces the Trainer's own {', '.join(names)} (not hooks: the loops call them; "
-        "docs/adapting.md): the tests no longer cover this run; give a method of your own another name"
-    ]
 
 
 def _best_elsewhere(trainer):

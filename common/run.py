@@ -14,6 +14,7 @@ from .checkpoint import check_format, restore
 from .config import PER_NODE, evaluated_as_trained, flag
 from .errors import NoRoom, UsageError, say
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
+from .trainer import HOOKS, Trainer
 
 
 def take_output_dir(trainer):
@@ -124,6 +125,8 @@ def start_run(trainer):
         check_start(config, error)
         if lock is not None and lock.warning:
             say(lock.warning)
+        for line in library_replaced(type(trainer)):
+            trainer.log.print(line)
         path, checkpoint = load_agreed_checkpoint(trainer)
         if config.evaluate and isinstance((checkpoint or {}).get("args"), dict):  # at the sizes it was trained with
             trainer.config = config = evaluated_as_trained(config, checkpoint["args"])
@@ -145,6 +148,22 @@ def start_run(trainer):
         if lock is not None:
             lock.abandon()
         raise
+
+
+def library_replaced(cls):
+    """A warning naming the Trainer's own methods (not its HOOKS) that the subclass `cls` replaces: a helper of one's
+    own named `save` had turned every checkpoint off, exit 0."""
+    names = [
+        name
+        for name, method in vars(Trainer).items()
+        if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
+    ]
+    if not names:
+        return []
+    return [
+        f"warning: {cls.__name__} replaces the Trainer's own {', '.join(names)} (not hooks: the loops call them; "
+        "docs/adapting.md): the tests no longer cover this run; give a method of your own another name"
+    ]
 
 
 # The ranks' agreement on their arguments and checkpoint.

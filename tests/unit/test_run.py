@@ -464,7 +464,7 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
     own methods (not its HOOKS, those of its section "the parts a researcher changes") that a subclass replaces."""
     import inspect
 
-    from common.header import _library_replaced
+    from common.run import library_replaced
     from common.trainer import HOOKS
     from examples.sam import SAM
 
@@ -476,9 +476,9 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
         if callable(getattr(method, "__func__", method)) and not name.startswith("__")
     }
     assert {name for name, start in starts.items() if first < start < last} == set(HOOKS)
-    assert _library_replaced(SAM) == []  # (hooks alone: build_optimizer, optimizer_step)
+    assert library_replaced(SAM) == []  # (hooks alone: build_optimizer, optimizer_step)
     helper = type("Helper", (Trainer,), {"save": lambda self, images: None, "build_model": Trainer.build_model})
-    assert _library_replaced(helper) == [
+    assert library_replaced(helper) == [
         "warning: Helper replaces the Trainer's own save (not hooks: the loops call them; docs/adapting.md): the "
         "tests no longer cover this run; give a method of your own another name"
     ]
