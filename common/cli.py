@@ -267,7 +267,6 @@ def _run_flags(add):
     add(
         "--resume",
         metavar="PATH|auto",
-        default="",
         help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists, else start fresh",
     )
     add(
@@ -416,8 +415,7 @@ def _recipe_flags(parser):
     )
     add(
         "--model-ema",
-        action="store_const",
-        const=True,
+        action=argparse.BooleanOptionalAction,  # (--no-model-ema: a preset's off)
         help="keep an exponential moving average of the weights, evaluated and checkpointed beside them",
     )
     add(
@@ -436,13 +434,12 @@ def _recipe_schedule_flags(add):
         "--norm-weight-decay",
         type=float,
         metavar="W",
-        help="weight decay of normalisation layers' weights and biases (default: --wd)",
+        help="weight decay of normalisation layers' weights (and biases, without --bias-weight-decay) (default: --wd)",
     )
-    add("--bias-weight-decay", type=float, metavar="W", help="weight decay of the other layers' biases (default: --wd)")
+    add("--bias-weight-decay", type=float, metavar="W", help="weight decay of every bias (default: --wd)")
     add(
         "--ra-sampler",
-        action="store_const",
-        const=True,
+        action=argparse.BooleanOptionalAction,  # (--no-ra-sampler: a preset's off)
         help="repeated augmentation: each image --ra-reps times per epoch, differently augmented, on different ranks",
     )
     add("--ra-reps", type=int, metavar="K", help="repetitions of --ra-sampler (3; tv-v2 4)")

@@ -124,6 +124,10 @@ def resolve(namespace, mode):
     """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn): the data
     source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
     values = dict(vars(namespace))
+    empty = next((name for name, value in values.items() if value == ""), None)  # (was: not given, without a word)
+    if empty is not None:
+        given = {"data_positional": "DIR", "dataset_fn": "--dataset"}.get(empty, flag(empty))
+        raise UsageError(f"{given} is empty: give a value, or leave it out")
     _data_source(values)
     from_environment = _layered_defaults(values)
     try:
@@ -292,6 +296,12 @@ def _check(values):
         _within(values, "seed", 0, 2**63, "a whole number from 0 to 2**63 - 1", high_open=True)
     _at_least(values, ["checkpoint_interval"], 0, "0 (off) or positive")
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
+    if values["dist_timeout"] > 1e9:  # (torch's timer overflowed: a traceback)
+        raise UsageError(f"--dist-timeout must be at most 1e9 seconds, got {values['dist_timeout']:g}")
+    if values["dist_backend"] not in (None, "nccl", "gloo"):
+        raise UsageError(f"--dist-backend must be nccl or gloo, got {values['dist_backend']}")
+    if values["opt"] == "sgd-nesterov" and not values["momentum"] > 0:  # (torch's SGD refuses it: a traceback)
+        raise UsageError(f"--opt sgd-nesterov needs a --momentum above 0, got {values['momentum']:g}")
     if not 0 <= values["warmup_epochs"] < values["epochs"]:
         raise UsageError(f"--warmup-epochs must be in [0, --epochs), got {values['warmup_epochs']}")
     if values["lr_step_unit"] == "epoch" and values["warmup_epochs"] != int(values["warmup_epochs"]):

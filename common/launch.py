@@ -245,6 +245,11 @@ def known_failure(error):
             f"error: out of host memory: a tensor of {_size(int(wanted.group(1)))} could not be allocated; "
             "a smaller -b, crop size (--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)"
         )
+    if text.startswith("Expected more than 1 value per channel when training"):  # (BatchNorm's ValueError)
+        return (
+            "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "
+            "there): give each device 2 images or more (-b, --grad-accum-steps), or larger crops"
+        )
     if "view size is not compatible with input tensor's size and stride" in text:  # (the traceback says where)
         error.add_note(
             "hint: under --channels-last (auto: on for convolutional networks on the CPU, and with --amp on GPUs) "
@@ -271,7 +276,7 @@ def outcome(error):
             f"error: a write failed: {error.strerror}{where}; the checkpoints already there are intact: make "
             "room, then --resume auto goes on from the last one"
         )
-    line = known_failure(error) if isinstance(error, RuntimeError) else None
+    line = known_failure(error) if isinstance(error, (RuntimeError, ValueError)) else None
     return None if line is None else (1, line)
 
 

@@ -120,6 +120,25 @@ def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
     assert parse("--data", "/x", "--min-crop-scale", "1", "--hflip-prob", "0").min_crop_scale == 1.0  # the bounds
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [  # (each was accepted as not given, or a traceback later)
+        (["--output-dir", ""], "--output-dir is empty: give a value, or leave it out"),
+        (["--resume", ""], "--resume is empty: give a value, or leave it out"),
+        (["--weights", ""], "--weights is empty: give a value, or leave it out"),
+        ([""], "DIR is empty: give a value, or leave it out"),
+        (["--dist-backend", "foo"], "--dist-backend must be nccl or gloo, got foo"),
+        (["--dist-timeout", "1e300"], "--dist-timeout must be at most 1e9 seconds, got 1e+300"),
+        (["--opt", "sgd-nesterov", "--momentum", "0"], "--opt sgd-nesterov needs a --momentum above 0, got 0"),
+    ],
+)
+def test_an_empty_value_and_values_torch_would_refuse_later_are_one_line(argv, line):
+    with pytest.raises(UsageError) as refused:
+        parse(*argv) if argv == [""] else parse("--data", "/x", *argv)
+    assert str(refused.value) == line
+    assert parse("--data", "/x", "--no-model-ema", "--preset", "tv-v2").model_ema is False  # (a preset's, off)
+
+
 def test_non_positive_environment_value_raises_usage_error(no_platform_env):
     no_platform_env.setenv("BATCH_SIZE", "0")
     with pytest.raises(UsageError, match=r"^--batch-size \(from BATCH_SIZE=0\) must be positive, got 0$"):

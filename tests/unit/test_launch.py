@@ -90,6 +90,17 @@ from harness.processes import PYTHON, REPO, clean_env
                 "(--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)",
             ),
         ),
+        (  # (-b 1, or one image a micro-batch: was a traceback)
+            ValueError(
+                "Expected more than 1 value per channel when training, got input size torch.Size([1, 512, 1, 1])"
+            ),
+            (
+                1,
+                "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "
+                "there): give each device 2 images or more (-b, --grad-accum-steps), or larger crops",
+            ),
+        ),
+        (ValueError("a bug of ours"), None),
     ],
 )
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):
