@@ -41,6 +41,7 @@ def setup(config, mode="ddp"):
     from common.data import micro_batch
     from common.distributed import (
         Runtime,
+        check_master_addr,
         choose_backend,
         init_process_group,
         local_world_size_from_env,
@@ -50,14 +51,21 @@ def setup(config, mode="ddp"):
     )
 
     rank, local_rank, world_size = world_info_from_env()
+    if config.save_on == "node" and world_size > 1 and not {"LOCAL_RANK", "SLURM_LOCALID"} & set(os.environ):
+        raise UsageError(  # (RANK stood in for it: the nodes past the first wrote nothing)
+            "--save-on node: LOCAL_RANK is not set (torchrun and srun set it), so no process knows whether it is "
+            "its node's first, which writes: set it, or leave --save-on node out"
+        )
     if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
         raise UsageError(
-            "MASTER_ADDR and MASTER_PORT are not set: start this script with torchrun, "
-            "or export them in the job script when srun starts it"
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start this script with "
+            "torchrun, or export them in the job script when srun starts it"
         )
     port_number(os.environ["MASTER_PORT"], world_size)
+    check_master_addr()
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after

@@ -370,6 +370,7 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
         "classes": list(trainer.classes),
         "seed": trainer.seed,
         "world_size": trainer.runtime.world_size,
+        "job": distributed.job_ids(),  # (a restart of this job goes on from it, whatever its --overwrite said)
         "deterministic": trainer._deterministic,
         "args": _walk(vars(trainer.config), lambda x: x if isinstance(x, PLAIN) else str(x)),
         "samples": samples(trainer),

@@ -123,6 +123,7 @@ def profile_steps(text):
 def resolve(namespace, mode):
     """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn): the data
     source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
+    check_launcher(mode)
     values = dict(vars(namespace))
     empty = next((name for name, value in values.items() if value == ""), None)  # (was: not given, without a word)
     if empty is not None:
@@ -143,6 +144,21 @@ def resolve(namespace, mode):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
     return Config(**values)
+
+
+def check_launcher(mode):
+    """One line where the script of `mode` runs under torchrun, which is not its launcher: train_spawn.py (each of
+    torchrun's processes would spawn a job of its own), train_dp.py with several processes (each would train the whole
+    run). Was a line about a port or an output directory in use."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or mode not in ("dp", "spawn"):  # (torch.distributed.launch's too)
+        return
+    if mode == "spawn" or os.environ.get("WORLD_SIZE", "1") != "1":
+        script, what = (
+            ("train_spawn.py", "starts its own processes")
+            if mode == "spawn"
+            else ("train_dp.py", "is one process driving every GPU")
+        )
+        raise UsageError(f"{script} {what}: run it with python, not torchrun (train_ddp.py is torchrun's)")
 
 
 def _data_source(values):

@@ -12,6 +12,7 @@ import random
 import re
 import socket
 import struct
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,36 @@ class Runtime:
     def writes_checkpoints(self, save_on):
         # One writer for the whole job on a shared file system; with
         # --save-on node, one per node, for nodes that share no file system.
-        return self.local_rank == 0 if save_on == "node" else self.rank == 0
+        return (self.local_rank == 0 or self.world_size == 1) if save_on == "node" else self.rank == 0
+
+
+def check_master_addr():
+    """One line where MASTER_ADDR names no address (a stale host name): was 77 lines of name-lookup warnings and a
+    traceback."""
+    name = os.environ["MASTER_ADDR"]
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError) as error:
+        why = getattr(error, "strerror", None) or error
+        raise UsageError(
+            f"MASTER_ADDR={name} does not resolve to an address ({why}): name node 0 as every node can reach it"
+        ) from None
+
+
+TORCHRUN_JOB = []  # this torchrun job's id, once init_process_group has it from the agent's store
+
+
+def job_ids():
+    """The ids of this job, the same in its restarts and on every rank: torchrun's (one its agent's store holds; a new
+    torchrun has a new store) and Slurm's job id (a requeue keeps it). torchrun's --rdzv-id is no such id: "none" by
+    default, and a fixed one is the same for every job."""
+    return TORCHRUN_JOB + ([f"slurm {os.environ['SLURM_JOB_ID']}"] if os.environ.get("SLURM_JOB_ID") else [])
+
+
+def _torchrun_job(timeout):
+    """An id of this torchrun job: the first rank to ask, in its first attempt, stores one in the agent's store."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return "torchrun " + store.compare_set("imagenet-training/job", "", uuid.uuid4().hex).decode()
 
 
 def world_info_from_env():
@@ -284,6 +314,8 @@ def init_process_group(
             dist.init_process_group(backend, store=dist.PrefixStore(f"/restart_{attempt}", store), **options)
         else:
             dist.init_process_group(backend, init_method=init_method, **options)
+        if init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            TORCHRUN_JOB[:] = [_torchrun_job(timeout)]
     except dist.DistBackendError as error:
         # NCCL, connecting eagerly (device_id) two ranks that share a GPU: "Multiple Ranks are using the
         # same GPU" since NCCL 2.2x, "Duplicate GPU detected" before.

@@ -245,6 +245,18 @@ def known_failure(error):
             f"error: out of host memory: a tensor of {_size(int(wanted.group(1)))} could not be allocated; "
             "a smaller -b, crop size (--train-crop-size, --val-resize-size) or model, or fewer loader workers (-j)"
         )
+    joined = re.search(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", text)
+    if joined:  # (node 0's rendezvous: torch's DistStoreError, a traceback)
+        return (
+            f"error: the rendezvous timed out: {joined[2]} of {joined[3]} processes joined in {joined[1]} s: start "
+            "every node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
+        )
+    connecting = re.search(r"client socket has timed out after \d+ms while trying to connect to \(([^)]*)\)", text)
+    if connecting:  # (another node's: DistNetworkError)
+        return (
+            f"error: no rendezvous answered at {connecting[1].replace(', ', ':')}: start node 0 (node rank 0), and "
+            "check MASTER_ADDR and the port"
+        )
     if text.startswith("Expected more than 1 value per channel when training"):  # (BatchNorm's ValueError)
         return (
             "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "

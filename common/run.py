@@ -17,16 +17,42 @@ from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
 from .trainer import HOOKS, Trainer
 
 
+def restarted():
+    """Whether this process is a restart of its job (a Slurm requeue, torchrun's --max-restarts)."""
+    return any(
+        os.environ.get(name, "0") not in ("", "0") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+    )
+
+
+def going_on_after_a_restart(trainer):
+    """A restart's config: --resume auto where the directory's latest checkpoint is this job's (distributed.job_ids),
+    whatever its first start's --overwrite or --resume said (was: torchrun's restart of a command with --overwrite began
+    again at epoch 0 and deleted what the job had trained, exit 0)."""
+    config = trainer.config
+    there = trainer._checkpoints.existing(config.output_dir)
+    if config.evaluate or (config.resume == "auto" and not config.overwrite) or not restarted() or not there:
+        return config
+    try:
+        ours = set(trainer._checkpoints.peek(there[0]).get("job") or []) & set(distributed.job_ids())
+    except UsageError:  # (damaged: as the command says)
+        ours = None
+    if not ours:
+        return config
+    given = "--overwrite" if config.overwrite else f"--resume {config.resume}" if config.resume else "no --resume"
+    trainer.log.print(
+        f"note: a restart of this job ({min(ours)}): it goes on from its checkpoint in {config.output_dir} (as "
+        f"--resume auto); {given} was for its first start"
+    )
+    return config.replace(resume="auto", overwrite=False)
+
+
 def take_output_dir(trainer):
     """(the writer rank's OutputLock or None, the line that refused it or None). A restarted job (a Slurm requeue,
     torchrun's restart) waits for the lock of the one it replaces: a lost node's lease, or its stop's checkpoint."""
     if not trainer.log.writes:
         return None, None
-    restarted = any(
-        os.environ.get(name, "0") not in ("", "0") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-    )
     try:
-        return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarted else 0, say=say), None
+        return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarted() else 0, say=say), None
     except UsageError as failure:  # said by every rank, by check_start
         return None, failure
 
@@ -125,6 +151,7 @@ def start_run(trainer):
         check_start(config, error)
         if lock is not None and lock.warning:
             say(lock.warning)
+        trainer.config = config = going_on_after_a_restart(trainer)
         for line in library_replaced(type(trainer)):
             trainer.log.print(line)
         path, checkpoint = load_agreed_checkpoint(trainer)

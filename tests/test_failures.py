@@ -183,13 +183,14 @@ def dp_interrupted_runs(data, out):
 
 
 def torchrun_interrupted_runs(data, out):
-    """One train_ddp.py run under torchrun, `--resume auto` every time: a worker SIGKILLed at epoch 0
-    step 7 (torchrun restarts both, --max-restarts=1), SIGTERM to torchrun at epoch 1 step 7, then
+    """One train_ddp.py run under torchrun, started with `--overwrite`, then `--resume auto`: a worker SIGKILLed at
+    epoch 0 step 7 (torchrun restarts both, --max-restarts=1: the restart goes on from the job's checkpoint, where it
+    had begun again at epoch 0 with --overwrite), SIGTERM to torchrun at epoch 1 step 7, then
     (relaunched) SIGTERM to the worker of rank 1 alone at epoch 2 step 3, then (relaunched, real workers)
     SIGKILL to torchrun alone three steps after its resume and at once a relaunch, which goes on to the end. (The
     steps take 0.07 s here: a signal sent as a progress line is read may land steps later, under load.)"""
 
-    def command(*extra, prewarmed=True):
+    def command(*extra, prewarmed=True, resume=("--resume", "auto")):
         return torchrun_command(
             "train_ddp.py",
             2,
@@ -200,14 +201,13 @@ def torchrun_interrupted_runs(data, out):
             data,
             "--output-dir",
             out,
-            "--resume",
-            "auto",
+            *resume,
             extra=extra,
             prewarmed=prewarmed,
         )
 
     stages = SimpleNamespace()
-    job = Job(command("--max-restarts=1"))
+    job = Job(command("--max-restarts=1", resume=["--overwrite"]))
     job.wait_for(at(0, 7), timeout=WAIT)
     stages.killed_workers = training_processes(job)
     assert sorted(stages.killed_workers) == [0, 1], stages.killed_workers
@@ -363,6 +363,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_resumes_from_its_checkpoi
         killed.values()
     )  # new processes, both ranks
     _, output = stages.sigterm
+    note = r"^note: a restart of this job \(torchrun \w+\): it goes on from its checkpoint in .* \(as --resume auto\); "
+    assert re.search(note + r"--overwrite was for its first start$", output, re.M), output[-3000:]
     after_restart = output[output.index("resumed from ") :]
     resumed = re.match(r"resumed from .*checkpoint\.pth \(epoch 0, step (5|10)\)", after_restart)
     assert resumed, after_restart[:3000]  # the last checkpoint before the kill (at step 7, seen by the test)

@@ -708,6 +708,7 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
         "classes",
         "seed",
         "world_size",
+        "job",
         "deterministic",
         "args",
         "samples",

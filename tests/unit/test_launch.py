@@ -101,6 +101,24 @@ from harness.processes import PYTHON, REPO, clean_env
             ),
         ),
         (ValueError("a bug of ours"), None),
+        (  # (a rendezvous no other node came to: torch's DistStoreError, a traceback after --dist-timeout)
+            RuntimeError("Timed out after 21 seconds waiting for clients. 1/2 clients joined."),
+            (
+                1,
+                "error: the rendezvous timed out: 1 of 2 processes joined in 21 s: start every node, each with its own "
+                "node rank, and check MASTER_ADDR, the port and the node count",
+            ),
+        ),
+        (
+            RuntimeError(
+                "The client socket has timed out after 900000ms while trying to connect to (10.0.0.1, 29500)."
+            ),
+            (
+                1,
+                "error: no rendezvous answered at 10.0.0.1:29500: start node 0 (node rank 0), and check MASTER_ADDR "
+                "and the port",
+            ),
+        ),
     ],
 )
 def test_every_way_a_run_ends_has_its_exit_code_and_line(error, ended):
