@@ -24,6 +24,16 @@ require() {  # require VAR "what it is": stop unless VAR is set and non-empty
   [ -n "${!1:-}" ] || fail "set $1 ($2)"
 }
 
+whole() {  # whole VAR LOW [HIGH]: stop unless VAR is a whole number from LOW (to HIGH) (was: bash's or torchrun's error)
+  local value="${!1:-}"
+  [[ "$value" =~ ^[0-9]+$ ]] && [ "$((10#$value))" -ge "$2" ] && { [ -z "${3:-}" ] || [ "$((10#$value))" -le "$3" ]; } \
+    || fail "$1=$value is not a whole number from $2${3:+ to $3}"
+}
+
+script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)
+  [ -f "$REPO_DIR/$1" ] || fail "TRAIN_SCRIPT=$1 is not a script of this repository (train_ddp.py or train_fsdp.py)"
+}
+
 visible_gpus() {  # GPUs this node's processes may use (CUDA_VISIBLE_DEVICES respected)
   if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
     [ -z "$CUDA_VISIBLE_DEVICES" ] && echo 0 || echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .

@@ -13,11 +13,15 @@
 # TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 NNODES="${NNODES:-1}"
+whole NNODES 1
 if [ "$NNODES" -gt 1 ]; then
   require MASTER_ADDR "the address of node 0, reachable from every node"
   [ "${RDZV_BACKEND:-static}" != static ] || require NODE_RANK "this node's index, 0..$((NNODES - 1)); each node needs its own"
 fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" NODE_RANK="${NODE_RANK:-0}" MASTER_PORT="${MASTER_PORT:-29500}"
+whole MASTER_PORT 1 65535
+[ "${RDZV_BACKEND:-static}" != static ] || whole NODE_RANK 0 $((NNODES - 1))  # (a wrong one waited silently)
+script_here "${TRAIN_SCRIPT:-train_ddp.py}"
 nproc=$(nproc_per_node)
 rdzv=(--rdzv-backend="${RDZV_BACKEND:-static}" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT")
 if [ "${RDZV_BACKEND:-static}" = static ]; then rdzv+=(--node-rank="$NODE_RANK"); else rdzv+=(--rdzv-id="${RDZV_ID:-imagenet}"); fi

@@ -10,6 +10,7 @@
 # train_spawn.py (e.g. --dist-url file:///shared/rendezvous instead of tcp://MASTER_ADDR:MASTER_PORT).
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 NNODES="${NNODES:-1}"
+whole NNODES 1
 if [ "$NNODES" -gt 1 ]; then
   require MASTER_ADDR "the address of node 0, reachable from every node"
   require NODE_RANK "this node's index, 0..$((NNODES - 1)); each node needs its own"

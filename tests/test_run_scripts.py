@@ -173,6 +173,29 @@ def test_multi_node_scripts_stop_when_a_required_variable_is_missing(tmp_path, s
     assert not (tmp_path / "out").exists()
 
 
+PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "WORKER_PER_NODE": "2", "RANK": "0"}
+
+
+@pytest.mark.parametrize(
+    "script, env, expected",
+    [  # (each was bash's error and torchrun's traceback, or a rendezvous waiting in silence for a node never to come)
+        ("multi_node_ddp.sh", {"NNODES": "abc"}, "NNODES=abc is not a whole number from 1"),
+        ("multi_node_ddp.sh", {"NNODES": "2", "NODE_RANK": "5"}, "NODE_RANK=5 is not a whole number from 0 to 1"),
+        ("multi_node_ddp.sh", {"MASTER_PORT": "abc"}, "MASTER_PORT=abc is not a whole number from 1 to 65535"),
+        ("multi_node_ddp.sh", {"TRAIN_SCRIPT": "train_fdsp.py"}, "TRAIN_SCRIPT=train_fdsp.py is not a script of"),
+        ("multi_node_spawn.sh", {"NNODES": "0"}, "NNODES=0 is not a whole number from 1"),
+        ("platform_ddp.sh", {**PLATFORM, "RANK": "8"}, "RANK=8 is not a whole number from 0 to 3"),
+        ("platform_ddp.sh", {**PLATFORM, "WORKER_PER_NODE": "0"}, "WORKER_PER_NODE=0 is not a whole number from 1"),
+        ("platform_ddp.sh", {**PLATFORM, "NODE_RANK": "2"}, "NODE_RANK=2 is not a whole number from 0 to 1"),
+    ],
+)
+def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, expected):
+    env = {"MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "1", **env}
+    result = launch(script, "--output-dir", tmp_path / "out", **env)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {script}: {expected}"), lines
+
+
 def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
     result = launch("single_node_ddp.sh", "--output-dir", tmp_path / "out")
     assert result.returncode == 2
