@@ -66,11 +66,17 @@ def parse_args(parser, argv=None, mode="dp"):
     try:
         if mode == "fsdp":
             _fsdp_flags(parser.add_argument_group("FSDP (train_fsdp.py)").add_argument)
+        ours = [action for action in parser._actions if action.option_strings or action.dest == "data_positional"]
         if add_arguments is not None:
             add_arguments(parser.add_argument_group(f"--trainer {name}"))
     except argparse.ArgumentError as error:  # (was a traceback)
         raise UsageError(f"--trainer {name}'s add_arguments: {error}: give yours another name") from None
-    return resolve(parser.parse_args(argv), mode)
+    namespace = parser.parse_args(argv)
+    empty = next((action for action in ours if getattr(namespace, action.dest, None) == ""), None)
+    if empty is not None:  # (the scripts' own flags: was taken as not given, without a word)
+        shown = max(empty.option_strings, key=len) if empty.option_strings else empty.metavar
+        raise UsageError(f"{shown} is empty: give a value, or leave it out")
+    return resolve(namespace, mode)
 
 
 def _fsdp_flags(add):

@@ -125,10 +125,6 @@ def resolve(namespace, mode):
     source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
     check_launcher(mode)
     values = dict(vars(namespace))
-    empty = next((name for name, value in values.items() if value == ""), None)  # (was: not given, without a word)
-    if empty is not None:
-        given = {"data_positional": "DIR", "dataset_fn": "--dataset"}.get(empty, flag(empty))
-        raise UsageError(f"{given} is empty: give a value, or leave it out")
     _data_source(values)
     from_environment = _layered_defaults(values)
     try:

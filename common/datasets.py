@@ -378,6 +378,10 @@ def first_item(dataset, split, num_classes):
                 f"the {split} set's last item, {len(dataset) - 1}, raises IndexError ({error}): does its __len__, "
                 f"{len(dataset)}, count more items than it has?"
             ) from None
+        except (MemoryError, Preempted):
+            raise
+        except Exception:  # (an image that cannot be read: skipped in its epoch, as any other, SkipUnreadable)
+            pass
     return (image.shape[0], *image.shape[-2:], image.dtype)
 
 

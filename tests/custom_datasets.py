@@ -118,6 +118,17 @@ def length_too_large(config):
     return CLASSES, Items(TRAIN + 4, lambda i: (images[i], i % 3)), Items(VAL, lambda i: (pixels(i), i % 3))
 
 
+def unreadable_last_item(config):
+    """The last training item cannot be read (a file cut short): skipped in its epoch, not a stop at start."""
+
+    def make(index):
+        if index == TRAIN - 1:
+            raise OSError("image file is truncated")
+        return pixels(index), index % 3
+
+    return CLASSES, Items(TRAIN, make), Items(VAL, make, offset=TRAIN)
+
+
 def numpy_labels(config):
     """Labels as numpy integers (a label array indexed): class indices all the same."""
     import numpy

@@ -289,3 +289,11 @@ class FlagClash(Trainer):
     @classmethod
     def add_arguments(cls, parser):
         parser.add_argument("--warmup-epochs", type=int)
+
+
+class EmptyDefault(Trainer):
+    """A flag of its own whose default is "" (the scripts' own flags refuse an empty value; a trainer's are its own)."""
+
+    @classmethod
+    def add_arguments(cls, parser):
+        parser.add_argument("--tag", default="")

@@ -82,3 +82,4 @@ def test_a_trainer_s_own_flags_join_the_command_line_and_its_config():
         r"string: --warmup-epochs: give yours another name$",
     ):
         parse("--trainer", "tests.tiny_models:FlagClash")
+    assert parse("--trainer", "tests.tiny_models:EmptyDefault", "--tag", "").tag == ""  # (its own: not refused)

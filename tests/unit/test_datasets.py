@@ -187,6 +187,13 @@ def test_a_dataset_item_the_loaders_cannot_take_is_refused_in_one_line(name):
     assert REFUSED[name] in str(refused.value) and "\n" not in str(refused.value)
 
 
+def test_a_last_item_that_cannot_be_read_is_no_stop_at_start():
+    """The start reads the last item for a __len__ too large (IndexError): an unreadable image there is skipped in its
+    epoch, as anywhere else."""
+    config = parse(*SMALL, "--dataset", "tests.custom_datasets:unreadable_last_item")
+    assert len(build_data(config, build_datasets(config), 0, cpu_runtime()).train_loader.dataset) == 12
+
+
 def test_numpy_integer_labels_are_class_indices():
     """Were refused: `label np.int64(0); expected a class index, an int in 0..2`."""
     config = parse(*SMALL, "--dataset", "tests.custom_datasets:numpy_labels")
