@@ -41,7 +41,6 @@ def setup(config, mode="ddp"):
     from common.data import micro_batch
     from common.distributed import (
         Runtime,
-        check_master_addr,
         choose_backend,
         init_process_group,
         local_world_size_from_env,
@@ -51,7 +50,8 @@ def setup(config, mode="ddp"):
     )
 
     rank, local_rank, world_size = world_info_from_env()
-    if config.save_on == "node" and world_size > 1 and not {"LOCAL_RANK", "SLURM_LOCALID"} & set(os.environ):
+    local = "LOCAL_RANK" if "RANK" in os.environ else "SLURM_LOCALID"  # (as world_info_from_env reads them)
+    if config.save_on == "node" and world_size > 1 and local not in os.environ:
         raise UsageError(  # (RANK stood in for it: the nodes past the first wrote nothing)
             "--save-on node: LOCAL_RANK is not set (torchrun and srun set it), so no process knows whether it is "
             "its node's first, which writes: set it, or leave --save-on node out"
@@ -65,7 +65,6 @@ def setup(config, mode="ddp"):
             "torchrun, or export them in the job script when srun starts it"
         )
     port_number(os.environ["MASTER_PORT"], world_size)
-    check_master_addr()
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after

@@ -26,6 +26,7 @@ from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in case the latest is damaged
 BEST = "model_best.pth"
+OWN_PARTS = ("args", "optimizer", "scheduler", "criterion", "trainer_state")  # (those a researcher's code fills)
 PLAIN = (str, int, float, bool, type(None))  # (a value of another type in args: its str(), as in args.json)
 # Added to parameter names by DataParallel / DistributedDataParallel and torch.compile, each once or more.
 WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
@@ -478,7 +479,7 @@ def _walk(value, leaf):
 def _loadable(trainer, checkpoint):
     """`checkpoint`, each part's data but its tensors read back with weights_only=True at every save (a trainer's own
     state may gain an object late), else one line naming the part (was: saved, exit 0, and no resume could load it)."""
-    for key, part in checkpoint.items():
+    for key, part in ((key, checkpoint[key]) for key in OWN_PARTS):
         buffer = io.BytesIO()
         torch.save(_walk(part, lambda x: None if isinstance(x, torch.Tensor) else x), buffer)
         try:

@@ -310,8 +310,9 @@ def _check(values):
     _within(values, "label_smoothing", 0.0, 1.0, "in [0, 1)", high_open=True)
     if values["dist_timeout"] > 1e9:  # (torch's timer overflowed: a traceback)
         raise UsageError(f"--dist-timeout must be at most 1e9 seconds, got {values['dist_timeout']:g}")
-    if values["dist_backend"] not in (None, "nccl", "gloo"):
-        raise UsageError(f"--dist-backend must be nccl or gloo, got {values['dist_backend']}")
+    parts = (values["dist_backend"] or "gloo").split(",")  # (torch's, or "cpu:gloo,cuda:nccl": by device)
+    if any(part.split(":")[-1] not in ("nccl", "gloo", "ucc", "mpi", "xccl") for part in parts):
+        raise UsageError(f"--dist-backend must be nccl or gloo (or another of torch's), got {values['dist_backend']}")
     if values["opt"] == "sgd-nesterov" and not values["momentum"] > 0:  # (torch's SGD refuses it: a traceback)
         raise UsageError(f"--opt sgd-nesterov needs a --momentum above 0, got {values['momentum']:g}")
     if not 0 <= values["warmup_epochs"] < values["epochs"]:

@@ -50,19 +50,6 @@ class Runtime:
         return (self.local_rank == 0 or self.world_size == 1) if save_on == "node" else self.rank == 0
 
 
-def check_master_addr():
-    """One line where MASTER_ADDR names no address (a stale host name): was 77 lines of name-lookup warnings and a
-    traceback."""
-    name = os.environ["MASTER_ADDR"]
-    try:
-        socket.getaddrinfo(name, None)
-    except (OSError, UnicodeError) as error:
-        why = getattr(error, "strerror", None) or error
-        raise UsageError(
-            f"MASTER_ADDR={name} does not resolve to an address ({why}): name node 0 as every node can reach it"
-        ) from None
-
-
 TORCHRUN_JOB = []  # this torchrun job's id, once init_process_group has it from the agent's store
 
 

@@ -257,7 +257,7 @@ def known_failure(error):
             f"error: no rendezvous answered at {connecting[1].replace(', ', ':')}: start node 0 (node rank 0), and "
             "check MASTER_ADDR and the port"
         )
-    if text.startswith("Expected more than 1 value per channel when training"):  # (BatchNorm's ValueError)
+    if "Expected more than 1 value per channel when training" in text:  # (BatchNorm's ValueError; DP's wraps it)
         return (
             "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "
             "there): give each device 2 images or more (-b, --grad-accum-steps), or larger crops"

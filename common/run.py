@@ -16,12 +16,12 @@ from .errors import NoRoom, UsageError, say
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
 from .trainer import HOOKS, Trainer
 
+RESTARTS = {"slurm": "SLURM_RESTART_COUNT", "torchrun": "TORCHELASTIC_RESTART_COUNT"}  # (distributed.job_ids' kinds)
+
 
 def restarted():
     """Whether this process is a restart of its job (a Slurm requeue, torchrun's --max-restarts)."""
-    return any(
-        os.environ.get(name, "0") not in ("", "0") for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
-    )
+    return any(os.environ.get(name, "0") not in ("", "0") for name in RESTARTS.values())
 
 
 def going_on_after_a_restart(trainer):
@@ -32,8 +32,10 @@ def going_on_after_a_restart(trainer):
     there = trainer._checkpoints.existing(config.output_dir)
     if config.evaluate or (config.resume == "auto" and not config.overwrite) or not restarted() or not there:
         return config
+    kinds = [kind for kind, name in RESTARTS.items() if os.environ.get(name, "0") not in ("", "0")]
+    current = {job for job in distributed.job_ids() if job.split()[0] in kinds}  # (a requeue's: Slurm's id alone)
     try:
-        ours = set(trainer._checkpoints.peek(there[0]).get("job") or []) & set(distributed.job_ids())
+        ours = set(trainer._checkpoints.peek(there[0]).get("job") or []) & current
     except UsageError:  # (damaged: as the command says)
         ours = None
     if not ours:

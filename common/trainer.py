@@ -170,7 +170,7 @@ class Trainer:
     def optimizer_step(self, model, closure):
         """The optimizer step, from the step's gradients averaged over its micro-batches and the ranks: clipping
         (clip_gradients), then the optimizer through the fp16 scaler. `closure()` zeroes the gradients and runs the
-        step's forwards and backwards again, returning its loss (SAM: a second gradient)."""
+        step's forwards and backwards again, returning its loss over all ranks (SAM: a second gradient)."""
         self.clip_gradients()
         self.scaler.step(self.optimizer)
         self.scaler.update()

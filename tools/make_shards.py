@@ -179,6 +179,8 @@ def open_output(out, manifest, classes, splits):
             for stale in (out / split).glob(".*.tmp"):  # a killed run's unfinished shard
                 stale.unlink()
     except OSError as error:  # (as tools/prepare_imagenet.py says it)
+        if error.errno in NO_ROOM:
+            raise NoRoom(f"cannot write to {out} ({error.strerror}): {REMEDY[NoRoom]}") from None
         raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
     return earlier is not None
 

@@ -127,7 +127,7 @@ def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
         (["--resume", ""], "--resume is empty: give a value, or leave it out"),
         (["--weights", ""], "--weights is empty: give a value, or leave it out"),
         ([""], "DIR is empty: give a value, or leave it out"),
-        (["--dist-backend", "foo"], "--dist-backend must be nccl or gloo, got foo"),
+        (["--dist-backend", "foo"], "--dist-backend must be nccl or gloo (or another of torch's), got foo"),
         (["--dist-timeout", "1e300"], "--dist-timeout must be at most 1e9 seconds, got 1e+300"),
         (["--opt", "sgd-nesterov", "--momentum", "0"], "--opt sgd-nesterov needs a --momentum above 0, got 0"),
     ],

@@ -112,7 +112,7 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
     assert str(refused.value).endswith(": node 0 listens there: --master-addr must name an address of node 0")
 
 
-def test_save_on_node_without_a_local_rank_a_master_port_alone_or_an_address_that_resolves_is_one_line(monkeypatch):
+def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):
     """RANK stood in for a missing LOCAL_RANK: under --save-on node the nodes past the first wrote nothing, exit 0. A
     missing MASTER_PORT was said as both variables missing."""
     import train_ddp
@@ -121,6 +121,7 @@ def test_save_on_node_without_a_local_rank_a_master_port_alone_or_an_address_tha
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "0")  # (in a Slurm job: RANK is what the local rank is read beside)
     config = train_ddp.parse_args(["--device", "cpu", "--save-on", "node"])
     with pytest.raises(UsageError, match=r"^--save-on node: LOCAL_RANK is not set \(torchrun and srun set it\)"):
         train_ddp.setup(config)
@@ -128,10 +129,6 @@ def test_save_on_node_without_a_local_rank_a_master_port_alone_or_an_address_tha
     with pytest.raises(UsageError, match=r"^MASTER_PORT is not set: start this script with torchrun"):
         train_ddp.setup(train_ddp.parse_args(["--device", "cpu"]))
     assert distributed.Runtime("ddp", None, 0, 3, 1).writes_checkpoints("node")  # (one process: it writes)
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setenv("MASTER_ADDR", "nosuchhost.invalid")  # (was: pages of name-lookup warnings, a traceback)
-    with pytest.raises(UsageError, match=r"^MASTER_ADDR=nosuchhost.invalid does not resolve to an address \("):
-        train_ddp.setup(train_ddp.parse_args(["--device", "cpu"]))
 
 
 def test_processes_on_this_node_come_from_the_launcher(monkeypatch):

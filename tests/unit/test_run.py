@@ -482,3 +482,31 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
         "warning: Helper replaces the Trainer's own save (not hooks: the loops call them; docs/adapting.md): the "
         "tests no longer cover this run; give a method of your own another name"
     ]
+
+
+def test_a_restart_goes_on_from_its_own_job_s_checkpoint_alone(tmp_path, monkeypatch):
+    """torchrun's restart, or a Slurm requeue, of a command with --overwrite goes on from the directory's checkpoint
+    where that is its job's (was: began again at epoch 0, deleting it); another job's (another torchrun in the same
+    Slurm allocation, say) is left to the command's --overwrite."""
+    from common.checkpoint import assemble, save_checkpoint
+    from common.run import going_on_after_a_restart
+    from conftest import built_trainer
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    flags = [*SMALL, "--output-dir", tmp_path, "--overwrite"]
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setattr(distributed, "TORCHRUN_JOB", ["torchrun a"])  # (what init_process_group gets from the agent)
+    trainer = built_trainer(*flags)
+    save_checkpoint(assemble(trainer, epoch=1, step_in_epoch=0), tmp_path, is_best=False)
+    assert going_on_after_a_restart(trainer).overwrite  # a first start: as the command says
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(distributed, "TORCHRUN_JOB", ["torchrun b"])  # another torchrun, the same allocation
+    assert going_on_after_a_restart(trainer).overwrite
+    monkeypatch.setattr(distributed, "TORCHRUN_JOB", ["torchrun a"])
+    again = going_on_after_a_restart(trainer)
+    assert (again.resume, again.overwrite) == ("auto", False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeue: new torchruns, the same Slurm job
+    monkeypatch.setattr(distributed, "TORCHRUN_JOB", ["torchrun c"])
+    assert going_on_after_a_restart(trainer).resume == "auto"
