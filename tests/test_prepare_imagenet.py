@@ -609,6 +609,13 @@ def test_a_full_disk_is_one_line_of_exit_code_1_and_the_same_command_carries_on(
         assert "Traceback" not in full.stdout
         assert_ok(prepare(archives, out, "--skip-md5", *flags))
     assert contents(tmp_path / "folder") == images
+    # 64 bytes: the devkit's val labels, which this process writes itself, cannot be written (was a traceback)
+    limited = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
+    limited += "os.execv(sys.argv[1], sys.argv[1:])"
+    full = run([PYTHON, "-c", limited, PYTHON, SCRIPT, archives, tmp_path / "labels", "--skip-md5"], timeout=60)
+    assert full.returncode == 1 and full.stdout.strip().splitlines()[-1] == (
+        f"error: cannot write {tmp_path / 'labels'} (File too large): make room, then run the same command again"
+    ), full.stdout
 
 
 def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tools_start_without_torch():

@@ -734,6 +734,12 @@ def main():
     except BrokenProcessPool:
         say("error: a worker process died (out of memory?): run the same command again to carry on")
         return 1
+    except OSError as error:  # (this process's own writes: the devkit's labels, MD5 stamps; the workers' are Failure)
+        if error.errno not in NO_ROOM:
+            raise
+        where = error.filename or args.out_dir
+        say(f"error: cannot write {where} ({error.strerror}): make room, then run the same command again")
+        return 1
     except (KeyboardInterrupt, Stopped) as stopped:
         say("stopped: run the same command again to carry on")
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143
