@@ -479,9 +479,9 @@ def _walk(value, leaf):
 def _loadable(trainer, checkpoint):
     """`checkpoint`, each part's data but its tensors read back with weights_only=True at every save (a trainer's own
     state may gain an object late), else one line naming the part (was: saved, exit 0, and no resume could load it)."""
-    for key, part in ((key, checkpoint[key]) for key in OWN_PARTS):
+    for key in OWN_PARTS:
         buffer = io.BytesIO()
-        torch.save(_walk(part, lambda x: None if isinstance(x, torch.Tensor) else x), buffer)
+        torch.save(_walk(checkpoint[key], lambda x: None if isinstance(x, torch.Tensor) else x), buffer)
         try:
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except pickle.UnpicklingError as error:

@@ -19,9 +19,9 @@ from .trainer import HOOKS, Trainer
 RESTARTS = {"slurm": "SLURM_RESTART_COUNT", "torchrun": "TORCHELASTIC_RESTART_COUNT"}  # (distributed.job_ids' kinds)
 
 
-def restarted():
-    """Whether this process is a restart of its job (a Slurm requeue, torchrun's --max-restarts)."""
-    return any(os.environ.get(name, "0") not in ("", "0") for name in RESTARTS.values())
+def restarts():
+    """The kinds of restart this process is of its job ("slurm": a requeue, "torchrun": its --max-restarts), if any."""
+    return [kind for kind, name in RESTARTS.items() if os.environ.get(name, "0") not in ("", "0")]
 
 
 def going_on_after_a_restart(trainer):
@@ -30,9 +30,9 @@ def going_on_after_a_restart(trainer):
     again at epoch 0 and deleted what the job had trained, exit 0)."""
     config = trainer.config
     there = trainer._checkpoints.existing(config.output_dir)
-    if config.evaluate or (config.resume == "auto" and not config.overwrite) or not restarted() or not there:
+    kinds = restarts()
+    if config.evaluate or (config.resume == "auto" and not config.overwrite) or not kinds or not there:
         return config
-    kinds = [kind for kind, name in RESTARTS.items() if os.environ.get(name, "0") not in ("", "0")]
     current = {job for job in distributed.job_ids() if job.split()[0] in kinds}  # (a requeue's: Slurm's id alone)
     try:
         ours = set(trainer._checkpoints.peek(there[0]).get("job") or []) & current
@@ -54,7 +54,7 @@ def take_output_dir(trainer):
     if not trainer.log.writes:
         return None, None
     try:
-        return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarted() else 0, say=say), None
+        return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarts() else 0, say=say), None
     except UsageError as failure:  # said by every rank, by check_start
         return None, failure
 

@@ -495,9 +495,8 @@ class Trainer:
             if zero:  # (the closure's)
                 step_loss = step_loss + loss.detach() * share
         distributed.average_gradients(self._criterion_parameters)  # (DDP averages the model's alone)
-        return (
-            distributed.weighted_mean(step_loss, total) if zero else step_loss
-        )  # (DP's: a line search branches on it)
+        # (the closure's: the step's loss over all ranks, as DataParallel's, on which a line search branches)
+        return distributed.weighted_mean(step_loss, total) if zero else step_loss
 
     def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""

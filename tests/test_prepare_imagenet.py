@@ -614,7 +614,7 @@ def test_a_full_disk_is_one_line_of_exit_code_1_and_the_same_command_carries_on(
     limited += "os.execv(sys.argv[1], sys.argv[1:])"
     full = run([PYTHON, "-c", limited, PYTHON, SCRIPT, archives, tmp_path / "labels", "--skip-md5"], timeout=60)
     assert full.returncode == 1 and full.stdout.strip().splitlines()[-1] == (
-        f"error: cannot write {tmp_path / 'labels'} (File too large): make room, then run the same command again"
+        f"error: cannot write to {tmp_path / 'labels'} (File too large): make room, then run the same command again"
     ), full.stdout
 
 

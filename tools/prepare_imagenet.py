@@ -74,9 +74,19 @@ SHARD_SIZE = 2500  # images per shard with --shards, as tools/make_shards.py's d
 
 
 class Failure(Exception):
-    """Bad input: one line on stderr and exit code 2 (1 for a full disk: NoRoom's)."""
+    """One line on stderr and exit code 2 (bad input), or `exit_code` (1: a full disk, as the training scripts')."""
 
-    exit_code = 2
+    def __init__(self, message, exit_code=2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def unwritable(out_dir, error):
+    """The Failure of the OSError `error` writing to OUT_DIR: exit code 1 and "make room" where the disk or quota is
+    full, else exit code 2."""
+    if error.errno in NO_ROOM:
+        return Failure(f"cannot write to {out_dir} ({error.strerror}): make room, then run the same command again", 1)
+    return Failure(f"cannot write to {out_dir}: {error.strerror or error}")
 
 
 class Job(NamedTuple):
@@ -222,11 +232,9 @@ def run_job(job, out_dir, resize, quality, redo=False):
             json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode(),
         )
     except OSError as error:
-        if error.errno not in NO_ROOM:
-            raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
-        failure = Failure(f"cannot write to {out_dir} ({error.strerror}): make room, then run the same command again")
-        failure.exit_code = 1  # (as the training scripts' NoRoom: no bad input)
-        raise failure from None
+        if error.errno in NO_ROOM:
+            raise unwritable(out_dir, error) from None
+        raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
     except (tarfile.TarError, EOFError) as error:
         raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
     return images, undecodable
@@ -518,7 +526,7 @@ def open_output(out_dir, resize, quality):
                 if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
                     shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
     except OSError as error:
-        raise Failure(f"cannot write to {out_dir}: {error.strerror or error}")
+        raise unwritable(out_dir, error) from None
     return state
 
 
@@ -605,9 +613,7 @@ def prepare_shards(args, train, val, labels):
     try:
         make_shards.write_all(Path(args.out_dir), classes, samples, source, args)
     except UsageError as error:
-        failure = Failure(str(error))
-        failure.exit_code = error.exit_code  # (NoRoom's 1 for a full disk)
-        raise failure from None
+        raise Failure(str(error), error.exit_code) from None  # (NoRoom's 1 for a full disk)
 
 
 def prepare(args):
@@ -639,7 +645,7 @@ def prepare(args):
         try:
             state.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise Failure(f"cannot write to {out_dir}: {error.strerror or error}") from None
+            raise unwritable(out_dir, error) from None
     for path in [] if args.skip_md5 else [path for path in (train, val, labels) if path and path.name in OFFICIAL_MD5]:
         verify_md5(path, state)
     if args.shards:
@@ -737,8 +743,7 @@ def main():
     except OSError as error:  # (this process's own writes: the devkit's labels, MD5 stamps; the workers' are Failure)
         if error.errno not in NO_ROOM:
             raise
-        where = error.filename or args.out_dir
-        say(f"error: cannot write {where} ({error.strerror}): make room, then run the same command again")
+        say(f"error: {unwritable(args.out_dir, error)}")
         return 1
     except (KeyboardInterrupt, Stopped) as stopped:
         say("stopped: run the same command again to carry on")
