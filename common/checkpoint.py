@@ -41,18 +41,16 @@ def save_checkpoint(state, output_dir, is_best, keep_previous=False):
     """Writer rank: write checkpoint.pth atomically with a new checkpoint_id, the one before kept as checkpoint_prev.pth
     (unless keep_previous: the run resumed from it), and copy it to model_best.pth when is_best. On failure the
     checkpoints already there stay whole, and CheckpointWriteError says so."""
-    output_dir = Path(output_dir)
-    latest, new = output_dir / CHECKPOINT, None
+    latest, new, written = Path(output_dir) / CHECKPOINT, None, False
     state = {**state, "checkpoint_id": uuid.uuid4().hex}
-    written = False
     try:
         new = write_synced(latest, lambda file: torch.save(state, file))
         if latest.exists() and not keep_previous:
-            link_or_copy(latest, output_dir / PREVIOUS)
+            link_or_copy(latest, latest.with_name(PREVIOUS))
         replace_synced(new, latest)
         written = True
         if is_best:
-            copy_to_best(latest, output_dir)
+            copy_to_best(latest, latest.parent)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         raise_interrupt_within(error)
         reason = written_reason(error)
@@ -155,8 +153,7 @@ def check_crcs(path):
 
 def unsafe_global(error):
     """The Python object that torch.load(weights_only=True) refused to build, as its UnpicklingError names it."""
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    return found[1] if found else None
+    return found[1] if (found := re.search(r"GLOBAL (\S+)", str(error))) else None
 
 
 def load_checkpoint(path, mmap=False, weights=True, foreign=False):
@@ -366,6 +363,7 @@ def assemble(trainer, epoch, step_in_epoch, metrics=None):
         "format_version": FORMAT_VERSION,
         "epoch": epoch,
         "step_in_epoch": step_in_epoch,
+        "global_step": trainer._steps_done,  # (TensorBoard's x axis, which -b changed at an epoch's end does not reset)
         "arch": trainer.config.arch,
         "num_classes": len(trainer.classes),
         "classes": list(trainer.classes),
@@ -401,6 +399,7 @@ def restore(trainer, checkpoint, path):
     if "criterion" in checkpoint:  # (its parameters: -e's loss too)
         _load_criterion(trainer, checkpoint["criterion"], path)
     trainer.start_epoch = int(checkpoint.get("epoch", 0))
+    trainer._steps_done = trainer.start_epoch * trainer.steps_per_epoch  # (weights from elsewhere: at their epoch's)
     if config.evaluate:  # (the header says which epoch's weights it evaluates)
         trainer.start_step = int(checkpoint.get("step_in_epoch", 0))
         if (is_ours(checkpoint) or "exported_from" in checkpoint) and "model_ema" in checkpoint:
@@ -546,6 +545,7 @@ def _restore_position(trainer, checkpoint, path):
             "comes from its order)"
         )
     trainer.start_step = trainer.steps_per_epoch if trained else step
+    trainer._steps_done = int(checkpoint.get("global_step", trainer._steps_done + trainer.start_step))
     if step:
         trainer._resumed_totals = checkpoint["train_totals"]
         trainer._epoch_lr = checkpoint["epoch_lr"]  # log.csv's lr: the epoch's first, not the resumed step's

@@ -47,7 +47,9 @@ CSV_FIELDS = [
 EMA_FIELDS = ["ema_val_loss", "ema_val_acc1", "ema_val_acc5"]  # with --model-ema, after the others
 MEASURED = ["start_time", "seconds", "images_per_second", *DIAGNOSTICS]  # columns that differ between equal runs
 NOT_PLOTTED = ("epoch", "start_time", "seconds", "bad_images")  # log.csv columns that are no curve in TensorBoard
-# Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them.
+# Per-step TensorBoard scalars (every -p steps, global step on the x axis), as the progress line shows them: in
+# tensorboard/steps/, a run of their own beside tensorboard/'s per-epoch scalars (epoch on the x axis). Each axis is
+# a run's, and TensorBoard's purge_step, which hides what an interrupted run logged past a resume, is one per run.
 STEP_TAGS = {
     "loss": "step/train_loss",
     "acc1": "step/train_acc1",
@@ -61,6 +63,7 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     """log.csv's row of an epoch begun at `start` (time.time()), with each parameter group's lr `lrs`: CSV_FIELDS
     (lr: the first group's; lr_group1, ...: the others', where they differ; DIAGNOSTICS: those in train["diagnostics"]),
     EMA_FIELDS where `ema_val` is given, then each named value (train_NAME, val_NAME, ema_val_NAME)."""
+    speed = train["images_per_second"]
     row = {
         "epoch": epoch,
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
@@ -71,7 +74,7 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
         "val_loss": val["loss"],
         "val_acc1": val["acc1"],
         "val_acc5": val["acc5"],
-        "images_per_second": round(train["images_per_second"], 1),
+        "images_per_second": None if speed is None else round(speed, 1),  # (None: resumed after its last step)
         "bad_images": len(bad_images),
         **train.get("diagnostics", {}),
     }
@@ -90,7 +93,8 @@ def write_text(path, text):
 class RunLogger:
     def __init__(self, output_dir, prints, writes):
         self.output_dir, self.prints, self.writes = Path(output_dir), prints, writes
-        self.tensorboard, self.fields = None, CSV_FIELDS
+        self.tensorboard = self.step_tensorboard = None
+        self.fields = CSV_FIELDS
 
     def print(self, message):
         if self.prints:
@@ -100,8 +104,8 @@ class RunLogger:
         self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST), epochs_done=None
     ):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
-        columns when `ema`). A resumed run at `global_step` hides the per-step TensorBoard scalars that
-        the interrupted one logged after it (they are logged again)."""
+        columns when `ema`). A resumed run at `global_step` (optimizer steps) after `epochs_done` epochs hides the
+        TensorBoard scalars that the interrupted one logged after them (they are logged again)."""
         if not self.writes:
             return
         try:
@@ -119,7 +123,7 @@ class RunLogger:
                     shutil.rmtree(path)
                 else:
                     path.unlink(missing_ok=True)
-            for events in self.output_dir.glob("tensorboard/events.out.tfevents.*"):
+            for events in self.output_dir.glob("tensorboard/**/events.out.tfevents.*"):
                 events.unlink()
         else:  # a run that goes on is not finished: its summary.json (of fewer --epochs, say) would pass for this one's
             (self.output_dir / "summary.json").unlink(missing_ok=True)
@@ -140,9 +144,12 @@ class RunLogger:
                 self._rewrite_log([dict(zip(header, row)) for row in kept])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
 
-        # purge_step: TensorBoard hides the events of the steps at and after it in the earlier files.
+        # purge_step: TensorBoard hides the run's events at and after it in the earlier files.
         self.tensorboard = SummaryWriter(
-            str(self.output_dir / "tensorboard"), purge_step=global_step + 1 if resumed else None
+            str(self.output_dir / "tensorboard"), purge_step=epochs_done if resumed else None
+        )
+        self.step_tensorboard = SummaryWriter(
+            str(self.output_dir / "tensorboard" / "steps"), purge_step=global_step + 1 if resumed else None
         )
 
     def _rewrite_log(self, rows):
@@ -190,10 +197,10 @@ class RunLogger:
         """The per-step scalars of a progress line (STEP_TAGS, and step/train_NAME for each named value), at
         `global_step` (steps done in the run), flushed: TensorBoard shows them at once, and a run killed later
         loses none of them."""
-        if self.writes and self.tensorboard is not None:
+        if self.writes and self.step_tensorboard is not None:
             for key, value in values.items():
-                self.tensorboard.add_scalar(STEP_TAGS.get(key, f"step/train_{key}"), value, global_step)
-            self.tensorboard.flush()
+                self.step_tensorboard.add_scalar(STEP_TAGS.get(key, f"step/train_{key}"), value, global_step)
+            self.step_tensorboard.flush()
 
     def write_tables(self, epoch, summaries):
         """metrics/SPLIT_epochE.json: the tensor results of the metrics (Trainer.build_metrics) of each split's
@@ -222,5 +229,6 @@ class RunLogger:
         if not self.writes:
             return
         write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
-        if self.tensorboard:
-            self.tensorboard.close()
+        for writer in (self.tensorboard, self.step_tensorboard):
+            if writer:
+                writer.close()

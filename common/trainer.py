@@ -38,7 +38,7 @@ PRIVATE_ATTRIBUTES = ("_checkpoints", "_best_acc1", "_best_ema_acc1", "_best_epo
                       "_stop_signal", "_output_lock", "_deterministic", "_bare_model_guard", "_resuming", "_data",
                       "_diagnostics", "_model_changes", "_aux_weight", "_channels_last", "_metrics",
                       "_criterion_parameters", "_batch_transform", "_rng", "_bad_images", "_train_batches",
-                      "_val_batches")
+                      "_val_batches", "_steps_done")
 # The methods a subclass overrides (docs/adapting.md); another of the Trainer's that it defines, the header warns of.
 HOOKS = ("add_arguments", "build_datasets", "build_transforms", "build_model", "shard_units", "build_criterion",
          "build_optimizer", "build_scheduler", "build_metrics", "build_batch_transform", "state_dict",
@@ -87,7 +87,7 @@ class Trainer:
         self._epoch_lr = self._resumed_totals = self.resumed_from = None
         self._stop_signal = StopSignal(config.stop_grace, listen=False)  # fit listens for stop signals
         self._output_lock, self._deterministic = None, config.deterministic  # the writer rank's lock, once started
-        self._bare_model_guard = None
+        self._bare_model_guard, self._steps_done = None, 0  # (optimizer steps in the run: TensorBoard's x axis)
 
     # ---------------------------------------------------------------- the parts a researcher changes
     @classmethod
@@ -362,7 +362,7 @@ class Trainer:
             self.resumed_from is not None and holds(config.output_dir, self.resumed_from),
             ema=self.ema is not None,
             checkpoints=self._checkpoints.names,
-            global_step=self.start_epoch * self.steps_per_epoch + self.start_step,
+            global_step=self._steps_done,
             epochs_done=self.start_epoch,
         )
         self._stop_signal = StopSignal(config.stop_grace)
@@ -418,9 +418,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._forward_backward(model, micro_batches, epoch, step, metrics)  # (metrics: sums on the device)
             self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
-            done = step + 1
+            done, self._steps_done = step + 1, self._steps_done + 1
             if done % self.config.print_freq == 0 or done == self.steps_per_epoch:
-                self._progress_line(progress, metrics, epoch, step)  # (its lr: the one this step used)
+                self._progress_line(progress, metrics, step)  # (its lr: the one this step used)
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
@@ -457,8 +457,9 @@ class Trainer:
         """The epoch's metrics over all ranks (a collective), with its speed, diagnostics and, sharded, the state this
         rank holds (log.csv's train_sharded_state_mib: rank 0's, measured)."""
         summary = metrics.summary()
-        summary["images_per_second"] = (summary["count"] - counted_before) / seconds if seconds > 0 else 0.0
-        summary["diagnostics"] = self._diagnostics.epoch_figures(epoch, summary["images_per_second"])
+        trained = summary["count"] - counted_before  # (none: resumed after its last step, measured by an earlier run)
+        summary["images_per_second"] = (trained / seconds if seconds > 0 else 0.0) if trained else None
+        summary["diagnostics"] = self._diagnostics.epoch_figures(epoch, summary["images_per_second"]) if trained else {}
         if self.shard is not None:
             summary["sharded_state_mib"] = sum(fsdp.state_bytes(self.model, self.optimizer)) * 2**-20
         return summary
@@ -498,13 +499,13 @@ class Trainer:
         # (the closure's: the step's loss over all ranks, as DataParallel's, on which a line search branches)
         return distributed.weighted_mean(step_loss, total) if zero else step_loss
 
-    def _progress_line(self, progress, metrics, epoch, step):
+    def _progress_line(self, progress, metrics, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
         summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
         lr, speed = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary)
         wait, said = self._diagnostics.input_wait()
         self.log.log_step(
-            epoch * self.steps_per_epoch + step + 1,
+            self._steps_done,
             {
                 "loss": summary["loss"],
                 "acc1": summary["acc1"],

@@ -703,6 +703,7 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
     assert {
         "epoch",
         "step_in_epoch",
+        "global_step",
         "arch",
         "num_classes",
         "classes",

@@ -6,6 +6,7 @@ import csv
 import re
 import resource
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -145,14 +146,18 @@ def test_bad_images_txt_is_a_line_per_file_whatever_its_name_holds(tmp_path):
 
 
 def scalars(output_dir):
-    """{tag: [(step, value)]} of the run's event files, read by TensorBoard's own EventAccumulator."""
+    """{tag: [(step, value)]} of the run's event files (per epoch in tensorboard/, per step in tensorboard/steps/), read
+    by TensorBoard's own EventAccumulator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(Path(output_dir) / "tensorboard"), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {
-        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
-    }
+    found = {}
+    for run in ("tensorboard", "tensorboard/steps"):
+        accumulator = EventAccumulator(str(Path(output_dir) / run), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            assert tag not in found and tag.startswith("step/") == run.endswith("steps"), (run, tag)
+            found[tag] = [(event.step, event.value) for event in accumulator.Scalars(tag)]
+    return found
 
 
 def printed_steps(output):
@@ -253,3 +258,56 @@ def test_a_resumed_log_drops_the_rows_of_epochs_its_checkpoint_does_not_hold(tmp
     log.finish({})
     rows = (tmp_path / "log.csv").read_text().splitlines()[1:]
     assert [row.split(",")[0] for row in rows] == ["0", "1"]
+
+
+class StopsInEpochZeroSLastStep(Trainer):
+    """A stop signal during epoch 0's last step (the flag its handler sets): the checkpoint after that step, before
+    validation, which the resumed run does."""
+
+    def train_step(self, model, images, labels):
+        self.steps_seen = getattr(self, "steps_seen", 0) + 1
+        if self.steps_seen == self.steps_per_epoch:
+            self._stop_signal.received, self._stop_signal.received_at = "SIGTERM", time.monotonic()
+        return super().train_step(model, images, labels)
+
+
+def test_resumes_at_an_epoch_s_end_with_another_batch_and_from_an_earlier_checkpoint_keep_each_scalar_once(tmp_path):
+    """Three launches in one directory: stopped after epoch 0's last step (-b 2: 6 steps an epoch); resumed with -b 4
+    (allowed at an epoch's end; 3 steps an epoch); resumed again from checkpoint_prev.pth, mid-epoch 1. Were: the
+    global step computed from the new batch (epoch 1 plotted at steps 5-6 over epoch 0's, steps 4 and 6 hidden), each
+    per-epoch scalar of epoch 1 twice (the purge, at a step, never reached the epochs), and epoch 0's row with 0 img/s
+    and the input wait of a loop that trained nothing."""
+    import contextlib
+    import io
+
+    import torch
+
+    from common.errors import Preempted
+
+    argv = [*SMALL, "--output-dir", tmp_path]
+    stopped = start_run(StopsInEpochZeroSLastStep(parse(*argv), cpu_runtime()))
+    try:
+        with pytest.raises(Preempted), contextlib.redirect_stdout(io.StringIO()):
+            stopped.fit(stopped.model, stopped.model)
+    finally:
+        stopped._stop_signal.close()
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["step_in_epoch"] == 6
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        resumed = start_run(Trainer(parse(*argv, "-b", "4", "--resume", "auto"), cpu_runtime()))
+        resumed.fit(resumed.model, resumed.model)
+    assert "input-bound" not in output.getvalue()
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert [row["epoch"] for row in rows] == ["0", "1"] and float(rows[1]["images_per_second"]) > 0
+    assert rows[0]["images_per_second"] == "" and all(rows[0][name] == "" for name in DIAGNOSTICS), rows[0]
+    previous = torch.load(tmp_path / "checkpoint_prev.pth", weights_only=True)
+    assert (previous["epoch"], previous["step_in_epoch"], previous["global_step"]) == (1, 1, 7)
+    with contextlib.redirect_stdout(io.StringIO()):
+        again = start_run(Trainer(parse(*argv, "-b", "4", "--resume", tmp_path / "checkpoint_prev.pth"), cpu_runtime()))
+        again.fit(again.model, again.model)
+    logged = scalars(tmp_path)
+    for tag in ("step/train_loss", "step/lr"):
+        assert [step for step, _ in logged[tag]] == [2, 4, 6, 8, 9], tag
+    for tag in ("val_acc1", "train_loss", "ema_val_acc1"):
+        assert [step for step, _ in logged[tag]] == [0, 1], tag
+    assert [step for step, _ in logged["images_per_second"]] == [1]  # (epoch 0's, not measured: none)
