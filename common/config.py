@@ -215,8 +215,10 @@ def _layered_defaults(values):
         for name in PRESETS[preset_name]
         if values.get(name) is None and not any(name in layer for _, layer in layers[2:])
     ]
-    values["val_sizes_given"] = [
-        name for name in ("val_resize_size", "val_crop_size", "interpolation") if values[name] is not None
+    values["val_flags_given"] = [  # (-e: the others are the checkpoint's run's)
+        name
+        for name in ("val_resize_size", "val_crop_size", "interpolation", "label_smoothing")
+        if values[name] is not None
     ]
     warmup_given = values["warmup_epochs"] is not None
     chosen = {name: value for _, layer in layers for name, value in layer.items()}  # (the highest layer's)
@@ -414,13 +416,14 @@ _PARTS = {
     "val_resize_size": ("resize", "val_resize_size"),
     "val_crop_size": ("crop", "val_crop_size"),
     "val_interpolation": ("interpolation", "interpolation"),
-}  # (the word, the flag's name in val_sizes_given)
+    "label_smoothing": ("label smoothing", "label_smoothing"),  # (-e's loss: its run's validation's)
+}  # (the word, the flag's name in val_flags_given)
 
 
 def _take(values, taken):
     """Set each validation size of `taken` ({name: value}) that no flag gave; returns what the header says of
     them ("resize, crop and interpolation"; None: every one given)."""
-    named = [name for name in taken if _PARTS[name][1] not in values["val_sizes_given"]]
+    named = [name for name in taken if _PARTS[name][1] not in values["val_flags_given"]]
     values.update({name: taken[name] for name in named})
     words = [_PARTS[name][0] for name in named]
     return f"{', '.join(words[:-1])} and {words[-1]}" if len(words) > 1 else (words[0] if words else None)
@@ -428,7 +431,8 @@ def _take(values, taken):
 
 def evaluated_as_trained(config, args):
     """-e of a checkpoint that holds its run's flags (`args`): validation at that run's resize, crop and
-    interpolation, each unless a flag gives it; val_preprocessing says which came from it."""
+    interpolation, its loss with that run's label smoothing, each unless a flag gives it; val_preprocessing says which
+    came from it."""
     values = dict(vars(config))
     said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})
     if said is None:
