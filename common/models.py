@@ -205,6 +205,10 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
         if "dropout" in str(error):
             raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")
         raise
+    dropouts = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+    if dropout is not None and not any(isinstance(layer, dropouts) and layer.p == dropout for layer in model.modules()):
+        # (ConvNeXt's builder takes any keyword, and drops it)
+        raise UsageError(f"--arch {arch} has no dropout to set: leave out --dropout")
     if pretrained:
         categories = len(weights.meta["categories"])
         model.adaptations = replace_heads(model, categories, num_classes) if categories != num_classes else []

@@ -48,6 +48,12 @@ def test_build_model_sets_dropout_where_the_arch_has_one():
 def test_dropout_on_an_arch_without_one_raises_usage_error():
     with pytest.raises(UsageError, match="resnet18 has no dropout"):
         build_model("resnet18", num_classes=3, dropout=0.5)
+    with pytest.raises(
+        UsageError, match="^--arch convnext_tiny has no dropout to set"
+    ):  # (its builder took it, silently)
+        build_model("convnext_tiny", num_classes=3, dropout=0.5)
+    for arch in ("vit_b_16", "efficientnet_b0", "mobilenet_v3_small", "swin_t"):  # (each holds a layer of p 0.5)
+        build_model(arch, num_classes=3, dropout=0.5)
 
 
 def test_arch_may_name_your_own_model_as_module_and_callable():
