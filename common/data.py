@@ -208,6 +208,11 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
         raise wrong_return(pair, "build_transforms(train, val)", "(train, val)")
     train_transform, val_transform = pair
     check_replaced(config, train_transform)
+    if config.auto_augment != "none" and first and first[0] not in (1, 3):  # (was a traceback when an op drew colour)
+        raise UsageError(
+            f"--auto-augment {config.auto_augment} takes images of 1 or 3 channels, as torchvision's policies do; "
+            f"the data's have {first[0]}: leave it out, or give build_transforms your own"
+        )
     if config.decode == "gpu":
         check_device_decode(datasets, train_transform, val_transform)
         train_set.defer_jpegs = val_set.defer_jpegs = True

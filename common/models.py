@@ -539,15 +539,17 @@ class ModelEma:
     def n_averaged(self):
         return int(self.averaged.n_averaged)
 
-    def after_step(self, step, epoch):
+    def after_step(self, step, epoch, steps_per_epoch=None):
         """After the optimizer step numbered `step` (from 0, in its epoch) of `epoch`: at steps 0, every,
         2 x every, ... of each epoch (torchvision's `i % args.model_ema_steps == 0`) the EMA moves towards the
-        weights. During the warmup epochs it restarts from them each time (torchvision resets n_averaged to
-        0, so the next update copies the weights). Returns whether it updated."""
+        weights. During the warmup it restarts from them each time (torchvision resets n_averaged to 0, so the next
+        update copies the weights): its epochs, or with `steps_per_epoch` its steps, as the lr's (1.2 epochs: 12 of
+        10). Returns whether it updated."""
         if step % self.every:
             return False
         self.averaged.update_parameters(self.model)
-        if epoch < self.warmup_epochs:
+        warmup = self.warmup_epochs * (steps_per_epoch or 1)
+        if (epoch * steps_per_epoch + step < round(warmup)) if steps_per_epoch else epoch < warmup:
             self.averaged.n_averaged.fill_(0)
         return True
 

@@ -423,7 +423,7 @@ class Trainer:
                 self._progress_line(progress, metrics, step)  # (its lr: the one this step used)
             self.scheduler.step()
             if self.ema is not None:
-                self.ema.after_step(step, epoch)  # by step in the epoch: a resumed run updates where this one did
+                self.ema.after_step(step, epoch, self.steps_per_epoch)  # (by step in the epoch, as a resumed run)
             self._diagnostics.after_step()  # (--profile)
             stop = self._stop_agreed()  # agreed over the ranks, the answer of the step before (no wait)
             if stop or (every and (epoch * self.steps_per_epoch + done) % every == 0 and done < self.steps_per_epoch):

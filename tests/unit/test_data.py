@@ -374,6 +374,21 @@ def test_decode_gpu_on_the_cpu_gives_the_loader_workers_batches_bit_for_bit(file
     assert sorted(found["gpu"]) == sorted(found["cpu"]) and len(found["cpu"]) == 2  # the truncated one, twice
 
 
+def test_auto_augment_on_images_of_other_than_1_or_3_channels_is_refused_at_start():
+    """torchvision's policies' colour ops take 1 or 3 channels: 4-channel images were a traceback once one was drawn."""
+    pixels = lambda i, channels: torch.full((channels, 20, 20), i % 250, dtype=torch.uint8)  # noqa: E731
+    for channels in (1, 3, 4):
+        stats = ("--mean", ",".join(["0.5"] * channels), "--std", ",".join(["0.2"] * channels))
+        config = parse("--dummy", "--auto-augment", "ta_wide", *stats)
+        items = [(pixels(i, channels), i % 2) for i in range(8)]
+        if channels == 4:
+            with pytest.raises(UsageError, match=r"^--auto-augment ta_wide takes images of 1 or 3 channels, .*have 4"):
+                build_data(config, (["a", "b"], items, items), 0, cpu_runtime())
+        else:
+            data = build_data(config, (["a", "b"], items, items), 0, cpu_runtime())
+            assert [data.train_loader.dataset[i][0].shape[0] for i in range(8)] == [channels] * 8
+
+
 def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatch):
     with pytest.raises(UsageError, match=r"^--decode gpu decodes JPEGs, and --dummy has none"):
         parse("--dummy", "--decode", "gpu")

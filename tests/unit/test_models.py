@@ -30,7 +30,8 @@ from common.models import (
     use_channels_last,
     warn_slow_amp,
 )
-from conftest import FAMILIES
+from common.optim import build_scheduler
+from conftest import FAMILIES, parse
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "squeezenet1_1"])
@@ -378,6 +379,21 @@ def test_the_ema_updates_at_torchvision_s_steps_and_restarts_from_the_weights_du
     assert updated == torchvision_updates == [0, 3, 4, 7, 8, 11]
     assert counts == [0, 0, 1, 2, 3, 4]
     assert values[:3] == [1.0, 4.0, 5.0] and values[3] == 0.5 * 5.0 + 0.5 * 8.0
+
+
+def test_a_fractional_warmup_restarts_the_ema_for_the_lr_s_warmup_steps_alone():
+    """--warmup-epochs 1.5 of 4 steps an epoch: the lr warms up for 6 steps; the EMA restarted at each update of
+    epoch 1, all 8 steps (epoch < 1.5), and averaged from step 8 on."""
+    model = nn.Linear(1, 1, bias=False)
+    ema, counts = ModelEma(model, decay=0.5, every=1, warmup_epochs=1.5), []
+    for epoch in range(3):
+        for i in range(4):
+            ema.after_step(i, epoch, steps_per_epoch=4)
+            counts.append(ema.n_averaged)
+    assert counts == [0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+    config = parse("--dummy", "--epochs", "3", "--warmup-epochs", "1.5", "--lr-schedule", "constant")
+    lr = build_scheduler(torch.optim.SGD(model.parameters(), lr=1.0), config, 4).lr_lambdas[0]
+    assert lr(5) < 1.0 == lr(6)  # (the lr's warmup: 6 steps)
 
 
 def test_an_ema_saved_and_loaded_mid_run_goes_on_as_one_that_was_not():
