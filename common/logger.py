@@ -59,6 +59,11 @@ STEP_TAGS = {
 }
 
 
+# Every kind of run's checkpoints: a fresh run in a directory (--overwrite) deletes them all, train_fsdp.py's sharded
+# ones (common/sharded_checkpoint.py) in a run of train_dp.py too, so that no --resume auto finds an earlier run's.
+RUN_CHECKPOINTS = (CHECKPOINT, PREVIOUS, BEST, "checkpoint", "checkpoint_prev", "sharded")
+
+
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     """log.csv's row of an epoch begun at `start` (time.time()), with each parameter group's lr `lrs`: CSV_FIELDS
     (lr: the first group's; lr_group1, ...: the others', where they differ; DIAGNOSTICS: those in train["diagnostics"]),
@@ -100,9 +105,7 @@ class RunLogger:
         if self.prints:
             say(message)
 
-    def start(
-        self, config, resumed, ema=False, global_step=0, checkpoints=(CHECKPOINT, PREVIOUS, BEST), epochs_done=None
-    ):
+    def start(self, config, resumed, ema=False, global_step=0, epochs_done=None):
         """Create the output dir and write args.json; a fresh run starts a fresh log.csv (with the EMA's
         columns when `ema`). A resumed run at `global_step` (optimizer steps) after `epochs_done` epochs hides the
         TensorBoard scalars that the interrupted one logged after them (they are logged again)."""
@@ -117,7 +120,7 @@ class RunLogger:
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
             # nothing of an earlier run in this directory may pass for this one's.
-            for name in (*checkpoints, "summary.json", "bad_images.txt"):
+            for name in (*RUN_CHECKPOINTS, "summary.json", "bad_images.txt", "metrics"):
                 path = self.output_dir / name
                 if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path)

@@ -93,6 +93,13 @@ def choose_seed(trainer, path, checkpoint):
     return distributed.shared_seed(seed)
 
 
+# Each kind of run's own checkpoints (model_best.pth is both kinds'), by the scripts that write them.
+CHECKPOINT_KINDS = {
+    "train_dp.py, train_ddp.py or train_spawn.py": ("checkpoint.pth", "checkpoint_prev.pth"),
+    "train_fsdp.py": ("checkpoint", "checkpoint_prev"),
+}
+
+
 def trained_outputs(output_dir, there):
     """What in `output_dir` a run left that is worth keeping: its checkpoint files `there` (model_best.pth), its
     summary.json. (Not log.csv's rows: an epoch's row may outlive its checkpoint, as with --async-checkpoint, whose
@@ -116,6 +123,13 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
                 "it from: start over with --overwrite (its outputs are replaced) or another --output-dir"
             )
     ours = config.resume and holds(output_dir, config.resume)
+    for script, names in CHECKPOINT_KINDS.items():  # (--resume auto: refused as it looked for its own kind)
+        found = [name for name in names if name not in checkpoints.names and os.path.lexists(output_dir / name)]
+        if found and config.resume != "auto" and not ours:
+            raise UsageError(
+                f"{output_dir} holds a run of {script} ({', '.join(found)}): continue it with that script and "
+                "--resume auto, or start over with --overwrite (its checkpoints are deleted) or another --output-dir"
+            )
     if not there or config.resume == "auto" or ours:
         return
     try:

@@ -361,7 +361,6 @@ class Trainer:
             # (another directory's checkpoint: this one's files start afresh)
             self.resumed_from is not None and holds(config.output_dir, self.resumed_from),
             ema=self.ema is not None,
-            checkpoints=self._checkpoints.names,
             global_step=self._steps_done,
             epochs_done=self.start_epoch,
         )

@@ -193,6 +193,34 @@ def test_resume_auto_refuses_the_other_kind_of_run_in_its_directory(group_of_one
         SingleFile().load_resume("auto", tmp_path, warn=print)
 
 
+def test_a_fresh_start_refuses_the_other_kind_of_run_and_overwrite_deletes_both_kinds(group_of_one, tmp_path):
+    """Without --overwrite, train_dp.py where train_fsdp.py's checkpoint/ is (a stop mid-epoch: no model_best.pth
+    yet), and train_fsdp.py where train_dp.py's checkpoint.pth is: one line each. With it, a fresh start deletes
+    both kinds and metrics/ (was: its own kind alone, so that a later --resume auto of the other script went on
+    with the run that --overwrite was to delete, over the new one's log)."""
+    from common.checkpoint import CHECKPOINT, SingleFile
+    from common.logger import RunLogger
+    from common.run import refuse_to_replace_a_run
+    from conftest import parse
+
+    trainer = trained(tmp_path)
+    trainer.save(0, 1)
+    argv = (*BLOCKS, "--output-dir", tmp_path)
+    with pytest.raises(UsageError, match=r"holds a run of train_fsdp\.py \(checkpoint\): continue it with that script"):
+        refuse_to_replace_a_run(parse(*argv), trainer.classes, SingleFile())
+    (tmp_path / "ddp").mkdir()
+    torch.save({"state_dict": whole(trainer.model)}, tmp_path / "ddp" / CHECKPOINT)
+    with pytest.raises(UsageError, match=r"holds a run of train_dp\.py, train_ddp\.py or train_spawn\.py \(checkp"):
+        refuse_to_replace_a_run(parse(*BLOCKS, "--output-dir", tmp_path / "ddp"), trainer.classes, trainer._checkpoints)
+    refuse_to_replace_a_run(parse(*argv, "--overwrite"), trainer.classes, SingleFile())
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "val_epoch1.json").write_text("{}")
+    for directory in (tmp_path, tmp_path / "ddp"):
+        RunLogger(directory, prints=False, writes=True).start(parse(*argv, "--overwrite"), resumed=False)
+    left = {path.name for path in tmp_path.iterdir()} | {path.name for path in (tmp_path / "ddp").iterdir()}
+    assert not left & {"checkpoint", "checkpoint_prev", "sharded", "metrics", CHECKPOINT}, left
+
+
 def damage(checkpoint, how):
     """Damage the sharded checkpoint at `checkpoint` (a link) as a crash of the storage or a bad disk would."""
     folder = checkpoint.resolve()
