@@ -217,7 +217,7 @@ def _layered_defaults(values):
     ]
     values["val_flags_given"] = [  # (-e: the others are the checkpoint's run's)
         name
-        for name in ("val_resize_size", "val_crop_size", "interpolation", "label_smoothing")
+        for name in ("val_resize_size", "val_crop_size", "interpolation", "label_smoothing", "mean", "std")
         if values[name] is not None
     ]
     warmup_given = values["warmup_epochs"] is not None
@@ -417,6 +417,8 @@ _PARTS = {
     "val_crop_size": ("crop", "val_crop_size"),
     "val_interpolation": ("interpolation", "interpolation"),
     "label_smoothing": ("label smoothing", "label_smoothing"),  # (-e's loss: its run's validation's)
+    "mean": ("mean", "mean"),  # (its run's --mean/--std; not given: the dataset's or ImageNet's, as -e's)
+    "std": ("std", "std"),
 }  # (the word, the flag's name in val_flags_given)
 
 
@@ -430,8 +432,8 @@ def _take(values, taken):
 
 
 def evaluated_as_trained(config, args):
-    """-e of a checkpoint that holds its run's flags (`args`): validation at that run's resize, crop and
-    interpolation, its loss with that run's label smoothing, each unless a flag gives it; val_preprocessing says which
+    """-e of a checkpoint that holds its run's flags (`args`): validation at that run's resize, crop, interpolation and
+    --mean/--std, its loss with that run's label smoothing, each unless a flag gives it; val_preprocessing says which
     came from it."""
     values = dict(vars(config))
     said = _take(values, {name: args[name] for name in _PARTS if args.get(name) is not None})

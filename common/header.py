@@ -81,7 +81,7 @@ def start_lines(trainer):
         lines.append(
             f"validation: resize {config.val_resize_size}, crop {config.val_crop_size}, "
             f"{config.val_interpolation}, label smoothing {config.label_smoothing:g} ({config.val_preprocessing}; "
-            "--val-resize-size, --val-crop-size, --interpolation, --label-smoothing override)"
+            "their flags override)"
         )
     if config.preset:
         demo = "; on the demo set its epochs, batch, lr and image sizes stay the demo's"

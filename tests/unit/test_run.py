@@ -320,9 +320,10 @@ class OwnSetattr(Assigns):
 
 
 def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_and_says_which_epoch(tmp_path):
-    """-e --resume of a run trained at 20 px crops (resize 24) with label smoothing 0.3: validation at those sizes and
-    that smoothing, with the run's last acc@1 and loss (the loss was -e's flags' smoothing: 0); --val-crop-size
-    overrides the crop alone, --label-smoothing the smoothing; the header names their source and the weights' epoch."""
+    """-e --resume of a run trained at 20 px crops (resize 24) with label smoothing 0.3 and its own --mean/--std:
+    validation at those sizes, that smoothing and normalisation, with the run's last acc@1 and loss (were -e's flags':
+    no smoothing, ImageNet's mean); --val-crop-size overrides the crop alone, --label-smoothing the smoothing; the
+    header names their source and the weights' epoch."""
     import csv
 
     from common.header import start_lines
@@ -342,6 +343,10 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
         "bicubic",
         "--label-smoothing",
         "0.3",
+        "--mean",
+        "0.3,0.4,0.5",
+        "--std",
+        "0.1,0.2,0.3",
         "--output-dir",
         tmp_path,
     )
@@ -358,8 +363,8 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 20, "bicubic")
     lines = start_lines(evaluating)
     assert (
-        "validation: resize 24, crop 20, bicubic, label smoothing 0.3 (resize, crop, interpolation and label smoothing "
-        "of the checkpoint's run; --val-resize-size, --val-crop-size, --interpolation, --label-smoothing override)"
+        "validation: resize 24, crop 20, bicubic, label smoothing 0.3 (resize, crop, interpolation, label smoothing, mean "
+        "and std of the checkpoint's run; their flags override)"
     ) in lines, lines
     assert f"evaluating {tmp_path / 'checkpoint.pth'}: its weights after 1 epoch(s)" in lines, lines
     assert not any(line.startswith("preset:") and "val " in line for line in lines), lines  # (not the preset's sizes)
@@ -368,7 +373,7 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     assert evaluate("--label-smoothing", "0").criterion.label_smoothing == 0.0
     config = evaluate("--val-crop-size", "16").config
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 16, "bicubic")
-    assert config.val_preprocessing == "resize, interpolation and label smoothing of the checkpoint's run"
+    assert config.val_preprocessing == "resize, interpolation, label smoothing, mean and std of the checkpoint's run"
     with pytest.raises(UsageError, match=r"--val-crop-size 32 is larger than --val-resize-size 24: .*the checkpoint's"):
         evaluate("--val-crop-size", "32")  # (was evaluated: the checkpoint's resize, the crop padded with black)
 
