@@ -67,6 +67,12 @@ def load_agreed_checkpoint(trainer):
         path, checkpoint = trainer._checkpoints.load_resume(config.resume, config.output_dir, warn=trainer.log.print)
         if checkpoint is not None and not config.evaluate:
             check_format(checkpoint, path)
+            if "exported_from" in checkpoint:  # (was taken as weights from elsewhere: its epoch's start, all else new)
+                raise UsageError(
+                    f"--resume {path}: the weights of {checkpoint['exported_from']}, exported without the optimizer, "
+                    "position and random streams a run goes on with: continue that run with train_fsdp.py --resume "
+                    f"auto in its directory, or start a new one from these weights with --init-from {path}"
+                )
     except UsageError as failure:
         error = str(failure)
     check_resume(resume_facts(path, checkpoint), error)

@@ -363,8 +363,8 @@ def test_evaluate_takes_the_sizes_the_checkpoint_was_trained_at_flags_override_a
     assert (config.val_resize_size, config.val_crop_size, config.val_interpolation) == (24, 20, "bicubic")
     lines = start_lines(evaluating)
     assert (
-        "validation: resize 24, crop 20, bicubic, label smoothing 0.3 (resize, crop, interpolation, label smoothing, mean "
-        "and std of the checkpoint's run; their flags override)"
+        "validation: resize 24, crop 20, bicubic, label smoothing 0.3 (resize, crop, interpolation, label smoothing, "
+        "mean and std of the checkpoint's run; their flags override)"
     ) in lines, lines
     assert f"evaluating {tmp_path / 'checkpoint.pth'}: its weights after 1 epoch(s)" in lines, lines
     assert not any(line.startswith("preset:") and "val " in line for line in lines), lines  # (not the preset's sizes)

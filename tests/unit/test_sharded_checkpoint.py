@@ -121,6 +121,15 @@ def test_an_export_of_a_checkpoint_mid_epoch_keeps_its_step_and_stays_weights_fr
     assert (exported["epoch"], exported["step_in_epoch"]) == (1, 2)
     assert not is_ours(exported)
     check_format(exported, tmp_path / "exported.pth")  # (not a checkpoint of an older format: passes)
+    # To train on, refused (was: resumed at epoch 1's start, its 2 steps trained again with a new optimizer, exit 0).
+    from common.run import load_agreed_checkpoint
+    from common.trainer import Trainer
+    from conftest import cpu_runtime, parse
+
+    argv = (*BLOCKS, "--output-dir", tmp_path / "new", "--resume", tmp_path / "exported.pth")
+    with pytest.raises(UsageError, match=r"exported without the optimizer, .*--init-from \S+exported\.pth$"):
+        load_agreed_checkpoint(Trainer(parse(*argv), cpu_runtime()))
+    assert load_agreed_checkpoint(Trainer(parse(*argv, "-e"), cpu_runtime()))[1]["step_in_epoch"] == 2  # (-e: taken)
 
 
 def test_an_asynchronous_save_becomes_the_latest_once_written(group_of_one, tmp_path):
