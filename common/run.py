@@ -185,6 +185,8 @@ def start_run(trainer):
         if config.keep_freed_memory:
             trainer.runtime.host_memory_kept = distributed.keep_freed_host_memory(trainer.runtime.device)
         seed = choose_seed(trainer, path, checkpoint)
+        # What the run uses, as args.json and its checkpoints' args record it (were the ignored --seed, say).
+        trainer.config = config = config.replace(seed=seed, deterministic=trainer._deterministic)
         datasets = trainer.build_datasets()
         refuse_to_replace_a_run(config, list(datasets[0]), trainer._checkpoints, resumed=checkpoint is not None)
         trainer.build(datasets, seed, resuming=checkpoint is not None)

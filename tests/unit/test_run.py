@@ -167,7 +167,7 @@ def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(
     (out / "checkpoint.pth").write_bytes((finished / "checkpoint.pth").read_bytes())
     capsys.readouterr()
     resumed = started("--epochs", "2", "--seed", "2", "--resume", "auto", "--output-dir", out)
-    assert resumed.seed == 1
+    assert resumed.seed == resumed.config.seed == 1  # (the config: what args.json says; was the ignored 2)
     assert re.search(
         r"^warning: --seed 2 ignored: \S+checkpoint\.pth was trained with seed 1, which this run keeps; "
         r"another seed is another run \(--overwrite or another --output-dir\)$",
@@ -243,6 +243,7 @@ def test_a_resumed_run_keeps_the_determinism_it_was_started_with(tmp_path):
         torch.use_deterministic_algorithms(False)
         resumed = started("--epochs", "2", "--resume", "auto", "--output-dir", tmp_path)
         assert resumed._deterministic and torch.are_deterministic_algorithms_enabled()
+        assert resumed.config.deterministic is True  # (what args.json says: was False, the flag not given again)
     finally:
         torch.use_deterministic_algorithms(False)
 
