@@ -21,6 +21,7 @@ from . import distributed
 from .config import flag
 from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
+from .optim import restore_scheduler
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
 CHECKPOINT = "checkpoint.pth"
@@ -577,24 +578,7 @@ def _load_optimizer(trainer, checkpoint, path):
 
 
 def _restore_scheduler(trainer, checkpoint, path):
-    """The scheduler's own state, which must stand at the run's step (stepped once per optimizer step). The default
-    schedule's state is its place alone: it recomputes its lr from the flags, which a resume may change. Weights from
-    elsewhere: the default schedule at their epoch's start."""
+    """The scheduler at the run's step (optim.restore_scheduler); weights from elsewhere: at their epoch's start."""
     done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
-    scheduler, kind = trainer.scheduler, type(trainer.scheduler).__name__
-    if not is_ours(checkpoint):
-        checkpoint = {
-            "scheduler": {"last_epoch": done, "steps_per_epoch": trainer.steps_per_epoch},
-            "scheduler_type": kind,
-        }
-    if checkpoint["scheduler_type"] != kind:
-        raise UsageError(
-            f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
-            "with the scheduler it was trained with"
-        )
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    if scheduler.last_epoch != done:
-        raise UsageError(
-            f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
-            "stepped once per optimizer step, by the trainer alone"
-        )
+    saved = checkpoint if is_ours(checkpoint) else None
+    restore_scheduler(trainer.scheduler, saved, path, done, trainer.steps_per_epoch, vars(trainer.config))

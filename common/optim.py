@@ -147,3 +147,33 @@ def checked_scheduler(scheduler):
     except ValueError:  # (no signature to read)
         pass
     return scheduler
+
+
+def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, flags):
+    """Load the scheduler's own state from `checkpoint` (None: the default schedule at step `done`), which must stand
+    at the run's step `done` (stepped once per optimizer step). The default schedule's state is its place alone: it
+    recomputes its lr from the flags, which a resume may change. Another scheduler's state holds its own length and
+    lrs, set by the flags it was built from: a change to those is refused (was: ignored, or a traceback later)."""
+    kind = type(scheduler).__name__
+    if checkpoint is None:
+        checkpoint = {"scheduler": {"last_epoch": done, "steps_per_epoch": steps_per_epoch}, "scheduler_type": kind}
+    elif checkpoint["scheduler_type"] != kind:
+        raise UsageError(
+            f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
+            "with the scheduler it was trained with"
+        )
+    elif not isinstance(scheduler, LrSchedule):
+        saved = checkpoint["args"]
+        changed = [name for name in ("epochs", "batch_size", "lr") if saved.get(name) != flags[name]]
+        if changed:
+            said = ", ".join(f"--{name.replace('_', '-')} {saved.get(name)} -> {flags[name]}" for name in changed)
+            raise UsageError(
+                f"{path}'s {kind} holds its own length and lrs (its state_dict), set by flags this resume changes "
+                f"({said}): resume it with the flags it was trained with"
+            )
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    if scheduler.last_epoch != done:
+        raise UsageError(
+            f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
+            "stepped once per optimizer step, by the trainer alone"
+        )

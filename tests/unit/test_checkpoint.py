@@ -952,6 +952,24 @@ def nn_parameters(modules):
     return [parameter for module in modules for parameter in module.parameters()]
 
 
+def test_a_scheduler_of_one_s_own_resumes_with_the_flags_it_was_built_from_alone(tmp_path):
+    """OneCycleLR's state holds total_steps and max_lr: a resume with a longer --epochs trained a step, then a
+    traceback ("Tried to step 13 times"); a shorter one or another --lr went on with the old ones, exit 0."""
+    from common.trainer import trainer_class
+
+    onecycle = trainer_class("examples.adamw_onecycle:AdamWOneCycle")
+    flags = [*SMALL, *TINY_NET, "--trainer", "examples.adamw_onecycle:AdamWOneCycle", "--output-dir", tmp_path]
+    first = started(*flags, "--epochs", "1", trainer=onecycle)
+    first.fit(first.model, first.model)
+    for changed, said in (
+        (["--epochs", "2"], "--epochs 1 -> 2"),
+        (["--epochs", "1", "-b", "2"], "--batch-size 4 -> 2"),
+    ):
+        with pytest.raises(UsageError, match=rf"OneCycleLR holds its own length and lrs .*\({said}\): resume it with"):
+            started(*flags, *changed, "--resume", "auto", trainer=onecycle)
+    assert started(*flags, "--epochs", "1", "--resume", "auto", trainer=onecycle).scheduler.total_steps == 3
+
+
 def test_parameter_groups_of_their_own_keep_their_lr_across_a_resume(one_epoch, tmp_path):
     """Once: both groups at --lr after a resume, without a word (the default schedule was rebuilt at --lr)."""
     StopsAt.stop_at = 2
