@@ -312,6 +312,11 @@ class ShardedCheckpoints:
         latest, previous, switched = self.output_dir / LATEST, self.output_dir / PREVIOUS, False
         try:
             atomic_write(directory / STATE, lambda file: torch.save(state, file))
+            for link in (latest, previous):  # a copy of the run with its links followed (cp -rL, scp -r): linked again
+                if link.is_dir() and not link.is_symlink():  # (was: no save could replace it, exit 1 at each)
+                    adopted = self.output_dir / FOLDER / f"{link.name}-copied-{uuid.uuid4().hex[:8]}"
+                    link.rename(adopted)
+                    _link(link, Path(FOLDER) / adopted.name)
             if self.fell_back_to is not None:  # the damaged latest goes with the older ones
                 _link(previous, Path(FOLDER) / self.fell_back_to.name)
             elif latest.is_symlink():

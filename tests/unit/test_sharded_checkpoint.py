@@ -53,6 +53,24 @@ def test_each_save_is_a_new_directory_behind_switched_links_and_older_ones_go(gr
     assert saved["checkpoint_id"] in latest.resolve().name and is_sharded(latest)
 
 
+def test_a_run_copied_with_its_links_followed_saves_on_as_links(group_of_one, tmp_path):
+    """cp -rL (scp -r) made checkpoint/ and checkpoint_prev/ directories: it resumed, then every save failed (a link
+    cannot replace a directory), exit 1. Now they are taken in under sharded/ and linked again."""
+    trainer = trained(tmp_path / "run")
+    trainer.save(1)
+    trainer.save(2)
+    shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=False)
+    copied = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "copy")
+    assert not (tmp_path / "copy" / LATEST).is_symlink()
+    copied.save(3)
+    latest, previous = tmp_path / "copy" / LATEST, tmp_path / "copy" / PREVIOUS
+    assert latest.is_symlink() and str(latest.readlink()).startswith("sharded/e0003-s000000-")
+    assert previous.is_symlink() and torch.load(previous / "state.pth", weights_only=True)["epoch"] == 2
+    assert sorted(path.name for path in (tmp_path / "copy" / "sharded").iterdir()) == sorted(
+        [latest.resolve().name, previous.resolve().name]
+    )
+
+
 def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(group_of_one, tmp_path):
     trainer = trained(tmp_path)
     trainer.save(0, 1)
