@@ -83,6 +83,22 @@ def load_agreed_checkpoint(trainer):
     return path, checkpoint
 
 
+def nothing_to_resume(output_dir):
+    """The note of --resume auto that found no checkpoint: a fresh start; the runs beside it of the other scripts that
+    resume each other's (their default --output-dir names the script) that hold one."""
+    output_dir = Path(output_dir)
+    mode, _, rest = output_dir.name.partition("-")
+    beside = [
+        output_dir.parent / f"{other}-{rest}" for other in ("dp", "ddp", "spawn") if mode in ("dp", "ddp", "spawn")
+    ]
+    held = [str(path) for path in beside if path != output_dir and (path / "checkpoint.pth").is_file()]
+    return f"note: --resume auto found no checkpoint in {output_dir}: a fresh start" + (
+        f"; {', '.join(held)} holds a run of another script: --output-dir {held[0]} --resume auto goes on with it"
+        if held
+        else ""
+    )
+
+
 def choose_seed(trainer, path, checkpoint):
     """The run's seed, the same on every rank: a resumed run keeps its checkpoint's (data order, augmentation
     and mixing follow it), saying so when --seed asks for another; else --seed, or one drawn by rank 0."""
@@ -189,6 +205,8 @@ def start_run(trainer):
         trainer.config = config = config.replace(seed=seed, deterministic=trainer._deterministic)
         datasets = trainer.build_datasets()
         refuse_to_replace_a_run(config, list(datasets[0]), trainer._checkpoints, resumed=checkpoint is not None)
+        if config.resume == "auto" and checkpoint is None and not config.evaluate:
+            trainer.log.print(nothing_to_resume(config.output_dir))
         trainer.build(datasets, seed, resuming=checkpoint is not None)
         if checkpoint is not None:
             restore(trainer, checkpoint, path)

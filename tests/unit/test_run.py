@@ -160,6 +160,22 @@ def test_evaluate_needs_weights_to_evaluate(tmp_path):
         parse(*SMALL, "-e")
 
 
+def test_resume_auto_that_finds_nothing_says_so_and_names_another_script_s_run_beside(tmp_path, capsys):
+    """train_dp.py's run, then train_ddp.py --resume auto without --output-dir: the default names the script, so it
+    started afresh in runs/ddp-... without a word. Now a note, naming the dp run that it can go on with."""
+    trained("--epochs", "1", "--output-dir", tmp_path / "dp-tiny-demo")
+    capsys.readouterr()
+    fresh = started("--epochs", "1", "--resume", "auto", "--output-dir", tmp_path / "ddp-tiny-demo")
+    assert fresh.resumed_from is None
+    assert (
+        f"note: --resume auto found no checkpoint in {tmp_path / 'ddp-tiny-demo'}: a fresh start; "
+        f"{tmp_path / 'dp-tiny-demo'} holds a run of another script: --output-dir {tmp_path / 'dp-tiny-demo'} "
+        "--resume auto goes on with it"
+    ) in capsys.readouterr().out.splitlines()
+    started("--epochs", "1", "--resume", "auto", "--output-dir", tmp_path / "other")
+    assert f"note: --resume auto found no checkpoint in {tmp_path / 'other'}: a fresh start" in capsys.readouterr().out
+
+
 def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(finished, tmp_path, capsys):
     """Seen once: --seed 2 resumed a --seed 1 run with no word, in another data order from then on."""
     out = tmp_path / "copy"
