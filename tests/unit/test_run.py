@@ -162,7 +162,8 @@ def test_evaluate_needs_weights_to_evaluate(tmp_path):
 
 def test_resume_auto_that_finds_nothing_says_so_and_names_another_script_s_run_beside(tmp_path, capsys):
     """train_dp.py's run, then train_ddp.py --resume auto without --output-dir: the default names the script, so it
-    started afresh in runs/ddp-... without a word. Now a note, naming the dp run that it can go on with."""
+    started afresh in runs/ddp-... without a word. Now a note, naming the dp run that it can go on with. And the
+    header's model line of a resumed run names no --init-from file (its weights are the checkpoint's)."""
     trained("--epochs", "1", "--output-dir", tmp_path / "dp-tiny-demo")
     capsys.readouterr()
     fresh = started("--epochs", "1", "--resume", "auto", "--output-dir", tmp_path / "ddp-tiny-demo")
@@ -174,6 +175,11 @@ def test_resume_auto_that_finds_nothing_says_so_and_names_another_script_s_run_b
     ) in capsys.readouterr().out.splitlines()
     started("--epochs", "1", "--resume", "auto", "--output-dir", tmp_path / "other")
     assert f"note: --resume auto found no checkpoint in {tmp_path / 'other'}: a fresh start" in capsys.readouterr().out
+    # The weights a resumed run starts from are its checkpoint's: the model's line named --init-from's file.
+    init = ("--init-from", tmp_path / "dp-tiny-demo" / "checkpoint.pth", "--epochs", "2", "--output-dir")
+    fresh, resumed = started(*init, tmp_path / "init"), started(*init, tmp_path / "dp-tiny-demo", "--resume", "auto")
+    assert any(line.startswith("model: tests.tiny_models:TinyNet from --init-from") for line in start_lines(fresh))
+    assert not any("--init-from" in line for line in start_lines(resumed) if line.startswith("model:"))
 
 
 def test_a_resume_keeps_the_checkpoint_s_seed_and_says_so_when_another_is_given(finished, tmp_path, capsys):
