@@ -146,14 +146,16 @@ def pretrained_weights(arch, name=None):
     """torchvision's weight set `name` of `arch` ("ResNet50_Weights.IMAGENET1K_V2", "IMAGENET1K_V2"; None: its
     DEFAULT), from the registry alone (nothing is downloaded); a UsageError names the sets there are."""
     if custom_builder(arch) is not None:
-        raise UsageError(f"--pretrained needs a torchvision --arch, not {arch}")
+        given = f"--weights {name}" if name else "--pretrained"
+        raise UsageError(f"{given} needs a torchvision --arch, not {arch} (a file of its weights: --init-from PATH)")
     enum = torchvision.models.get_model_weights(arch)
     key = (name or "DEFAULT").removeprefix(f"{enum.__name__}.")
     try:
         return enum[key]
     except KeyError:
         raise UsageError(
-            f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)}"
+            f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)} "
+            "(a file of weights: --init-from PATH)"
         ) from None
 
 

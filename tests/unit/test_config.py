@@ -335,11 +335,11 @@ def test_weights_names_a_weight_set_as_torchvision_does(tmp_path):
     with pytest.raises(
         UsageError,
         match=r"^--weights IMAGENET1K_V9: resnet50 has ResNet50_Weights\.IMAGENET1K_V1, "
-        r"ResNet50_Weights\.IMAGENET1K_V2$",
+        r"ResNet50_Weights\.IMAGENET1K_V2 \(a file of weights: --init-from PATH\)$",
     ):
         parse("--data", tmp_path, "-a", "resnet50", "--weights", "IMAGENET1K_V9")
-    with pytest.raises(UsageError, match="--pretrained needs a torchvision --arch"):
-        parse("--data", tmp_path, "-a", "tests.tiny_models:TinyNet", "--weights", "IMAGENET1K_V1")
+    with pytest.raises(UsageError, match=r"^--weights w\.pth needs a torchvision --arch, not \S+ \(a file of its"):
+        parse("--data", tmp_path, "-a", "tests.tiny_models:TinyNet", "--weights", "w.pth")  # (said --pretrained)
 
 
 def test_the_layers_come_lowest_precedence_first_and_the_demo_set_keeps_its_own_scale():
