@@ -581,4 +581,4 @@ def _restore_scheduler(trainer, checkpoint, path):
     """The scheduler at the run's step (optim.restore_scheduler); weights from elsewhere: at their epoch's start."""
     done = trainer.start_epoch * trainer.steps_per_epoch + trainer.start_step
     saved = checkpoint if is_ours(checkpoint) else None
-    restore_scheduler(trainer.scheduler, saved, path, done, trainer.steps_per_epoch, vars(trainer.config))
+    restore_scheduler(trainer.scheduler, saved, path, done, trainer.steps_per_epoch, trainer.config.epochs)

@@ -149,12 +149,24 @@ def checked_scheduler(scheduler):
     return scheduler
 
 
-def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, flags):
+# What a scheduler's state_dict holds of its place rather than of what it was built from (torch's schedulers').
+PLACE = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
+
+
+def _settings(state):
+    """A scheduler's state without its place (nested schedulers' too), each value as its repr."""
+    if isinstance(state, dict):
+        return {key: _settings(value) for key, value in state.items() if key not in PLACE}
+    return [_settings(value) for value in state] if isinstance(state, (list, tuple)) else repr(state)
+
+
+def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs):
     """Load the scheduler's own state from `checkpoint` (None: the default schedule at step `done`), which must stand
     at the run's step `done` (stepped once per optimizer step). The default schedule's state is its place alone: it
-    recomputes its lr from the flags, which a resume may change. Another scheduler's state holds its own length and
-    lrs, set by the flags it was built from: a change to those is refused (was: ignored, or a traceback later)."""
-    kind = type(scheduler).__name__
+    recomputes its lr from the flags, which a resume may change. Another scheduler's state holds what it was built
+    from (OneCycleLR's total_steps, StepLR's step_size, the lrs): where this run's flags or data built it otherwise
+    (another --epochs, -b, --lr, data size) and the run goes on, refused (was: the saved ones, or a traceback later)."""
+    kind, going_on = type(scheduler).__name__, done < epochs * steps_per_epoch  # (else: trained, validated again)
     if checkpoint is None:
         checkpoint = {"scheduler": {"last_epoch": done, "steps_per_epoch": steps_per_epoch}, "scheduler_type": kind}
     elif checkpoint["scheduler_type"] != kind:
@@ -162,17 +174,17 @@ def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, flags)
             f"{path} holds no {kind} state (its scheduler: {checkpoint['scheduler_type']}): resume it "
             "with the scheduler it was trained with"
         )
-    elif not isinstance(scheduler, LrSchedule):
-        saved = checkpoint["args"]
-        changed = [name for name in ("epochs", "batch_size", "lr") if saved.get(name) != flags[name]]
-        if changed:
-            said = ", ".join(f"--{name.replace('_', '-')} {saved.get(name)} -> {flags[name]}" for name in changed)
+    elif not isinstance(scheduler, LrSchedule) and going_on:
+        saved, built = _settings(checkpoint["scheduler"]), _settings(scheduler.state_dict())
+        differ = [key for key in saved if key in built and saved[key] != built[key]]
+        if differ:
+            said = ", ".join(f"{key} {str(saved[key])[:40]} (this run's: {str(built[key])[:40]})" for key in differ)
             raise UsageError(
-                f"{path}'s {kind} holds its own length and lrs (its state_dict), set by flags this resume changes "
-                f"({said}): resume it with the flags it was trained with"
+                f"{path}'s {kind} was built with {said}, which its state_dict restores over this run's flags and "
+                "data (--epochs, -b, --lr, the data's size): resume it with those it was trained with"
             )
     scheduler.load_state_dict(checkpoint["scheduler"])
-    if scheduler.last_epoch != done:
+    if scheduler.last_epoch != done and going_on:
         raise UsageError(
             f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
             "stepped once per optimizer step, by the trainer alone"

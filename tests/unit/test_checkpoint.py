@@ -952,22 +952,34 @@ def nn_parameters(modules):
     return [parameter for module in modules for parameter in module.parameters()]
 
 
-def test_a_scheduler_of_one_s_own_resumes_with_the_flags_it_was_built_from_alone(tmp_path):
-    """OneCycleLR's state holds total_steps and max_lr: a resume with a longer --epochs trained a step, then a
-    traceback ("Tried to step 13 times"); a shorter one or another --lr went on with the old ones, exit 0."""
+class StepEachEpoch(Trainer):
+    def build_scheduler(self, optimizer, steps_per_epoch):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps_per_epoch, gamma=0.5)
+
+
+def test_a_scheduler_of_one_s_own_resumes_where_this_run_builds_it_as_it_was_built(tmp_path):
+    """OneCycleLR's state holds total_steps: a resume with a longer --epochs trained a step, then a traceback ("Tried
+    to step 4 times"); another -b went on with the old length, exit 0. Now refused in one line, naming what differs.
+    A StepLR of a step per epoch holds no length: a longer --epochs goes on; another -b changes its step_size."""
     from common.trainer import trainer_class
 
     onecycle = trainer_class("examples.adamw_onecycle:AdamWOneCycle")
     flags = [*SMALL, *TINY_NET, "--trainer", "examples.adamw_onecycle:AdamWOneCycle", "--output-dir", tmp_path]
     first = started(*flags, "--epochs", "1", trainer=onecycle)
     first.fit(first.model, first.model)
-    for changed, said in (
-        (["--epochs", "2"], "--epochs 1 -> 2"),
-        (["--epochs", "1", "-b", "2"], "--batch-size 4 -> 2"),
-    ):
-        with pytest.raises(UsageError, match=rf"OneCycleLR holds its own length and lrs .*\({said}\): resume it with"):
+    for changed, steps in ((["--epochs", "2"], 6), (["--epochs", "2", "-b", "2"], 12)):
+        with pytest.raises(
+            UsageError, match=rf"OneCycleLR was built with total_steps 3 \(this run's: {steps}\).*resume"
+        ):
             started(*flags, *changed, "--resume", "auto", trainer=onecycle)
-    assert started(*flags, "--epochs", "1", "--resume", "auto", trainer=onecycle).scheduler.total_steps == 3
+    for changed in (["--epochs", "1"], ["--epochs", "1", "-b", "2"]):  # (trained: validated again, nothing to train)
+        assert started(*flags, *changed, "--resume", "auto", trainer=onecycle).scheduler.total_steps == 3
+    flags = [*SMALL, *TINY_NET, "--output-dir", tmp_path / "step"]
+    first = started(*flags, "--epochs", "1", trainer=StepEachEpoch)
+    first.fit(first.model, first.model)
+    assert started(*flags, "--epochs", "2", "--resume", "auto", trainer=StepEachEpoch).scheduler.last_epoch == 3
+    with pytest.raises(UsageError, match=r"StepLR was built with step_size 3 \(this run's: 6\)"):
+        started(*flags, "--epochs", "2", "-b", "2", "--resume", "auto", trainer=StepEachEpoch)
 
 
 def test_parameter_groups_of_their_own_keep_their_lr_across_a_resume(one_epoch, tmp_path):
