@@ -315,6 +315,8 @@ class ShardedCheckpoints:
             for link in (latest, previous):  # a copy of the run with its links followed (cp -rL, scp -r): linked again
                 if link.is_dir() and not link.is_symlink():  # (was: no save could replace it, exit 1 at each)
                     adopted = self.output_dir / FOLDER / f"{link.name}-copied-{uuid.uuid4().hex[:8]}"
+                    if self.fell_back_to == link.resolve():  # (the one resumed from, its latest damaged: kept)
+                        self.fell_back_to = adopted
                     link.rename(adopted)
                     _link(link, Path(FOLDER) / adopted.name)
             if self.fell_back_to is not None:  # the damaged latest goes with the older ones

@@ -69,6 +69,13 @@ def test_a_run_copied_with_its_links_followed_saves_on_as_links(group_of_one, tm
     assert sorted(path.name for path in (tmp_path / "copy" / "sharded").iterdir()) == sorted(
         [latest.resolve().name, previous.resolve().name]
     )
+    # Its latest damaged: --resume auto takes checkpoint_prev/, which the save keeps as checkpoint_prev.
+    shutil.copytree(tmp_path / "run", tmp_path / "damaged", symlinks=False)
+    (tmp_path / "damaged" / LATEST / "state.pth").write_bytes(b"damaged")
+    copied = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "damaged")
+    assert copied._checkpoints.load_resume("auto", tmp_path / "damaged", warn=lambda line: None)[1]["epoch"] == 1
+    copied.save(3)
+    assert torch.load(tmp_path / "damaged" / PREVIOUS / "state.pth", weights_only=True)["epoch"] == 1
 
 
 def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(group_of_one, tmp_path):
