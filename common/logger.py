@@ -147,9 +147,12 @@ class RunLogger:
                 self._rewrite_log([dict(zip(header, row)) for row in kept])
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
 
-        # purge_step: TensorBoard hides the run's events at and after it in the earlier files.
+        # purge_step: TensorBoard hides the run's events at and after it in the earlier files. A run begun before
+        # tensorboard/steps/ has its per-step scalars in tensorboard/: purged at the step, as then.
+        folder = self.output_dir / "tensorboard"
+        older = not (folder / "steps").exists() and any(folder.glob("events.out.tfevents.*"))
         self.tensorboard = SummaryWriter(
-            str(self.output_dir / "tensorboard"), purge_step=epochs_done if resumed else None
+            str(folder), purge_step=(global_step + 1 if older else epochs_done) if resumed else None
         )
         self.step_tensorboard = SummaryWriter(
             str(self.output_dir / "tensorboard" / "steps"), purge_step=global_step + 1 if resumed else None

@@ -311,3 +311,28 @@ def test_resumes_at_an_epoch_s_end_with_another_batch_and_from_an_earlier_checkp
     for tag in ("val_acc1", "train_loss", "ema_val_acc1"):
         assert [step for step, _ in logged[tag]] == [0, 1], tag
     assert [step for step, _ in logged["images_per_second"]] == [1]  # (epoch 0's, not measured: none)
+
+
+def test_a_run_begun_with_its_step_scalars_beside_the_epochs_keeps_them_when_resumed(tmp_path):
+    """A run begun before tensorboard/steps/: its step scalars are in tensorboard/, which a purge at the epoch would
+    hide from step 2 on; purged at the step there, they stay up to it, and the new ones go to steps/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    older = SummaryWriter(str(tmp_path / "tensorboard"))
+    for step in range(1, 31):
+        older.add_scalar("step/train_loss", 1.0 / step, step)
+    for epoch in range(3):
+        older.add_scalar("val_acc1", epoch, epoch)
+    older.close()
+    log = RunLogger(tmp_path, prints=False, writes=True)
+    log.start(parse("--dummy"), resumed=True, global_step=20, epochs_done=2)
+    log.log_step(21, {"loss": 0.5})
+    log.finish({})
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("step/train_loss")] == list(range(1, 21))
+    assert [event.step for event in accumulator.Scalars("val_acc1")] == [0, 1, 2]
+    steps = EventAccumulator(str(tmp_path / "tensorboard" / "steps"), size_guidance={"scalars": 0})
+    steps.Reload()
+    assert [event.step for event in steps.Scalars("step/train_loss")] == [21]
