@@ -247,6 +247,11 @@ def test_a_fresh_start_refuses_the_other_kind_of_run_and_overwrite_deletes_both_
     with pytest.raises(UsageError, match=r"holds a run of train_dp\.py, train_ddp\.py or train_spawn\.py \(checkp"):
         refuse_to_replace_a_run(parse(*BLOCKS, "--output-dir", tmp_path / "ddp"), trainer.classes, trainer._checkpoints)
     refuse_to_replace_a_run(parse(*argv, "--overwrite"), trainer.classes, SingleFile())
+    # --resume auto that found none of its own kind: its loader refused a checkpoint/ it could read, not one whose
+    # link names no directory (it started afresh, and the fresh start deleted that run's checkpoint_prev/).
+    (tmp_path / LATEST).resolve().rename(tmp_path / "moved")
+    with pytest.raises(UsageError, match=r"holds a run of train_fsdp\.py \(checkpoint\): continue it with that script"):
+        refuse_to_replace_a_run(parse(*argv, "--resume", "auto"), trainer.classes, SingleFile(), resumed=False)
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "val_epoch1.json").write_text("{}")
     for directory in (tmp_path, tmp_path / "ddp"):
