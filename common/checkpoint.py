@@ -95,7 +95,7 @@ def resolve_resume(resume, output_dir):
             raise UsageError(
                 f"--resume {resume}: a sharded checkpoint of train_fsdp.py; resume it with train_fsdp.py, "
                 "or write its weights as one file (python tools/export_checkpoint.py DIR model.pth) to "
-                "evaluate or fine-tune here"
+                "evaluate (-e --resume) or fine-tune (--init-from) here"
             )
         raise UsageError(
             f"--resume {resume}: a directory; give a checkpoint file (OUTPUT/checkpoint.pth), or --resume auto"
@@ -339,7 +339,7 @@ def check_format(checkpoint, path):
             f"{path} was written by an earlier version of these scripts (checkpoint format "
             f"{version or 'without a version'}; this one resumes format {FORMAT_VERSION}): finish that "
             f"run with the version that wrote it (git checkout {WRITTEN_BY[version]}), or start afresh "
-            "with --overwrite (its weights still load: -e, or --resume for a fresh start elsewhere)"
+            "with --overwrite (its weights still load: -e --resume, or --init-from for a fresh start)"
         )
     raise UsageError(
         f"{path} was written by a newer version of these scripts (checkpoint format {version}; this one "
