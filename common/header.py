@@ -69,10 +69,7 @@ def start_lines(trainer):
             f"batch transform: {hook.__qualname__} (build_batch_transform), "
             f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}"
         )
-    # (a resumed run's weights are its checkpoint's, which the line "resumed from" names)
-    source = (
-        None if trainer.resumed_from else config.weights or (config.init_from and f"--init-from {config.init_from}")
-    )
+    source = None if trainer.resumed_from else config.weights or config.init_from and f"--init-from {config.init_from}"
     lines.append(
         f"model: {config.arch}"
         + (f" from {source}" if source else "")
