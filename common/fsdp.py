@@ -62,6 +62,8 @@ def unit_names(model, units):
     for unit in units:
         if not names.get(unit):
             raise UsageError(f"shard_units returned a {type(unit).__name__} that is not a submodule of the model")
+        if names[unit] in found:
+            raise UsageError(f"shard_units returned {names[unit]} twice: each unit once (docs/adapting.md)")
         found.append(names[unit])
     for name in found:
         outer = next((other for other in found if name.startswith(other + ".")), None)
@@ -114,10 +116,16 @@ class Sharding:
         recomputes its activations in backward instead of keeping them (torch.utils.checkpoint, wrapped around the
         unit before it is sharded, as torchtitan does); under --amp bf16 the normalisation layers are units of
         their own that compute in float32."""
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         units = list(units)
         names = unit_names(model, units)
+        if self.activation_checkpointing and not units:  # (was: on in the header, and nothing recomputed)
+            raise UsageError(
+                f"--activation-checkpointing recomputes each shard unit's activations, and {type(model).__name__} "
+                "has none (fsdp: units none): give it units (a --trainer's shard_units, docs/adapting.md), or leave "
+                "the flag out"
+            )
         self.described = describe_units(units)
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -131,7 +139,8 @@ class Sharding:
                 if isinstance(module, FLOAT32_LAYERS):
                     fully_shard(module, **self._options(self.float32))
         for unit in units:
-            fully_shard(unit, **self._options(self.bf16))
+            if not isinstance(unit, FSDPModule):  # (a BatchNorm unit under bf16: sharded above, in float32)
+                fully_shard(unit, **self._options(self.bf16))
         fully_shard(model, **self._options(self.bf16))
         return model
 

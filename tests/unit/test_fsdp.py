@@ -129,6 +129,23 @@ def test_a_unit_that_is_not_a_submodule_or_is_inside_another_is_refused_in_one_l
     model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
     with pytest.raises(UsageError, match=r"^shard_units returned 0\.0 inside 0: units must not nest \(docs/adapting"):
         sharding(model, [model[0], model[0][0]])  # (wrapped, the inner one was left out; sharded, a TypeError)
+    with pytest.raises(UsageError, match=r"^shard_units returned 0 twice: each unit once"):  # (was a traceback)
+        sharding(model, [model[0], model[0]])
+    with pytest.raises(UsageError, match=r"^--activation-checkpointing recomputes each shard unit's activations, and "):
+        sharding(TinyNet(3), [])  # (vgg's, alexnet's: no units, and the flag on in the header, exit 0)
+
+
+def test_a_batchnorm_unit_under_bf16_is_sharded_once_in_float32(group_of_one):
+    """A shard_units that names BatchNorm layers, which bf16 shards as units of their own in float32: was sharded
+    twice, a traceback."""
+    sharding = Sharding(parse("--amp", "bf16", mode="fsdp"), cpu_runtime(mode="fsdp"))
+    model = torchvision.models.resnet18(num_classes=3)
+    norms = [module for module in model.modules() if isinstance(module, nn.BatchNorm2d)][:2]
+    sharding(model, norms)
+    computed_with = []
+    norms[0].register_forward_hook(lambda module, inputs, output: computed_with.append(module.weight.dtype))
+    model(torch.randn(2, 3, 16, 16))
+    assert computed_with == [torch.float32]
 
 
 def test_bf16_computes_in_bf16_with_batchnorm_in_float32(group_of_one):
