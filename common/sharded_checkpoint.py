@@ -228,9 +228,11 @@ class ShardedCheckpoints:
                 f"sharded checkpoints (OUTPUT/{LATEST}); it takes a single file's weights alone (-e, or an "
                 "exported model_best.pth)"
             )
-        model = unwrap(model)
-        state = self._load(path, "optimizer", get_optimizer_state_dict(model, optimizer))
-        set_optimizer_state_dict(model, optimizer, state)
+        model, template = unwrap(model), get_optimizer_state_dict(model, optimizer)
+        groups = checkpoint.get("optimizer_groups")  # (DCP loads by name: groups joined went on, split a traceback)
+        if groups is not None and groups != [list(group["params"]) for group in template["param_groups"]]:
+            raise ValueError("other parameter groups")  # (checkpoint._load_optimizer's line names the flags)
+        set_optimizer_state_dict(model, optimizer, self._load(path, "optimizer", template))
 
     # ---------------------------------------------------------------- writing
     def states(self, trainer):
@@ -241,10 +243,10 @@ class ShardedCheckpoints:
 
         model = unwrap(trainer.model)
         distributed.broadcast_buffers(model)
-        states = {
-            "state_dict": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, trainer.optimizer),
-        }
+        optimizer = get_optimizer_state_dict(model, trainer.optimizer)
+        states = {"state_dict": get_model_state_dict(model), "optimizer": optimizer}
+        # (in state.pth: each parameter group's parameters by name, which a resume's groups must be)
+        states["optimizer_groups"] = [list(group["params"]) for group in optimizer["param_groups"]]
         if trainer.ema is not None:
             distributed.broadcast_buffers(trainer.ema.module)
             states["model_ema"] = {
