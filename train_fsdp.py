@@ -7,7 +7,7 @@
 The launch is train_ddp.py's (torchrun, or srun with one task per GPU). What differs: DDP keeps a whole replica of
 the model, its gradients and optimizer state in every process; FSDP (fully_shard) gives each process 1/N of each,
 gathering a block's parameters only while it computes (docs/concepts.md says when that pays). Every rank trains on
-its own shard of each batch, as under DDP, and the numbers are DDP's.
+its own shard of each batch, as under DDP, and the numbers are DDP's (in float32; docs/concepts.md: under bf16).
 
 Where each FSDP essential lives: the process group and device as in train_ddp.py (its setup()); fully_shard,
 block by block then the root, in common/fsdp.py (Sharding, which Trainer.build applies before the optimizer is made
