@@ -175,6 +175,8 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
         raise UsageError(f"cannot read checkpoint {path}: not a PyTorch checkpoint")
     except Preempted:  # a stop signal while it loads (launch.py): never taken for a damaged file
         raise
+    except OSError as error:  # gone (a sharded checkpoint's state.pth deleted), unreadable: not "truncated"
+        raise UsageError(f"cannot read checkpoint {path}: {error.strerror or error}") from None
     except Exception as error:  # truncated zip, text, random bytes: the unpickler raises many kinds
         raise UsageError(
             f"cannot read checkpoint {path}: truncated or not a PyTorch checkpoint ({type(error).__name__})"

@@ -230,6 +230,9 @@ def test_truncated_checkpoint_raises_usage_error(tmp_path):
     (tmp_path / "truncated.pth").write_bytes(data[: len(data) // 2])
     with pytest.raises(UsageError, match="truncated or not a PyTorch checkpoint"):
         checkpoint.load_checkpoint(tmp_path / "truncated.pth")
+    # Gone (a sharded checkpoint's state.pth deleted): said so (was "truncated or not ... (FileNotFoundError)").
+    with pytest.raises(UsageError, match=r"^cannot read checkpoint \S+gone\.pth: No such file or directory$"):
+        checkpoint.load_checkpoint(tmp_path / "gone.pth")
 
 
 def flip_bytes_in_record(path, suffix, count=16):
