@@ -28,7 +28,7 @@ from .datasets import (
     first_item,
 )
 from .device_loader import Collate
-from .errors import BadItem, Preempted, UnreadableImage, UsageError, printable, say, wrong_return
+from .errors import PROGRAMMING_ERRORS, Preempted, UnreadableImage, UsageError, printable, say, wrong_return
 from .preemption import ignore_stop_signals
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation
@@ -291,7 +291,6 @@ MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but 
 
 
 # Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
-PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
 
 
 class SkipUnreadable(Dataset):

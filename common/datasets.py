@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 
 from . import distributed
 from .demo_data import ensure_demo_dataset
-from .errors import BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
+from .errors import PROGRAMMING_ERRORS, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
 from .folder_index import SPLIT_FILES, FolderIndex, rgb, scan_image_folder, scan_split_files, split_files
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
 
@@ -357,6 +357,9 @@ class ItemCheck:
         return image, label
 
 
+FIRST_TRIES = 16  # items first_item reads before it gives up on a data set whose images cannot be read
+
+
 def first_item(dataset, split, num_classes):
     """(channels, height, width, dtype) of item 0 of a user's `dataset`, checked (BadItem); None for --data's image
     files, which the loader workers read and check."""
@@ -369,7 +372,17 @@ def first_item(dataset, split, num_classes):
         raise UsageError(f"the {split} set is empty")
     if isinstance(dataset, ImageFiles):  # ours: not read here, where a hung file system would block the start
         return None
-    image, _ = ItemCheck(num_classes, split)(dataset[0], 0)
+    for index in range(min(len(dataset), FIRST_TRIES)):  # (an item that cannot be read: skipped, as in the epochs)
+        try:
+            item = dataset[index]
+            break
+        except (MemoryError, Preempted, *PROGRAMMING_ERRORS):
+            raise
+        except Exception as error:
+            unread = f"{type(error).__name__}: {error}"
+    else:
+        raise UsageError(f"the {split} set's first {index + 1} items cannot be read (the last: {unread})")
+    image, _ = ItemCheck(num_classes, split)(item, index)
     if type(dataset).__module__ != __name__:  # a researcher's: its last item too (a __len__ too large was skipped)
         try:
             dataset[len(dataset) - 1]

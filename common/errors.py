@@ -65,6 +65,10 @@ class BadItem(WorkerUsageError):
     class index."""
 
 
+# What an item's read raises that is a mistake in the code, raised as it is: anything else is an unreadable image.
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
+
+
 class UnreadableFile(OSError):
     """An image file that cannot be decoded (whatever its decoder raised): skipped, or --strict-data's end."""
 

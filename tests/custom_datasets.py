@@ -129,6 +129,17 @@ def unreadable_last_item(config):
     return CLASSES, Items(TRAIN, make), Items(VAL, make, offset=TRAIN)
 
 
+def unreadable_first_items(config):
+    """The first two training items cannot be read: skipped in the epochs, as any other; the start reads the third."""
+
+    def make(index):
+        if index < 2:
+            raise OSError("cannot identify image file")
+        return pixels(index), index % 3
+
+    return CLASSES, Items(TRAIN, make), Items(VAL, make, offset=TRAIN)
+
+
 def numpy_labels(config):
     """Labels as numpy integers (a label array indexed): class indices all the same."""
     import numpy

@@ -194,6 +194,23 @@ def test_a_last_item_that_cannot_be_read_is_no_stop_at_start():
     assert len(build_data(config, build_datasets(config), 0, cpu_runtime()).train_loader.dataset) == 12
 
 
+def test_first_items_that_cannot_be_read_are_skipped_at_start_and_a_set_of_none_is_one_line():
+    """Item 0 unreadable was a traceback (PIL's UnidentifiedImageError from the start's read of it)."""
+    config = parse(*SMALL, "--dataset", "tests.custom_datasets:unreadable_first_items")
+    assert len(build_data(config, build_datasets(config), 0, cpu_runtime()).train_loader.dataset) == 12
+    classes, train, val = build_datasets(config)
+
+    class Unreadable(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, index):
+            raise OSError("cannot identify image file")
+
+    with pytest.raises(UsageError, match=r"^the train set's first 16 items cannot be read \(the last: OSError: cannot"):
+        build_data(config, (classes, Unreadable(), val), 0, cpu_runtime())
+
+
 def test_numpy_integer_labels_are_class_indices():
     """Were refused: `label np.int64(0); expected a class index, an int in 0..2`."""
     config = parse(*SMALL, "--dataset", "tests.custom_datasets:numpy_labels")
