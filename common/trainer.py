@@ -549,7 +549,9 @@ class Trainer:
         except UsageError:
             self.log.write_bad_images(self._bad_images.sync())
             raise
-        self.after_validation(self.start_epoch - 1 if epoch is None else epoch, summary, label)
+        self.after_validation(
+            -1 if config.evaluate else self.start_epoch - 1 if epoch is None else epoch, summary, label
+        )
         return summary
 
     def save(self, epoch, step_in_epoch=0, metrics=None, is_best=False):

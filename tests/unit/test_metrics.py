@@ -171,6 +171,9 @@ def test_a_run_with_a_metric_stopped_mid_epoch_logs_and_writes_what_the_uninterr
     whole = started(*flags, "--output-dir", tmp_path / "whole", trainer=WithConfusion)
     whole.fit(whole.model, whole.model)
     assert whole.seen == [(0, "", 6), (1, "", 6)]  # 6 val images, each counted once
+    evaluating = started(*flags, "-e", "--resume", tmp_path / "whole" / "checkpoint.pth", trainer=WithConfusion)
+    evaluating.fit(evaluating.model, evaluating.model)
+    assert evaluating.seen == [(-1, "", 6)]  # (-e: epoch -1, as documented; was 1, the weights' last epoch)
     WithConfusionStopsAt.stop_at = 5
     crashed = started(*flags, "--output-dir", tmp_path / "crashed", trainer=WithConfusionStopsAt)
     with pytest.raises(Crash):
