@@ -25,8 +25,9 @@ def confidence_and_top5_error(logits, target):
 class WithConfidence(Trainer):
     def train_step(self, model, images, labels):
         loss, logits = super().train_step(model, images, labels)
-        # Soft labels (--mixup-alpha / --cutmix-alpha) have no single class: the confidence alone then.
-        values = confidence_and_top5_error(logits.detach(), labels) if labels.ndim == 1 else {}
+        values = confidence_and_top5_error(logits.detach(), labels.argmax(dim=1) if labels.ndim > 1 else labels)
+        if labels.ndim > 1:  # soft labels (--mixup-alpha / --cutmix-alpha) have no single class: the confidence alone
+            del values["top5_error"]
         return loss, logits, values
 
     def evaluate_step(self, model, images, target):

@@ -211,3 +211,14 @@ def test_a_metric_s_results_must_have_names_of_their_own_and_be_numbers_or_tenso
     sums = MetricSums(torch.device("cpu"), {"cm": Named({"total": torch.tensor(3.0)})})
     sums.update(torch.tensor(1.0), logits, target)
     assert sums.summary()["total"] == 3.0 and MetricSums.extra(sums.summary()) == {"total": 3.0}  # a number, logged
+
+
+def test_the_extra_metric_example_logs_the_training_confidence_under_mixup(tmp_path):
+    """Its comment said "the confidence alone then", and it returned nothing: no train_confidence column."""
+    from common.trainer import trainer_class
+
+    example = trainer_class("examples.extra_metric:WithConfidence")
+    run = started(*SMALL, *TINY_NET, "--mixup-alpha", "0.2", "--epochs", "1", "--output-dir", tmp_path, trainer=example)
+    run.fit(run.model, run.model)
+    row = log_rows(tmp_path)[0]
+    assert 0 < float(row["train_confidence"]) <= 1 and "train_top5_error" not in row and row["val_top5_error"]
