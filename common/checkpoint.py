@@ -227,7 +227,7 @@ def init_from(model, path, arch, channels, num_classes):
     """--init-from: the weights at `path` loaded into the fresh `model`, as --pretrained's: a classifier of another
     number of classes keeps its new weights; a file trained on `channels` channels gets a first convolution for them.
     Anything else that differs is refused in one line. Returns what was changed, for the header."""
-    from .models import _classifiers, adapt_first_conv, first_conv
+    from .models import adapt_first_conv, classifiers, first_conv
 
     if Path(path).is_dir():
         raise UsageError(
@@ -244,7 +244,7 @@ def init_from(model, path, arch, channels, num_classes):
     if other_channels and adapt_first_conv(model, arch, channels, pretrained=False):
         changes.append(f"{first}: 3 -> {channels} channels, as in {Path(path).name}")
     own = model.state_dict()
-    heads = {f"{name}.{part}" for name, _ in _classifiers(model, num_classes) for part in ("weight", "bias")}
+    heads = {f"{name}.{part}" for name, _ in classifiers(model, num_classes) for part in ("weight", "bias")}
     differ = [key for key in own if key in weights and weights[key].shape != own[key].shape]
     # (BatchNorm's counter, absent from older files: torch's strict load takes them without it too)
     missing = [key for key in own if key not in weights and not key.endswith("num_batches_tracked")]

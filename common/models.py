@@ -16,7 +16,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from .errors import Preempted, UsageError, check_call, import_named
 
 
-def _classifiers(model, outputs):
+def classifiers(model, outputs):
     """(name, layer) of each classifier of `model` with `outputs` outputs: the head and any auxiliary head (Inception
     v3's AuxLogits.fc, GoogLeNet's aux1/aux2.fc2), as Linear layers or 1x1 convolutions (SqueezeNet's)."""
     return [
@@ -37,7 +37,7 @@ def first_conv(model):
 def replace_heads(model, categories, num_classes):
     """Swap every classifier of a pretrained model for `categories` classes (its head and its auxiliary heads) for
     a new one of `num_classes` outputs, with new weights. Returns what it did, for the run's header."""
-    found = _classifiers(model, categories)
+    found = classifiers(model, categories)
     if not found:
         raise UsageError(f"cannot find the {categories}-class classifier layer to replace for --pretrained")
     for name, module in found:

@@ -3,15 +3,24 @@
     torchrun --standalone --nproc-per-node 2 train_ddp.py -a resnet18 --pretrained \
         --trainer examples.layerwise_lr:LayerwiseLr --backbone-lr-factor 0.1
 
-build_optimizer returns parameter groups with lrs of their own. The schedule (--lr-schedule, warmup included)
-multiplies each group's own lr, on resume too; the header lists each group's lr and log.csv has lr (the first
-group's) and lr_group1, ... for the others.
+build_optimizer returns parameter groups with lrs of their own. Here it splits the default optimizer's groups
+(--opt, --wd, --norm-weight-decay and --bias-weight-decay applied as without this trainer) into the heads' (the
+layers that output the classes: an auxiliary head too) and the backbone's. The schedule (--lr-schedule, warmup
+included) multiplies each group's own lr, on resume too; the header lists each group's lr and log.csv has lr (the
+first group's) and lr_group1, ... for the others.
 """
 
-import torch
-import torch.nn as nn
+import argparse
 
+from common.models import classifiers
 from common.trainer import Trainer
+
+
+def factor(text):
+    value = float(text)
+    if not 0 <= value <= 1:  # (a negative lr climbs the loss)
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
 
 
 class LayerwiseLr(Trainer):
@@ -19,20 +28,21 @@ class LayerwiseLr(Trainer):
     def add_arguments(cls, parser):
         parser.add_argument(
             "--backbone-lr-factor",
-            type=float,
+            type=factor,
             default=0.1,
             metavar="F",
-            help="the backbone's lr: F x --lr; the head (the last Linear layer) trains at --lr",
+            help="the backbone's lr: F x --lr, in [0, 1]; the heads (the layers that output the classes) train at --lr",
         )
 
     def build_optimizer(self, model):
-        head = [module for module in model.modules() if isinstance(module, nn.Linear)][-1]
-        head_ids = {id(parameter) for parameter in head.parameters()}
-        backbone = [parameter for parameter in model.parameters() if id(parameter) not in head_ids]
-        config = self.config
-        return torch.optim.SGD(
-            [{"params": list(head.parameters())}, {"params": backbone, "lr": config.lr * config.backbone_lr_factor}],
-            lr=config.lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-        )
+        optimizer = super().build_optimizer(model)  # (--opt and its weight-decay groups, as without this trainer)
+        heads = {
+            id(parameter) for _, layer in classifiers(model, len(self.classes)) for parameter in layer.parameters()
+        }
+        groups = []
+        for head in (True, False):  # (the heads' groups first: log.csv's lr is the head's)
+            for group in optimizer.param_groups:
+                parameters = [parameter for parameter in group["params"] if (id(parameter) in heads) == head]
+                lr = group["lr"] * (1.0 if head else self.config.backbone_lr_factor)
+                groups += [{**group, "params": parameters, "lr": lr}] if parameters else []
+        return type(optimizer)(groups)  # (each group holds every setting of its own)

@@ -419,3 +419,24 @@ def test_opt_builds_the_optimizer_torchvisions_train_py_builds(opt, expected):
     ours, theirs = build_optimizer(nn.Linear(2, 2), settings), expected(nn.Linear(2, 2).parameters(), lr=0.1)
     assert type(ours) is type(theirs) and ours.defaults == theirs.defaults
     assert describe_optimizer(ours, settings).startswith(f"optimizer: {type(theirs).__name__}, lr 0.1")
+
+
+def test_the_layerwise_example_splits_the_default_optimizer_s_groups_by_head(tmp_path):
+    """examples/layerwise_lr.py made SGD with one weight decay whatever --opt, --norm-weight-decay and
+    --bias-weight-decay said, and took the last Linear for the head (an auxiliary head; a SqueezeNet: IndexError)."""
+    from common.trainer import trainer_class
+    from unit.test_checkpoint import SMALL, started
+
+    argv = ["--trainer", "examples.layerwise_lr:LayerwiseLr", "--opt", "adamw", "--bias-weight-decay", "0"]
+    trainer = trainer_class("examples.layerwise_lr:LayerwiseLr")
+    run = started(*SMALL, *argv, "-a", "examples.aux_model:build", "--output-dir", tmp_path / "aux", trainer=trainer)
+    assert isinstance(run.optimizer, torch.optim.AdamW)
+    heads = {id(p) for name in ("head.1", "aux.2") for p in run.model.get_submodule(name).parameters()}
+    for group in run.optimizer.param_groups:
+        in_head = {id(p) in heads for p in group["params"]}
+        assert len(in_head) == 1 and group["lr"] == pytest.approx(0.05 if in_head.pop() else 0.005), group["lr"]
+        assert group["weight_decay"] == (0.0 if all(p.ndim == 1 for p in group["params"]) else 1e-4)
+    assert len(run.optimizer.param_groups) == 4  # (heads and backbone, each with and without decay)
+    sizes = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32"]
+    run = started(*SMALL, *argv, *sizes, "-a", "squeezenet1_1", "--output-dir", tmp_path / "sq", trainer=trainer)
+    assert run.optimizer.param_groups[0]["params"][0] is run.model.classifier[1].weight  # (a 1x1 convolution)
