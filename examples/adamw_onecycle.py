@@ -25,6 +25,8 @@ class AdamWOneCycle(Trainer):
         )
 
     def build_scheduler(self, optimizer, steps_per_epoch):
-        return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=self.config.lr, total_steps=self.config.epochs * steps_per_epoch
+        return torch.optim.lr_scheduler.OneCycleLR(  # (each group's own lr its peak: groups of their own lr keep it)
+            optimizer,
+            max_lr=[group["lr"] for group in optimizer.param_groups],
+            total_steps=self.config.epochs * steps_per_epoch,
         )

@@ -440,3 +440,11 @@ def test_the_layerwise_example_splits_the_default_optimizer_s_groups_by_head(tmp
     sizes = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32"]
     run = started(*SMALL, *argv, *sizes, "-a", "squeezenet1_1", "--output-dir", tmp_path / "sq", trainer=trainer)
     assert run.optimizer.param_groups[0]["params"][0] is run.model.classifier[1].weight  # (a 1x1 convolution)
+    # With adamw_onecycle's schedule (both: the layerwise split of its AdamW groups): each group peaks at its own lr
+    # (was: every group at --lr, the backbone's tenth lost).
+    both = type("Both", (trainer, trainer_class("examples.adamw_onecycle:AdamWOneCycle")), {})
+    run = started(
+        *SMALL, "--trainer", "examples.layerwise_lr:LayerwiseLr", "--output-dir", tmp_path / "b", trainer=both
+    )
+    assert isinstance(run.optimizer, torch.optim.AdamW)
+    assert sorted({group["max_lr"] for group in run.optimizer.param_groups}) == pytest.approx([0.005, 0.05])
