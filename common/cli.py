@@ -36,6 +36,22 @@ def _numbers(text, kind, what):
         raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}") from None
 
 
+def number_in(low, high, low_open=False):
+    """An argparse type for a --trainer's own flag: a number in [low, high] ((low, high] with low_open), else
+    argparse's one line (`type=number_in(0, 1)`)."""
+
+    def number(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not ((low < value) if low_open else (low <= value)) or not value <= high:  # (nan: neither)
+            raise argparse.ArgumentTypeError(f"{text} is not in {'(' if low_open else '['}{low:g}, {high:g}]")
+        return value
+
+    return number
+
+
 def workers_count(text):
     """-j: 'auto' or a whole number (an argparse type; config checks that it is 0 or more)."""
     if text == "auto":

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from common import checkpoint, models
+from common.cli import number_in
 from common.trainer import Trainer
 
 
@@ -22,8 +23,12 @@ class Distillation(Trainer):
     def add_arguments(cls, parser):
         parser.add_argument("--teacher", required=True, metavar="PATH", help="the teacher's checkpoint")
         parser.add_argument("--teacher-arch", default="resnet50", help="the teacher's --arch (%(default)s)")
-        parser.add_argument("--distill-alpha", type=float, default=0.5, help="weight of the distillation term")
-        parser.add_argument("--distill-temperature", type=float, default=4.0, help="softmax temperature T")
+        parser.add_argument(
+            "--distill-alpha", type=number_in(0, 1), default=0.5, help="weight of the distillation term"
+        )
+        parser.add_argument(
+            "--distill-temperature", type=number_in(0, 1000, low_open=True), default=4.0, help="softmax temperature T"
+        )
 
     def build_model(self, classes):
         student = super().build_model(classes)

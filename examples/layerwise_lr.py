@@ -10,17 +10,9 @@ included) multiplies each group's own lr, on resume too; the header lists each g
 first group's) and lr_group1, ... for the others.
 """
 
-import argparse
-
+from common.cli import number_in
 from common.models import classifiers
 from common.trainer import Trainer
-
-
-def factor(text):
-    value = float(text)
-    if not 0 <= value <= 1:  # (a negative lr climbs the loss)
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
-    return value
 
 
 class LayerwiseLr(Trainer):
@@ -28,7 +20,7 @@ class LayerwiseLr(Trainer):
     def add_arguments(cls, parser):
         parser.add_argument(
             "--backbone-lr-factor",
-            type=factor,
+            type=number_in(0, 1),  # (a negative lr climbs the loss)
             default=0.1,
             metavar="F",
             help="the backbone's lr: F x --lr, in [0, 1]; the heads (the layers that output the classes) train at --lr",
@@ -45,4 +37,7 @@ class LayerwiseLr(Trainer):
                 parameters = [parameter for parameter in group["params"] if (id(parameter) in heads) == head]
                 lr = group["lr"] * (1.0 if head else self.config.backbone_lr_factor)
                 groups += [{**group, "params": parameters, "lr": lr}] if parameters else []
-        return type(optimizer)(groups)  # (each group holds every setting of its own)
+        optimizer.param_groups.clear()  # (the same optimizer, its defaults as the header says them, regrouped)
+        for group in groups:
+            optimizer.add_param_group(group)
+        return optimizer

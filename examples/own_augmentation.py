@@ -11,6 +11,7 @@ only the default applies.
 
 from torchvision.transforms import v2
 
+from common.cli import number_in
 from common.trainer import Trainer
 
 
@@ -19,7 +20,7 @@ class Rotation(Trainer):
     def add_arguments(cls, parser):
         parser.add_argument(
             "--rotation",
-            type=float,
+            type=number_in(0, 180),
             default=15.0,
             metavar="DEGREES",
             help="a random rotation of up to +-DEGREES after the crop and flip (%(default)s)",

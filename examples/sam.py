@@ -12,6 +12,7 @@ overflowed would move the weights by inf before the scaler skips the step) or tr
 
 import torch
 
+from common.cli import number_in
 from common.errors import UsageError
 from common.trainer import Trainer
 
@@ -21,7 +22,7 @@ class SAM(Trainer):
     def add_arguments(cls, parser):
         parser.add_argument(
             "--sam-rho",
-            type=float,
+            type=number_in(0, 10),
             default=0.05,
             metavar="RHO",
             help="the radius of SAM's step up the gradient (%(default)s)",

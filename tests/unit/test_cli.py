@@ -83,3 +83,20 @@ def test_a_trainer_s_own_flags_join_the_command_line_and_its_config():
     ):
         parse("--trainer", "tests.tiny_models:FlagClash")
     assert parse("--trainer", "tests.tiny_models:EmptyDefault", "--tag", "").tag == ""  # (its own: not refused)
+
+
+@pytest.mark.parametrize(
+    "trainer, flag, value, says",
+    [
+        ("examples.distillation:Distillation", "--distill-temperature", "0", "0 is not in (0, 1000]"),  # (was: NaN)
+        ("examples.sam:SAM", "--sam-rho", "-0.5", "-0.5 is not in [0, 10]"),  # (was: a step down the gradient)
+        ("examples.own_augmentation:Rotation", "--rotation", "-5", "-5 is not in [0, 180]"),  # (was: a traceback)
+        ("examples.layerwise_lr:LayerwiseLr", "--backbone-lr-factor", "nan", "nan is not in [0, 1]"),
+    ],
+)
+def test_the_examples_own_flags_are_checked_in_one_line(capsys, trainer, flag, value, says):
+    extra = ["--teacher", "t.pth"] if "distillation" in trainer else []
+    with pytest.raises(SystemExit) as ended:
+        parse("--trainer", trainer, *extra, flag, value)
+    error = capsys.readouterr().err
+    assert ended.value.code == 2 and f"argument {flag}: {says}" in error and error.count("\n") == 1, error
