@@ -16,6 +16,8 @@ from pathlib import Path
 from PIL import Image
 from torch.utils.data import Dataset
 
+from common.errors import UsageError
+
 
 class ImageList(Dataset):
     def __init__(self, items):
@@ -33,9 +35,16 @@ class ImageList(Dataset):
 
 
 def build(config):
+    if config.data is None:  # (a UsageError is one `error:` line, exit code 2)
+        raise UsageError("--dataset examples.csv_dataset:build reads DIR/annotations.csv: give --data DIR")
     root = Path(config.data)
-    with open(root / "annotations.csv", newline="") as file:
-        rows = list(csv.DictReader(file))
+    try:
+        with open(root / "annotations.csv", newline="") as file:
+            rows = list(csv.DictReader(file))
+    except OSError as error:
+        raise UsageError(
+            f"cannot read {root / 'annotations.csv'} ({error.strerror}): give --data DIR of yours"
+        ) from None
     classes = sorted({row["species"] for row in rows})
     index = {name: k for k, name in enumerate(classes)}
 

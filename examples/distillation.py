@@ -10,18 +10,22 @@ log.csv and TensorBoard, summed over ranks exactly, resumed by name). Validation
 the student's cross-entropy and accuracy.
 """
 
+import argparse
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from common import checkpoint, models
 from common.cli import number_in
+from common.errors import UsageError
 from common.trainer import Trainer
 
 
 class Distillation(Trainer):
     @classmethod
     def add_arguments(cls, parser):
-        parser.add_argument("--teacher", required=True, metavar="PATH", help="the teacher's checkpoint")
+        parser.add_argument("--teacher", metavar="PATH", help="the teacher's checkpoint (to train; -e needs none)")
         parser.add_argument("--teacher-arch", default="resnet50", help="the teacher's --arch (%(default)s)")
         parser.add_argument(
             "--distill-alpha", type=number_in(0, 1), default=0.5, help="weight of the distillation term"
@@ -31,20 +35,33 @@ class Distillation(Trainer):
         )
 
     def build_model(self, classes):
-        student = super().build_model(classes)
-        teacher = models.build_model(self.config.teacher_arch, len(classes))
-        saved = checkpoint.load_checkpoint(self.config.teacher)  # weights_only=True: nothing in it runs
-        checkpoint.load_weights(teacher, saved, self.config.teacher_arch, classes, self.config.teacher)
+        student, config, self.teacher = super().build_model(classes), self.config, None
+        if config.evaluate:  # (-e evaluates the student alone)
+            return student
+        if config.teacher is None or Path(config.teacher).is_dir():
+            raise UsageError(
+                f"--teacher {config.teacher}: give the teacher's checkpoint file (train_fsdp.py's: its model_best.pth)"
+            )
+        teacher = models.build_model(config.teacher_arch, len(classes))
+        with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
+            saved = checkpoint.load_checkpoint(config.teacher, foreign=True)  # weights_only=True: nothing in it runs
+        if saved.get("arch") not in (None, config.teacher_arch):
+            raise UsageError(
+                f"--teacher {config.teacher} holds a {saved['arch']} model: give --teacher-arch {saved['arch']}"
+            )
+        checkpoint.load_weights(teacher, saved, config.teacher_arch, classes, config.teacher)
         # Frozen, in eval mode, on this process's device; not part of the student, so not in its checkpoints.
         self.teacher = teacher.eval().requires_grad_(False).to(self.runtime.device)
         return student
 
     def train_step(self, model, images, labels):
-        logits = model(images)
+        # (a student with auxiliary heads, GoogLeNet's: their losses added to the main one's, as without a teacher)
+        ce, logits = models.loss_with_aux(
+            self.criterion, model(images), labels, getattr(self.model, "aux_loss_weight", None)
+        )
         with torch.no_grad():
-            teacher_logits = self.teacher(images)
+            teacher_logits = models.split_output(self.teacher(images))[0]
         temperature, alpha = self.config.distill_temperature, self.config.distill_alpha
-        ce = self.criterion(logits, labels)
         distill = (
             F.kl_div(
                 F.log_softmax(logits / temperature, dim=1),

@@ -564,3 +564,39 @@ def test_a_model_with_nothing_to_train_is_one_line():
     )
     with pytest.raises(UsageError, match=r"^the model \(build_model\) has no parameter to train"):
         built_trainer(*SMALL, *TINY_NET, trainer=frozen, datasets=tensor_datasets())
+
+
+def test_the_distillation_and_csv_examples_say_their_mistakes_in_one_line_and_take_an_auxiliary_student(tmp_path):
+    """Were: a teacher of another arch told to change --arch (the student's); -e needed a --teacher it never used;
+    a student with auxiliary heads a TypeError (its output taken for logits); csv_dataset without --data or its
+    annotations.csv a traceback."""
+    from common.datasets import build_datasets
+    from tests.tiny_models import TinyNet
+    from unit.test_checkpoint import SMALL, started
+
+    torch.save({"state_dict": TinyNet(3).state_dict(), "arch": "tests.tiny_models:TinyNet"}, tmp_path / "teacher.pth")
+    distillation = trainer_class("examples.distillation:Distillation")
+    argv = [*SMALL, "--trainer", "examples.distillation:Distillation", "--teacher", tmp_path / "teacher.pth"]
+    with pytest.raises(UsageError, match=r"holds a tests\.tiny_models:TinyNet model: give --teacher-arch tests\.tiny"):
+        started(*argv, "-a", "tests.tiny_models:TinyNet", "--output-dir", tmp_path / "a", trainer=distillation)
+    argv += ["--teacher-arch", "tests.tiny_models:TinyNet"]
+    run = started(
+        *argv, "-a", "examples.aux_model:build", "--epochs", "1", "--output-dir", tmp_path / "b", trainer=distillation
+    )
+    run.fit(run.model, run.model)
+    evaluating = started(
+        *SMALL,
+        "--trainer",
+        "examples.distillation:Distillation",
+        "-a",
+        "examples.aux_model:build",
+        "-e",
+        "--resume",
+        tmp_path / "b" / "checkpoint.pth",
+        trainer=distillation,
+    )
+    assert evaluating.teacher is None
+    for data, says in ((None, "give --data DIR"), (tmp_path, "cannot read \\S+annotations.csv \\(No such file")):
+        config = parse("--dataset", "examples.csv_dataset:build", *(["--data", data] if data else []))
+        with pytest.raises(UsageError, match=says):
+            build_datasets(config)
