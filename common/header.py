@@ -167,7 +167,8 @@ def training_lines(trainer):
     if not isinstance(trainer.scheduler, optim.LrSchedule):
         lines.append(
             f"lr scheduler: {type(trainer.scheduler).__name__} (build_scheduler), stepped every optimizer "
-            "step, saved in the checkpoints"
+            "step, saved in the checkpoints; --lr-schedule, --warmup-epochs, --lr-min, --lr-step-unit, "
+            "--lr-step-size and --lr-gamma apply only as it reads them"
         )
     if trainer.ema is not None:
         lines.append(

@@ -83,7 +83,9 @@ def test_a_scheduler_of_one_s_own_and_the_compile_warnings_are_named():
         trainer=trainer_class("examples.adamw_onecycle:AdamWOneCycle"),
     )
     assert (
-        "lr scheduler: OneCycleLR (build_scheduler), stepped every optimizer step, saved in the checkpoints"
+        "lr scheduler: OneCycleLR (build_scheduler), stepped every optimizer step, saved in the checkpoints; "
+        "--lr-schedule, --warmup-epochs, --lr-min, --lr-step-unit, --lr-step-size and --lr-gamma apply only as it "
+        "reads them"  # (was silent: --lr-step-unit epoch given and the schedule stepped every step)
         in training_lines(trainer)
     )
     assert (
