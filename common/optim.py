@@ -149,15 +149,18 @@ def checked_scheduler(scheduler):
     return scheduler
 
 
-# What a scheduler's state_dict holds of its place rather than of what it was built from (torch's schedulers').
-PLACE = ("last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial")
+# What torch's schedulers' state_dicts hold of what they were built from (the rest is their place, as T_cur).
+SETTINGS = ("total_steps", "step_size", "step_size_up", "step_size_down", "T_max", "T_0", "T_mult", "milestones",
+            "_milestones", "total_iters", "base_lrs", "max_lrs", "eta_min", "gamma", "start_factor", "end_factor",
+            "factor", "power", "_schedule_phases")  # fmt: skip
 
 
-def _settings(state):
-    """A scheduler's state without its place (nested schedulers' too), each value as its repr."""
-    if isinstance(state, dict):
-        return {key: _settings(value) for key, value in state.items() if key not in PLACE}
-    return [_settings(value) for value in state] if isinstance(state, (list, tuple)) else repr(state)
+def _settings(state, prefix=""):
+    """{name: repr} of the SETTINGS in a scheduler's state, a nested scheduler's as _schedulers[i].name."""
+    found = {prefix + key: repr(value) for key, value in state.items() if key in SETTINGS}
+    for index, inner in enumerate(state.get("_schedulers") or []):
+        found.update(_settings(inner, f"{prefix}_schedulers[{index}]."))
+    return found
 
 
 def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs):
@@ -178,14 +181,21 @@ def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs
         saved, built = _settings(checkpoint["scheduler"]), _settings(scheduler.state_dict())
         differ = [key for key in saved if key in built and saved[key] != built[key]]
         if differ:
-            said = ", ".join(f"{key} {str(saved[key])[:40]} (this run's: {str(built[key])[:40]})" for key in differ)
+            said = ", ".join(f"{key} {saved[key][:60]} (this run's: {built[key][:60]})" for key in differ)
             raise UsageError(
                 f"{path}'s {kind} was built with {said}, which its state_dict restores over this run's flags and "
                 "data (--epochs, -b, --lr, the data's size): resume it with those it was trained with"
             )
     scheduler.load_state_dict(checkpoint["scheduler"])
-    if scheduler.last_epoch != done and going_on:
+    stood = getattr(scheduler, "last_epoch", done)  # (ChainedScheduler has none)
+    saved_steps = checkpoint.get("samples", {}).get("steps", steps_per_epoch)
+    if stood != done and going_on and saved_steps != steps_per_epoch:  # (was blamed on the trainer's stepping)
         raise UsageError(
-            f"{path}: its {kind} stood at step {scheduler.last_epoch}, the run at {done}: a scheduler is "
+            f"{path}'s {kind} counts {saved_steps} steps an epoch, this run {steps_per_epoch} (another -b or data "
+            "size), which its state does not follow: resume it with those it was trained with"
+        )
+    if stood != done and going_on:
+        raise UsageError(
+            f"{path}: its {kind} stood at step {stood}, the run at {done}: a scheduler is "
             "stepped once per optimizer step, by the trainer alone"
         )

@@ -960,6 +960,16 @@ class StepEachEpoch(Trainer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps_per_epoch, gamma=0.5)
 
 
+class WarmRestarts(Trainer):  # (its place in T_cur and T_i too)
+    def build_scheduler(self, optimizer, steps_per_epoch):
+        return torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=2)
+
+
+class Halving(Trainer):  # (a LambdaLR: its function is not in its state)
+    def build_scheduler(self, optimizer, steps_per_epoch):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // steps_per_epoch))
+
+
 def test_a_scheduler_of_one_s_own_resumes_where_this_run_builds_it_as_it_was_built(tmp_path):
     """OneCycleLR's state holds total_steps: a resume with a longer --epochs trained a step, then a traceback ("Tried
     to step 4 times"); another -b went on with the old length, exit 0. Now refused in one line, naming what differs.
@@ -983,6 +993,20 @@ def test_a_scheduler_of_one_s_own_resumes_where_this_run_builds_it_as_it_was_bui
     assert started(*flags, "--epochs", "2", "--resume", "auto", trainer=StepEachEpoch).scheduler.last_epoch == 3
     with pytest.raises(UsageError, match=r"StepLR was built with step_size 3 \(this run's: 6\)"):
         started(*flags, "--epochs", "2", "-b", "2", "--resume", "auto", trainer=StepEachEpoch)
+    # Its place outside last_epoch (T_cur): the same flags go on (were refused, "T_cur 1 (this run's: 0)").
+    flags = [*SMALL, *TINY_NET, "--epochs", "2", "--output-dir", tmp_path / "warm"]
+    StopsAt.stop_at = 5  # (after step 5 of 3 an epoch: T_cur 1)
+    with pytest.raises(Crash):
+        run = started(*flags, "--checkpoint-interval", "1", trainer=type("S", (StopsAt, WarmRestarts), {}))
+        run.fit(run.model, run.model)
+    resumed = started(*flags, "--resume", "auto", trainer=WarmRestarts).scheduler
+    assert (resumed.last_epoch, resumed.T_cur) == (5, 1)
+    # Another -b at an epoch's end, which a LambdaLR's state does not hold: named (was blamed on the trainer).
+    flags = [*SMALL, *TINY_NET, "--output-dir", tmp_path / "halving"]
+    first = started(*flags, "--epochs", "1", trainer=Halving)
+    first.fit(first.model, first.model)
+    with pytest.raises(UsageError, match=r"LambdaLR counts 3 steps an epoch, this run 6 \(another -b or data size\)"):
+        started(*flags, "--epochs", "2", "-b", "2", "--resume", "auto", trainer=Halving)
 
 
 def test_parameter_groups_of_their_own_keep_their_lr_across_a_resume(one_epoch, tmp_path):
