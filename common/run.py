@@ -147,7 +147,7 @@ def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     ours = config.resume and holds(output_dir, config.resume)
     for script, names in CHECKPOINT_KINDS.items():  # (a link that names no directory, a checkpoint_prev alone too)
         found = [name for name in names if name not in checkpoints.names and os.path.lexists(output_dir / name)]
-        if found and not resumed and not ours:
+        if found and not ours and (config.resume != "auto" or not resumed):  # (--resume of elsewhere: refused)
             raise UsageError(
                 f"{output_dir} holds a run of {script} ({', '.join(found)}): continue it with that script and "
                 "--resume auto, or start over with --overwrite (its checkpoints are deleted) or another --output-dir"

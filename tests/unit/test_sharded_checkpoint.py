@@ -267,6 +267,11 @@ def test_a_fresh_start_refuses_the_other_kind_of_run_and_overwrite_deletes_both_
     (tmp_path / LATEST).resolve().rename(tmp_path / "moved")
     with pytest.raises(UsageError, match=r"holds a run of train_fsdp\.py \(checkpoint\): continue it with that script"):
         refuse_to_replace_a_run(parse(*argv, "--resume", "auto"), trainer.classes, SingleFile(), resumed=False)
+    # --resume of another directory's checkpoint (resumed: loaded), here where train_fsdp.py's run is: refused too.
+    shutil.copy(tmp_path / "ddp" / CHECKPOINT, tmp_path.parent / f"{tmp_path.name}-elsewhere.pth")
+    elsewhere = ("--resume", tmp_path.parent / f"{tmp_path.name}-elsewhere.pth")
+    with pytest.raises(UsageError, match=r"holds a run of train_fsdp\.py \(checkpoint\): continue it with that script"):
+        refuse_to_replace_a_run(parse(*argv, *elsewhere), trainer.classes, SingleFile(), resumed=True)
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "val_epoch1.json").write_text("{}")
     for directory in (tmp_path, tmp_path / "ddp"):
