@@ -148,9 +148,10 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter  # imported here: slow, and rank 0 only
 
         # purge_step: TensorBoard hides the run's events at and after it in the earlier files. A run begun before
-        # tensorboard/steps/ has its per-step scalars in tensorboard/: purged at the step, as then.
-        folder = self.output_dir / "tensorboard"
-        older = not (folder / "steps").exists() and any(folder.glob("events.out.tfevents.*"))
+        # tensorboard/steps/ has its per-step scalars in tensorboard/ (more files there: a launch writes one in each
+        # since): purged at the step, as then.
+        folder, events = self.output_dir / "tensorboard", "events.out.tfevents.*"
+        older = len(list(folder.glob(events))) > len(list(folder.glob(f"steps/{events}")))
         self.tensorboard = SummaryWriter(
             str(folder), purge_step=(global_step + 1 if older else epochs_done) if resumed else None
         )

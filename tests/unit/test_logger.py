@@ -325,14 +325,15 @@ def test_a_run_begun_with_its_step_scalars_beside_the_epochs_keeps_them_when_res
     for epoch in range(3):
         older.add_scalar("val_acc1", epoch, epoch)
     older.close()
-    log = RunLogger(tmp_path, prints=False, writes=True)
-    log.start(parse("--dummy"), resumed=True, global_step=20, epochs_done=2)
-    log.log_step(21, {"loss": 0.5})
-    log.finish({})
+    for step in (20, 25):  # (resumed twice: the second found steps/ there)
+        log = RunLogger(tmp_path, prints=False, writes=True)
+        log.start(parse("--dummy"), resumed=True, global_step=step, epochs_done=2)
+        log.log_step(step + 1, {"loss": 0.5})
+        log.finish({})
     accumulator = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     accumulator.Reload()
     assert [event.step for event in accumulator.Scalars("step/train_loss")] == list(range(1, 21))
     assert [event.step for event in accumulator.Scalars("val_acc1")] == [0, 1, 2]
     steps = EventAccumulator(str(tmp_path / "tensorboard" / "steps"), size_guidance={"scalars": 0})
     steps.Reload()
-    assert [event.step for event in steps.Scalars("step/train_loss")] == [21]
+    assert [event.step for event in steps.Scalars("step/train_loss")] == [21, 26]
