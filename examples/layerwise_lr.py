@@ -11,6 +11,7 @@ first group's) and lr_group1, ... for the others.
 """
 
 from common.cli import number_in
+from common.errors import UsageError
 from common.models import classifiers
 from common.trainer import Trainer
 
@@ -28,9 +29,14 @@ class LayerwiseLr(Trainer):
 
     def build_optimizer(self, model):
         optimizer = super().build_optimizer(model)  # (--opt and its weight-decay groups, as without this trainer)
-        heads = {
-            id(parameter) for _, layer in classifiers(model, len(self.classes)) for parameter in layer.parameters()
-        }
+        # The heads: the last layer with an output per class, and the auxiliary heads' (a backbone's layer of as many
+        # channels, a squeeze-excitation's 1x1 convolution, comes before the head and is none).
+        found = classifiers(model, len(self.classes))
+        heads = [layer for name, layer in found if "aux" in name.lower()]
+        heads += [layer for name, layer in found if "aux" not in name.lower()][-1:]
+        if not heads:
+            raise UsageError(f"LayerwiseLr: {self.config.arch} has no layer with an output per class to train at --lr")
+        heads = {id(parameter) for layer in heads for parameter in layer.parameters()}
         groups = []
         for head in (True, False):  # (the heads' groups first: log.csv's lr is the head's)
             for group in optimizer.param_groups:

@@ -11,7 +11,7 @@ import torchvision
 
 from common.header import describe_optimizer
 from common.optim import LrFactor, LrSchedule, build_optimizer, build_scheduler, parameter_groups
-from conftest import parse
+from conftest import parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 
@@ -440,6 +440,16 @@ def test_the_layerwise_example_splits_the_default_optimizer_s_groups_by_head(tmp
     sizes = ["--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32"]
     run = started(*SMALL, *argv, *sizes, "-a", "squeezenet1_1", "--output-dir", tmp_path / "sq", trainer=trainer)
     assert run.optimizer.param_groups[0]["params"][0] is run.model.classifier[1].weight  # (a 1x1 convolution)
+
+    # A backbone's layers of as many outputs as classes (resnet's 1x1 convolutions of 64 channels) are no heads.
+    class SixtyFourClasses(trainer):
+        def build_datasets(self):
+            _, train, val = tensor_datasets()
+            return [str(index) for index in range(64)], train, val
+
+    run = started(*SMALL, *argv, "-a", "resnet50", "--output-dir", tmp_path / "r", trainer=SixtyFourClasses)
+    heads = [group["params"] for group in run.optimizer.param_groups if group["lr"] == pytest.approx(0.05)]
+    assert [parameter for group in heads for parameter in group] == [run.model.fc.weight, run.model.fc.bias]
     # With adamw_onecycle's schedule (both: the layerwise split of its AdamW groups): each group peaks at its own lr
     # (was: every group at --lr, the backbone's tenth lost).
     both = type("Both", (trainer, trainer_class("examples.adamw_onecycle:AdamWOneCycle")), {})
