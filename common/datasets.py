@@ -379,7 +379,7 @@ def first_item(dataset, split, num_classes):
         except (MemoryError, Preempted, *PROGRAMMING_ERRORS):
             raise
         except Exception as error:
-            unread = f"{type(error).__name__}: {error}"
+            unread = f"{type(error).__name__}: {describe(error)}"  # (one line, as the epochs' warnings)
     else:
         raise UsageError(f"the {split} set's first {index + 1} items cannot be read (the last: {unread})")
     image, _ = ItemCheck(num_classes, split)(item, index)
