@@ -157,6 +157,8 @@ SETTINGS = ("total_steps", "step_size", "step_size_up", "step_size_down", "T_max
 
 def _settings(state, prefix=""):
     """{name: repr} of the SETTINGS in a scheduler's state, a nested scheduler's as _schedulers[i].name."""
+    if not isinstance(state, dict):  # (a scheduler of one's own whose state is no dict: nothing compared)
+        return {}
     found = {prefix + key: repr(value) for key, value in state.items() if key in SETTINGS}
     for index, inner in enumerate(state.get("_schedulers") or []):
         found.update(_settings(inner, f"{prefix}_schedulers[{index}]."))
