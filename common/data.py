@@ -290,9 +290,6 @@ MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but u
 MAX_UNREADABLE_SHARE = 0.1  # of the validation set: more is no broken file but an unreadable set
 
 
-# Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
-
-
 class SkipUnreadable(Dataset):
     """(image, label, bad) for each item of `dataset`, `bad` the (name, reason) of the items that could not be read
     on the way (named by the dataset's name(i), else "Class[i]"); `check`: an ItemCheck. PROGRAMMING_ERRORS are

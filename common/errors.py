@@ -65,7 +65,7 @@ class BadItem(WorkerUsageError):
     class index."""
 
 
-# What an item's read raises that is a mistake in the code, raised as it is: anything else is an unreadable image.
+# Errors of a dataset's own code, not of an unreadable file: never skipped, their traceback is the report.
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, BadItem)
 
 

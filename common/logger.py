@@ -11,10 +11,11 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import BEST, CHECKPOINT, PREVIOUS
+from .checkpoint import SingleFile
 from .errors import ESCAPED, say, unwritable_output
 from .metrics import MetricSums
 from .run_dir import atomic_write
+from .sharded_checkpoint import ShardedCheckpoints
 
 # What limits the run (common/diagnostics.py): input wait (mean and slowest rank), the GPU's idle share between steps,
 # achieved rate and utilisation, peak memory; empty where not measured (GPU figures on the CPU, a model whose FLOPs
@@ -61,7 +62,7 @@ STEP_TAGS = {
 
 # Every kind of run's checkpoints: a fresh run in a directory (--overwrite) deletes them all, train_fsdp.py's sharded
 # ones (common/sharded_checkpoint.py) in a run of train_dp.py too, so that no --resume auto finds an earlier run's.
-RUN_CHECKPOINTS = (CHECKPOINT, PREVIOUS, BEST, "checkpoint", "checkpoint_prev", "sharded")
+RUN_CHECKPOINTS = tuple(dict.fromkeys((*SingleFile.names, *ShardedCheckpoints.names)))
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):

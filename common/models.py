@@ -550,8 +550,11 @@ class ModelEma:
         if step % self.every:
             return False
         self.averaged.update_parameters(self.model)
-        warmup = self.warmup_epochs * (steps_per_epoch or 1)
-        if (epoch * steps_per_epoch + step < round(warmup)) if steps_per_epoch else epoch < warmup:
+        if steps_per_epoch is None:
+            warming = epoch < self.warmup_epochs
+        else:
+            warming = epoch * steps_per_epoch + step < round(self.warmup_epochs * steps_per_epoch)
+        if warming:
             self.averaged.n_averaged.fill_(0)
         return True
 

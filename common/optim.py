@@ -191,12 +191,12 @@ def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs
     scheduler.load_state_dict(checkpoint["scheduler"])
     stood = getattr(scheduler, "last_epoch", done)  # (ChainedScheduler has none)
     saved_steps = checkpoint.get("samples", {}).get("steps", steps_per_epoch)
-    if stood != done and going_on and saved_steps != steps_per_epoch:  # (was blamed on the trainer's stepping)
-        raise UsageError(
-            f"{path}'s {kind} counts {saved_steps} steps an epoch, this run {steps_per_epoch} (another -b or data "
-            "size), which its state does not follow: resume it with those it was trained with"
-        )
     if stood != done and going_on:
+        if saved_steps != steps_per_epoch:  # (was blamed on the trainer's stepping)
+            raise UsageError(
+                f"{path}'s {kind} counts {saved_steps} steps an epoch, this run {steps_per_epoch} (another -b or data "
+                "size), which its state does not follow: resume it with those it was trained with"
+            )
         raise UsageError(
             f"{path}: its {kind} stood at step {stood}, the run at {done}: a scheduler is "
             "stepped once per optimizer step, by the trainer alone"

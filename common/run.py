@@ -10,10 +10,12 @@ import os
 from pathlib import Path
 
 from . import distributed, seeding
-from .checkpoint import check_format, restore
+from .checkpoint import CHECKPOINT, PREVIOUS, check_format, restore
 from .config import PER_NODE, evaluated_as_trained, flag
 from .errors import NoRoom, UsageError, say
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
+from .sharded_checkpoint import LATEST
+from .sharded_checkpoint import PREVIOUS as SHARDED_PREVIOUS
 from .trainer import HOOKS, Trainer
 
 RESTARTS = {"slurm": "SLURM_RESTART_COUNT", "torchrun": "TORCHELASTIC_RESTART_COUNT"}  # (distributed.job_ids' kinds)
@@ -88,10 +90,9 @@ def nothing_to_resume(output_dir):
     resume each other's (their default --output-dir names the script) that hold one."""
     output_dir = Path(output_dir)
     mode, _, rest = output_dir.name.partition("-")
-    beside = [
-        output_dir.parent / f"{other}-{rest}" for other in ("dp", "ddp", "spawn") if mode in ("dp", "ddp", "spawn")
-    ]
-    held = [str(path) for path in beside if path != output_dir and (path / "checkpoint.pth").is_file()]
+    modes = ("dp", "ddp", "spawn")  # (train_fsdp.py's resume no other's)
+    beside = [output_dir.parent / f"{other}-{rest}" for other in modes if mode in modes and other != mode]
+    held = [str(path) for path in beside if (path / CHECKPOINT).is_file()]
     return f"note: --resume auto found no checkpoint in {output_dir}: a fresh start" + (
         f"; {', '.join(held)} holds a run of another script: --output-dir {held[0]} --resume auto goes on with it"
         if held
@@ -117,8 +118,8 @@ def choose_seed(trainer, path, checkpoint):
 
 # Each kind of run's own checkpoints (model_best.pth is both kinds'), by the scripts that write them.
 CHECKPOINT_KINDS = {
-    "train_dp.py, train_ddp.py or train_spawn.py": ("checkpoint.pth", "checkpoint_prev.pth"),
-    "train_fsdp.py": ("checkpoint", "checkpoint_prev"),
+    "train_dp.py, train_ddp.py or train_spawn.py": (CHECKPOINT, PREVIOUS),
+    "train_fsdp.py": (LATEST, SHARDED_PREVIOUS),
 }
 
 

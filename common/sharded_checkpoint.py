@@ -230,7 +230,7 @@ class ShardedCheckpoints:
             )
         model, template = unwrap(model), get_optimizer_state_dict(model, optimizer)
         groups = checkpoint.get("optimizer_groups")  # (DCP loads by name: groups joined went on, split a traceback)
-        if groups is not None and groups != [list(group["params"]) for group in template["param_groups"]]:
+        if groups is not None and groups != group_names(template):
             raise ValueError("other parameter groups")  # (checkpoint._load_optimizer's line names the flags)
         set_optimizer_state_dict(model, optimizer, self._load(path, "optimizer", template))
 
@@ -246,7 +246,7 @@ class ShardedCheckpoints:
         optimizer = get_optimizer_state_dict(model, trainer.optimizer)
         states = {"state_dict": get_model_state_dict(model), "optimizer": optimizer}
         # (in state.pth: each parameter group's parameters by name, which a resume's groups must be)
-        states["optimizer_groups"] = [list(group["params"]) for group in optimizer["param_groups"]]
+        states["optimizer_groups"] = group_names(optimizer)
         if trainer.ema is not None:
             distributed.broadcast_buffers(trainer.ema.module)
             states["model_ema"] = {
@@ -351,6 +351,11 @@ def _not_written(directory, error):
         f"could not write a sharded checkpoint to {directory} ({_reason(error)}); "
         "the checkpoints already there are intact"
     )
+
+
+def group_names(optimizer_state):
+    """Each parameter group's parameter names, of an optimizer state dict by name (get_optimizer_state_dict's)."""
+    return [list(group["params"]) for group in optimizer_state["param_groups"]]
 
 
 def _link(link, target):
