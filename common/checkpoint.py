@@ -223,21 +223,27 @@ def load_weights(model, checkpoint, arch, classes, path, key="state_dict"):
         raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}") from None
 
 
+def weights_file(path, flag):
+    """The checkpoint dict at `path`, given as `flag` (--init-from, a trainer's --teacher): ours, pytorch/examples',
+    torchvision's references' (`model`, its args a Namespace) or a bare state_dict; a directory or no file: one line."""
+    if Path(path).is_dir():
+        raise UsageError(
+            f"{flag} {path}: a directory; give a weights file (a checkpoint.pth or model_best.pth; a sharded "
+            "checkpoint as tools/export_checkpoint.py writes it)"
+        )
+    if not Path(path).is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
+        return load_checkpoint(path, foreign=True)
+
+
 def init_from(model, path, arch, channels, num_classes):
     """--init-from: the weights at `path` loaded into the fresh `model`, as --pretrained's: a classifier of another
     number of classes keeps its new weights; a file trained on `channels` channels gets a first convolution for them.
     Anything else that differs is refused in one line. Returns what was changed, for the header."""
     from .models import adapt_first_conv, classifiers, first_conv
 
-    if Path(path).is_dir():
-        raise UsageError(
-            f"--init-from {path}: a directory; give a weights file (a checkpoint.pth or model_best.pth; a sharded "
-            "checkpoint as tools/export_checkpoint.py writes it)"
-        )
-    if not Path(path).is_file():
-        raise UsageError(f"--init-from {path}: no such file")
-    with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
-        weights, changes = load_checkpoint(path, foreign=True)["state_dict"], []
+    weights, changes = weights_file(path, "--init-from")["state_dict"], []
     first, _ = first_conv(model)
     given = weights.get(f"{first}.weight")
     other_channels = given is not None and given.ndim == 4 and given.shape[1] == channels != 3

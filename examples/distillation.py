@@ -10,9 +10,6 @@ log.csv and TensorBoard, summed over ranks exactly, resumed by name). Validation
 the student's cross-entropy and accuracy.
 """
 
-import argparse
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
@@ -38,13 +35,10 @@ class Distillation(Trainer):
         student, config, self.teacher = super().build_model(classes), self.config, None
         if config.evaluate:  # (-e evaluates the student alone)
             return student
-        if config.teacher is None or Path(config.teacher).is_dir():
-            raise UsageError(
-                f"--teacher {config.teacher}: give the teacher's checkpoint file (train_fsdp.py's: its model_best.pth)"
-            )
+        if config.teacher is None:
+            raise UsageError("--teacher PATH: give the teacher's checkpoint file (train_fsdp.py's: its model_best.pth)")
         teacher = models.build_model(config.teacher_arch, len(classes))
-        with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
-            saved = checkpoint.load_checkpoint(config.teacher, foreign=True)  # weights_only=True: nothing in it runs
+        saved = checkpoint.weights_file(config.teacher, "--teacher")  # weights_only=True: nothing in it runs
         if saved.get("arch") not in (None, config.teacher_arch):
             raise UsageError(
                 f"--teacher {config.teacher} holds a {saved['arch']} model: give --teacher-arch {saved['arch']}"
