@@ -24,7 +24,7 @@ except ImportError:
     decode_image = None
 from torchvision.transforms.v2 import functional as F
 
-from . import distributed
+from . import distributed, errors, folder_index
 from .demo_data import ensure_demo_dataset
 from .errors import PROGRAMMING_ERRORS, BadItem, Preempted, UnreadableFile, UsageError, check_call, import_named
 from .folder_index import SPLIT_FILES, FolderIndex, rgb, scan_image_folder, scan_split_files, split_files
@@ -234,17 +234,17 @@ def build_datasets(config):
         pass
     except OSError as error:  # a name too long, a loop of links, no permission: before any file in it is read
         raise UsageError(f"--data {root}: {error.strerror}") from None
-    if has_hf_dataset(root):
+    try:
+        folder_index.refuse_unfinished(root)
+        kind = "hf" if has_hf_dataset(root) else "shards" if has_shards(root) else None
+        kind = kind or ("split files" if root.is_dir() and split_files(root) else "folder")
+    except OSError as error:  # --data not searchable (no permission), a loop of links in its train/
+        raise UsageError(f"cannot list {errors.printable(error.filename)}: {error.strerror}") from None
+    if kind == "hf":
         classes, train_rows, val_rows = load_splits(root)
         return classes, HFImages(train_rows), HFImages(val_rows)
     output = Path(config.output_dir) if config.output_dir else None  # (where a read-only folder's shard indexes go)
-    scan = (
-        partial(scan_shards, cache=output)
-        if has_shards(root)
-        else scan_split_files
-        if root.is_dir() and split_files(root)
-        else scan_image_folder
-    )
+    scan = {"shards": partial(scan_shards, cache=output), "split files": scan_split_files}.get(kind, scan_image_folder)
     classes, train_files, val_files = distributed.computed_by_rank_0(lambda: scan(root))
     train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
     files = ShardedImages if isinstance(train_files, ShardIndex) else ImageFiles

@@ -16,6 +16,24 @@ from .errors import UsageError
 # torchvision.datasets.folder.IMG_EXTENSIONS (ImageFolder's), written out: importing torchvision imports torch, which
 # tools/prepare_imagenet.py does not need (tests/unit/test_folder_index.py compares the two).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# Written first into the folder it writes by tools/make_shards.py and tools/prepare_imagenet.py (their command line),
+# removed once it is whole: --data with it is refused (its tool was stopped part-way, or is still writing it).
+UNFINISHED = ".unfinished"
+
+
+def refuse_unfinished(root):
+    """UsageError if a tool of ours has not finished writing `root` (it holds UNFINISHED)."""
+    marker = Path(root) / UNFINISHED
+    if not os.path.lexists(marker):
+        return
+    try:
+        command = " ".join(marker.read_text(errors="replace").split()) or "the tool that writes it"
+    except OSError:
+        command = "the tool that writes it"
+    raise UsageError(
+        f"--data {root} is unfinished: {command[:300]} stopped part-way through writing it, or is still writing it; "
+        f"run that command again to finish it (it carries on), then train"
+    )
 
 
 class NameTable:

@@ -23,6 +23,8 @@ import torch
 from PIL import Image
 
 from common.datasets import load_image
+from common.errors import UsageError
+from common.folder_index import UNFINISHED, refuse_unfinished
 from harness.jobs import assert_ok, described, run
 from harness.processes import PYTHON, REPO, alive, clean_env, process_stat
 
@@ -30,6 +32,7 @@ scipy_io = pytest.importorskip("scipy.io", reason="the miniature devkit's meta.m
 
 SCRIPT = REPO / "tools" / "prepare_imagenet.py"
 sys.path.insert(0, str(SCRIPT.parent))
+import make_shards  # noqa: E402
 import prepare_imagenet  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -106,11 +109,13 @@ def write_meta_mat(path):
 
 
 def make_archives(root, images):
-    """The three official archives of `images`, in root."""
+    """The three official archives of `images`, in root; in a class's tar also a Thumbs.db, as a re-packed archive
+    may hold (was: copied into the class folder and counted, and --shards refused "does not read back as written")."""
     root.mkdir(parents=True)
     class_tars = {
         f"{wnid}.tar": tar_bytes(
             {Path(name).name: data for name, data in images.items() if name.startswith(f"train/{wnid}/")}
+            | ({"Thumbs.db": b"not an image"} if wnid == min(CLASSES) else {})
         )
         for wnid in CLASSES
     }
@@ -341,12 +346,13 @@ def test_killed_run_carries_on_without_redoing_finished_work(archives, images, t
         process.communicate()
     before, markers = final_images(out), {path: path.stat() for path in (out / ".prepare").glob("*.done")}
     assert before and markers and temporaries(out)
+    stopped_part_way(out, f"python tools/prepare_imagenet.py {archives} {out} --skip-md5 --workers 1")
     for path in before:  # a final path never holds half an image
         assert path.read_bytes() == images[path.relative_to(out).as_posix()]
 
     output = assert_ok(prepare(archives, out, "--skip-md5", "--workers", "1"))
     assert re.search(r"^carrying on: [1-4] of 4 classes and 0 val chunks were done before$", output, re.M), output
-    assert contents(out) == images and not temporaries(out)
+    assert contents(out) == images and not temporaries(out) and not (out / UNFINISHED).exists()
     for path, stat in {**before, **markers}.items():  # finished classes and files were not done again
         assert (path.stat().st_ino, path.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), path
 
@@ -439,6 +445,18 @@ def test_a_sigkilled_make_shards_takes_its_pool_s_workers_with_it(prepared, tmp_
         wait_for("its workers to end", lambda: not any(alive(pid) for pid in pool), timeout=10)
     finally:
         kill_group(process)
+    out = tmp_path / "shards"
+    stopped_part_way(out, f"python tools/make_shards.py {prepared[0]} {out} --shard-size 2 --workers 2")
+    assert make_shards.main([str(prepared[0]), str(out), "--shard-size", "2", "--workers", "1"]) == 0
+    assert not (out / UNFINISHED).exists()
+
+
+def stopped_part_way(out, command):
+    """The training scripts refuse `out` while it holds the marker of the tool stopped writing it (was: trained on what
+    it held, 40 of 300 val images of one class, exit code 0)."""
+    assert (out / UNFINISHED).read_text() == command
+    with pytest.raises(UsageError, match=f"^--data {out} is unfinished: {re.escape(command)} stopped part-way"):
+        refuse_unfinished(out)
 
 
 def test_the_devkit_s_labels_cut_short_are_parsed_again(archives, prepared, images, tmp_path):
@@ -544,7 +562,7 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
     out = tmp_path.resolve() / "out"
-    prepare_imagenet.open_output(out, None, 90)
+    prepare_imagenet.open_output(out, None, 90, "python tools/prepare_imagenet.py ARCHIVES OUT")
     labels = {Path(name).stem: name.split("/")[1] for name in images if name.startswith("val/")}
     jobs = prepare_imagenet.make_jobs(
         archives / prepare_imagenet.TRAIN_TAR, archives / prepare_imagenet.VAL_TAR, labels
@@ -552,8 +570,8 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     for job in jobs:
         prepare_imagenet.run_job(job, out, None, 90)
     assert contents(out) == images
-    written = [path for path in out.rglob("*") if path.is_file()]  # images, markers and options.json
-    assert len(written) == len(images) + len(jobs) + 1, written
+    written = [path for path in out.rglob("*") if path.is_file()]  # images, markers, options.json and .unfinished
+    assert len(written) == len(images) + len(jobs) + 2, written
     renamed, temporary = {}, {}
     for path in written:
         ((renamed[path], temporary[path]),) = [

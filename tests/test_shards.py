@@ -256,6 +256,36 @@ def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_rerun_on_other_images_or_into_an_image_folder_is_refused_in_one_line(tmp_path, tiny_data, capsys):
+    """A rerun after SRC changed (here a class renamed, then an image moved to another class: counts unchanged) kept
+    the shards written with the old labels and wrote the new classes.txt: images trained under another class's name.
+    An OUT holding class folders got shards beside them, and the scripts read the folder, not the shards."""
+    source, out = shutil.copytree(tiny_data, tmp_path / "data"), tmp_path / "shards"
+    assert make_shards.main([str(source), str(out), "--shard-size", "5", "--workers", "1"]) == 0
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    refused = [
+        f"error: {out} holds shards of other images than SRC's now (a class or an image added, removed, renamed or "
+        f"moved since): give another OUT, or delete {out} to write them again"
+    ]
+    for split in ("train", "val"):
+        (source / split / "ring").rename(source / split / "zebra")
+    assert make_shards.main([str(source), str(out), "--shard-size", "5", "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == refused
+    for split in ("train", "val"):
+        (source / split / "zebra").rename(source / split / "ring")
+    moved = sorted((source / "train" / "ring").iterdir())[0]
+    moved.rename(source / "train" / "circle" / f"moved-{moved.name}")
+    assert make_shards.main([str(source), str(out), "--shard-size", "5", "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == refused
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    image_folder = shutil.copytree(tiny_data, tmp_path / "folder")
+    assert make_shards.main([str(source), str(image_folder), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {image_folder} holds class folders: give the shards an OUT of their own"
+    ]
+    assert sorted(image_folder.rglob("*.tar")) == []
+
+
 def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, capsys):
     """A key ends at the first dot of a name, so dots become "_": 00000.b.jpg and 00000_b.jpg would share one."""
     source = shutil.copytree(tiny_data, tmp_path / "data")

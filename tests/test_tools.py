@@ -125,3 +125,19 @@ def test_benchmark_s_training_table_ends_in_the_script_s_line_and_leaves_no_fold
         "error: train_dp.py: environment variable LR='x' is not a valid float"
     ), result.stdout[-3000:]
     assert no_traceback_of_ours(result.stdout) and list((tmp_path / "tmp").glob("bench-*")) == []
+
+
+def test_a_second_stop_signal_while_a_tool_stops_does_nothing():
+    """tools/make_shards.py and tools/prepare_imagenet.py: `timeout` sends its SIGTERM on after the shell's, and the
+    second one landed in main()'s cleanup of the first (a `shared.Stopped` traceback after the `stopped:` line)."""
+    from shared import Stopped, stop_on_signals
+
+    before = stop_on_signals()
+    try:
+        with pytest.raises(Stopped):
+            signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # in the cleanup: nothing raised
+        signal.raise_signal(signal.SIGINT)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

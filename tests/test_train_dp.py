@@ -11,6 +11,7 @@ import pytest
 import torch
 import torchvision
 
+from common.folder_index import UNFINISHED
 from common.logger import CSV_FIELDS
 from conftest import TINY
 from harness.jobs import assert_ok, run_prewarmed, run_script, run_together, script_command
@@ -238,6 +239,9 @@ BAD_INPUTS = {
     "data-without-val": r"has no val/ folder",
     "empty-class-folder": r"zebra in .*train hold no images",
     "different-classes": r"different classes \(only in train: ring; only in val: donut\)",
+    "data-unfinished": r"^error: --data \S+/unfinished is unfinished: python tools/make_shards.py /src \S+/unfinished "
+    r"stopped part-way through writing it, or is still writing it; run that command again to finish it",
+    "data-looping-link": r"^error: cannot list \S+/looping-link/train/loop\S+: Too many levels of symbolic links$",
     "unknown-arch": r"unknown --arch 'resnet19': did you mean resnet18",
     "resume-missing": r"--resume .*missing\.pth: no such file",
     "resume-other-arch": r"holds a squeezenet1_1 model, not resnet18: pass --arch squeezenet1_1",
@@ -269,6 +273,11 @@ def bad_runs(tiny_data, tmp_path_factory):
     (empty_class / "train" / "zebra").mkdir()
     different = copy_of_tiny("different")
     (different / "val" / "ring").rename(different / "val" / "donut")
+    unfinished = copy_of_tiny("unfinished")  # what tools/make_shards.py leaves when stopped (tests/test_shards.py)
+    (unfinished / UNFINISHED).write_text(f"python tools/make_shards.py /src {unfinished}")
+    looping = copy_of_tiny("looping-link")  # one listed before the class folders: a traceback (has_hf_dataset's)
+    for name in ("loop.jpg", *(f"loop-{letter}" for letter in "abcdefgh")):
+        (looping / "train" / name).symlink_to(name)
     torch.save(
         {
             "epoch": 1,
@@ -291,6 +300,8 @@ def bad_runs(tiny_data, tmp_path_factory):
         "data-without-val": ["--data", no_val],
         "empty-class-folder": ["--data", empty_class],
         "different-classes": ["--data", different],
+        "data-unfinished": ["--data", unfinished],
+        "data-looping-link": ["--data", looping],
         "unknown-arch": ["--arch", "resnet19"],
         "resume-missing": ["--resume", root / "missing.pth"],
         "resume-other-arch": ["--resume", root / "squeezenet.pth"],

@@ -8,12 +8,28 @@ The optimizer state stays in the sharded checkpoint. model_best.pth is written t
 """
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.errors import UsageError
+from shared import Stopped, stop_on_signals
+
+
+def refuse_out(out):
+    """UsageError where writing OUT would be no file of its own: a folder (or the run's `checkpoint` link, which a
+    file would replace: the run could not resume), a file inside a sharded checkpoint (its state.pth), or a folder
+    that does not exist."""
+    if out.is_dir():
+        raise UsageError(f"OUT {out} is a folder{' (a link to one)' if out.is_symlink() else ''}: give a file name")
+    from common.sharded_checkpoint import is_sharded
+
+    if is_sharded(out.resolve().parent):
+        raise UsageError(f"OUT {out} lies inside a sharded checkpoint: write it elsewhere (the run resumes from there)")
+    if not out.resolve().parent.is_dir():
+        raise UsageError(f"OUT {out}: no folder {out.parent}")
 
 
 def main(argv=None):
@@ -25,12 +41,14 @@ def main(argv=None):
 
     from common.sharded_checkpoint import export, is_sharded
 
+    before = stop_on_signals()
     try:
         if not is_sharded(args.checkpoint):
             raise UsageError(
                 f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
                 "state.pth and DCP's .metadata)"
             )
+        refuse_out(Path(args.out))
         exported = export(args.checkpoint, args.out)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -39,6 +57,12 @@ def main(argv=None):
         reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:300]
         print(f"error: cannot export {args.checkpoint} to {args.out}: {reason}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Stopped) as stopped:  # (the temporary beside OUT removed: run_dir.write_synced)
+        print(f"stopped: {args.out} not written", file=sys.stderr)
+        return 130 if isinstance(stopped, KeyboardInterrupt) else 143
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     ema = " and the EMA's" if "model_ema" in exported else ""
     step = f" and {exported['step_in_epoch']} step(s)" if exported.get("step_in_epoch") else ""
     print(

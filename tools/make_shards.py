@@ -17,14 +17,17 @@ folder they came from give bitwise the same run. A file that cannot be read (a b
 
 Stopped (Ctrl-C, a kill, a crash)? Run the same command again: it carries on. A shard is written to a temporary
 file, fsynced and renamed into place, then its index; a shard counts as done once its index matches it, and a
-finished shard is never rewritten.
+finished shard is never rewritten. Until the last shard is written, OUT/.unfinished says so and the training scripts
+refuse OUT. A rerun after SRC changed (an image or a class added, removed, renamed or moved) is refused.
 """
 
 import argparse
 import errno
+import hashlib
 import io
 import json
 import os
+import shlex
 import signal
 import sys
 import tarfile
@@ -34,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
 from common.errors import NO_ROOM, NoRoom, UsageError, printable
-from common.folder_index import scan_image_folder, scan_split_files, split_files
-from common.run_dir import atomic_write
+from common.folder_index import UNFINISHED, scan_image_folder, scan_split_files, split_files
+from common.run_dir import atomic_write, fsync
 from common.shards import (
     CLASSES,
     IMAGE_EXTENSIONS,
@@ -152,24 +155,32 @@ def done(shard):
         return False
 
 
-def open_output(out, manifest, classes, splits):
-    """OUT, created, with its manifest, class list and split folders (no temporary left by a killed run): whether an
-    earlier run wrote it. UsageError if that run had other options, or OUT cannot be written (one line, nothing else
-    written)."""
+LISTED = ("train", "val", "images")  # the manifest's record of what SRC held; the rest: the options
+
+
+def open_output(out, manifest, classes, splits, command):
+    """OUT, created, marked unfinished (common/folder_index.py: by `command`), with its manifest, class list and split
+    folders (no temporary left by a killed run): whether an earlier run wrote it. UsageError if that run had other
+    options or images, OUT holds class folders, or OUT cannot be written (one line, nothing else written)."""
     path = out / MANIFEST
+    if any(folder.is_dir() for split in splits for folder in (out / split).glob("*")):
+        raise UsageError(f"{out} holds class folders: give the shards an OUT of their own")
     try:
         out.mkdir(parents=True, exist_ok=True)
         earlier = json.loads(path.read_text()) if path.exists() else None
-        if earlier is not None and earlier != manifest:
-            changed = [
-                f"{name} {earlier.get(name)} -> {manifest[name]}"
-                for name in manifest
-                if earlier.get(name) != manifest[name]
-            ]
+        changed = [name for name in manifest if name in (earlier or {}) and earlier[name] != manifest[name]]
+        options = [f"{name} {earlier[name]} -> {manifest[name]}" for name in changed if name not in LISTED]
+        if options:
             raise UsageError(
-                f"{out} holds shards written with other options ({', '.join(changed)}): give another "
-                "OUT, or rerun the command that wrote them"
+                f"{out} holds shards written with other options ({', '.join(options)}): give another OUT, or rerun "
+                "the command that wrote them"
             )
+        if changed:  # (an older version's manifest has no "images": its counts alone are compared)
+            raise UsageError(
+                f"{out} holds shards of other images than SRC's now (a class or an image added, removed, renamed or "
+                f"moved since): give another OUT, or delete {out} to write them again"
+            )
+        atomic_write(out / UNFINISHED, lambda file: file.write(command.encode("utf-8", "surrogateescape")))
         if earlier is None:
             atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
         listed = "".join(f"{name}\n" for name in classes).encode("utf-8", "surrogateescape")  # (a name as its bytes)
@@ -222,14 +233,16 @@ def write_all(out, classes, samples, source, args):
                     f"extension, dots made _): {first[key]} and {where}: rename one"
                 )
             first[key] = where
+    listed = [classes, {split: [sample[:3] for sample in items] for split, items in samples.items()}]
     manifest = {
         **source,
         "shard_size": args.shard_size,
         "resize": args.resize,
         "quality": args.quality if args.resize else None,
         **{split: len(samples[split]) for split in samples},
+        "images": hashlib.sha256(json.dumps(listed).encode()).hexdigest(),  # each image's key, extension and label
     }
-    if open_output(out, manifest, classes, samples):
+    if open_output(out, manifest, classes, samples, args.command):
         print(f"carrying on in {out}", flush=True)
     jobs = []
     for split, items in samples.items():
@@ -249,6 +262,8 @@ def write_all(out, classes, samples, source, args):
         + f" images in shards of {args.shard_size}",
         flush=True,
     )
+    (out / UNFINISHED).unlink()  # (last: every shard and index above was synced before its rename)
+    fsync(out)
 
 
 def written(jobs, args):
@@ -288,7 +303,9 @@ def parse_args(argv=None):
         "--quality", type=whole(1, 100), default=90, metavar="1-100", help="JPEG quality with --resize (%(default)s)"
     )
     parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.command = shlex.join(["python", "tools/make_shards.py", *(sys.argv[1:] if argv is None else map(str, argv))])
+    return args
 
 
 def main(argv=None):

@@ -27,7 +27,8 @@ script makes without it).
 Stopped (Ctrl-C, a kill, a crash, a power loss)? Run the same command again: it carries on where it
 stopped. Every file is fsynced before it is renamed into place, and a class is marked done only once its
 images are on disk; a rerun checks each marker against the files (their number and total size) and
-redoes, with a warning, a class whose marker is empty, corrupt or does not match.
+redoes, with a warning, a class whose marker is empty, corrupt or does not match. Until every class is done,
+OUT_DIR/.unfinished says so and the training scripts refuse OUT_DIR.
 """
 
 import argparse
@@ -37,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -51,7 +53,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
 from common.errors import NO_ROOM
-from common.folder_index import IMG_EXTENSIONS
+from common.folder_index import IMG_EXTENSIONS, UNFINISHED
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
@@ -147,7 +149,7 @@ def class_tar(archive, wnid, offset, size):
             for member in inner:
                 if member.offset >= size:  # past the end of this class's tar
                     break
-                if member.isfile():
+                if member.isfile() and member.name.lower().endswith(IMG_EXTENSIONS):  # (not a Thumbs.db)
                     yield wnid, os.path.basename(member.name), inner.extractfile(member).read()
 
 
@@ -497,8 +499,9 @@ def make_jobs(train, val, labels):
     return jobs
 
 
-def open_output(out_dir, resize, quality):
-    """OUT_DIR with no temporaries left by a killed run, refusing to mix --resize settings."""
+def open_output(out_dir, resize, quality, command):
+    """OUT_DIR with no temporaries left by a killed run, marked unfinished (by `command`: common/folder_index.py)
+    until prepare() ends, refusing to mix --resize settings."""
     state, options = out_dir / STATE, json.dumps({"resize": resize, "quality": resize and quality})
     try:
         for folder in (state, out_dir / "train", out_dir / "val"):
@@ -521,6 +524,7 @@ def open_output(out_dir, resize, quality):
                         "pass the same --resize and --quality to carry on, or choose a new OUT_DIR"
                     )
         write_atomically(stored, options.encode())
+        write_atomically(out_dir / UNFINISHED, command.encode("utf-8", "surrogateescape"))
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
                 if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
@@ -561,7 +565,7 @@ def class_members(archive, offset, size):
             return [
                 (os.path.basename(m.name), m.offset_data, m.size)
                 for m in inner
-                if m.isfile() and m.offset < offset + size
+                if m.isfile() and m.offset < offset + size and m.name.lower().endswith(IMG_EXTENSIONS)
             ]
 
 
@@ -638,7 +642,7 @@ def prepare(args):
         raise Failure(
             f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
         )
-    state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality)
+    state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality, args.command)
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
     if args.shards:
@@ -668,6 +672,8 @@ def prepare(args):
     if pending:
         run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
+    (out_dir / UNFINISHED).unlink()  # (last: each class's images were synced before its marker)
+    sync(out_dir)
 
 
 def summary(out_dir, jobs, seconds):
@@ -725,6 +731,7 @@ def parse_args():
     if args.shard_size and not args.shards:  # (it would be ignored: class folders have no shards)
         parser.error(f"--shard-size {args.shard_size} is for --shards: add --shards, or leave it out")
     args.shard_size = args.shard_size or SHARD_SIZE
+    args.command = shlex.join(["python", "tools/prepare_imagenet.py", *sys.argv[1:]])
     return args
 
 

@@ -134,11 +134,15 @@ def stop_on_signals():
     before its initializer ran inherits this handler: there SIGTERM ends it at once, as after its initializer (an
     exception would print a traceback from threading's after-fork hook; ignored, the worker ran the queued jobs while
     the main process waited for it), and SIGINT does nothing (the main process stops the workers with SIGTERM).
-    Returns the handlers they replace."""
-    main_pid = os.getpid()
+    A second signal in the main process does nothing (it raised in the first one's cleanup: a traceback). Returns the
+    handlers they replace."""
+    main_pid, stopping = os.getpid(), []
 
     def stop(signum, frame):
         if os.getpid() == main_pid:
+            if stopping:  # a second signal (timeout's after the shell's, a second Ctrl-C): the first is stopping it
+                return
+            stopping.append(signum)
             raise Stopped() if signum == signal.SIGTERM else KeyboardInterrupt()
         if signum == signal.SIGTERM:
             signal.signal(signum, signal.SIG_DFL)

@@ -4,7 +4,9 @@ Face dataset on disk (save_to_disk's, or the Hub's parquet files) gives the item
 from, in its order; parquet is read through datasets' arrow copy, made once; what the data lacks, and the missing
 `datasets` package, each get one line; a row that cannot be decoded is named SPLIT[ROW]."""
 
+import errno
 import io
+import os
 import re
 import shutil
 import sys
@@ -158,6 +160,22 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
     ]:
         with pytest.raises(UsageError, match=line):
             build_datasets(parse("--data", tmp_path / name))
+
+
+def test_data_the_user_cannot_search_is_one_line(tiny_data, tmp_path, monkeypatch):
+    """A --data folder of mode 000 or 644 passes its own stat, then pathlib's is_file() of a file in it raises
+    PermissionError (it ignores only ENOENT-like errors): was a traceback. As root, chmod stops nothing: the error a
+    user without permission gets from os.stat is raised for every path inside the folder instead."""
+    data, real_stat = shutil.copytree(tiny_data, tmp_path / "data"), os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(f"{data}/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(UsageError, match=rf"^cannot list {data}/\S+: Permission denied$"):
+        build_datasets(parse("--data", data))
 
 
 # A researcher's dataset (tests/custom_datasets.py) that breaks a rule: the one line that says so.

@@ -6,6 +6,7 @@ import errno
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from common.checkpoint import check_format, is_ours, restore
 from common.errors import CheckpointWriteError, UsageError
 from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
 from conftest import sharded_trainer
+from harness.processes import REPO
 from tests.tiny_models import BlockNet
 
 BLOCKS = ["-a", "tests.tiny_models:BlockNet", "--model-ema", "--opt", "adamw", "--lr", "0.01"]
@@ -431,3 +433,41 @@ def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the
         r"or directory\); the checkpoints already there are intact$",
     ):
         _checksums(tmp_path / "new")
+
+
+def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of_one, tmp_path, capsys):
+    """tools/export_checkpoint.py over the checkpoint it reads (its state.pth, or the `checkpoint` link replaced by a
+    file) exited 0, and the run could no longer resume; an OUT in no folder was exit code 1; Ctrl-C a traceback."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import export_checkpoint
+
+    trainer = trained(tmp_path / "run")
+    trainer.save(1)
+    latest = tmp_path / "run" / LATEST
+    before = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+    for out, line in (
+        (
+            latest / "state.pth",
+            f"OUT {latest / 'state.pth'} lies inside a sharded checkpoint: write it elsewhere "
+            "(the run resumes from there)",
+        ),
+        (latest, f"OUT {latest} is a folder (a link to one): give a file name"),
+        (tmp_path, f"OUT {tmp_path} is a folder: give a file name"),
+        (tmp_path / "no" / "model.pth", f"OUT {tmp_path / 'no' / 'model.pth'}: no folder {tmp_path / 'no'}"),
+    ):
+        assert export_checkpoint.main([str(latest), str(out)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {line}"]
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
+    assert latest.is_symlink() and is_sharded(latest)
+
+    def interrupted(file):
+        file.write(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "save", lambda state, file: interrupted(file))
+        assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 130
+    assert capsys.readouterr().err.splitlines() == [f"stopped: {tmp_path / 'model.pth'} not written"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # no temporary beside it
+    assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 0
+    assert torch.load(tmp_path / "model.pth", weights_only=True)["epoch"] == 1
