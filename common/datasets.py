@@ -446,8 +446,8 @@ def _load(root):
         ) from None
     datasets.disable_progress_bars()
     try:
-        if (Path(root) / "dataset_dict.json").is_file():
-            return datasets.load_from_disk(str(root))
+        if (Path(root) / "dataset_dict.json").is_file():  # (rows as dicts: not the format it was saved with)
+            return datasets.load_from_disk(str(root)).with_format(None)
         # (its cache read now: datasets reads HF_DATASETS_CACHE once, when imported)
         return datasets.load_dataset(
             "parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE")
@@ -499,6 +499,12 @@ def _splits(root):
     count = max(int(rows[train].labels.max(initial=-1)), int(rows[val].labels.max(initial=-1))) + 1
     classes = getattr(features[label], "names", None)
     unseen = np.setdiff1d(rows[val].labels, rows[train].labels) if classes is None else []
+    beyond = [] if classes is None else np.unique(rows[val].labels[rows[val].labels >= len(classes)])
+    if len(beyond):  # (a validation split of integers beside train's ClassLabel: an IndexError in the loss)
+        raise UsageError(
+            f"--data {root}: its {val} split has labels {', '.join(map(str, beyond[:5]))}, and its {train} split's "
+            f"ClassLabel {len(classes)} classes: a label must name one of them"
+        )
     if len(unseen):  # (as with train.csv: a class validation has and training never sees)
         raise UsageError(
             f"--data {root}: its {val} split has labels {', '.join(map(str, unseen[:5]))} that its {train} split "
@@ -556,7 +562,8 @@ class HFRows:
                 f"--data {where}: its label column {label!r} holds {column.type}, not class indices: make it "
                 "a ClassLabel (dataset.class_encode_column) or integers"
             )
-        self.labels = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.int64)
+        self.labels = np.array(column.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+        self.labels[column.is_null().to_numpy(zero_copy_only=False)] = -1  # (a null: NaN, which a cast may make 0)
         if len(self.labels) == 0:
             raise UsageError(f"--data {where}: the split has no rows")
         missing = np.flatnonzero(self.labels < 0)

@@ -504,6 +504,37 @@ def test_splits_that_disagree_and_labels_that_are_no_classes_get_one_line(folder
     assert load_splits(tmp_path / "fewer")[0] == ["a", "b", "c"]
 
 
+def test_integer_labels_beyond_the_classes_or_missing_and_a_saved_format_are_taken_right(folder, tmp_path):
+    """Validation labels of integers beside train's ClassLabel, past its classes: an IndexError in validation's loss
+    (was); a null label: refused as a missing one (numpy made it NaN, then INT64_MIN here, 0 on ARM: class 0); a
+    dataset saved with set_format (pandas, arrow, a torch format of other columns) read as dicts (was: a traceback
+    in every loader worker)."""
+    import datasets
+
+    image = {"bytes": next((folder / "train" / "ring").iterdir()).read_bytes(), "path": "x.jpg"}
+
+    def split(labels, label=datasets.Value("int64")):
+        return datasets.Dataset.from_dict(
+            {"image": [image] * len(labels), "label": list(labels)},
+            features=datasets.Features({"image": datasets.Image(), "label": label}),
+        )
+
+    two = datasets.ClassLabel(names=["a", "b"])
+    datasets.DatasetDict({"train": split((0, 1), two), "validation": split((0, 2))}).save_to_disk(tmp_path / "past")
+    with pytest.raises(UsageError, match=r"validation split has labels 2, and its train split's ClassLabel 2 classes"):
+        load_splits(tmp_path / "past")
+    datasets.DatasetDict({"train": split((0, None, 1)), "validation": split((0, 1))}).save_to_disk(tmp_path / "null")
+    with pytest.raises(UsageError, match=r"train: row 1 has no label \(1 of 3 rows lack one"):
+        load_splits(tmp_path / "null")
+    for name, form in {"pandas": {}, "arrow": {}, "torch": {"columns": ["label"]}}.items():
+        saved = datasets.DatasetDict({"train": split((0, 1), two), "validation": split((1, 0), two)})
+        saved.set_format(name, **form)
+        saved.save_to_disk(tmp_path / name)
+        classes, train, val = load_splits(tmp_path / name)
+        assert classes == ["a", "b"] and val.labels.tolist() == [1, 0]
+        assert val.encoded(1) == (image["bytes"], "jpg") and val.name(1).endswith("validation[1]:x.jpg")
+
+
 def test_the_columns_named_image_and_label_are_trained_on_and_several_unnamed_are_refused(folder, tmp_path):
     """A ClassLabel before the label column (a domain, say) was trained on as the classes, exit 0: the column named
     label is; where none is named and two could be, one line (as two image columns)."""
