@@ -326,6 +326,9 @@ def test_a_run_begun_with_its_step_scalars_beside_the_epochs_keeps_them_when_res
         older.add_scalar("val_acc1", epoch, epoch)
     older.close()
     for step in (20, 25):  # (resumed twice: the second found steps/ there)
+        # Event files are read in name order: time (s), host, PID, then a counter of this process's writers, which in a
+        # long test session can cross a power of ten (...9, then ...10, read first). Runs resumed are seconds apart.
+        time.sleep(1 if step == 25 else 0)
         log = RunLogger(tmp_path, prints=False, writes=True)
         log.start(parse("--dummy"), resumed=True, global_step=step, epochs_done=2)
         log.log_step(step + 1, {"loss": 0.5})
