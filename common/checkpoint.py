@@ -19,6 +19,7 @@ import torch
 
 from . import distributed
 from .config import flag
+from .data import items_digest
 from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
 from .optim import restore_scheduler
@@ -356,10 +357,11 @@ def check_format(checkpoint, path):
 
 
 def samples(trainer):
+    loaders = (trainer._data.train_loader, trainer._data.val_loader)
     return {
-        "train": len(trainer._data.train_loader.dataset),
-        "val": len(trainer._data.val_loader.dataset),
+        **{split: len(loader.dataset) for split, loader in zip(("train", "val"), loaders)},
         "steps": trainer.steps_per_epoch,
+        "train_items": items_digest(loaders[0]),  # (data.py: None for a dataset of one's own)
     }
 
 
@@ -531,11 +533,13 @@ def _restore_position(trainer, checkpoint, path):
     step = int(checkpoint["step_in_epoch"])
     trained = step >= saved["steps"]
     changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val") if saved[split] != now[split]]
-    if step and not trained and saved["train"] != now["train"]:
+    other = None not in (saved.get("train_items"), now["train_items"]) and saved["train_items"] != now["train_items"]
+    if step and not trained and (saved["train"] != now["train"] or other):  # (other: as many, other files or labels)
         raise UsageError(
-            f"{path} stopped part-way through an epoch of {saved['train']} training images; "
-            f"the data now holds {now['train']}: the resumed epoch would skip other images than it "
-            "trained on: restore the data as it was, or resume from a checkpoint at an epoch's end"
+            f"{path} stopped part-way through an epoch of {saved['train']} training images; the data now holds "
+            f"{now['train'] if saved['train'] != now['train'] else 'as many, of other files or labels'}: the resumed "
+            "epoch would skip other images than it trained on: restore the data as it was, or resume from a "
+            "checkpoint at an epoch's end"
         )
     if changed:
         trainer.log.print(

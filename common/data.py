@@ -7,10 +7,12 @@ OUTPUT/bad_images.txt. A validation that cannot read more than MAX_UNREADABLE_SH
 """
 
 import functools
+import hashlib
 import math
 import multiprocessing
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
@@ -282,6 +284,21 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
     return Data(
         classes, train_loader(drop_last=config.compile), val_loader, train_sampler, normalise, first, text, train_loader
     )
+
+
+def items_digest(loader):
+    """A digest of the names and labels of a loader's items (a folder's or a CSV split's files, shards' keys, a Hugging
+    Face split's labels), None for a dataset of one's own: a resume mid-epoch compares it (as many other files would
+    have it skip other images than it trained on)."""
+    dataset = loader.dataset
+    while isinstance(dataset, (SeededTransform, SkipUnreadable)):
+        dataset = dataset.base if isinstance(dataset, SeededTransform) else dataset.dataset
+    samples = dataset.samples if isinstance(dataset, ImageFiles) else None
+    if getattr(samples, "labels", None) is None:
+        return None
+    digest = hashlib.blake2b(getattr(getattr(samples, "names", None), "blob", b""), digest_size=16)
+    digest.update(np.asarray(samples.labels, dtype=np.int64).tobytes())
+    return digest.hexdigest()
 
 
 # Files that cannot be decoded.

@@ -738,6 +738,7 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
         "train": 12,
         "val": 6,
         "steps": 3,
+        "train_items": None,  # (a dataset of one's own: tests.custom_datasets)
     }
     for key in ("state_dict", "model_ema"):
         plain = TinyNet(num_classes=3)
@@ -881,6 +882,23 @@ def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_
     resumed = started(*SMALL, *TINY_NET, *more, "--epochs", "2", "--output-dir", tmp_path / "end", "--resume", "auto")
     assert resumed.start_epoch == 1 and resumed.start_step == 0
     assert "warning: the data changed since " in capsys.readouterr().out
+
+
+def test_as_many_other_files_are_refused_mid_epoch(tiny_data, tmp_path):
+    """The same number of training images, other files: an image moved to another class (or one renamed, sorting
+    elsewhere). Resumed mid-epoch, the epoch read shifted indices: some images twice, others never (was: exit 0)."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    argv = [*SMALL[:-2], "--data", data, *TINY_NET, "--epochs", "1", "--output-dir", tmp_path / "run"]
+    StopsAt.stop_at = 2
+    trainer = started(*argv, "--checkpoint-interval", "1", trainer=StopsAt)
+    with pytest.raises(Crash):
+        trainer.fit(trainer.model, trainer.model)
+    moved = sorted((data / "train" / "ring").iterdir())[0]
+    moved.rename(data / "train" / "circle" / f"moved-{moved.name}")
+    with pytest.raises(UsageError, match=r"an epoch of 24 training images; the data now holds as many, of other files"):
+        started(*argv, "--resume", "auto")
+    (data / "train" / "circle" / f"moved-{moved.name}").rename(moved)
+    assert started(*argv, "--resume", "auto").start_step == 2
 
 
 def test_a_run_on_another_number_of_processes_says_its_random_streams_start_afresh(one_epoch, capsys):
