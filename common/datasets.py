@@ -407,7 +407,7 @@ IMAGE_NAMES, LABEL_NAMES = ("image", "img"), ("label", "labels", "cls", "fine_la
 
 def has_hf_dataset(root):
     """Whether `root` holds a dataset saved by save_to_disk, or parquet files of a train split. Not where train/ holds
-    folders or tars and no parquet file, nor beside train.csv: parquet files kept in an image folder or beside shards
+    folders, or tars and no parquet file, nor beside train.csv: parquet files kept in an image folder or beside shards
     (a user's features, say) make no dataset, and the search would walk every image."""
     root = Path(root)
     if (root / "dataset_dict.json").is_file():
@@ -416,9 +416,10 @@ def has_hf_dataset(root):
         entries = list(os.scandir(root / "train"))
     except OSError:  # (none: the Hub's data/train-*.parquet)
         entries = []
-    if not any(entry.name.endswith(".parquet") for entry in entries):
+    folders = any(entry.is_dir() and not entry.name.startswith(".") for entry in entries)  # (class folders)
+    if folders or not any(entry.name.endswith(".parquet") for entry in entries):
         split_file = any((root / f"{split}{suffix}").is_file() for split in ("train", "val") for suffix in SPLIT_FILES)
-        if split_file or any(entry.is_dir() or entry.name.endswith(".tar") for entry in entries):
+        if folders or split_file or any(entry.name.endswith(".tar") for entry in entries):
             return False
     return "train" in parquet_splits(root)
 

@@ -6,6 +6,7 @@ workers copy as reference counts touch it. The order is ImageFolder's: sample i 
 
 import csv
 import os
+import unicodedata
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,9 +117,13 @@ def scan_image_folder(root):
     if classes["train"] != classes["val"]:
         only_train = sorted(set(classes["train"]) - set(classes["val"]))
         only_val = sorted(set(classes["val"]) - set(classes["train"]))
+        alike = {unicodedata.normalize("NFC", name) for name in only_train} & {
+            unicodedata.normalize("NFC", name) for name in only_val
+        }  # (a name typed on macOS, NFD, and elsewhere, NFC: alike on screen)
         raise UsageError(
             f"train/ and val/ in {root} have different classes "
             f"(only in train: {', '.join(only_train) or '-'}; only in val: {', '.join(only_val) or '-'})"
+            + (f": {', '.join(sorted(alike))} in two Unicode forms (NFC and NFD): rename one" if alike else "")
         )
 
     def index(split):

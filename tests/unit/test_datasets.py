@@ -362,6 +362,7 @@ def test_parquet_files_inside_an_image_folder_or_shards_make_no_hugging_face_dat
     hf_copy(folder, tmp_path / "features", "parquet")
     shutil.copytree(tmp_path / "features" / "data", folder / "extras")
     (folder / "train" / "ring" / "train-stats.parquet").write_bytes(b"not read")
+    (folder / "train" / "train-stats.parquet").write_bytes(b"not read")  # beside the class folders (was: read)
     assert not has_hf_dataset(folder)
     classes, train, _ = build_datasets(parse("--data", folder))
     assert isinstance(train, ImageFiles) and not isinstance(train, HFImages) and len(train) == 9

@@ -1,6 +1,7 @@
 """common/folder_index.py: one pass lists and checks train/ and val/, in torchvision's ImageFolder's order."""
 
 import shutil
+import unicodedata
 
 import pytest
 import torchvision
@@ -82,4 +83,13 @@ def test_scan_image_folder_with_no_class_folders_says_so(folder):
 def test_scan_image_folder_with_different_classes_names_them(folder):
     (folder / "val" / "ring").rename(folder / "val" / "donut")
     with pytest.raises(UsageError, match=r"different classes \(only in train: ring; only in val: donut\)"):
+        scan_image_folder(folder)
+
+
+def test_a_class_named_in_two_unicode_forms_is_said_to_be_so(folder):
+    """train/café typed on macOS (NFD: e and a combining accent) and val/café elsewhere (NFC): alike on screen, the
+    line said only that each split has its own."""
+    for split, form in (("train", "NFD"), ("val", "NFC")):
+        (folder / split / "ring").rename(folder / split / unicodedata.normalize(form, "caf\u00e9"))
+    with pytest.raises(UsageError, match="\\): caf\u00e9 in two Unicode forms \\(NFC and NFD\\): rename one$"):
         scan_image_folder(folder)
