@@ -262,7 +262,7 @@ def write_all(out, classes, samples, source, args):
         + f" images in shards of {args.shard_size}",
         flush=True,
     )
-    (out / UNFINISHED).unlink()  # (last: every shard and index above was synced before its rename)
+    (out / UNFINISHED).unlink(missing_ok=True)  # (last: every shard and index above was synced before its rename)
     fsync(out)
 
 

@@ -672,7 +672,7 @@ def prepare(args):
     if pending:
         run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
-    (out_dir / UNFINISHED).unlink()  # (last: each class's images were synced before its marker)
+    (out_dir / UNFINISHED).unlink(missing_ok=True)  # (last: each class's images were synced before its marker)
     sync(out_dir)
 
 
