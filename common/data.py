@@ -10,6 +10,7 @@ import functools
 import hashlib
 import math
 import multiprocessing
+import os
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -287,17 +288,22 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
 
 
 def items_digest(loader):
-    """A digest of the names and labels of a loader's items (a folder's or a CSV split's files, shards' keys, a Hugging
-    Face split's labels), None for a dataset of one's own: a resume mid-epoch compares it (as many other files would
-    have it skip other images than it trained on)."""
+    """A digest of the names and labels of a loader's items (a folder's files, shards' keys, a CSV split's file names,
+    a Hugging Face split's labels), None for a dataset of one's own: a resume mid-epoch compares it (as many other
+    files would have it skip other images than it trained on)."""
     dataset = loader.dataset
     while isinstance(dataset, (SeededTransform, SkipUnreadable)):
         dataset = dataset.base if isinstance(dataset, SeededTransform) else dataset.dataset
     samples = dataset.samples if isinstance(dataset, ImageFiles) else None
-    if getattr(samples, "labels", None) is None:
+    if isinstance(samples, list):  # (path, label) rows: their files' names (not the folder's path: it may move)
+        names = "\0".join(os.path.basename(str(path)) for path, _ in samples).encode(errors="surrogateescape")
+        labels = [label for _, label in samples]
+    elif getattr(samples, "labels", None) is not None:
+        names, labels = getattr(getattr(samples, "names", None), "blob", b""), samples.labels
+    else:
         return None
-    digest = hashlib.blake2b(getattr(getattr(samples, "names", None), "blob", b""), digest_size=16)
-    digest.update(np.asarray(samples.labels, dtype=np.int64).tobytes())
+    digest = hashlib.blake2b(names, digest_size=16)
+    digest.update(np.asarray(labels, dtype=np.int64).tobytes())
     return digest.hexdigest()
 
 

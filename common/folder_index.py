@@ -150,17 +150,22 @@ def rgb(image):
 def read_split_file(path, root):
     """[(path, class name)] of a CSV or TSV split file of rows `path,label` (a first such row is a header), paths
     relative to `root` unless absolute."""
-    delimiter, rows = "\t" if path.suffix == ".tsv" else ",", []
+    delimiter, rows, number = "\t" if path.suffix == ".tsv" else ",", [], 0
     try:  # (utf-8-sig: as Excel's "CSV UTF-8" saves it, its mark before the header)
         with open(path, newline="", encoding="utf-8-sig") as file:
             for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
-                if not row or (number == 1 and [cell.strip().lower() for cell in row] == ["path", "label"]):
+                # A header: path,label (image,label, filename,label: a first row whose label is "label")
+                if not row or (not rows and len(row) == 2 and row[1].strip().lower() == "label"):
                     continue
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    got = delimiter.join(row)
                     raise UsageError(
-                        f"{path} line {number}: expected path{delimiter}label, got {delimiter.join(row)!r}"
+                        f"{path} line {number}: expected path{delimiter}label, got {got[:200]!r}"
+                        + (f" ({len(got):,} characters: an unbalanced quote?)" if len(got) > 200 else "")
                     )
                 rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
+    except csv.Error as error:  # (a field past csv's limit, 128 KiB: an unbalanced quote in a large file)
+        raise UsageError(f"{path} line {number + 1}: {error} (an unbalanced quote?)") from None
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError:  # (its line found in the bytes, read again: a rare error)

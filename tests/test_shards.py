@@ -286,6 +286,21 @@ def test_a_rerun_on_other_images_or_into_an_image_folder_is_refused_in_one_line(
     assert sorted(image_folder.rglob("*.tar")) == []
 
 
+def test_a_relative_src_of_csv_files_with_absolute_paths_keys_each_image_by_its_path_in_src(
+    tmp_path, tiny_data, monkeypatch
+):
+    """Absolute paths in train.csv under SRC given relative: each image was keyed by its bare name (00000), so the
+    classes' images of one name were refused as one key ("rename one"), and other names lost their folders."""
+    source = shutil.copytree(tiny_data, tmp_path / "data")
+    for split in ("train", "val"):
+        rows = [f"{path},{path.parent.name}\n" for path in sorted((source / split).glob("*/*.jpg"))]
+        (source / f"{split}.csv").write_text("".join(rows))
+    monkeypatch.chdir(tmp_path)
+    assert make_shards.main(["data", "shards", "--workers", "1"]) == 0
+    _, train, _ = scan_shards(tmp_path / "shards")
+    assert train.names[0] == "circle/00000.jpg" and len(train) == 24  # (keyed under train/, as from the folder)
+
+
 def test_two_images_of_one_key_are_refused_in_one_line(tmp_path, tiny_data, capsys):
     """A key ends at the first dot of a name, so dots become "_": 00000.b.jpg and 00000_b.jpg would share one."""
     source = shutil.copytree(tiny_data, tmp_path / "data")

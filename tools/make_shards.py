@@ -66,8 +66,8 @@ def folder_samples(files, split_root):
     samples = []
     for path, label in files:
         for root in (split_root, split_root.parent):
-            try:
-                relative = Path(path).relative_to(root)
+            try:  # (absolute: a CSV's absolute paths under a relative SRC)
+                relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(root))
                 break
             except ValueError:
                 relative = Path(Path(path).name)

@@ -884,20 +884,34 @@ def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_
     assert "warning: the data changed since " in capsys.readouterr().out
 
 
-def test_as_many_other_files_are_refused_mid_epoch(tiny_data, tmp_path):
-    """The same number of training images, other files: an image moved to another class (or one renamed, sorting
-    elsewhere). Resumed mid-epoch, the epoch read shifted indices: some images twice, others never (was: exit 0)."""
+@pytest.mark.parametrize("kind", ["folder", "csv"])
+def test_as_many_other_files_are_refused_mid_epoch(tiny_data, tmp_path, kind):
+    """The same number of training images, other files: an image moved to another class (a folder), two rows' labels
+    swapped (train.csv). Resumed mid-epoch, the epoch read shifted indices or other labels (was: exit code 0)."""
     data = shutil.copytree(tiny_data, tmp_path / "data")
+    listed = data / "train.csv"
+    if kind == "csv":
+        rows = [f"{path.relative_to(data)},{path.parent.name}\n" for path in sorted(data.glob("*/*/*.jpg"))]
+        listed.write_text("".join(row for row in rows if row.startswith("train/")))
+        (data / "val.csv").write_text("".join(row for row in rows if row.startswith("val/")))
     argv = [*SMALL[:-2], "--data", data, *TINY_NET, "--epochs", "1", "--output-dir", tmp_path / "run"]
     StopsAt.stop_at = 2
     trainer = started(*argv, "--checkpoint-interval", "1", trainer=StopsAt)
     with pytest.raises(Crash):
         trainer.fit(trainer.model, trainer.model)
-    moved = sorted((data / "train" / "ring").iterdir())[0]
-    moved.rename(data / "train" / "circle" / f"moved-{moved.name}")
+    moved, before = sorted((data / "train" / "ring").iterdir())[0], listed.read_text() if kind == "csv" else None
+    if kind == "csv":
+        lines = before.splitlines(keepends=True)
+        first, last = lines[0].rsplit(",", 1), lines[-1].rsplit(",", 1)
+        listed.write_text("".join([f"{first[0]},{last[1]}", *lines[1:-1], f"{last[0]},{first[1]}"]))
+    else:
+        moved.rename(data / "train" / "circle" / f"moved-{moved.name}")
     with pytest.raises(UsageError, match=r"an epoch of 24 training images; the data now holds as many, of other files"):
         started(*argv, "--resume", "auto")
-    (data / "train" / "circle" / f"moved-{moved.name}").rename(moved)
+    if kind == "csv":
+        listed.write_text(before)
+    else:
+        (data / "train" / "circle" / f"moved-{moved.name}").rename(moved)
     assert started(*argv, "--resume", "auto").start_step == 2
 
 

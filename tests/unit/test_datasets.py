@@ -119,14 +119,17 @@ def csv_splits(tiny_data, tmp_path_factory):
 
 def test_csv_and_tsv_splits_list_the_image_folder_s_files_in_its_order(csv_splits, tiny_data, tmp_path):
     """Also a CSV that Excel saved ("CSV UTF-8": a byte order mark before the header, which was read as a row of
-    class `label`: 4 classes, exit 0)."""
+    class `label`: 4 classes, exit 0), and one whose header names its paths otherwise (image,label: the same)."""
     folder = build_datasets(parse("--data", tiny_data))
     shutil.copytree(csv_splits / "csv", tmp_path / "excel", symlinks=True)
+    shutil.copytree(csv_splits / "csv", tmp_path / "image", symlinks=True)
     for split in ("train", "val"):
         (tmp_path / "excel" / f"{split}.csv").write_bytes(
             b"\xef\xbb\xbf" + (csv_splits / "csv" / f"{split}.csv").read_bytes()
         )
-    for kind in ("csv", "tsv", tmp_path / "excel"):
+        rows = (csv_splits / "csv" / f"{split}.csv").read_text().splitlines(keepends=True)[1:]
+        (tmp_path / "image" / f"{split}.csv").write_text("\n" + "image,Label\n" + "".join(rows))
+    for kind in ("csv", "tsv", tmp_path / "excel", tmp_path / "image"):
         classes, train, val = build_datasets(parse("--data", csv_splits / kind))
         assert classes == folder[0] == ["circle", "ring", "square"]
         for ours, theirs in ((train, folder[1]), (val, folder[2])):
@@ -151,7 +154,14 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
     (tmp_path / "latin-marked" / "train.csv").write_bytes(
         b"\xef\xbb\xbf" + (tmp_path / "latin" / "train.csv").read_bytes()
     )
+    rows = "a.jpg,cat\n" * 20_000  # an unbalanced quote: the rest of the file one field (past csv's 128 KiB: an error)
+    for name, first in (("quote", '"b.jpg,cat\n'), ("quote-large", '"b.jpg,cat\n' + rows)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.csv").write_text("path,label\n" + first + "c.jpg,dog\n")
+        (tmp_path / name / "val.csv").write_text("b.jpg,cat\n")
     for name, line in [
+        ("quote", r"train.csv line 2: expected path,label, got 'b.jpg,cat\\nc.jpg,dog\\n'$"),
+        ("quote-large", r"train.csv line 2: field larger than field limit \(131072\) \(an unbalanced quote\?\)$"),
         ("one", "has train.csv but no val.csv: give both splits"),
         ("latin", r"train.csv line 3: byte 0xe9 is not UTF-8: save the file as UTF-8$"),
         ("latin-marked", r"train.csv line 3: byte 0xe9 is not UTF-8: save the file as UTF-8$"),
