@@ -26,6 +26,8 @@ TAR_BLOCK = 512  # a tar member's header: the block before its data
 OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at most, under the usual limits
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
 JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
+COMPRESSED = (".tar.gz", ".tgz")  # shards that cannot be read at their offsets: refused, naming the fix
+MAX_LABEL = 2**31 - 1  # (the index's int32 column)
 
 
 def index_path(shard):
@@ -137,7 +139,11 @@ def shard_samples(shard, cache=None):
             f"warning: {shard} is cut short (a crash while it was written?): its {len(samples)} samples before the "
             f"cut are read; {lost}"
         )
+    if cut is not None:  # (no index: each job reads it through again, and says so)
+        return columns(samples)
     try:
+        if _foreign(index_path(shard)):
+            raise PermissionError  # another tool's NAME.idx (DALI's wds2idx writes one): kept, ours goes elsewhere
         write_index(shard, samples, stamp)
     except OSError:  # a read-only folder
         if cached and Path(cache).is_dir():
@@ -149,6 +155,16 @@ def shard_samples(shard, cache=None):
     return columns(samples)
 
 
+def _foreign(path):
+    """Whether `path` holds something that is no index of ours, even one cut short (ours are zip files: npz)."""
+    try:
+        with open(path, "rb") as file:
+            start = file.read(2)
+    except FileNotFoundError:
+        return False
+    return start not in (b"", b"PK")
+
+
 def has_shards(root):
     """Whether `root` holds shards: root/train/*.tar and no class folder beside them (an image folder with tars left
     in train/, by an interrupted extraction, stays an image folder)."""
@@ -157,7 +173,9 @@ def has_shards(root):
         entries = list(os.scandir(train))
     except OSError:
         return False
-    return any(entry.name.endswith(".tar") for entry in entries) and not any(entry.is_dir() for entry in entries)
+    return any(entry.name.endswith((".tar", *COMPRESSED)) for entry in entries) and not any(
+        entry.is_dir() for entry in entries
+    )
 
 
 class ShardIndex:
@@ -213,6 +231,12 @@ def read_classes(root):
 def split_index(root, split, cache=None):
     """The ShardIndex of root/split/*.tar."""
     shards = sorted((Path(root) / split).glob("*.tar"))
+    compressed = sorted(path for suffix in COMPRESSED for path in (Path(root) / split).glob(f"*{suffix}"))
+    if compressed:
+        raise UsageError(
+            f"{compressed[0]} is compressed: shards are read at their samples' offsets, which a compressed tar has "
+            "not; decompress them (gunzip, then name each NAME.tar)"
+        )
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
     indexes = [shard_samples(shard, cache) for shard in shards]
@@ -224,32 +248,39 @@ def split_index(root, split, cache=None):
 
 
 def check_no_copies(shards, indexes, root, split):
-    """One line where two shards hold the same samples, name for name and size for size: a shard copied under another
-    name, whose images would be trained on, and validated, twice an epoch. (Shards whose keys merely repeat, a counter
-    restarting in each, differ in their sizes.)"""
+    """One line where two shards hold the same samples, name, size and label alike, and the same first image: a shard
+    copied under another name, whose images would be trained on, and validated, twice an epoch. (Shards whose keys
+    merely repeat, a counter restarting in each, differ in their sizes, labels or bytes.)"""
     seen = {}
     for shard, index in zip(shards, indexes):
         if len(index["labels"]):  # (empty shards: cut short, said so)
-            same = seen.setdefault(hashlib.sha256(index["names"].tobytes() + index["sizes"].tobytes()).digest(), shard)
-            if same != shard:
+            columns = [index[name].tobytes() for name in ("names", "sizes", "labels")]
+            same = seen.setdefault(hashlib.sha256(b"".join(columns)).digest(), shard)
+            if same != shard and _first_image(same, index) == _first_image(shard, index):
                 raise UsageError(
-                    f"{same} and {shard} hold the same {len(index['labels'])} samples (names and sizes): a shard "
-                    f"copied? Each image of --data {root}'s {split} shards may be in one shard only"
+                    f"{same} and {shard} hold the same {len(index['labels'])} samples (names, sizes, labels and first "
+                    f"image): a shard copied? Each image of --data {root}'s {split} shards may be in one shard only"
                 )
+
+
+def _first_image(shard, index):
+    with open(shard, "rb") as file:
+        file.seek(int(index["offsets"][0]))
+        return file.read(int(index["sizes"][0]))
 
 
 def scan_shards(root, cache=None):
     """(classes, train ShardIndex, val ShardIndex) of the shards under `root` (shard_samples; `cache`: the output
     directory). The class names are root/classes.txt's; without it, the labels' numbers."""
     classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
+    listed = f"{Path(root) / CLASSES} lists" if classes else f"with no {CLASSES}, the train labels make"
     if classes is None:
-        classes = [str(label) for label in range(int(max(train.labels.max(), val.labels.max())) + 1)]
+        classes = [str(label) for label in range(int(train.labels.max()) + 1)]  # (as CSV and Hugging Face labels)
     for index in (train, val):
         wrong = np.flatnonzero((index.labels < 0) | (index.labels >= len(classes)))
         if len(wrong):
             raise UsageError(
-                f"{index.name(wrong[0])} has label {index.labels[wrong[0]]}, but {Path(root) / CLASSES} "
-                f"lists {len(classes)} classes"
+                f"{index.name(wrong[0])} has label {index.labels[wrong[0]]}, but {listed} {len(classes)} classes"
             )
     return classes, train, val
 
@@ -306,7 +337,10 @@ def index_tar(shard):
     without a label, or a label that is no class index."""
     import tarfile
 
-    samples, labels, json_labels, cut, size = {}, {}, {}, None, os.stat(shard).st_size
+    samples, labels, json_labels, cut, size, keys = {}, {}, {}, None, os.stat(shard).st_size, {None: None}
+    with open(shard, "rb") as file:
+        if file.read(2) == b"\x1f\x8b":
+            raise UsageError(f"{shard} is gzip-compressed: shards are read uncompressed at their offsets; gunzip it")
     try:
         with tarfile.open(shard, "r:") as tar:
             for member in tar:
@@ -316,11 +350,17 @@ def index_tar(shard):
                     break
                 if not member.isfile():
                     continue
+                if key != next(reversed(keys)) and key in keys:
+                    raise UsageError(  # (webdataset would read two samples; the index keeps one per key)
+                        f"{shard}: key {key} again at {member.name}, after other samples: each sample's key must be "
+                        "unique in its shard (members named by their file's base name?)"
+                    )
+                keys[key] = None  # (in the order met: the last is the sample being read)
                 if extension.lower() in IMAGE_EXTENSIONS:
                     samples[key] = [key, extension, None, member.offset_data, member.size]
                 elif extension == "cls":
                     text = tar.extractfile(member).read().decode("utf-8", "replace").strip()
-                    if not text.isdigit():
+                    if not (text.isascii() and text.isdigit() and int(text) <= MAX_LABEL):
                         raise UsageError(f"{shard}:{key}.cls holds {text[:20]!r}: expected a class index")
                     labels[key] = int(text)
                 elif extension == "json" and key not in labels:
@@ -330,7 +370,7 @@ def index_tar(shard):
         cut, end = "", None
     if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
         cut = ""
-    if cut is not None and samples and next(reversed(samples)) not in labels:
+    if cut is not None and samples and next(reversed(samples)) not in labels.keys() | json_labels.keys():
         cut = samples.popitem()[0]  # its label was cut off
     for key, sample in samples.items():
         label = labels.get(key, json_labels.get(key))
@@ -350,8 +390,12 @@ def label_of_json(data):
         meta = json.loads(data)
     except ValueError:
         return None
-    found = [meta[name] for name in JSON_LABELS if isinstance(meta, dict) and name in meta]
-    return found[0] if found and isinstance(found[0], int) and not isinstance(found[0], bool) else None
+    found = [  # the first of them that holds an integer ({"class": "tench", "class_index": 0})
+        meta[name]
+        for name in JSON_LABELS
+        if isinstance(meta, dict) and type(meta.get(name)) is int and -MAX_LABEL <= meta[name] <= MAX_LABEL
+    ]
+    return found[0] if found else None
 
 
 def _ends_an_archive(shard, end, size):

@@ -79,8 +79,9 @@ def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(sh
     shutil.copy(copy / "val" / "val-000001.tar", copy / "val" / "val-000009.tar")
     with pytest.raises(
         UsageError,
-        match=rf"^{copy}/val/val-000001\.tar and {copy}/val/val-000009\.tar hold the same 5 samples \(names and "
-        rf"sizes\): a shard copied\? Each image of --data {copy}'s val shards may be in one shard only$",
+        match=rf"^{copy}/val/val-000001\.tar and {copy}/val/val-000009\.tar hold the same 5 samples \(names, "
+        rf"sizes, labels and first image\): a shard copied\? Each image of --data {copy}'s val shards may be in one "
+        r"shard only$",
     ):
         build_datasets(parse("--data", copy))
     counters = tmp_path / "counters"
@@ -90,10 +91,13 @@ def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(sh
             samples = [
                 (f"{k:06d}.{extension}", data)
                 for k in range(2)
-                for extension, data in (("jpg", b"x" * (n + k + 1)), ("cls", b"0"))
+                for extension, data in (("jpg", b"x" * (n + k + 1)), ("cls", str(k).encode()))
             ]
             webdataset_tar(counters / split / f"{split}-{n:06d}.tar", samples)
     assert [len(index) for index in scan_shards(counters)[1:]] == [4, 4]
+    for n, (first, label) in enumerate(((b"x", b"0"), (b"x", b"1"), (b"y", b"0"))):  # as many bytes: PPM, BMP, CIFAR
+        webdataset_tar(counters / "val" / f"val-{n:06d}.tar", [("000000.ppm", first), ("000000.cls", label)])
+    assert len(scan_shards(counters)[2]) == 3  # (another label, or other bytes: no copy; was refused)
 
 
 def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_keep_their_bytes(
@@ -462,3 +466,55 @@ def test_names_a_tar_header_cannot_hold_as_they_are_are_checked_by_size(tmp_path
         )
     with pytest.raises(OSError, match="where its index says 'y.png'"):
         reader.read(str(shard), int(index["offsets"][2]), int(index["sizes"][2]), "y.png")
+
+
+def test_shards_of_other_writers_that_would_be_read_wrong_are_refused_or_read_right(tmp_path, capsys):
+    """What other writers' shards held: each was read silently wrong, or a traceback. A key again after other samples
+    (a writer keying by base name): one sample kept per key; a label past int32 or not ASCII digits; a gzip shard
+    named .tar (read as cut short at 0 samples, then silently, its index written) or .tar.gz ones (ignored); a cut
+    after a .json label (lost a whole sample); another tool's NAME.idx (DALI's: overwritten); a .json whose "class"
+    is a name beside its "class_index"; without classes.txt, a val label train never has (taken for a class)."""
+    shard = tmp_path / "s.tar"
+    webdataset_tar(shard, [("0.jpg", b"a"), ("0.cls", b"0"), ("1.jpg", b"b"), ("1.cls", b"1"), ("0.jpg", b"c")])
+    with pytest.raises(UsageError, match=rf"^{shard}: key 0 again at 0\.jpg, after other samples: each sample's key"):
+        index_tar(shard)
+    for label in (b"99999999999", "\u00b2".encode()):
+        webdataset_tar(shard, [("a.jpg", b"a"), ("a.cls", label)])
+        with pytest.raises(UsageError, match=r"a\.cls holds .*: expected a class index"):
+            index_tar(shard)
+    webdataset_tar(shard, [("a.jpg", b"a"), ("a.json", b'{"class": "tench", "class_index": 3}')])
+    assert index_tar(shard)[0][0][2] == 3
+    webdataset_tar(shard, [item for n in range(2) for item in ((f"k{n}.jpg", b"z"), (f"k{n}.json", b'{"label": 1}'))])
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: whole.rindex(b'{"label": 1}') + 12])  # after k1's label: the end-of-archive blocks lost
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["k0", "k1"]
+    root = tmp_path / "other"
+    for split in ("train", "val"):
+        (root / split).mkdir(parents=True)
+        webdataset_tar(root / split / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"1"), ("j.jpg", b"j"), ("j.cls", b"0")])
+    dali = b"v1.2 2\ncls 1024 1 jpg 1536 1\n"
+    (root / "train" / "a-000.idx").write_bytes(dali)
+    output = tmp_path / "run"
+    output.mkdir()
+    assert len(scan_shards(root, cache=output)[1]) == 2
+    assert (root / "train" / "a-000.idx").read_bytes() == dali and list((output / "shard-indexes").iterdir())
+    webdataset_tar(root / "val" / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"2")])
+    with pytest.raises(
+        UsageError, match=r"val/a-000\.tar:k has label 2, but with no classes\.txt, the train labels make 2"
+    ):
+        scan_shards(root)
+    webdataset_tar(root / "val" / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"1")])
+    gzipped = root / "val" / "a-001.tar"
+    gzipped.write_bytes(__import__("gzip").compress((root / "val" / "a-000.tar").read_bytes()))
+    with pytest.raises(UsageError, match=rf"^{gzipped} is gzip-compressed: .* gunzip it$"):
+        scan_shards(root)
+    gzipped.rename(root / "val" / "a-001.tar.gz")
+    with pytest.raises(UsageError, match=r"a-001\.tar\.gz is compressed: shards are read at their samples' offsets"):
+        scan_shards(root)
+    (root / "val" / "a-001.tar.gz").unlink()
+    cut = root / "val" / "a-001.tar"
+    cut.write_bytes((root / "val" / "a-000.tar").read_bytes()[:1000])  # k's label cut off
+    capsys.readouterr()
+    for _ in range(2):  # said by every job (was: once, then its index made the loss silent)
+        assert len(scan_shards(root)[2]) == 1
+        assert capsys.readouterr().out.startswith(f"warning: {cut} is cut short")
