@@ -288,23 +288,28 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
 
 
 def items_digest(loader):
-    """A digest of the names and labels of a loader's items (a folder's files, shards' keys, a CSV split's file names,
-    a Hugging Face split's labels), None for a dataset of one's own: a resume mid-epoch compares it (as many other
-    files would have it skip other images than it trained on)."""
+    """KIND:DIGEST of the names and labels of a loader's items (a folder's files under their class folders, shards'
+    keys, a CSV split's paths under their common prefix; a Hugging Face split's labels alone), computed once; None for
+    a dataset of one's own. A resume mid-epoch compares it where KIND is the same (as many other files would have it
+    skip other images than it trained on); a folder resumed on its shards or its CSV split is not compared."""
     dataset = loader.dataset
     while isinstance(dataset, (SeededTransform, SkipUnreadable)):
         dataset = dataset.base if isinstance(dataset, SeededTransform) else dataset.dataset
     samples = dataset.samples if isinstance(dataset, ImageFiles) else None
-    if isinstance(samples, list):  # (path, label) rows: their files' names (not the folder's path: it may move)
-        names = "\0".join(os.path.basename(str(path)) for path, _ in samples).encode(errors="surrogateescape")
-        labels = [label for _, label in samples]
-    elif getattr(samples, "labels", None) is not None:
-        names, labels = getattr(getattr(samples, "names", None), "blob", b""), samples.labels
-    else:
+    if not (isinstance(samples, list) or hasattr(samples, "labels")):
         return None
-    digest = hashlib.blake2b(names, digest_size=16)
-    digest.update(np.asarray(labels, dtype=np.int64).tobytes())
-    return digest.hexdigest()
+    if getattr(dataset, "_items_digest", None) is None:  # (once: its items stay the run's)
+        if isinstance(samples, list):  # (path, label) rows: their paths under the folder they share (it may move)
+            paths = [str(path) for path, _ in samples]
+            prefix = len(os.path.commonprefix(paths) if len(paths) > 1 else os.path.dirname(paths[0]))
+            names = "\0".join(path[prefix:] for path in paths).encode(errors="surrogateescape")
+            labels = [label for _, label in samples]
+        else:
+            names, labels = getattr(getattr(samples, "names", None), "blob", b""), samples.labels
+        digest = hashlib.blake2b(names, digest_size=16)
+        digest.update(np.asarray(labels, dtype=np.int64).tobytes())
+        dataset._items_digest = f"{type(samples).__name__}:{digest.hexdigest()}"
+    return dataset._items_digest
 
 
 # Files that cannot be decoded.

@@ -11,6 +11,7 @@ import re
 import resource
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ from common.run import start_run
 from common.trainer import Trainer
 from conftest import built_trainer, cpu_runtime, parse
 from examples.learned_temperature import LearnedTemperature
+from harness.processes import REPO
 from tests.tiny_models import TinyNet
+
+sys.path.insert(0, str(REPO / "tools"))
 
 
 def small_resnet(num_classes=3, seed=0):
@@ -884,35 +888,68 @@ def test_data_that_changed_is_refused_mid_epoch_and_named_at_an_epoch_s_end(one_
     assert "warning: the data changed since " in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["folder", "csv"])
-def test_as_many_other_files_are_refused_mid_epoch(tiny_data, tmp_path, kind):
-    """The same number of training images, other files: an image moved to another class (a folder), two rows' labels
-    swapped (train.csv). Resumed mid-epoch, the epoch read shifted indices or other labels (was: exit code 0)."""
-    data = shutil.copytree(tiny_data, tmp_path / "data")
-    listed = data / "train.csv"
-    if kind == "csv":
-        rows = [f"{path.relative_to(data)},{path.parent.name}\n" for path in sorted(data.glob("*/*/*.jpg"))]
-        listed.write_text("".join(row for row in rows if row.startswith("train/")))
-        (data / "val.csv").write_text("".join(row for row in rows if row.startswith("val/")))
+def stopped_at_step_2(data, tmp_path):
+    """A run on `data` stopped after step 2 of its epoch, and its argv."""
     argv = [*SMALL[:-2], "--data", data, *TINY_NET, "--epochs", "1", "--output-dir", tmp_path / "run"]
     StopsAt.stop_at = 2
     trainer = started(*argv, "--checkpoint-interval", "1", trainer=StopsAt)
     with pytest.raises(Crash):
         trainer.fit(trainer.model, trainer.model)
-    moved, before = sorted((data / "train" / "ring").iterdir())[0], listed.read_text() if kind == "csv" else None
-    if kind == "csv":
-        lines = before.splitlines(keepends=True)
+    return argv
+
+
+def as_csv(folder, out):
+    """train.csv and val.csv of `folder`'s images (its classes, in its order), their paths under `out`."""
+    out.mkdir()
+    for split in ("train", "val"):
+        rows = [f"{path},{path.parent.name}\n" for path in sorted((folder / split).glob("*/*.jpg"))]
+        (out / f"{split}.csv").write_text("".join(rows))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["moved", "renamed", "csv", "shards"])
+def test_as_many_other_files_are_refused_mid_epoch(tiny_data, tmp_path, kind):
+    """The same number of training images, other files: an image moved to another class, one renamed (sorting
+    elsewhere: the same labels), two train.csv rows' labels swapped, shards written again of a folder with one
+    renamed. Resumed mid-epoch, the epoch read shifted indices or other labels (was: exit code 0)."""
+    import make_shards
+
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    ring = sorted((data / "train" / "ring").iterdir())
+    given = {"csv": as_csv(data, tmp_path / "listed"), "shards": tmp_path / "shards"}.get(kind, data)
+    if kind == "shards":
+        assert make_shards.main([str(data), str(given), "--workers", "1"]) == 0
+    argv = stopped_at_step_2(given, tmp_path)
+    if kind == "moved":
+        ring[0].rename(data / "train" / "circle" / f"moved-{ring[0].name}")
+    elif kind == "csv":
+        lines = (given / "train.csv").read_text().splitlines(keepends=True)
         first, last = lines[0].rsplit(",", 1), lines[-1].rsplit(",", 1)
-        listed.write_text("".join([f"{first[0]},{last[1]}", *lines[1:-1], f"{last[0]},{first[1]}"]))
+        (given / "train.csv").write_text("".join([f"{first[0]},{last[1]}", *lines[1:-1], f"{last[0]},{first[1]}"]))
     else:
-        moved.rename(data / "train" / "circle" / f"moved-{moved.name}")
+        ring[0].rename(ring[0].with_name("zzz.jpg"))
+    if kind == "shards":
+        shutil.rmtree(given)
+        assert make_shards.main([str(data), str(given), "--workers", "1"]) == 0
     with pytest.raises(UsageError, match=r"an epoch of 24 training images; the data now holds as many, of other files"):
         started(*argv, "--resume", "auto")
-    if kind == "csv":
-        listed.write_text(before)
-    else:
-        (data / "train" / "circle" / f"moved-{moved.name}").rename(moved)
-    assert started(*argv, "--resume", "auto").start_step == 2
+
+
+def test_the_same_images_moved_or_in_another_form_resume_mid_epoch(tiny_data, tmp_path):
+    """Not refused (as the items' digest compares): the folder moved elsewhere; its CSV split moved (paths under
+    their common prefix); a folder's run resumed on the folder's shards or its CSV split (other kinds: not compared)."""
+    import make_shards
+
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    argv = stopped_at_step_2(data, tmp_path)
+    moved = data.rename(tmp_path / "moved")
+    assert make_shards.main([str(moved), str(tmp_path / "shards"), "--workers", "1"]) == 0
+    for given in (moved, tmp_path / "shards", as_csv(moved, tmp_path / "listed")):
+        assert started(*argv, "--data", given, "--resume", "auto").start_step == 2
+    listed = stopped_at_step_2(tmp_path / "listed", tmp_path / "csv-run")
+    shutil.rmtree(tmp_path / "listed")
+    as_csv(moved.rename(tmp_path / "again"), tmp_path / "listed")
+    assert started(*listed, "--resume", "auto").start_step == 2
 
 
 def test_a_run_on_another_number_of_processes_says_its_random_streams_start_afresh(one_epoch, capsys):
