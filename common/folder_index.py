@@ -22,8 +22,8 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 UNFINISHED = ".unfinished"
 
 
-def refuse_unfinished(root):
-    """UsageError if a tool of ours has not finished writing `root` (it holds UNFINISHED)."""
+def refuse_unfinished(root, what="--data"):
+    """UsageError if a tool of ours has not finished writing `root` (it holds UNFINISHED), said of it as `what`."""
     marker = Path(root) / UNFINISHED
     if not os.path.lexists(marker):
         return
@@ -32,7 +32,7 @@ def refuse_unfinished(root):
     except OSError:
         command = "the tool that writes it"
     raise UsageError(
-        f"--data {root} is unfinished: {command[:300]} stopped part-way through writing it, or is still writing it; "
+        f"{what} {root} is unfinished: {command[:300]} stopped part-way through writing it, or is still writing it; "
         f"run that command again to finish it (it carries on), then train"
     )
 
@@ -150,22 +150,24 @@ def rgb(image):
 def read_split_file(path, root):
     """[(path, class name)] of a CSV or TSV split file of rows `path,label` (a first such row is a header), paths
     relative to `root` unless absolute."""
-    delimiter, rows, number = "\t" if path.suffix == ".tsv" else ",", [], 0
+    delimiter, rows, end = "\t" if path.suffix == ".tsv" else ",", [], 0  # end: the line the last record ended on
     try:  # (utf-8-sig: as Excel's "CSV UTF-8" saves it, its mark before the header)
         with open(path, newline="", encoding="utf-8-sig") as file:
-            for number, row in enumerate(csv.reader(file, delimiter=delimiter), start=1):
-                # A header: path,label (image,label, filename,label: a first row whose label is "label")
-                if not row or (not rows and len(row) == 2 and row[1].strip().lower() == "label"):
+            reader = csv.reader(file, delimiter=delimiter)
+            for row in reader:
+                line, end = end + 1, reader.line_num  # (a quoted field may hold line breaks: the record's first line)
+                # A header: path,label (image,label, filename,label: a first row whose label is "label", no image)
+                if not row or (not rows and len(row) == 2 and is_header(*row)):
                     continue
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
                     got = delimiter.join(row)
                     raise UsageError(
-                        f"{path} line {number}: expected path{delimiter}label, got {got[:200]!r}"
+                        f"{path} line {line}: expected path{delimiter}label, got {got[:200]!r}"
                         + (f" ({len(got):,} characters: an unbalanced quote?)" if len(got) > 200 else "")
                     )
                 rows.append((os.path.join(root, row[0].strip()), row[1].strip()))
     except csv.Error as error:  # (a field past csv's limit, 128 KiB: an unbalanced quote in a large file)
-        raise UsageError(f"{path} line {number + 1}: {error} (an unbalanced quote?)") from None
+        raise UsageError(f"{path} line {end + 1}: {error} (an unbalanced quote?)") from None
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError:  # (its line found in the bytes, read again: a rare error)
@@ -179,6 +181,10 @@ def read_split_file(path, root):
     if not rows:
         raise UsageError(f"{path} lists no images: expected lines path{delimiter}label")
     return rows
+
+
+def is_header(path, label):
+    return label.strip().lower() == "label" and not path.strip().lower().endswith(IMG_EXTENSIONS)
 
 
 SPLIT_FILES = (".csv", ".tsv")  # train.csv and val.csv, or .tsv

@@ -346,7 +346,7 @@ def test_killed_run_carries_on_without_redoing_finished_work(archives, images, t
         process.communicate()
     before, markers = final_images(out), {path: path.stat() for path in (out / ".prepare").glob("*.done")}
     assert before and markers and temporaries(out)
-    stopped_part_way(out, f"python tools/prepare_imagenet.py {archives} {out} --skip-md5 --workers 1")
+    stopped_part_way(out, f"cd {REPO} && python {SCRIPT} {archives} {out} --skip-md5 --workers 1")
     for path in before:  # a final path never holds half an image
         assert path.read_bytes() == images[path.relative_to(out).as_posix()]
 
@@ -446,7 +446,9 @@ def test_a_sigkilled_make_shards_takes_its_pool_s_workers_with_it(prepared, tmp_
     finally:
         kill_group(process)
     out = tmp_path / "shards"
-    stopped_part_way(out, f"python tools/make_shards.py {prepared[0]} {out} --shard-size 2 --workers 2")
+    stopped_part_way(
+        out, f"cd {REPO} && python {SCRIPT.parent}/make_shards.py {prepared[0]} {out} --shard-size 2 --workers 2"
+    )
     assert make_shards.main([str(prepared[0]), str(out), "--shard-size", "2", "--workers", "1"]) == 0
     assert not (out / UNFINISHED).exists()
 
@@ -562,7 +564,7 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     monkeypatch.setattr(os, "fsync", recorded_fsync)
     monkeypatch.setattr(os, "replace", recorded_replace)
     out = tmp_path.resolve() / "out"
-    prepare_imagenet.open_output(out, None, 90, "python tools/prepare_imagenet.py ARCHIVES OUT")
+    prepare_imagenet.open_output(out, None, 90)
     labels = {Path(name).stem: name.split("/")[1] for name in images if name.startswith("val/")}
     jobs = prepare_imagenet.make_jobs(
         archives / prepare_imagenet.TRAIN_TAR, archives / prepare_imagenet.VAL_TAR, labels
@@ -570,8 +572,8 @@ def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, mon
     for job in jobs:
         prepare_imagenet.run_job(job, out, None, 90)
     assert contents(out) == images
-    written = [path for path in out.rglob("*") if path.is_file()]  # images, markers, options.json and .unfinished
-    assert len(written) == len(images) + len(jobs) + 2, written
+    written = [path for path in out.rglob("*") if path.is_file()]  # images, markers and options.json
+    assert len(written) == len(images) + len(jobs) + 1, written
     renamed, temporary = {}, {}
     for path in written:
         ((renamed[path], temporary[path]),) = [
@@ -647,9 +649,14 @@ def test_the_archives_names_and_md5_sums_are_torchvision_s_and_the_tools_start_w
     assert (result.returncode, result.stdout) == (0, "False\n"), result.stdout[-500:]
 
 
-def test_official_md5_checked_by_default(archives, tmp_path, capsys):
-    line = one_error_line(capsys, archives, tmp_path / "out")
-    assert "ILSVRC2012_img_train.tar does not have the official MD5" in line and "--skip-md5" in line, line
+def test_official_md5_checked_by_default(archives, prepared, tmp_path, capsys):
+    """Also on a prepared folder, which stays whole: the refused rerun marks it unfinished no more (it did, before
+    its MD5 check, and training then refused the whole folder)."""
+    done = shutil.copytree(prepared[0], tmp_path / "done")
+    for out in (tmp_path / "out", done):
+        line = one_error_line(capsys, archives, out)
+        assert "ILSVRC2012_img_train.tar does not have the official MD5" in line and "--skip-md5" in line, line
+    assert not (done / UNFINISHED).exists()
 
 
 def test_bad_input_is_one_line(archives, tmp_path, capsys):

@@ -22,6 +22,7 @@ from harness.processes import PYTHON, REPO, clean_env, free_port
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards
+from common.folder_index import UNFINISHED
 from common.shards import read_index, scan_shards
 
 pytestmark = pytest.mark.e2e
@@ -278,6 +279,13 @@ def test_a_rerun_on_other_images_or_into_an_image_folder_is_refused_in_one_line(
     assert make_shards.main([str(source), str(out), "--shard-size", "5", "--workers", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == refused
     assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    (source / UNFINISHED).write_text("cd /d && python /r/tools/prepare_imagenet.py /a /src")  # (its OUT_DIR, stopped)
+    assert make_shards.main([str(source), str(tmp_path / "new"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: SRC {source} is unfinished: cd /d && python /r/tools/prepare_imagenet.py /a /src stopped part-way "
+        "through writing it, or is still writing it; run that command again to finish it (it carries on), then train"
+    ]
+    (source / UNFINISHED).unlink()
     image_folder = shutil.copytree(tiny_data, tmp_path / "folder")
     assert make_shards.main([str(source), str(image_folder), "--workers", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [

@@ -26,9 +26,13 @@ def refuse_out(out):
         raise UsageError(f"OUT {out} is a folder{' (a link to one)' if out.is_symlink() else ''}: give a file name")
     from common.sharded_checkpoint import is_sharded
 
-    if is_sharded(out.resolve().parent):
+    try:
+        parent = out.resolve().parent
+    except (OSError, RuntimeError):  # (Python 3.11: RuntimeError for a loop of links)
+        raise UsageError(f"OUT {out} is a loop of links: give a file name") from None
+    if is_sharded(parent):
         raise UsageError(f"OUT {out} lies inside a sharded checkpoint: write it elsewhere (the run resumes from there)")
-    if not out.resolve().parent.is_dir():
+    if not parent.is_dir():
         raise UsageError(f"OUT {out}: no folder {out.parent}")
 
 

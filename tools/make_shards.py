@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import os
-import shlex
 import signal
 import sys
 import tarfile
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
 from common.errors import NO_ROOM, NoRoom, UsageError, printable
-from common.folder_index import UNFINISHED, scan_image_folder, scan_split_files, split_files
+from common.folder_index import UNFINISHED, refuse_unfinished, scan_image_folder, scan_split_files, split_files
 from common.run_dir import atomic_write, fsync
 from common.shards import (
     CLASSES,
@@ -48,7 +47,7 @@ from common.shards import (
     shard_stamp,
     write_index,
 )
-from shared import Stopped, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import Stopped, command_line, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 
 def sample_key(relative):
@@ -200,6 +199,7 @@ def make_shards(args):
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise UsageError(f"SRC {src} is not a folder")
+    refuse_unfinished(src, "SRC")  # (a stopped tools/prepare_imagenet.py's OUT_DIR: its shards would look whole)
     try:
         classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
     except UsageError as error:  # said of the training scripts' --data: here it is SRC
@@ -304,7 +304,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--workers", type=whole(1), metavar="N", help="processes (default: all usable cores)")
     args = parser.parse_args(argv)
-    args.command = shlex.join(["python", "tools/make_shards.py", *(sys.argv[1:] if argv is None else map(str, argv))])
+    args.command = command_line(__file__, sys.argv[1:] if argv is None else argv)
     return args
 
 

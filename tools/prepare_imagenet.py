@@ -38,7 +38,6 @@ import hashlib
 import io
 import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -57,7 +56,7 @@ from common.folder_index import IMG_EXTENSIONS, UNFINISHED
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
-from shared import Stopped, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import Stopped, command_line, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
 
 # torchvision.datasets.imagenet.ARCHIVE_META, written out: importing torchvision imports torch, which made this tool
 # take 7 s of CPU to start and seconds to exit (tests/test_prepare_imagenet.py compares the two).
@@ -499,9 +498,8 @@ def make_jobs(train, val, labels):
     return jobs
 
 
-def open_output(out_dir, resize, quality, command):
-    """OUT_DIR with no temporaries left by a killed run, marked unfinished (by `command`: common/folder_index.py)
-    until prepare() ends, refusing to mix --resize settings."""
+def open_output(out_dir, resize, quality):
+    """OUT_DIR with no temporaries left by a killed run, refusing to mix --resize settings."""
     state, options = out_dir / STATE, json.dumps({"resize": resize, "quality": resize and quality})
     try:
         for folder in (state, out_dir / "train", out_dir / "val"):
@@ -524,7 +522,6 @@ def open_output(out_dir, resize, quality, command):
                         "pass the same --resize and --quality to carry on, or choose a new OUT_DIR"
                     )
         write_atomically(stored, options.encode())
-        write_atomically(out_dir / UNFINISHED, command.encode("utf-8", "surrogateescape"))
         for folder in [state, *(out_dir / "train").iterdir(), *(out_dir / "val").iterdir()]:
             for entry in os.scandir(folder):
                 if entry.name.startswith(".") and (entry.name.endswith(".tmp") or ".tmp-" in entry.name):
@@ -642,7 +639,7 @@ def prepare(args):
         raise Failure(
             f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
         )
-    state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality, args.command)
+    state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality)
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
     if args.shards:
@@ -669,7 +666,8 @@ def prepare(args):
             f"carrying on: {sum(classes)} of {len(classes)} classes and {sum(finished) - sum(classes)} val chunks "
             "were done before"
         )
-    if pending:
+    if pending:  # marked unfinished (common/folder_index.py) until every class is done
+        write_atomically(out_dir / UNFINISHED, args.command.encode("utf-8", "surrogateescape"))
         run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
     (out_dir / UNFINISHED).unlink(missing_ok=True)  # (last: each class's images were synced before its marker)
@@ -731,7 +729,7 @@ def parse_args():
     if args.shard_size and not args.shards:  # (it would be ignored: class folders have no shards)
         parser.error(f"--shard-size {args.shard_size} is for --shards: add --shards, or leave it out")
     args.shard_size = args.shard_size or SHARD_SIZE
-    args.command = shlex.join(["python", "tools/prepare_imagenet.py", *sys.argv[1:]])
+    args.command = command_line(__file__, sys.argv[1:])
     return args
 
 

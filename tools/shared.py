@@ -129,18 +129,26 @@ def stop_workers(pool):
         process.terminate()
 
 
+def command_line(tool, argv):
+    """`tool` (its __file__) run with `argv` again, from anywhere: what an unfinished OUT's marker holds."""
+    import shlex
+
+    return f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", str(Path(tool).resolve()), *map(str, argv)])
+
+
 def stop_on_signals():
     """From now on, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in this process. A worker of the pool forked
     before its initializer ran inherits this handler: there SIGTERM ends it at once, as after its initializer (an
     exception would print a traceback from threading's after-fork hook; ignored, the worker ran the queued jobs while
     the main process waited for it), and SIGINT does nothing (the main process stops the workers with SIGTERM).
-    A second signal in the main process does nothing (it raised in the first one's cleanup: a traceback). Returns the
-    handlers they replace."""
+    A second signal in the main process does nothing (it raised in the first one's cleanup: a traceback), a third of
+    its kind ends it at once. Returns the handlers they replace."""
     main_pid, stopping = os.getpid(), []
 
     def stop(signum, frame):
         if os.getpid() == main_pid:
             if stopping:  # a second signal (timeout's after the shell's, a second Ctrl-C): the first is stopping it
+                signal.signal(signum, signal.SIG_DFL)  # (a third ends it at once, its clean-up stuck or not)
                 return
             stopping.append(signum)
             raise Stopped() if signum == signal.SIGTERM else KeyboardInterrupt()

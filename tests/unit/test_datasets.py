@@ -32,6 +32,7 @@ from common.datasets import (
     parquet_splits,
 )
 from common.errors import BadItem, UnreadableFile, UsageError
+from common.folder_index import read_split_file
 from conftest import cpu_runtime, hf_copy, make_image_folder, parse
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -159,7 +160,14 @@ def test_csv_splits_that_do_not_fit_are_refused_in_one_line(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "train.csv").write_text("path,label\n" + first + "c.jpg,dog\n")
         (tmp_path / name / "val.csv").write_text("b.jpg,cat\n")
+    (tmp_path / "multiline").mkdir()  # (a quoted path over two lines: the line of the record after it counted)
+    (tmp_path / "multiline" / "train.csv").write_text('path,label\n"a\nb.jpg",cat\nc.jpg\n')
+    (tmp_path / "multiline" / "val.csv").write_text("b.jpg,cat\n")
+    (tmp_path / "labelled").mkdir()  # an image of a class named "label" first: no header (was: dropped)
+    (tmp_path / "labelled" / "train.csv").write_text("a.jpg,label\nb.jpg,cat\n")
+    assert [label for _, label in read_split_file(tmp_path / "labelled" / "train.csv", tmp_path)] == ["label", "cat"]
     for name, line in [
+        ("multiline", r"train.csv line 4: expected path,label, got 'c.jpg'$"),
         ("quote", r"train.csv line 2: expected path,label, got 'b.jpg,cat\\nc.jpg,dog\\n'$"),
         ("quote-large", r"train.csv line 2: field larger than field limit \(131072\) \(an unbalanced quote\?\)$"),
         ("one", "has train.csv but no val.csv: give both splits"),

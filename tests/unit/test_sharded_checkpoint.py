@@ -3,10 +3,13 @@ switching links once complete, the older ones removed; resume (auto falls back t
 refusals; the single-file export; --async-checkpoint's switch after its write; a failed write leaves the links."""
 
 import errno
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from common.checkpoint import check_format, is_ours, restore
 from common.errors import CheckpointWriteError, UsageError
 from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
 from conftest import sharded_trainer
-from harness.processes import REPO
+from harness.processes import PYTHON, REPO, clean_env
 from tests.tiny_models import BlockNet
 
 BLOCKS = ["-a", "tests.tiny_models:BlockNet", "--model-ema", "--opt", "adamw", "--lr", "0.01"]
@@ -454,7 +457,10 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
         (latest, f"OUT {latest} is a folder (a link to one): give a file name"),
         (tmp_path, f"OUT {tmp_path} is a folder: give a file name"),
         (tmp_path / "no" / "model.pth", f"OUT {tmp_path / 'no' / 'model.pth'}: no folder {tmp_path / 'no'}"),
+        (tmp_path / "loop", f"OUT {tmp_path / 'loop'} is a loop of links: give a file name"),
     ):
+        if out.name == "loop":
+            out.symlink_to("loop")  # (was a RuntimeError traceback)
         assert export_checkpoint.main([str(latest), str(out)]) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: {line}"]
     assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
@@ -468,6 +474,38 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
         patch.setattr(torch, "save", lambda state, file: interrupted(file))
         assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 130
     assert capsys.readouterr().err.splitlines() == [f"stopped: {tmp_path / 'model.pth'} not written"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # no temporary beside it
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["loop", "run"]  # no temporary beside it
     assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 0
     assert torch.load(tmp_path / "model.pth", weights_only=True)["epoch"] == 1
+    hook, out = tmp_path / "hook", tmp_path / "signalled"  # SIGTERM while it writes, as a process (was: killed
+    hook.mkdir()  # at once, its temporary left beside OUT)
+    out.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, pathlib, time, torch\n_save = torch.save\n"
+        "def slow(*args, **kwargs):\n    pathlib.Path(os.environ['READY']).touch()\n    time.sleep(60)\n"
+        "    return _save(*args, **kwargs)\ntorch.save = slow\n"
+    )
+    env = clean_env(PYTHONPATH=hook, READY=tmp_path / "ready")
+    process = subprocess.Popen(
+        [PYTHON, REPO / "tools" / "export_checkpoint.py", latest, out / "model.pth"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(600):
+            if (tmp_path / "ready").exists() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 143 and output.splitlines()[-1:] == [f"stopped: {out / 'model.pth'} not written"], (
+        output
+    )
+    assert list(out.iterdir()) == []
