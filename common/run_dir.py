@@ -21,6 +21,7 @@ from pathlib import Path
 from .errors import UsageError, say, unwritable_output
 
 LOCK = "run.lock"
+SHARD_INDEXES = "shard-indexes"  # where a run keeps the indexes of shards in a folder it cannot write to
 LOCK_WAIT_ON_RESTART = 180  # seconds: a file system's lock outlives a lost node by its lease (NFSv4: 90 s)
 # errno of a file system that does not lock (Lustre mounted without -o flock, some FUSE file systems)
 NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -205,8 +206,9 @@ class OutputLock:
                 self._write_holder(stopping=reason)
 
     def abandon(self):
-        """A run that ended before it wrote anything leaves no directory that it created."""
-        if self.created and [entry.name for entry in self.directory.iterdir()] == [LOCK]:
+        """A run that ended before it wrote anything (but read-only shards' indexes) leaves no directory it created."""
+        if self.created and {entry.name for entry in self.directory.iterdir()} <= {LOCK, SHARD_INDEXES}:
+            shutil.rmtree(self.directory / SHARD_INDEXES, ignore_errors=True)
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.directory.rmdir()

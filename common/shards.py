@@ -66,8 +66,10 @@ def cached_index_path(shard, cache):
     """Where the output directory `cache` keeps the index of a shard in a folder it cannot write to."""
     import hashlib
 
+    from .run_dir import SHARD_INDEXES
+
     digest = hashlib.sha1(os.fsencode(os.path.abspath(shard))).hexdigest()[:16]
-    return Path(cache) / "shard-indexes" / f"{Path(shard).stem}-{digest}.idx"
+    return Path(cache) / SHARD_INDEXES / f"{Path(shard).stem}-{digest}.idx"
 
 
 def read_index(shard, path=None):
