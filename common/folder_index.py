@@ -22,7 +22,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 UNFINISHED = ".unfinished"
 
 
-def refuse_unfinished(root, what="--data"):
+def refuse_unfinished(root, what="--data", then="train"):
     """UsageError if a tool of ours has not finished writing `root` (it holds UNFINISHED), said of it as `what`."""
     marker = Path(root) / UNFINISHED
     if not os.path.lexists(marker):
@@ -32,8 +32,8 @@ def refuse_unfinished(root, what="--data"):
     except OSError:
         command = "the tool that writes it"
     raise UsageError(
-        f"{what} {root} is unfinished: {command[:300]} stopped part-way through writing it, or is still writing it; "
-        f"run that command again to finish it (it carries on), then train"
+        f"{what} {root} is unfinished: {command if len(command) <= 1000 else command[:1000] + '...'} stopped part-way "
+        f"through writing it, or is still writing it; run that command again to finish it (it carries on), then {then}"
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from .errors import UsageError, say
 from .folder_index import NameTable
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: written once index_tar refused what 1 read wrong (a name twice, gzip data): 1 read through again
 CLASSES = "classes.txt"
 MANIFEST = "shards.json"  # how tools/make_shards.py wrote a folder of shards: a rerun with other options is refused
 COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
@@ -27,11 +27,17 @@ OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at mo
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
 JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
 COMPRESSED = (".tar.gz", ".tgz")  # shards that cannot be read at their offsets: refused, naming the fix
+MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}  # (compressed)
 MAX_LABEL = 2**31 - 1  # (the index's int32 column)
 
 
 def index_path(shard):
     return Path(shard).with_suffix(".idx")
+
+
+def second_index_path(shard):
+    """Where a shard's index goes beside it when another tool's NAME.idx is there (DALI's wds2idx writes one)."""
+    return Path(shard).with_name(f"{Path(shard).name}.idx")
 
 
 def shard_stamp(shard):
@@ -72,9 +78,9 @@ def cached_index_path(shard, cache):
     return Path(cache) / SHARD_INDEXES / f"{Path(shard).stem}-{digest}.idx"
 
 
-def read_index(shard, path=None):
+def read_index(shard, path=None, versions=(INDEX_VERSION,)):
     """The columns of `shard`'s index (columns()), beside it or at `path`; UsageError naming what is wrong with it
-    (missing, unreadable, of another version, or no longer matching its shard)."""
+    (missing, unreadable, of another of `versions`, or no longer matching its shard)."""
     path = path or index_path(shard)
     try:
         with np.load(path, allow_pickle=False) as index:
@@ -83,7 +89,7 @@ def read_index(shard, path=None):
         raise UsageError(f"{shard} has no index ({path.name})") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # cut short, not ours
         raise UsageError(f"cannot read {path}: {error}") from None
-    if arrays.get("version") != INDEX_VERSION or not {"shard", "names", *COLUMNS} <= arrays.keys():
+    if arrays.get("version") not in versions or not {"shard", "names", *COLUMNS} <= arrays.keys():
         raise UsageError(f"{path} is no shard index of version {INDEX_VERSION}")
     if not np.array_equal(arrays["shard"], shard_stamp(shard)):
         raise UsageError(f"{path} no longer matches {Path(shard).name} (its size or modification time changed)")
@@ -129,7 +135,7 @@ def shard_samples(shard, cache=None):
     its index written beside it (atomically: two jobs that index it at once write the same), or, where its folder is
     read-only, in the output directory `cache` (when given and there)."""
     cached = cached_index_path(shard, cache) if cache is not None else None
-    for path in (None, cached) if cached else (None,):
+    for path in (None, second_index_path(shard), *([cached] if cached else [])):
         try:
             return read_index(shard, path)
         except UsageError:
@@ -143,10 +149,8 @@ def shard_samples(shard, cache=None):
         )
     if cut is not None:  # (no index: each job reads it through again, and says so)
         return columns(samples)
-    try:
-        if _foreign(index_path(shard)):
-            raise PermissionError  # another tool's NAME.idx (DALI's wds2idx writes one): kept, ours goes elsewhere
-        write_index(shard, samples, stamp)
+    try:  # (beside it as NAME.tar.idx where another tool's NAME.idx is: kept)
+        write_index(shard, samples, stamp, second_index_path(shard) if _foreign(index_path(shard)) else None)
     except OSError:  # a read-only folder
         if cached and Path(cache).is_dir():
             try:
@@ -233,7 +237,12 @@ def read_classes(root):
 def split_index(root, split, cache=None):
     """The ShardIndex of root/split/*.tar."""
     shards = sorted((Path(root) / split).glob("*.tar"))
-    compressed = sorted(path for suffix in COMPRESSED for path in (Path(root) / split).glob(f"*{suffix}"))
+    compressed = sorted(  # (beside its .tar, as `gzip -k` leaves it: that one is read)
+        path
+        for suffix in COMPRESSED
+        for path in (Path(root) / split).glob(f"*{suffix}")
+        if not path.with_name(f"{path.name.removesuffix(suffix)}.tar").exists()
+    )
     if compressed:
         raise UsageError(
             f"{compressed[0]} is compressed: shards are read at their samples' offsets, which a compressed tar has "
@@ -257,8 +266,10 @@ def check_no_copies(shards, indexes, root, split):
     for shard, index in zip(shards, indexes):
         if len(index["labels"]):  # (empty shards: cut short, said so)
             columns = [index[name].tobytes() for name in ("names", "sizes", "labels")]
-            same = seen.setdefault(hashlib.sha256(b"".join(columns)).digest(), shard)
-            if same != shard and _first_image(same, index) == _first_image(shard, index):
+            alike = seen.setdefault(hashlib.sha256(b"".join(columns)).digest(), [])
+            same = next((other for other, its in alike if _first_image(other, its) == _first_image(shard, index)), None)
+            alike.append((shard, index))
+            if same is not None:
                 raise UsageError(
                     f"{same} and {shard} hold the same {len(index['labels'])} samples (names, sizes, labels and first "
                     f"image): a shard copied? Each image of --data {root}'s {split} shards may be in one shard only"
@@ -276,8 +287,14 @@ def scan_shards(root, cache=None):
     directory). The class names are root/classes.txt's; without it, the labels' numbers."""
     classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
     listed = f"{Path(root) / CLASSES} lists" if classes else f"with no {CLASSES}, the train labels make"
+    unseen = np.setdiff1d(val.labels, train.labels) if classes is None else []
+    if len(unseen):  # (as with CSV and Hugging Face integer labels: a class validation has and training never sees)
+        raise UsageError(
+            f"the val shards of --data {root} have labels {', '.join(map(str, unseen[:5]))} that its train shards "
+            f"never have, and no {CLASSES} names the classes: every class must be trained on"
+        )
     if classes is None:
-        classes = [str(label) for label in range(int(train.labels.max()) + 1)]  # (as CSV and Hugging Face labels)
+        classes = [str(label) for label in range(int(train.labels.max()) + 1)]
     for index in (train, val):
         wrong = np.flatnonzero((index.labels < 0) | (index.labels >= len(classes)))
         if len(wrong):
@@ -339,10 +356,12 @@ def index_tar(shard):
     without a label, or a label that is no class index."""
     import tarfile
 
-    samples, labels, json_labels, cut, size, keys = {}, {}, {}, None, os.stat(shard).st_size, {None: None}
+    samples, labels, json_labels, cut, size, names = {}, {}, {}, None, os.stat(shard).st_size, set()
     with open(shard, "rb") as file:
-        if file.read(2) == b"\x1f\x8b":
-            raise UsageError(f"{shard} is gzip-compressed: shards are read uncompressed at their offsets; gunzip it")
+        start = file.read(6)
+    kind = next((kind for magic, kind in MAGIC.items() if start.startswith(magic)), None)
+    if kind:  # (read as a tar: cut short at 0 samples)
+        raise UsageError(f"{shard} holds {kind} data: shards are read uncompressed at their offsets; decompress it")
     try:
         with tarfile.open(shard, "r:") as tar:
             for member in tar:
@@ -352,12 +371,12 @@ def index_tar(shard):
                     break
                 if not member.isfile():
                     continue
-                if key != next(reversed(keys)) and key in keys:
-                    raise UsageError(  # (webdataset would read two samples; the index keeps one per key)
-                        f"{shard}: key {key} again at {member.name}, after other samples: each sample's key must be "
-                        "unique in its shard (members named by their file's base name?)"
+                if (key, extension) in names:  # (the index keeps one sample per key; webdataset refuses it too)
+                    raise UsageError(
+                        f"{shard} holds {member.name} twice: each member's name must be unique in its shard (a writer "
+                        "naming members by their file's base name?)"
                     )
-                keys[key] = None  # (in the order met: the last is the sample being read)
+                names.add((key, extension))
                 if extension.lower() in IMAGE_EXTENSIONS:
                     samples[key] = [key, extension, None, member.offset_data, member.size]
                 elif extension == "cls":
@@ -372,8 +391,9 @@ def index_tar(shard):
         cut, end = "", None
     if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
         cut = ""
-    if cut is not None and samples and next(reversed(samples)) not in labels.keys() | json_labels.keys():
-        cut = samples.popitem()[0]  # its label was cut off
+    last = next(reversed(samples), None)  # its label may have been cut off: a .cls, where the shard has them
+    if cut is not None and last is not None and (last not in labels if labels else json_labels.get(last) is None):
+        cut = samples.popitem()[0]
     for key, sample in samples.items():
         label = labels.get(key, json_labels.get(key))
         if label is None:

@@ -141,3 +141,17 @@ def test_a_second_stop_signal_while_a_tool_stops_does_nothing():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_the_command_a_tool_marks_its_output_with_runs_again_from_anywhere(tmp_path, monkeypatch):
+    """`cd DIR && python /abs/tools/TOOL ARGS` (was `python tools/TOOL ARGS`: relative to where it ran); from a folder
+    deleted since, without the `cd` (was: a FileNotFoundError traceback from os.getcwd)."""
+    from shared import command_line
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    tool = REPO / "tools" / "make_shards.py"
+    assert command_line(tool, ["a b", "out"]) == f"cd {gone} && python {tool} 'a b' out"
+    gone.rmdir()
+    assert command_line(tool, ["a b", "out"]) == f"python {tool} 'a b' out"

@@ -41,6 +41,7 @@ from common.run_dir import atomic_write, fsync
 from common.shards import (
     CLASSES,
     IMAGE_EXTENSIONS,
+    INDEX_VERSION,
     MANIFEST,
     index_tar,
     read_index,
@@ -146,9 +147,10 @@ REMEDY = {
 
 
 def done(shard):
-    """Whether `shard` and its index were written completely and still match."""
+    """Whether `shard` and its index were written completely and still match (an index of version 1 too: this tool's
+    shards are what version 2 reads alike)."""
     try:
-        read_index(shard)
+        read_index(shard, versions=(1, INDEX_VERSION))
         return True
     except (UsageError, FileNotFoundError):
         return False
@@ -199,7 +201,9 @@ def make_shards(args):
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise UsageError(f"SRC {src} is not a folder")
-    refuse_unfinished(src, "SRC")  # (a stopped tools/prepare_imagenet.py's OUT_DIR: its shards would look whole)
+    refuse_unfinished(
+        src, "SRC", "make the shards"
+    )  # (a stopped tools/prepare_imagenet.py's OUT_DIR: its shards would look whole)
     try:
         classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
     except UsageError as error:  # said of the training scripts' --data: here it is SRC

@@ -133,7 +133,11 @@ def command_line(tool, argv):
     """`tool` (its __file__) run with `argv` again, from anywhere: what an unfinished OUT's marker holds."""
     import shlex
 
-    return f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["python", str(Path(tool).resolve()), *map(str, argv)])
+    try:
+        where = f"cd {shlex.quote(os.getcwd())} && "
+    except OSError:  # (run from a folder deleted since: its relative paths name nothing now)
+        where = ""
+    return where + shlex.join(["python", str(Path(tool).resolve()), *map(str, argv)])
 
 
 def stop_on_signals():

@@ -98,6 +98,12 @@ def test_a_shard_copied_under_another_name_is_refused_in_one_line_naming_both(sh
     for n, (first, label) in enumerate(((b"x", b"0"), (b"x", b"1"), (b"y", b"0"))):  # as many bytes: PPM, BMP, CIFAR
         webdataset_tar(counters / "val" / f"val-{n:06d}.tar", [("000000.ppm", first), ("000000.cls", label)])
     assert len(scan_shards(counters)[2]) == 3  # (another label, or other bytes: no copy; was refused)
+    for n, members in enumerate((("jpg", "cls"), ("cls", "jpg"))):  # a copy whose members are in another order
+        data = {"jpg": b"x" * 600, "cls": b"0"}
+        webdataset_tar(counters / "val" / f"val-{n:06d}.tar", [(f"000000.{ext}", data[ext]) for ext in members])
+    (counters / "val" / "val-000002.tar").unlink()
+    with pytest.raises(UsageError, match="a shard copied"):  # (was: its first image read at the other's offset)
+        scan_shards(counters)
 
 
 def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_keep_their_bytes(
@@ -270,9 +276,11 @@ def test_shards_written_elsewhere_are_indexed_once_beside_them_and_a_stale_index
     written = index.stat().st_mtime_ns
     scan_shards(root)
     assert index.stat().st_mtime_ns == written  # read, not rebuilt
-    webdataset_tar(root / "train" / "train-0.tar", [("t.png", b"yy"), ("t.cls", b"1")])  # the shard changed
+    webdataset_tar(  # the shard changed
+        root / "train" / "train-0.tar", [("t.png", b"yy"), ("t.cls", b"1"), ("u.png", b"u"), ("u.cls", b"0")]
+    )
     _, train, _ = scan_shards(root)
-    assert len(train) == 1 and train.name(0).endswith("train-0.tar:t") and capsys.readouterr().out == ""
+    assert len(train) == 2 and train.name(0).endswith("train-0.tar:t") and capsys.readouterr().out == ""
 
 
 def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it_cut(tmp_path, capsys):
@@ -476,8 +484,13 @@ def test_shards_of_other_writers_that_would_be_read_wrong_are_refused_or_read_ri
     is a name beside its "class_index"; without classes.txt, a val label train never has (taken for a class)."""
     shard = tmp_path / "s.tar"
     webdataset_tar(shard, [("0.jpg", b"a"), ("0.cls", b"0"), ("1.jpg", b"b"), ("1.cls", b"1"), ("0.jpg", b"c")])
-    with pytest.raises(UsageError, match=rf"^{shard}: key 0 again at 0\.jpg, after other samples: each sample's key"):
+    with pytest.raises(UsageError, match=rf"^{shard} holds 0\.jpg twice: each member's name must be unique"):
         index_tar(shard)
+    webdataset_tar(shard, [("a.jpg", b"a"), ("a.cls", b"0"), ("a.jpg", b"b"), ("a.cls", b"1")])  # (one after another)
+    with pytest.raises(UsageError, match=rf"^{shard} holds a\.jpg twice"):
+        index_tar(shard)
+    webdataset_tar(shard, [("./4.jpg", b"4"), ("./5.cls", b"1"), ("./5.jpg", b"5"), ("./4.cls", b"0")])  # `tar cf`'s
+    assert [(key, label) for key, _, label, *_ in index_tar(shard)[0]] == [("./4", 0), ("./5", 1)]  # (was refused)
     for label in (b"99999999999", "\u00b2".encode()):
         webdataset_tar(shard, [("a.jpg", b"a"), ("a.cls", label)])
         with pytest.raises(UsageError, match=r"a\.cls holds .*: expected a class index"):
@@ -488,33 +501,76 @@ def test_shards_of_other_writers_that_would_be_read_wrong_are_refused_or_read_ri
     whole = shard.read_bytes()
     shard.write_bytes(whole[: whole.rindex(b'{"label": 1}') + 12])  # after k1's label: the end-of-archive blocks lost
     assert [sample[0] for sample in index_tar(shard)[0]] == ["k0", "k1"]
+    webdataset_tar(
+        shard,
+        [(f"k{n}.{e}", d) for n in range(2) for e, d in (("jpg", b"z"), ("json", b'{"label": 7}'), ("cls", b"1"))],
+    )
+    shard.write_bytes(shard.read_bytes()[: shard.read_bytes().rindex(b"7}") + 2])  # before k1's .cls: lost, not 7
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["k0"] and index_tar(shard)[1] == "k1"
+    webdataset_tar(shard, [("a.jpg", b"a"), ("a.json", b'{"label": 99999999999}')])  # (was: an OverflowError)
+    with pytest.raises(UsageError, match="a has no label"):
+        index_tar(shard)
     root = tmp_path / "other"
     for split in ("train", "val"):
         (root / split).mkdir(parents=True)
         webdataset_tar(root / split / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"1"), ("j.jpg", b"j"), ("j.cls", b"0")])
     dali = b"v1.2 2\ncls 1024 1 jpg 1536 1\n"
     (root / "train" / "a-000.idx").write_bytes(dali)
-    output = tmp_path / "run"
-    output.mkdir()
-    assert len(scan_shards(root, cache=output)[1]) == 2
-    assert (root / "train" / "a-000.idx").read_bytes() == dali and list((output / "shard-indexes").iterdir())
-    webdataset_tar(root / "val" / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"2")])
-    with pytest.raises(
-        UsageError, match=r"val/a-000\.tar:k has label 2, but with no classes\.txt, the train labels make 2"
-    ):
-        scan_shards(root)
+    assert len(scan_shards(root)[1]) == 2
+    ours = root / "train" / "a-000.tar.idx"  # beside it under another name: read by the next job, not built again
+    assert (root / "train" / "a-000.idx").read_bytes() == dali and read_index(root / "train" / "a-000.tar", ours)
+    written = ours.stat().st_mtime_ns
+    assert len(scan_shards(root)[1]) == 2 and ours.stat().st_mtime_ns == written
+    for labels, unseen in (((b"2",), "2"), ((b"1", b"3"), "3")):  # past train's labels, and in a gap of them
+        webdataset_tar(
+            root / "val" / "a-000.tar",
+            [(f"k{n}.{e}", d) for n, lb in enumerate(labels) for e, d in (("jpg", b"k"), ("cls", lb))],
+        )
+        with pytest.raises(
+            UsageError, match=rf"val shards of --data {root} have labels {unseen} that its train shards never have"
+        ):
+            scan_shards(root)
     webdataset_tar(root / "val" / "a-000.tar", [("k.jpg", b"k"), ("k.cls", b"1")])
-    gzipped = root / "val" / "a-001.tar"
-    gzipped.write_bytes(__import__("gzip").compress((root / "val" / "a-000.tar").read_bytes()))
-    with pytest.raises(UsageError, match=rf"^{gzipped} is gzip-compressed: .* gunzip it$"):
-        scan_shards(root)
-    gzipped.rename(root / "val" / "a-001.tar.gz")
+    compressed = root / "val" / "a-001.tar"
+    for module, kind in (("gzip", "gzip"), ("lzma", "xz"), ("bz2", "bzip2")):  # (was: read as cut short, 0 samples)
+        compressed.write_bytes(__import__(module).compress((root / "val" / "a-000.tar").read_bytes()))
+        with pytest.raises(UsageError, match=rf"^{compressed} holds {kind} data: .* decompress it$"):
+            scan_shards(root)
+    compressed.rename(root / "val" / "a-001.tar.gz")
     with pytest.raises(UsageError, match=r"a-001\.tar\.gz is compressed: shards are read at their samples' offsets"):
         scan_shards(root)
+    webdataset_tar(compressed, [("m.jpg", b"m"), ("m.cls", b"0")])  # beside its .tar, as `gzip -k` leaves it: read
+    assert len(scan_shards(root)[2]) == 2
+    compressed.unlink()
     (root / "val" / "a-001.tar.gz").unlink()
+    only = tmp_path / "only-compressed"  # (was: "train has no class folders")
+    shutil.copytree(root, only)
+    for path in only.glob("*/*.tar"):
+        path.rename(path.with_name(path.name + ".gz"))
+    with pytest.raises(UsageError, match=r"is compressed: shards are read at their samples' offsets"):
+        build_datasets(parse("--data", only))
     cut = root / "val" / "a-001.tar"
     cut.write_bytes((root / "val" / "a-000.tar").read_bytes()[:1000])  # k's label cut off
     capsys.readouterr()
     for _ in range(2):  # said by every job (was: once, then its index made the loss silent)
         assert len(scan_shards(root)[2]) == 1
         assert capsys.readouterr().out.startswith(f"warning: {cut} is cut short")
+
+
+def test_an_index_of_version_1_is_built_again_and_make_shards_carries_on_over_its_own(shards, tmp_path):
+    """Version 1 read some shards wrong (a name twice, gzip data, a cut after a .json): such an index is not trusted;
+    make_shards' own shards, which version 1 read right, are not written again on a rerun."""
+    copy = shutil.copytree(shards, tmp_path / "copy")
+    tars = sorted(copy.glob("*/*.tar"))
+
+    def as_version_1():
+        for shard in tars:
+            index = dict(np.load(index_path(shard)))
+            with open(index_path(shard), "wb") as file:
+                np.savez(file, **{**index, "version": np.array(1)})
+
+    as_version_1()
+    scan_shards(copy)
+    assert all(int(np.load(index_path(shard))["version"]) == 2 for shard in tars)
+    as_version_1()
+    assert all(make_shards.done(shard) for shard in tars)
