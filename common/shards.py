@@ -27,7 +27,7 @@ OPEN_SHARDS = 128  # per process: 16 loader workers of 8 ranks hold 16,384 at mo
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
 JSON_LABELS = ("cls", "label", "class", "class_index")  # the keys of a sample's .json that may hold its class index
 COMPRESSED = (".tar.gz", ".tgz")  # shards that cannot be read at their offsets: refused, naming the fix
-MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}  # (compressed)
+MAGIC = {b"\x1f\x8b": "gzip", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}  # (compressed; bzip2: below)
 MAX_LABEL = 2**31 - 1  # (the index's int32 column)
 
 
@@ -130,14 +130,14 @@ def check_member(header, name, size):
         )
 
 
-def shard_samples(shard, cache=None):
+def shard_samples(shard, cache=None, versions=(INDEX_VERSION,)):
     """The columns of `shard`'s samples: its index, or, where none matches it, the shard read through (index_tar) and
     its index written beside it (atomically: two jobs that index it at once write the same), or, where its folder is
     read-only, in the output directory `cache` (when given and there)."""
     cached = cached_index_path(shard, cache) if cache is not None else None
     for path in (None, second_index_path(shard), *([cached] if cached else [])):
         try:
-            return read_index(shard, path)
+            return read_index(shard, path, versions)
         except UsageError:
             pass
     stamp, (samples, cut) = shard_stamp(shard), index_tar(shard)
@@ -149,8 +149,9 @@ def shard_samples(shard, cache=None):
         )
     if cut is not None:  # (no index: each job reads it through again, and says so)
         return columns(samples)
-    try:  # (beside it as NAME.tar.idx where another tool's NAME.idx is: kept)
-        write_index(shard, samples, stamp, second_index_path(shard) if _foreign(index_path(shard)) else None)
+    try:  # (beside it as NAME.tar.idx where another tool's NAME.idx is: kept; where both are another's, elsewhere)
+        beside = next(path for path in (index_path(shard), second_index_path(shard), None) if not _foreign(path))
+        write_index(shard, samples, stamp, beside) if beside else _no_room_beside()
     except OSError:  # a read-only folder
         if cached and Path(cache).is_dir():
             try:
@@ -161,8 +162,14 @@ def shard_samples(shard, cache=None):
     return columns(samples)
 
 
+def _no_room_beside():
+    raise PermissionError  # (both names beside the shard taken by another tool's files: the output directory's)
+
+
 def _foreign(path):
     """Whether `path` holds something that is no index of ours, even one cut short (ours are zip files: npz)."""
+    if path is None:
+        return False
     try:
         with open(path, "rb") as file:
             start = file.read(2)
@@ -250,7 +257,11 @@ def split_index(root, split, cache=None):
         )
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
-    indexes = [shard_samples(shard, cache) for shard in shards]
+    versions = (1, INDEX_VERSION) if (Path(root) / MANIFEST).exists() else (INDEX_VERSION,)  # (1 read ours alike)
+    try:
+        indexes = [shard_samples(shard, cache, versions) for shard in shards]
+    except OSError as error:  # (a dangling link, no permission)
+        raise UsageError(f"cannot read {error.filename}: {error.strerror}") from None
     check_no_copies(shards, indexes, root, split)
     index = ShardIndex(shards, indexes)
     if not len(index):
@@ -262,14 +273,17 @@ def check_no_copies(shards, indexes, root, split):
     """One line where two shards hold the same samples, name, size and label alike, and the same first image: a shard
     copied under another name, whose images would be trained on, and validated, twice an epoch. (Shards whose keys
     merely repeat, a counter restarting in each, differ in their sizes, labels or bytes.)"""
-    seen = {}
+    seen = {}  # names, sizes and labels -> the one shard of them, or {its first image's digest: shard}
     for shard, index in zip(shards, indexes):
         if len(index["labels"]):  # (empty shards: cut short, said so)
-            columns = [index[name].tobytes() for name in ("names", "sizes", "labels")]
-            alike = seen.setdefault(hashlib.sha256(b"".join(columns)).digest(), [])
-            same = next((other for other, its in alike if _first_image(other, its) == _first_image(shard, index)), None)
-            alike.append((shard, index))
-            if same is not None:
+            columns = hashlib.sha256(b"".join(index[name].tobytes() for name in ("names", "sizes", "labels"))).digest()
+            if columns not in seen:
+                seen[columns] = (shard, index)  # (its first image read only if another shard has these columns)
+                continue
+            if isinstance(seen[columns], tuple):
+                seen[columns] = {_first_image(*seen[columns]): seen[columns][0]}
+            same = seen[columns].setdefault(_first_image(shard, index), shard)
+            if same != shard:
                 raise UsageError(
                     f"{same} and {shard} hold the same {len(index['labels'])} samples (names, sizes, labels and first "
                     f"image): a shard copied? Each image of --data {root}'s {split} shards may be in one shard only"
@@ -279,7 +293,7 @@ def check_no_copies(shards, indexes, root, split):
 def _first_image(shard, index):
     with open(shard, "rb") as file:
         file.seek(int(index["offsets"][0]))
-        return file.read(int(index["sizes"][0]))
+        return hashlib.sha256(file.read(int(index["sizes"][0]))).digest()
 
 
 def scan_shards(root, cache=None):
@@ -358,8 +372,9 @@ def index_tar(shard):
 
     samples, labels, json_labels, cut, size, names = {}, {}, {}, None, os.stat(shard).st_size, set()
     with open(shard, "rb") as file:
-        start = file.read(6)
-    kind = next((kind for magic, kind in MAGIC.items() if start.startswith(magic)), None)
+        start = file.read(10)
+    bzip2 = start[:3] == b"BZh" and start[3:4].isdigit() and start[4:10] == b"1AY&SY"  # (not a name "BZh...")
+    kind = "bzip2" if bzip2 else next((kind for magic, kind in MAGIC.items() if start.startswith(magic)), None)
     if kind:  # (read as a tar: cut short at 0 samples)
         raise UsageError(f"{shard} holds {kind} data: shards are read uncompressed at their offsets; decompress it")
     try:
@@ -369,14 +384,24 @@ def index_tar(shard):
                 if member.offset_data + member.size > size:
                     cut = key
                     break
+                if (member.issym() or member.islnk()) and extension.lower() in IMAGE_EXTENSIONS:
+                    raise UsageError(  # (not read at an offset of its own: its sample was lost, silently)
+                        f"{shard}: {member.name} is a link: write the shard with the images themselves (tar -h "
+                        "--hard-dereference)"
+                    )
                 if not member.isfile():
                     continue
-                if (key, extension) in names:  # (the index keeps one sample per key; webdataset refuses it too)
+                if (key, extension) in names:  # (the index keeps one sample per key)
                     raise UsageError(
                         f"{shard} holds {member.name} twice: each member's name must be unique in its shard (a writer "
                         "naming members by their file's base name?)"
                     )
                 names.add((key, extension))
+                if extension.lower() in IMAGE_EXTENSIONS and key in samples:  # (a photo and its mask: which?)
+                    raise UsageError(
+                        f"{shard}:{key} holds two images ({samples[key][1]}, {extension}): keep one image a sample "
+                        "(name the other KEY.mask.png, say: not an image extension)"
+                    )
                 if extension.lower() in IMAGE_EXTENSIONS:
                     samples[key] = [key, extension, None, member.offset_data, member.size]
                 elif extension == "cls":

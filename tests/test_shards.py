@@ -283,7 +283,8 @@ def test_a_rerun_on_other_images_or_into_an_image_folder_is_refused_in_one_line(
     assert make_shards.main([str(source), str(tmp_path / "new"), "--workers", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: SRC {source} is unfinished: cd /d && python /r/tools/prepare_imagenet.py /a /src stopped part-way "
-        "through writing it, or is still writing it; run that command again to finish it (it carries on), then train"
+        "through writing it, or is still writing it; run that command again to finish it (it carries on), then make "
+        "the shards"
     ]
     (source / UNFINISHED).unlink()
     image_folder = shutil.copytree(tiny_data, tmp_path / "folder")

@@ -93,3 +93,12 @@ def test_a_class_named_in_two_unicode_forms_is_said_to_be_so(folder):
         (folder / split / "ring").rename(folder / split / unicodedata.normalize(form, "caf\u00e9"))
     with pytest.raises(UsageError, match="\\): caf\u00e9 in two Unicode forms \\(NFC and NFD\\): rename one$"):
         scan_image_folder(folder)
+
+
+def test_a_long_command_in_an_unfinished_marker_is_cut_and_says_so(tmp_path):
+    from common.errors import UsageError
+    from common.folder_index import UNFINISHED, refuse_unfinished
+
+    (tmp_path / UNFINISHED).write_text("python tools/make_shards.py " + "a" * 2000)
+    with pytest.raises(UsageError, match=r"a{900}\.\.\. stopped part-way through writing it"):
+        refuse_unfinished(tmp_path)

@@ -558,8 +558,9 @@ def test_shards_of_other_writers_that_would_be_read_wrong_are_refused_or_read_ri
 
 
 def test_an_index_of_version_1_is_built_again_and_make_shards_carries_on_over_its_own(shards, tmp_path):
-    """Version 1 read some shards wrong (a name twice, gzip data, a cut after a .json): such an index is not trusted;
-    make_shards' own shards, which version 1 read right, are not written again on a rerun."""
+    """Version 1 read some shards wrong (a name twice, gzip data, a cut after a .json): such an index of another
+    writer's shards is not trusted; make_shards' own (shards.json beside them), which version 1 read right, keep theirs
+    (not read through again by every job) and are not written again on a rerun."""
     copy = shutil.copytree(shards, tmp_path / "copy")
     tars = sorted(copy.glob("*/*.tar"))
 
@@ -570,7 +571,45 @@ def test_an_index_of_version_1_is_built_again_and_make_shards_carries_on_over_it
                 np.savez(file, **{**index, "version": np.array(1)})
 
     as_version_1()
+    scan_shards(copy)  # make_shards' (its shards.json there): version 1 read them right, trusted
+    assert all(int(np.load(index_path(shard))["version"]) == 1 for shard in tars)
+    assert all(make_shards.done(shard) for shard in tars)
+    (copy / "shards.json").unlink()  # another writer's: built again
     scan_shards(copy)
     assert all(int(np.load(index_path(shard))["version"]) == 2 for shard in tars)
-    as_version_1()
-    assert all(make_shards.done(shard) for shard in tars)
+
+
+def test_what_a_shard_holds_that_its_index_would_read_wrong_is_refused_and_names_like_magic_are_not(tmp_path):
+    """Two images in one sample (a photo and its mask: the last was kept, silently), an image stored as a link
+    (`tar cf` of a folder with links: its sample lost, silently), zstd data; a first member named BZh... is no bzip2
+    data (was refused); another tool's NAME.idx and NAME.tar.idx both kept (the second was overwritten); a dangling
+    link as a shard: one line (was a FileNotFoundError traceback)."""
+    shard = tmp_path / "s.tar"
+    webdataset_tar(shard, [("a.jpg", b"photo"), ("a.png", b"mask"), ("a.cls", b"0")])
+    with pytest.raises(UsageError, match=rf"^{shard}:a holds two images \(jpg, png\): keep one image a sample"):
+        index_tar(shard)
+    with tarfile.open(shard, "w") as tar:
+        info = tarfile.TarInfo("b.jpg")
+        info.type, info.linkname = tarfile.LNKTYPE, "a.jpg"
+        tar.addfile(info)
+    with pytest.raises(UsageError, match=rf"^{shard}: b\.jpg is a link: write the shard with the images themselves"):
+        index_tar(shard)
+    shard.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(2000))
+    with pytest.raises(UsageError, match=r"holds zstd data"):
+        index_tar(shard)
+    webdataset_tar(shard, [("BZh_001.jpg", b"x"), ("BZh_001.cls", b"0")])
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["BZh_001"]
+    root = tmp_path / "root"
+    for split in ("train", "val"):
+        (root / split).mkdir(parents=True)
+        webdataset_tar(root / split / "a.tar", [("k.jpg", b"k"), ("k.cls", b"0")])
+    theirs = {root / "train" / "a.idx": b"v1.2 1\n", root / "train" / "a.tar.idx": b"another tool's"}
+    for path, data in theirs.items():
+        path.write_bytes(data)
+    (tmp_path / "out").mkdir()
+    assert len(scan_shards(root, cache=tmp_path / "out")[1]) == 1
+    assert all(path.read_bytes() == data for path, data in theirs.items())
+    assert list((tmp_path / "out" / "shard-indexes").iterdir())
+    (root / "val" / "b.tar").symlink_to("gone.tar")
+    with pytest.raises(UsageError, match=rf"^cannot read {root}/val/b\.tar: No such file or directory$"):
+        scan_shards(root)
