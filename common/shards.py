@@ -18,7 +18,7 @@ import numpy as np
 from .errors import UsageError, say
 from .folder_index import NameTable
 
-INDEX_VERSION = 2  # 2: written once index_tar refused what 1 read wrong (a name twice, gzip data): 1 read through again
+INDEX_VERSION = 3  # 3: index_tar refuses what 1 (and 2, this one's draft) read wrong: others' shards read through again
 CLASSES = "classes.txt"
 MANIFEST = "shards.json"  # how tools/make_shards.py wrote a folder of shards: a rerun with other options is refused
 COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
@@ -257,7 +257,7 @@ def split_index(root, split, cache=None):
         )
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
-    versions = (1, INDEX_VERSION) if (Path(root) / MANIFEST).exists() else (INDEX_VERSION,)  # (1 read ours alike)
+    versions = (1, INDEX_VERSION) if made_here(root) else (INDEX_VERSION,)  # (1 read tools/make_shards.py's right)
     try:
         indexes = [shard_samples(shard, cache, versions) for shard in shards]
     except OSError as error:  # (a dangling link, no permission)
@@ -288,6 +288,17 @@ def check_no_copies(shards, indexes, root, split):
                     f"{same} and {shard} hold the same {len(index['labels'])} samples (names, sizes, labels and first "
                     f"image): a shard copied? Each image of --data {root}'s {split} shards may be in one shard only"
                 )
+
+
+def made_here(root):
+    """Whether tools/make_shards.py (or prepare_imagenet.py --shards) wrote the shards at `root`: its manifest."""
+    import json
+
+    try:
+        manifest = json.loads((Path(root) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"source", "shard_size", "resize", "train", "val"} <= manifest.keys()
 
 
 def _first_image(shard, index):
@@ -384,9 +395,10 @@ def index_tar(shard):
                 if member.offset_data + member.size > size:
                     cut = key
                     break
-                if (member.issym() or member.islnk()) and extension.lower() in IMAGE_EXTENSIONS:
+                linked = member.issym() or member.islnk()  # (`tar cf` of a folder of links, of deduplicated files)
+                if linked and (extension.lower() in IMAGE_EXTENSIONS or extension in ("cls", "json")):
                     raise UsageError(  # (not read at an offset of its own: its sample was lost, silently)
-                        f"{shard}: {member.name} is a link: write the shard with the images themselves (tar -h "
+                        f"{shard}: {member.name} is a link: write the shard with the files themselves (tar -h "
                         "--hard-dereference)"
                     )
                 if not member.isfile():

@@ -18,6 +18,7 @@ from common.datasets import ImageFiles, ShardedImages, build_datasets
 from common.errors import UnreadableFile, UsageError
 from common.folder_index import scan_image_folder
 from common.shards import (
+    INDEX_VERSION,
     ShardReader,
     index_path,
     index_tar,
@@ -574,9 +575,9 @@ def test_an_index_of_version_1_is_built_again_and_make_shards_carries_on_over_it
     scan_shards(copy)  # make_shards' (its shards.json there): version 1 read them right, trusted
     assert all(int(np.load(index_path(shard))["version"]) == 1 for shard in tars)
     assert all(make_shards.done(shard) for shard in tars)
-    (copy / "shards.json").unlink()  # another writer's: built again
+    (copy / "shards.json").write_text('{"files": []}')  # another writer's (a JSON list of shards): built again
     scan_shards(copy)
-    assert all(int(np.load(index_path(shard))["version"]) == 2 for shard in tars)
+    assert all(int(np.load(index_path(shard))["version"]) == INDEX_VERSION for shard in tars)
 
 
 def test_what_a_shard_holds_that_its_index_would_read_wrong_is_refused_and_names_like_magic_are_not(tmp_path):
@@ -588,17 +589,28 @@ def test_what_a_shard_holds_that_its_index_would_read_wrong_is_refused_and_names
     webdataset_tar(shard, [("a.jpg", b"photo"), ("a.png", b"mask"), ("a.cls", b"0")])
     with pytest.raises(UsageError, match=rf"^{shard}:a holds two images \(jpg, png\): keep one image a sample"):
         index_tar(shard)
-    with tarfile.open(shard, "w") as tar:
-        info = tarfile.TarInfo("b.jpg")
-        info.type, info.linkname = tarfile.LNKTYPE, "a.jpg"
+    for name, kind in (("b.jpg", tarfile.LNKTYPE), ("b.jpg", tarfile.SYMTYPE), ("b.cls", tarfile.LNKTYPE)):
+        with tarfile.open(shard, "w") as tar:
+            for member, data in (("a.jpg", b"photo"), ("a.cls", b"0")):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, f"a.{name.split('.')[1]}"
+            tar.addfile(info)
+        with pytest.raises(UsageError, match=rf"^{shard}: {name} is a link: write the shard with the files themselves"):
+            index_tar(shard)  # (a .cls linked: "b has no label", untrue)
+    webdataset_tar(shard, [("a.jpg", b"photo"), ("a.cls", b"0")])
+    with tarfile.open(shard, "a") as tar:  # a link that is neither an image nor a label: left alone
+        info = tarfile.TarInfo("a.txt")
+        info.type, info.linkname = tarfile.SYMTYPE, "a.cls"
         tar.addfile(info)
-    with pytest.raises(UsageError, match=rf"^{shard}: b\.jpg is a link: write the shard with the images themselves"):
-        index_tar(shard)
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["a"]
     shard.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(2000))
     with pytest.raises(UsageError, match=r"holds zstd data"):
         index_tar(shard)
-    webdataset_tar(shard, [("BZh_001.jpg", b"x"), ("BZh_001.cls", b"0")])
-    assert [sample[0] for sample in index_tar(shard)[0]] == ["BZh_001"]
+    webdataset_tar(shard, [("BZh2023_001.jpg", b"x"), ("BZh2023_001.cls", b"0")])  # ("BZh" and a digit, as bzip2)
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["BZh2023_001"]
     root = tmp_path / "root"
     for split in ("train", "val"):
         (root / split).mkdir(parents=True)
