@@ -19,7 +19,7 @@ import torch
 
 from . import distributed
 from .config import flag
-from .data import items_digest
+from .data import items_digest, other_items
 from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
 from .optim import restore_scheduler
@@ -533,8 +533,7 @@ def _restore_position(trainer, checkpoint, path):
     step = int(checkpoint["step_in_epoch"])
     trained = step >= saved["steps"]
     changed = [f"{split} {saved[split]} -> {now[split]}" for split in ("train", "val") if saved[split] != now[split]]
-    items = [str(saved.get("train_items")), str(now["train_items"])]  # KIND:DIGEST, compared where of one KIND
-    other = items[0].split(":")[0] == items[1].split(":")[0] and items[0] != items[1] and "None" not in items
+    other = other_items(saved.get("train_items"), now["train_items"])
     if step and not trained and (saved["train"] != now["train"] or other):  # (other: as many, other files or labels)
         raise UsageError(
             f"{path} stopped part-way through an epoch of {saved['train']} training images; the data now holds "

@@ -312,6 +312,11 @@ def items_digest(loader):
     return dataset._items_digest
 
 
+def other_items(saved, now):
+    """Whether two items_digest results name other items of one kind (None, or two kinds: not compared)."""
+    return None not in (saved, now) and saved.split(":")[0] == now.split(":")[0] and saved != now
+
+
 # Files that cannot be decoded.
 
 MAX_IN_A_ROW = 50  # more consecutive failures than this is no broken file but unreadable data (or a bug)

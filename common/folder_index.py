@@ -22,6 +22,21 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 UNFINISHED = ".unfinished"
 
 
+def mark_unfinished(root, command):
+    """Mark `root` unfinished by a tool run as `command`, before it writes what a run reads there."""
+    from .run_dir import atomic_write
+
+    atomic_write(Path(root) / UNFINISHED, lambda file: file.write(command.encode("utf-8", "surrogateescape")))
+
+
+def mark_finished(root):
+    """Unmark `root` once everything the tool wrote there is on disk (synced before its rename)."""
+    from .run_dir import fsync
+
+    (Path(root) / UNFINISHED).unlink(missing_ok=True)
+    fsync(root)
+
+
 def refuse_unfinished(root, what="--data", then="train"):
     """UsageError if a tool of ours has not finished writing `root` (it holds UNFINISHED), said of it as `what`."""
     marker = Path(root) / UNFINISHED

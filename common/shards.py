@@ -150,8 +150,10 @@ def shard_samples(shard, cache=None, versions=(INDEX_VERSION,)):
     if cut is not None:  # (no index: each job reads it through again, and says so)
         return columns(samples)
     try:  # (beside it as NAME.tar.idx where another tool's NAME.idx is: kept; where both are another's, elsewhere)
-        beside = next(path for path in (index_path(shard), second_index_path(shard), None) if not _foreign(path))
-        write_index(shard, samples, stamp, beside) if beside else _no_room_beside()
+        beside = next((path for path in (index_path(shard), second_index_path(shard)) if not _foreign(path)), None)
+        if beside is None:
+            raise PermissionError  # (as a read-only folder)
+        write_index(shard, samples, stamp, beside)
     except OSError:  # a read-only folder
         if cached and Path(cache).is_dir():
             try:
@@ -162,14 +164,8 @@ def shard_samples(shard, cache=None, versions=(INDEX_VERSION,)):
     return columns(samples)
 
 
-def _no_room_beside():
-    raise PermissionError  # (both names beside the shard taken by another tool's files: the output directory's)
-
-
 def _foreign(path):
     """Whether `path` holds something that is no index of ours, even one cut short (ours are zip files: npz)."""
-    if path is None:
-        return False
     try:
         with open(path, "rb") as file:
             start = file.read(2)
@@ -241,8 +237,8 @@ def read_classes(root):
     return classes
 
 
-def split_index(root, split, cache=None):
-    """The ShardIndex of root/split/*.tar."""
+def split_index(root, split, cache=None, versions=(INDEX_VERSION,)):
+    """The ShardIndex of root/split/*.tar (their indexes of `versions` trusted)."""
     shards = sorted((Path(root) / split).glob("*.tar"))
     compressed = sorted(  # (beside its .tar, as `gzip -k` leaves it: that one is read)
         path
@@ -257,7 +253,6 @@ def split_index(root, split, cache=None):
         )
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
-    versions = (1, INDEX_VERSION) if made_here(root) else (INDEX_VERSION,)  # (1 read tools/make_shards.py's right)
     try:
         indexes = [shard_samples(shard, cache, versions) for shard in shards]
     except OSError as error:  # (a dangling link, no permission)
@@ -310,7 +305,9 @@ def _first_image(shard, index):
 def scan_shards(root, cache=None):
     """(classes, train ShardIndex, val ShardIndex) of the shards under `root` (shard_samples; `cache`: the output
     directory). The class names are root/classes.txt's; without it, the labels' numbers."""
-    classes, train, val = read_classes(root), split_index(root, "train", cache), split_index(root, "val", cache)
+    classes = read_classes(root)
+    versions = (1, INDEX_VERSION) if made_here(root) else (INDEX_VERSION,)  # (1 read tools/make_shards.py's right)
+    train, val = (split_index(root, split, cache, versions) for split in ("train", "val"))
     listed = f"{Path(root) / CLASSES} lists" if classes else f"with no {CLASSES}, the train labels make"
     unseen = np.setdiff1d(val.labels, train.labels) if classes is None else []
     if len(unseen):  # (as with CSV and Hugging Face integer labels: a class validation has and training never sees)

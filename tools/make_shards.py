@@ -36,8 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
 from common.errors import NO_ROOM, NoRoom, UsageError, printable
-from common.folder_index import UNFINISHED, refuse_unfinished, scan_image_folder, scan_split_files, split_files
-from common.run_dir import atomic_write, fsync
+from common.folder_index import (
+    mark_finished,
+    mark_unfinished,
+    refuse_unfinished,
+    scan_image_folder,
+    scan_split_files,
+    split_files,
+)
+from common.run_dir import atomic_write
 from common.shards import (
     CLASSES,
     IMAGE_EXTENSIONS,
@@ -148,7 +155,7 @@ REMEDY = {
 
 def done(shard):
     """Whether `shard` and its index were written completely and still match (an index of version 1 too: this tool's
-    shards are what version 2 reads alike)."""
+    shards are what the current version reads alike)."""
     try:
         read_index(shard, versions=(1, INDEX_VERSION))
         return True
@@ -181,7 +188,7 @@ def open_output(out, manifest, classes, splits, command):
                 f"{out} holds shards of other images than SRC's now (a class or an image added, removed, renamed or "
                 f"moved since): give another OUT, or delete {out} to write them again"
             )
-        atomic_write(out / UNFINISHED, lambda file: file.write(command.encode("utf-8", "surrogateescape")))
+        mark_unfinished(out, command)
         if earlier is None:
             atomic_write(path, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
         listed = "".join(f"{name}\n" for name in classes).encode("utf-8", "surrogateescape")  # (a name as its bytes)
@@ -201,9 +208,8 @@ def make_shards(args):
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
         raise UsageError(f"SRC {src} is not a folder")
-    refuse_unfinished(
-        src, "SRC", "make the shards"
-    )  # (a stopped tools/prepare_imagenet.py's OUT_DIR: its shards would look whole)
+    # (a stopped tools/prepare_imagenet.py's OUT_DIR: its shards would look whole)
+    refuse_unfinished(src, "SRC", "make the shards")
     try:
         classes, train, val = scan_split_files(src) if split_files(src) else scan_image_folder(src)
     except UsageError as error:  # said of the training scripts' --data: here it is SRC
@@ -266,8 +272,7 @@ def write_all(out, classes, samples, source, args):
         + f" images in shards of {args.shard_size}",
         flush=True,
     )
-    (out / UNFINISHED).unlink(missing_ok=True)  # (last: every shard and index above was synced before its rename)
-    fsync(out)
+    mark_finished(out)  # (last)
 
 
 def written(jobs, args):

@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
 from common.errors import NO_ROOM
-from common.folder_index import IMG_EXTENSIONS, UNFINISHED
+from common.folder_index import IMG_EXTENSIONS, mark_finished, mark_unfinished
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
@@ -667,11 +667,10 @@ def prepare(args):
             "were done before"
         )
     if pending:  # marked unfinished (common/folder_index.py) until every class is done
-        write_atomically(out_dir / UNFINISHED, args.command.encode("utf-8", "surrogateescape"))
+        mark_unfinished(out_dir, args.command)
         run_pool(pending, redo, out_dir, args)
     summary(out_dir, jobs, time.monotonic() - start)
-    (out_dir / UNFINISHED).unlink(missing_ok=True)  # (last: each class's images were synced before its marker)
-    sync(out_dir)
+    mark_finished(out_dir)  # (last)
 
 
 def summary(out_dir, jobs, seconds):
