@@ -71,6 +71,7 @@ def training_runs(tmp_path_factory):
     hf = {form: hf_copy(folder, out / f"hf-{form}", form) for form in ("disk", "parquet")}
     hf_env = clean_env(HF_DATASETS_CACHE=out / "hf-cache")  # (datasets' arrow copy of the parquet files)
     killed = [*RUN, "--data", shards, "--output-dir", out / "resumed", "--resume", "auto", "--checkpoint-interval", "1"]
+    killed += ["--trainer", "tests.tiny_models:SlowSixthStep"]  # (epoch 1's last step: the kill lands before it ends)
     jobs = {
         "killed": Job(script_command("train_dp.py", *killed)),
         "folder": Job(script_command("train_dp.py", *RUN, "--data", folder, "--output-dir", out / "folder")),

@@ -201,15 +201,24 @@ class SlowStop(Trainer):
 
 
 class SlowFourthStep(Trainer):
-    """A trainer whose fourth training step takes 8 s longer on rank 0, in a fresh run (not in its resumed one): a
-    SIGKILL sent at the progress line of step 3 lands in that step on a busy test machine too (once, side by side
-    with six other jobs, the tiny steps ran on to epoch 2 before the kill came)."""
+    """A trainer whose fourth training step (SLOW_STEP) takes 8 s longer on rank 0, in a fresh run (not in its resumed
+    one): a SIGKILL sent at the progress line of step 3 lands in that step on a busy test machine too (once, side by
+    side with six other jobs, the tiny steps ran on to epoch 2 before the kill came)."""
+
+    SLOW_STEP = 4
 
     def train_step(self, model, images, labels):
         self.steps_done = getattr(self, "steps_done", 0) + 1
-        if self.steps_done == 4 and self.runtime.is_main and self.resumed_from is None:
+        if self.steps_done == self.SLOW_STEP and self.runtime.is_main and self.resumed_from is None:
             time.sleep(8)
         return super().train_step(model, images, labels)
+
+
+class SlowSixthStep(SlowFourthStep):
+    """As SlowFourthStep, its sixth step slow: with 3 steps an epoch, a SIGKILL sent at epoch 1's progress line of
+    step 2 lands in epoch 1 (on an idle machine, the step, validation and the epoch's checkpoint once came first)."""
+
+    SLOW_STEP = 6
 
 
 class SlowLastStep(Trainer):
