@@ -168,7 +168,7 @@ def check_replaced(config, train):
         )
 
 
-def check_device_decode(datasets, train, val):
+def check_device_decode(config, datasets, train, val):
     """--decode gpu: our image sets' JPEGs, transformed on the device by the default transforms; else one line."""
     if device_loader.decode_jpeg is None:
         import torchvision
@@ -188,17 +188,24 @@ def check_device_decode(datasets, train, val):
         if not isinstance(train, TrainPreset)
         else "the transforms added by build_transforms"
         if train.added
-        else "--auto-augment or --random-erase"
+        else augmentation_flags(config)
         if train.augmentation is not None
         else None
     )
     if other:
         raise UsageError(
-            f"--decode gpu crops and flips on the device after decoding, and runs no other transform: {other} "
-            "needs the images decoded in the loader workers (leave --decode gpu out)"
+            f"--decode gpu crops and flips on the device after decoding, and runs no other transform; this run has "
+            f"{other}, which the loader workers run on decoded images: leave --decode gpu out"
         )
     if not isinstance(val, EvalPreset):
         raise UsageError("--decode gpu resizes and crops on the device: build_transforms replaced the validation one")
+
+
+def augmentation_flags(config):
+    """The augmentation flags of this run that run in the loader workers, as given (a preset's named)."""
+    given = [f"--auto-augment {config.auto_augment}"] if config.auto_augment != "none" else []
+    given += [f"--random-erase {config.random_erase:g}"] if config.random_erase > 0 else []
+    return " and ".join(given) + (f" (given, or from --preset {config.preset})" if config.preset else "")
 
 
 def _wrapped(config, datasets, first, mean, seed, build_transforms):
@@ -217,7 +224,7 @@ def _wrapped(config, datasets, first, mean, seed, build_transforms):
             f"the data's have {first[0]}: leave it out, or give build_transforms your own"
         )
     if config.decode == "gpu":
-        check_device_decode(datasets, train_transform, val_transform)
+        check_device_decode(config, datasets, train_transform, val_transform)
         train_set.defer_jpegs = val_set.defer_jpegs = True
 
     def skipping(dataset, split, replace):

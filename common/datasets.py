@@ -53,7 +53,7 @@ def load_image(path):
 
 def decode_bytes(data, extension):
     """The image of the encoded bytes `data` of a file named *.`extension`, decoded as load_image decodes a file."""
-    if decode_image is not None and f".{extension.lower()}" in DECODED_BY_TORCHVISION:
+    if data and decode_image is not None and f".{extension.lower()}" in DECODED_BY_TORCHVISION:  # (none: PIL says why)
         image = _torchvision_decoded(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         if image is not None:
             return image
@@ -161,7 +161,7 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index):
         path, label = self.samples[index]
-        if self.defer_jpegs and path.lower().endswith(DECODED_BY_TORCHVISION):
+        if self.defer_jpegs and path.lower().endswith(DECODED_BY_TORCHVISION) and os.path.isfile(path):  # (a device?)
             found = decoded(lambda: encoded_jpeg(Path(path).read_bytes(), path))
             if found is not None:
                 return found, label
@@ -584,8 +584,11 @@ class HFRows:
         cell = self.rows[int(index)][self.image]
         if cell is None:
             raise ValueError("the row has no image")
-        path = cell.get("path") or ""
-        data = cell.get("bytes") or Path(path).read_bytes()
+        data, path = cell.get("bytes"), cell.get("path") or ""
+        if data is None:  # (empty bytes are an empty image, never a path to read from the working directory)
+            if not path:
+                raise ValueError("the row has no image")
+            data = Path(path).read_bytes()
         return data, Path(path).suffix.lstrip(".") or "jpg"
 
     def name(self, index):

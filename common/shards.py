@@ -375,10 +375,11 @@ def index_tar(shard):
     """([[key, extension, label, offset, size]], cut) of the samples of a webdataset tar `shard`, in its order: each
     key's image member and its label (KEY.cls, else KEY.json's: label_of_json). A shard cut short gives the samples
     before the cut, and in `cut` the key of the sample it cut, or "" (None: a whole shard). UsageError for a sample
-    without a label, or a label that is no class index."""
+    without a label, a label that is no class index, or one without an image."""
     import tarfile
 
     samples, labels, json_labels, cut, size, names = {}, {}, {}, None, os.stat(shard).st_size, set()
+    last_seen = None
     with open(shard, "rb") as file:
         start = file.read(10)
     bzip2 = start[:3] == b"BZh" and start[3:4].isdigit() and start[4:10] == b"1AY&SY"  # (not a name "BZh...")
@@ -389,6 +390,7 @@ def index_tar(shard):
         with tarfile.open(shard, "r:") as tar:
             for member in tar:
                 key, extension = split_member(member.name)
+                last_seen = key
                 if member.offset_data + member.size > size:
                     cut = key
                     break
@@ -428,6 +430,13 @@ def index_tar(shard):
     last = next(reversed(samples), None)  # its label may have been cut off: a .cls, where the shard has them
     if cut is not None and last is not None and (last not in labels if labels else json_labels.get(last) is None):
         cut = samples.popitem()[0]
+    for key in (*labels, *(key for key, label in json_labels.items() if label is not None)):
+        if key not in samples and (cut is None or key != last_seen):  # (a cut shard's last key: its image cut off?)
+            members = ", ".join(sorted(f"{key}.{extension}" for other, extension in names if other == key))
+            raise UsageError(  # (its sample was left out, silently: KEY.jpe, KEY.pnm, KEY.input.jpg)
+                f"{shard}:{key} has a label but no image ({members}): an image is KEY.EXT, EXT one of "
+                f"{', '.join(IMAGE_EXTENSIONS)}"
+            )
     for key, sample in samples.items():
         label = labels.get(key, json_labels.get(key))
         if label is None:

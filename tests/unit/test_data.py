@@ -393,13 +393,21 @@ def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatc
     with pytest.raises(UsageError, match=r"^--decode gpu decodes JPEGs, and --dummy has none"):
         parse("--dummy", "--decode", "gpu")
     config = parse("--data", tiny_data, "--decode", "gpu", "--auto-augment", "ta_wide")
-    with pytest.raises(UsageError, match=r"^--decode gpu crops and flips .*: --auto-augment or --random-erase needs"):
+    with pytest.raises(UsageError, match=r"^--decode gpu crops .*; this run has --auto-augment ta_wide, which the"):
+        build_data(config, build_datasets(config), 0, cpu_runtime())
+    config = parse("--data", tiny_data, "--decode", "gpu", "--preset", "tv-v2")  # (was "--auto-augment or ...")
+    with pytest.raises(
+        UsageError,
+        match=r"; this run has --auto-augment ta_wide and --random-erase 0\.1 \(given, or from --preset tv-v2\), which",
+    ):
         build_data(config, build_datasets(config), 0, cpu_runtime())
     config = parse("--data", tiny_data, "--decode", "gpu")
     classes, train_set, val_set = build_datasets(config)
     with pytest.raises(UsageError, match=r"^--decode gpu decodes the image files of --data, and the train set is a"):
         build_data(config, (classes, [(torch.zeros(3, 8, 8), 0)], val_set), 0, cpu_runtime())
-    with pytest.raises(UsageError, match=r"^--decode gpu .*: the transforms added by build_transforms needs"):
+    with pytest.raises(
+        UsageError, match=r"^--decode gpu .*; this run has the transforms added by build_transforms, which"
+    ):
         build_data(config, (classes, train_set, val_set), 0, cpu_runtime(), lambda t, v: (t.then(lambda x: x), v))
     monkeypatch.setattr("common.device_loader.decode_jpeg", None)  # (torchvision's decoders are deprecated)
     with pytest.raises(

@@ -8,7 +8,9 @@ import errno
 import io
 import os
 import re
+import resource
 import shutil
+import subprocess
 import sys
 import types
 
@@ -34,6 +36,7 @@ from common.datasets import (
 from common.errors import BadItem, UnreadableFile, UsageError
 from common.folder_index import read_split_file
 from conftest import cpu_runtime, hf_copy, make_image_folder, parse
+from harness.processes import PYTHON, REPO
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4"]
@@ -90,6 +93,30 @@ def test_an_image_file_that_cannot_be_decoded_is_an_unreadable_file_named_by_its
     with pytest.raises(UnreadableFile, match="cannot identify image file"):
         files[0]
     assert files.name(0) == str(tmp_path / "broken.jpg")
+
+
+def test_decode_gpu_reads_a_jpeg_name_that_is_no_file_as_without_it(tmp_path):
+    """--decode gpu read a .jpg linked to /dev/zero whole, in a process of its own here: its memory ran out (a
+    MemoryError's traceback, or the kernel's OOM kill of a loader worker). Without the flag PIL names it; now alike."""
+    (tmp_path / "zero.jpg").symlink_to("/dev/zero")
+    with pytest.raises(UnreadableFile) as without:
+        ImageFiles([(str(tmp_path / "zero.jpg"), 0)])[0]
+    code = (
+        "import sys\nfrom common.datasets import ImageFiles\nfiles = ImageFiles([(sys.argv[1], 0)])\n"
+        "files.defer_jpegs = True\ntry:\n    files[0]\n"
+        "except Exception as error:\n    print(type(error).__name__, error)"
+    )
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))  # noqa: E731
+    result = subprocess.run(
+        [PYTHON, "-c", code, tmp_path / "zero.jpg"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+        start_new_session=True,
+    )
+    assert result.stdout.strip() == f"UnreadableFile {without.value}", result.stdout + result.stderr[-2000:]
 
 
 def test_synthetic_images_take_the_size_of_their_epoch():
@@ -600,6 +627,26 @@ def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):
     with pytest.raises(UnreadableFile, match="^the row has no image$"):
         train[1]
     assert train.name(1) == f"{tmp_path / 'holes'}/train[1]"
+
+
+def test_a_row_of_empty_bytes_is_an_empty_image_never_a_file_of_the_working_directory(folder, tmp_path, monkeypatch):
+    """Empty bytes were taken as none: the row's relative path was read from the working directory, and a file of
+    that name there trained and was validated as the row (exit 0, no word)."""
+    import datasets
+
+    whole = next((folder / "train" / "ring").iterdir()).read_bytes()
+    rows = datasets.Dataset.from_dict(
+        {"image": [{"bytes": whole, "path": "a.jpg"}, {"bytes": b"", "path": "empty.jpg"}], "label": [0, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}),
+    )
+    datasets.DatasetDict({"train": rows, "validation": rows}).save_to_disk(str(tmp_path / "empty"))
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "empty.jpg").write_bytes(whole)
+    monkeypatch.chdir(tmp_path / "here")
+    _, train, _ = build_datasets(parse("--data", tmp_path / "empty"))
+    assert train[0][1] == 0
+    with pytest.raises(UnreadableFile, match="^cannot identify image file"):
+        train[1]
 
 
 def test_an_integer_label_column_gives_classes_by_number(folder, tmp_path):

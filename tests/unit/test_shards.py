@@ -4,6 +4,7 @@ shards cut short are named in one line."""
 
 import io
 import os
+import re
 import shutil
 import socket
 import sys
@@ -128,7 +129,7 @@ def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_kee
     (tmp_path / "out" / "classes.txt").write_bytes(listed.replace(b"\n", b"\r\n"))  # (written by hand elsewhere)
     assert read_classes(tmp_path / "out") == classes
     gone = next(index for index in range(len(train)) if train.name(index).endswith(":ring/zz-gone"))
-    with pytest.raises(UnreadableFile):
+    with pytest.raises(UnreadableFile, match="^cannot identify image file"):  # (was torch.frombuffer's complaint)
         ShardedImages(train)[gone]
     # A file that may read on a rerun (a socket here: ENXIO; a disk's or a mount's failure): one line, stopped.
     listening = socket.socket(socket.AF_UNIX)
@@ -282,6 +283,27 @@ def test_shards_written_elsewhere_are_indexed_once_beside_them_and_a_stale_index
     )
     _, train, _ = scan_shards(root)
     assert len(train) == 2 and train.name(0).endswith("train-0.tar:t") and capsys.readouterr().out == ""
+
+
+def test_a_label_without_an_image_is_refused_naming_the_sample_s_members_and_one_cut_off_is_not(tmp_path):
+    """A sample whose image has an extension not read as one (KEY.pnm, KEY.input.jpg) was left out, silently: 3 of
+    8 validation images once."""
+    shard = tmp_path / "s.tar"
+    for member in ("b.pnm", "b.input.jpg"):
+        webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), (member, b"P"), ("b.json", b'{"label": 0}')])
+        with pytest.raises(
+            UsageError,
+            match=rf"^{shard}:b has a label but no image \({re.escape(', '.join(sorted(['b.json', member])))}\): an "
+            r"image is KEY\.EXT, EXT one of jpg, jpeg, png,",
+        ):
+            index_tar(shard)
+    webdataset_tar(shard, [("a.jpg", b"A"), ("a.cls", b"1"), ("__meta__.json", b'{"source": "x"}')])  # (no label)
+    assert [sample[0] for sample in index_tar(shard)[0]] == ["a"]
+    webdataset_tar(shard, [item for n in range(2) for item in ((f"k{n}.cls", b"0"), (f"k{n}.jpg", b"z" * 3000))])
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[: index_tar(shard)[0][1][3] + 100])  # in k1's image, after its label
+    samples, cut = index_tar(shard)
+    assert [sample[0] for sample in samples] == ["k0"] and cut == "k1"
 
 
 def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it_cut(tmp_path, capsys):
