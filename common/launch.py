@@ -251,6 +251,12 @@ def known_failure(error):
             f"error: the rendezvous timed out: {joined[2]} of {joined[3]} processes joined in {joined[1]} s: start "
             "every node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
         )
+    waited = re.search(r"wait timeout after (\d+)ms, keys: ", text)
+    if waited:  # (a rank that joined node 0's store, waiting there for the others: DistStoreError)
+        return (
+            f"error: the rendezvous timed out: not every process joined in {int(waited[1]) / 1000:g} s: start every "
+            "node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
+        )
     connecting = re.search(r"client socket has timed out after \d+ms while trying to connect to \(([^)]*)\)", text)
     if connecting:  # (another node's: DistNetworkError)
         return (

@@ -554,6 +554,32 @@ def test_a_stop_signal_while_a_rank_waits_in_its_rendezvous_ends_it_at_once_with
     assert no_traceback_of_ours(output) and not job.left_behind
 
 
+def test_a_rendezvous_a_node_never_comes_to_ends_every_rank_that_came_in_one_line(data, tmp_path):
+    """Node 0 of two (train_spawn.py, 2 processes) whose node 1 never starts: rank 0, which holds the store, said so
+    in one line; rank 1, waiting in the store for the others, ended in a DistStoreError traceback (torchrun's
+    workers too, every one of them)."""
+    job = Job(
+        [
+            *(PYTHON, REPO / "train_spawn.py", *TINY_NET, "--data", data, "--output-dir", tmp_path / "out"),
+            *("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"),
+            *("--master-port", str(free_port()), "--dist-timeout", "5"),
+        ]
+    )
+    returncode, output = job.finish(timeout=WAIT)
+    assert returncode != 0 and no_traceback_of_ours(output) and "Traceback" not in output, output[-3000:]
+    *timed_out, ended = error_lines(output)  # (the rank that timed out first; the others are stopped then)
+    assert timed_out and all(
+        re.fullmatch(
+            r"error: rank [01]: the rendezvous timed out: (2 of 4 processes|not every process) joined in 5 s: start "
+            "every node, each with its own node rank, and check MASTER_ADDR, the port and the node count",
+            line,
+        )
+        for line in timed_out
+    ), output[-3000:]
+    assert re.fullmatch(r"error: process [01] exited \(1\); see the errors above", ended), output[-3000:]
+    assert not job.left_behind
+
+
 # ----------------------------------------------------------------------------- no silent zero
 
 

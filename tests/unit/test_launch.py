@@ -109,6 +109,14 @@ from harness.processes import PYTHON, REPO, clean_env
                 "node rank, and check MASTER_ADDR, the port and the node count",
             ),
         ),
+        (  # (the other ranks on node 0, or every worker under torchrun: was a traceback)
+            RuntimeError("wait timeout after 15000ms, keys: /default_pg/0//cpu//0/0"),
+            (
+                1,
+                "error: the rendezvous timed out: not every process joined in 15 s: start every node, each with its "
+                "own node rank, and check MASTER_ADDR, the port and the node count",
+            ),
+        ),
         (
             RuntimeError(
                 "The client socket has timed out after 900000ms while trying to connect to (10.0.0.1, 29500)."
