@@ -32,7 +32,7 @@ from .datasets import (
 )
 from .device_loader import Collate
 from .errors import PROGRAMMING_ERRORS, Preempted, UnreadableImage, UsageError, printable, say, wrong_return
-from .preemption import ignore_stop_signals
+from .preemption import SafeLoader, ignore_stop_signals
 from .samplers import RepeatedAugmentationSampler, ResumableSampler, ShardSampler
 from .transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, choose_normalisation
 
@@ -280,9 +280,9 @@ def build_data(config, datasets, seed, runtime, build_transforms=lambda train, v
         options["multiprocessing_context"] = "fork"
     # Compiled, a last partial batch would cost a second graph (a recompilation) every epoch: dropped.
     train_loader = functools.partial(
-        DataLoader, train_set, sampler=train_sampler, generator=torch.Generator().manual_seed(seed), **options
+        SafeLoader, train_set, sampler=train_sampler, generator=torch.Generator().manual_seed(seed), **options
     )
-    val_loader = DataLoader(
+    val_loader = SafeLoader(
         val_set,
         sampler=ShardSampler(len(val_set), rank, world_size),
         generator=torch.Generator().manual_seed(seed),

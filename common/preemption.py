@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from . import distributed
 from .errors import Preempted
@@ -39,9 +40,35 @@ class StopNow(Preempted):
 
 
 def ignore_stop_signals(_worker_id=None):
-    """DataLoader workers leave stopping to the training process (as worker_init_fn)."""
+    """DataLoader workers leave stopping to the training process (as worker_init_fn): the stop signals ignored, then
+    let through (a worker is born with them held back: SafeLoader)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class SafeLoader(DataLoader):
+    """A DataLoader whose workers start and end safely. They are born with the stop signals held back (blocked) until
+    ignore_stop_signals, their worker_init_fn, ignores them: one sent to the process group meanwhile reaches the
+    training process alone (was: torch's own SIGTERM handler killed the worker in its first milliseconds, at each
+    epoch's and validation's start: exit 1, "out of memory?", no checkpoint; a Slurm scancel --signal=TERM lands
+    so). And the process's SIGCHLD handler is put back once torch set its own, whose exception for a dead worker came
+    at any point of the training process, once while it held a queue's lock: the loader's shutdown waited for that
+    lock forever. Without it, the loader finds a dead worker where it waits for a batch (within 5 s), as it is."""
+
+    def __iter__(self):
+        if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
+            return super().__iter__()
+        main = threading.current_thread() is threading.main_thread()
+        sigchld = signal.getsignal(signal.SIGCHLD) if main else None
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (this thread's: the one that forks them)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            if main:
+                signal.signal(signal.SIGCHLD, sigchld)
 
 
 def before_exit():

@@ -6,8 +6,11 @@ import signal
 import time
 
 import pytest
+import torch
+from torch.utils.data import Dataset
 
 from common import preemption
+from common.launch import STOP_SIGNALS
 from common.preemption import StopNow, StopSignal, waiting_for_data
 
 
@@ -73,3 +76,37 @@ def test_the_sigterm_of_a_launcher_that_ended_is_named_so_and_never_stops_at_onc
         assert stop.received == "SIGTERM (its launcher ended)"
     finally:
         stop.close()
+
+
+class SignalMasks(Dataset):
+    """One item: the stop signals a loader worker held back when born (at its worker_init_fn) and after
+    ignore_stop_signals, and how it handles them then."""
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return torch.tensor([[int(signum) in BORN_BLOCKED, int(signum) in LATER_BLOCKED] for signum in STOP_SIGNALS])
+
+
+BORN_BLOCKED, LATER_BLOCKED = set(), set()
+
+
+def record_masks(worker_id):
+    BORN_BLOCKED.update(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    preemption.ignore_stop_signals(worker_id)
+    LATER_BLOCKED.update(int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in STOP_SIGNALS)
+
+
+def test_loader_workers_are_born_with_the_stop_signals_held_and_the_process_keeps_its_sigchld_handler():
+    """A SIGTERM to the process group in a worker's first milliseconds (before it ignores it) killed it: the run ended
+    in exit 1, no checkpoint. And torch's SIGCHLD handler raised for a dead worker wherever the training process was,
+    once inside a queue's lock: the loader's shutdown then waited for it forever."""
+    before = signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    for _ in range(2):  # (torch sets its handler once a process: at the first loader)
+        loader = preemption.SafeLoader(
+            SignalMasks(), num_workers=1, worker_init_fn=record_masks, multiprocessing_context="fork"
+        )
+        assert next(iter(loader)).tolist() == [[[True, False]] * len(STOP_SIGNALS)]
+        assert (signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])) == before
