@@ -63,6 +63,7 @@ STEP_TAGS = {
 # Every kind of run's checkpoints: a fresh run in a directory (--overwrite) deletes them all, train_fsdp.py's sharded
 # ones (common/sharded_checkpoint.py) in a run of train_dp.py too, so that no --resume auto finds an earlier run's.
 RUN_CHECKPOINTS = tuple(dict.fromkeys((*SingleFile.names, *ShardedCheckpoints.names)))
+DIAGNOSTICS_FOLDERS = ("profile", "memory", "nccl_trace")  # --profile's traces, a GPU's out-of-memory snapshots, NCCL's
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
@@ -121,7 +122,7 @@ class RunLogger:
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
             # nothing of an earlier run in this directory may pass for this one's.
-            for name in (*RUN_CHECKPOINTS, "summary.json", "bad_images.txt", "metrics"):
+            for name in (*RUN_CHECKPOINTS, "summary.json", "bad_images.txt", "metrics", *DIAGNOSTICS_FOLDERS):
                 path = self.output_dir / name
                 if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path)

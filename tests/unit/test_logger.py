@@ -120,6 +120,20 @@ def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_va
     assert (by_group["lr"], by_group["lr_group1"], by_group["lr_group2"]) == (0.1, 0.01, 0.1)
 
 
+def test_a_fresh_run_leaves_nothing_of_an_earlier_one_in_its_directory_and_a_resumed_one_keeps_it(tmp_path):
+    """--overwrite kept the earlier run's --profile traces (profile/rankN.json), out-of-memory snapshots and NCCL's
+    dumps: they read as this run's."""
+    earlier = ["checkpoint.pth", "summary.json", "bad_images.txt", "metrics/val.json", "profile/rank0.json"]
+    earlier += ["memory/oom-rank0.pickle", "nccl_trace/rank_0", "tensorboard/events.out.tfevents.1.host"]
+    for resumed in (True, False):
+        for name in earlier:
+            (tmp_path / "out" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "out" / name).write_text("the earlier run's")
+        RunLogger(tmp_path / "out", prints=False, writes=True).start(parse("--dummy"), resumed=resumed)
+        kept = [name for name in earlier if (tmp_path / "out" / name).exists()]
+        assert kept == ([name for name in earlier if name != "summary.json"] if resumed else []), resumed
+
+
 def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
     log = RunLogger(tmp_path / "out", prints=False, writes=False)
     log.start(parse("--dummy"), resumed=False)
