@@ -24,10 +24,17 @@ require() {  # require VAR "what it is": stop unless VAR is set and non-empty
   [ -n "${!1:-}" ] || fail "set $1 ($2)"
 }
 
-whole() {  # whole VAR LOW [HIGH]: stop unless VAR is a whole number from LOW (to HIGH) (was: bash's or torchrun's error)
-  local value="${!1:-}"
+whole() {  # whole VAR LOW [HIGH]: stop unless VAR is a whole number from LOW (to HIGH) (was: bash's or torchrun's error);
+  local value="${!1:-}"  # VAR then holds it in decimal (08: bash's arithmetic took it for octal)
   [[ "$value" =~ ^[0-9]+$ ]] && [ "$((10#$value))" -ge "$2" ] && { [ -z "${3:-}" ] || [ "$((10#$value))" -le "$3" ]; } \
     || fail "$1=$value is not a whole number from $2${3:+ to $3}"
+  printf -v "$1" '%d' "$((10#$value))"
+}
+
+host() {  # host VAR: stop unless VAR is a host name or address, without a port (was: torchrun's traceback)
+  local value="${!1:-}"
+  [[ -n "$value" && ! "$value" =~ [[:space:]/] ]] || fail "$1='$value' is not a host name or address"
+  [[ ! "$value" =~ ^[^:]+:[0-9]*$ ]] || fail "$1=$value holds a port: give the host alone, and the port in MASTER_PORT"
 }
 
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)
@@ -45,12 +52,17 @@ visible_gpus() {  # GPUs this node's processes may use (CUDA_VISIBLE_DEVICES res
 }
 
 nproc_per_node() {  # NPROC_PER_NODE, else WORKER_PER_NODE, else Slurm's GPUs, else one per visible GPU
-  local n="${NPROC_PER_NODE:-${WORKER_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}}"
-  if [ -z "$n" ]; then
-    n=$(visible_gpus)
-    [ "$n" -gt 0 ] || fail "no GPU visible: set NPROC_PER_NODE (e.g. NPROC_PER_NODE=2 for 2 CPU processes)"
-  fi
-  [[ "$n" =~ ^[1-9][0-9]*$ ]] || fail "NPROC_PER_NODE=$n is not a positive number"
+  local name
+  for name in NPROC_PER_NODE WORKER_PER_NODE SLURM_GPUS_ON_NODE; do
+    if [ -n "${!name:-}" ]; then
+      [[ "${!name}" =~ ^0*[1-9][0-9]*$ ]] || fail "$name=${!name} is not a positive number"
+      echo "$((10#${!name}))"
+      return
+    fi
+  done
+  local n
+  n=$(visible_gpus)
+  [ "$n" -gt 0 ] || fail "no GPU visible: set NPROC_PER_NODE (e.g. NPROC_PER_NODE=2 for 2 CPU processes)"
   echo "$n"
 }
 

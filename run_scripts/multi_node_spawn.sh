@@ -15,6 +15,7 @@ if [ "$NNODES" -gt 1 ]; then
   require MASTER_ADDR "the address of node 0, reachable from every node"
   require NODE_RANK "this node's index, 0..$((NNODES - 1)); each node needs its own"
 fi
+[ -z "${MASTER_ADDR:-}" ] || host MASTER_ADDR
 nproc=$(nproc_per_node)
 run "$PYTHON" "$REPO_DIR/train_spawn.py" --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" \
     --nproc-per-node "$nproc" --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" "$@"

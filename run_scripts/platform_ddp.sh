@@ -21,13 +21,18 @@ require MASTER_PORT "a free port on node 0"
 require WORLD_SIZE "the number of processes in the job"
 require WORKER_PER_NODE "the number of processes per node"
 [ -n "${NODE_RANK:-}" ] || require RANK "the global rank of this node's first process (or set NODE_RANK)"
+host MASTER_ADDR
 whole MASTER_PORT 1 65535
 whole WORLD_SIZE 1
 whole WORKER_PER_NODE 1
-[ -n "${NODE_RANK:-}" ] || whole RANK 0 $((10#$WORLD_SIZE - 1))
-node_rank="${NODE_RANK:-$((10#$RANK / 10#$WORKER_PER_NODE))}"
-[ $((10#$WORLD_SIZE % 10#$WORKER_PER_NODE)) -eq 0 ] || fail "WORLD_SIZE=$WORLD_SIZE is not a multiple of WORKER_PER_NODE=$WORKER_PER_NODE"
-nnodes=$((10#$WORLD_SIZE / 10#$WORKER_PER_NODE))
+if [ -z "${NODE_RANK:-}" ]; then
+  whole RANK 0 $((WORLD_SIZE - 1))
+  # (RANK 1 of WORKER_PER_NODE 2 was node 0, as was RANK 0: two nodes 0, each waiting for the other in silence)
+  [ $((RANK % WORKER_PER_NODE)) -eq 0 ] || fail "RANK=$RANK is not a node's first process (a multiple of WORKER_PER_NODE=$WORKER_PER_NODE): set NODE_RANK, this node's index"
+fi
+node_rank="${NODE_RANK:-$((RANK / WORKER_PER_NODE))}"
+[ $((WORLD_SIZE % WORKER_PER_NODE)) -eq 0 ] || fail "WORLD_SIZE=$WORLD_SIZE is not a multiple of WORKER_PER_NODE=$WORKER_PER_NODE"
+nnodes=$((WORLD_SIZE / WORKER_PER_NODE))
 NODE_RANK="$node_rank"
 whole NODE_RANK 0 $((nnodes - 1))  # (RANK 8 of WORLD_SIZE 4 became node 4 of 2, and waited silently)
 script_here "${TRAIN_SCRIPT:-train_ddp.py}"

@@ -187,6 +187,22 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
         ("platform_ddp.sh", {**PLATFORM, "RANK": "8"}, "RANK=8 is not a whole number from 0 to 3"),
         ("platform_ddp.sh", {**PLATFORM, "WORKER_PER_NODE": "0"}, "WORKER_PER_NODE=0 is not a whole number from 1"),
         ("platform_ddp.sh", {**PLATFORM, "NODE_RANK": "2"}, "NODE_RANK=2 is not a whole number from 0 to 1"),
+        # (was: bash's "value too great for base", the range check skipped and a rendezvous of 8 nodes, node 9)
+        ("multi_node_ddp.sh", {"NNODES": "08", "NODE_RANK": "9"}, "NODE_RANK=9 is not a whole number from 0 to 7"),
+        ("multi_node_ddp.sh", {"RDZV_BACKEND": "Static"}, "RDZV_BACKEND=Static is not static or c10d"),
+        (
+            "multi_node_ddp.sh",
+            {"MASTER_ADDR": "10.0.0.1:29500"},
+            "MASTER_ADDR=10.0.0.1:29500 holds a port: give the host alone, and the port in MASTER_PORT",
+        ),
+        ("multi_node_spawn.sh", {"MASTER_ADDR": "no such host"}, "MASTER_ADDR='no such host' is not a host name or"),
+        ("platform_ddp.sh", {**PLATFORM, "MASTER_ADDR": "10.0.0.1 "}, "MASTER_ADDR='10.0.0.1 ' is not a host name or"),
+        (  # (was node 0, as RANK 0 was: two nodes 0, each waiting for the other in silence)
+            "platform_ddp.sh",
+            {**PLATFORM, "RANK": "1"},
+            "RANK=1 is not a node's first process (a multiple of WORKER_PER_NODE=2): set NODE_RANK, this node's index",
+        ),
+        ("single_node_ddp.sh", {"NPROC_PER_NODE": "", "WORKER_PER_NODE": "0"}, "WORKER_PER_NODE=0 is not a positive"),
     ],
 )
 def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, expected):
