@@ -40,11 +40,17 @@ def build(config):
     root = Path(config.data)
     try:
         with open(root / "annotations.csv", newline="") as file:
-            rows = list(csv.DictReader(file))
+            reader = csv.DictReader(file)
+            rows = list(reader)
     except OSError as error:
         raise UsageError(
             f"cannot read {root / 'annotations.csv'} ({error.strerror}): give --data DIR of yours"
         ) from None
+    missing = [column for column in ("file", "split", "species") if column not in (reader.fieldnames or [])]
+    if missing:
+        raise UsageError(
+            f"{root / 'annotations.csv'} has no column {', '.join(missing)}: its header is file,split,species"
+        )
     classes = sorted({row["species"] for row in rows})
     index = {name: k for k, name in enumerate(classes)}
 

@@ -568,8 +568,8 @@ def test_a_model_with_nothing_to_train_is_one_line():
 
 def test_the_distillation_and_csv_examples_say_their_mistakes_in_one_line_and_take_an_auxiliary_student(tmp_path):
     """Were: a teacher of another arch told to change --arch (the student's); -e needed a --teacher it never used;
-    a student with auxiliary heads a TypeError (its output taken for logits); csv_dataset without --data or its
-    annotations.csv a traceback."""
+    a student with auxiliary heads a TypeError (its output taken for logits); csv_dataset without --data, its
+    annotations.csv or one of its columns a traceback."""
     from common.datasets import build_datasets
     from tests.tiny_models import TinyNet
     from unit.test_checkpoint import SMALL, started
@@ -596,7 +596,13 @@ def test_the_distillation_and_csv_examples_say_their_mistakes_in_one_line_and_ta
         trainer=distillation,
     )
     assert evaluating.teacher is None
-    for data, says in ((None, "give --data DIR"), (tmp_path, "cannot read \\S+annotations.csv \\(No such file")):
+    (tmp_path / "columns").mkdir()
+    (tmp_path / "columns" / "annotations.csv").write_text("file,split,label\na.jpg,train,cat\n")  # (was a KeyError)
+    for data, says in (
+        (None, "give --data DIR"),
+        (tmp_path, "cannot read \\S+annotations.csv \\(No such file"),
+        (tmp_path / "columns", "annotations.csv has no column species: its header is file,split,species$"),
+    ):
         config = parse("--dataset", "examples.csv_dataset:build", *(["--data", data] if data else []))
         with pytest.raises(UsageError, match=says):
             build_datasets(config)
