@@ -41,6 +41,7 @@ def setup(config, mode="ddp"):
     from common.data import micro_batch
     from common.distributed import (
         Runtime,
+        check_port_free,
         choose_backend,
         init_process_group,
         local_world_size_from_env,
@@ -64,7 +65,9 @@ def setup(config, mode="ddp"):
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start this script with "
             "torchrun, or export them in the job script when srun starts it"
         )
-    port_number(os.environ["MASTER_PORT"], world_size)
+    port = port_number(os.environ["MASTER_PORT"], world_size)
+    if rank == 0 and port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # (torchrun's agent listens)
+        check_port_free(os.environ["MASTER_ADDR"], port, ("MASTER_ADDR", "MASTER_PORT"))  # (srun's tasks: rank 0)
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after

@@ -166,6 +166,8 @@ def _data_source(values):
     values["data"] = values["data"] or positional
     if values["dataset_fn"] and values["dummy"]:
         raise UsageError("give --dataset or --dummy, not both")
+    if values["data"] and values["dummy"]:  # (was: random images, the header naming the folder)
+        raise UsageError("give --data or --dummy (random images), not both")
     if values["dummy"] and values["decode"] == "gpu":
         raise UsageError("--decode gpu decodes JPEGs, and --dummy has none: leave one of them out")
     if values["data"] is None and not values["dummy"]:

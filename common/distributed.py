@@ -194,6 +194,9 @@ def choose_backend(requested, device):
             "the nccl backend needs CUDA GPUs and this process runs on the CPU: "
             "use --dist-backend gloo (or unset BACKEND)"
         )
+    for name in {part.split(":")[-1] for part in backend.split(",")} & {"mpi", "ucc", "xccl"}:  # (was a traceback)
+        if not getattr(dist, f"is_{name}_available", lambda: False)():
+            raise UsageError(f"--dist-backend {backend}: this torch ({torch.__version__}) has no {name} built in")
     return backend
 
 
@@ -485,8 +488,8 @@ def shared_seed(seed):
     return seed if seed is not None else computed_by_rank_0(lambda: random.SystemRandom().randrange(2**31))
 
 
-def check_port_free(address, port):
-    """Fail early and clearly when the rendezvous port is taken."""
+def check_port_free(address, port, names=("--master-addr", "--master-port")):
+    """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # As the store will: a port left in TIME_WAIT by the previous run is free to reuse.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -494,9 +497,9 @@ def check_port_free(address, port):
             sock.bind((address, port))
         except OSError as error:
             why = {
-                errno.EADDRINUSE: "the port is in use; choose another --master-port",
-                errno.EACCES: f"{'a port below 1024 needs root; ' * (port < 1024)}choose another --master-port",
-            }.get(error.errno, "node 0 listens there: --master-addr must name an address of node 0")
+                errno.EADDRINUSE: f"the port is in use; choose another {names[1]}",
+                errno.EACCES: f"{'a port below 1024 needs root; ' * (port < 1024)}choose another {names[1]}",
+            }.get(error.errno, f"node 0 listens there: {names[0]} must name an address of node 0")
             raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): {why}") from None
 
 

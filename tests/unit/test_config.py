@@ -130,6 +130,7 @@ def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
         (["--dist-backend", "foo"], "--dist-backend must be nccl or gloo (or another of torch's), got foo"),
         (["--dist-timeout", "1e300"], "--dist-timeout must be at most 1e9 seconds, got 1e+300"),
         (["--opt", "sgd-nesterov", "--momentum", "0"], "--opt sgd-nesterov needs a --momentum above 0, got 0"),
+        (["--dummy"], "give --data or --dummy (random images), not both"),
     ],
 )
 def test_an_empty_value_and_values_torch_would_refuse_later_are_one_line(argv, line):

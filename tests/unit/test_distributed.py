@@ -110,6 +110,15 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
             train_spawn.setup(train_spawn.parse_args(["--device", "cpu", "--nproc-per-node", "2", *flags]))
         assert str(refused.value).startswith(line), refused.value
     assert str(refused.value).endswith(": node 0 listens there: --master-addr must name an address of node 0")
+    # A port in use, where rank 0 listens: train_ddp.py's rank 0 without torchrun (srun's tasks), spawn's env://
+    # (were: a DistNetworkError traceback after 20 s, the other ranks connected to whatever listened there).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        for script, flags in [(train_ddp, []), (train_spawn, ["--nproc-per-node", "2", "--dist-url", "env://"])]:
+            with pytest.raises(UsageError, match=r": the port is in use; choose another MASTER_PORT$"):
+                script.setup(script.parse_args(["--device", "cpu", *flags]))
 
 
 def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):
@@ -139,6 +148,15 @@ def test_processes_on_this_node_come_from_the_launcher(monkeypatch):
     assert local_world_size_from_env(8) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
     assert local_world_size_from_env(8) == 2
+
+
+def test_a_backend_this_torch_was_built_without_is_one_line():
+    """--dist-backend mpi (or ucc, xccl; BACKEND=mpi) on a torch without it: was init_process_group's traceback."""
+    assert not torch.distributed.is_mpi_available()  # (the lock's torch, as pip's wheels: built without MPI)
+    for requested in ("mpi", "cpu:mpi,cuda:nccl"):
+        with pytest.raises(UsageError, match=rf"^--dist-backend {requested}: this torch \(\S+\) has no mpi built in$"):
+            distributed.choose_backend(requested, torch.device("cpu"))
+    assert distributed.choose_backend(None, torch.device("cpu")) == "gloo"
 
 
 def test_shared_devices_finds_two_ranks_on_one_gpu_of_one_host():
