@@ -104,12 +104,18 @@ def raise_interrupt_within(error):
         raise KeyboardInterrupt from None
 
 
+SHORT_WRITE = "unexpected pos"  # torch's file writer, where a write fell short: "unexpected pos 704 vs 598"
+
+
 def written_reason(error):
     """Why a write failed, in a few words: its OSError's reason, also where a library's own error holds it (torch.save
-    raises "unexpected pos 704 vs 598" around "No space left on device"); else the error's first line."""
+    raises "unexpected pos 704 vs 598" around "No space left on device"); that error alone (another rank's, sent
+    without the OSError), what makes a write fall short; else the error's first line."""
     inner = error if isinstance(error, OSError) else error.__context__
     if isinstance(inner, OSError) and inner.strerror:
         return inner.strerror
+    if SHORT_WRITE in str(error):  # (was: torch's "[enforce fail at inline_container.cc:671] . unexpected pos ...")
+        return "a write fell short: no space left on the device, or a quota or file size limit reached"
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import distributed
 from .checkpoint import BEST, CHECKPOINT, check_weights, first_readable, load_checkpoint, stale_best
-from .errors import CheckpointWriteError, UsageError, raise_interrupt_within, written_reason
+from .errors import SHORT_WRITE, CheckpointWriteError, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
 from .run_dir import atomic_write, fsync
 
@@ -43,7 +43,7 @@ def _reason(error):
     if getattr(error, "failures", None):
         index, (error, _) = min(error.failures.items(), key=lambda item: item[0])
         rank = f"rank {index}: "
-    if isinstance(error, OSError) or isinstance(error.__context__, OSError):  # (torch.save's own error around one)
+    if isinstance(error, OSError) or isinstance(error.__context__, OSError) or SHORT_WRITE in str(error):
         text = written_reason(error)  # (its file is often a temporary one: the caller names what it wrote)
     else:
         text = f"{type(error).__name__}: {error}"

@@ -357,6 +357,10 @@ def test_a_dcp_failure_is_one_line_that_names_the_rank_and_the_system_s_words(gr
         _reason(CheckpointException("", {1: (OSError(errno.ENOSPC, "No space left on device"), None)}))
         == "rank 1: No space left on device"
     )
+    short = RuntimeError("[enforce fail at inline_container.cc:671] . unexpected pos 704 vs 598")  # (another rank's:
+    assert _reason(CheckpointException("", {1: (short, None)})) == (  # sent without the OSError it came from)
+        "rank 1: a write fell short: no space left on the device, or a quota or file size limit reached"
+    )
     trainer = trained(tmp_path)
     trainer.save(1)
     other = sharded_trainer(*BLOCKS, "--output-dir", tmp_path / "other", "--opt", "sgd")
