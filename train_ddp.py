@@ -19,7 +19,6 @@ DistributedSampler (ResumableSampler, common/samplers.py) and its set_epoch in T
 in main(). Your own model, data, loss or optimizer: docs/adapting.md.
 """
 
-import argparse
 import os
 import sys
 
@@ -29,9 +28,6 @@ from common.errors import UsageError
 
 def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
-    # torch.distributed.launch passes --local-rank (--local_rank before torch 2.0);
-    # LOCAL_RANK in the environment says the same, and is what we read.
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return cli.parse_args(parser, argv, mode="ddp")
 
 

@@ -16,7 +16,6 @@ Distributed Checkpoint, in common/sharded_checkpoint.py; the rest is the Trainer
 Your own model, data, loss or optimizer: docs/adapting.md.
 """
 
-import argparse
 import sys
 
 from common import cli, launch  # torch is imported after the arguments are parsed: --help is instant
@@ -25,9 +24,6 @@ from train_ddp import setup  # the processes start and join the group as train_d
 
 def parse_args(argv=None):
     parser = cli.build_parser(__doc__.splitlines()[0])
-    # torch.distributed.launch passes --local-rank (--local_rank before torch 2.0);
-    # LOCAL_RANK in the environment says the same, and is what we read.
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return cli.parse_args(parser, argv, mode="fsdp")
 
 

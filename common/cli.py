@@ -68,6 +68,10 @@ def build_parser(description):
     for group in (_data_flags, _model_flags, _training_flags, _run_flags, _device_flags, _diagnostics_flags):
         group(parser.add_argument)
     _recipe_flags(parser)
+    # torch.distributed.launch passes --local-rank (--local_rank before torch 2.0) to any script: LOCAL_RANK in the
+    # environment says the same, and is what train_ddp.py reads; train_dp.py and train_spawn.py then say in one line
+    # that it is not their launcher (was: argparse's "unrecognized arguments: --local-rank=0" from every process).
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 

@@ -367,15 +367,20 @@ def test_the_crops_of_a_res_schedule_are_those_its_epochs_go_through_without_goi
 
 def test_a_script_under_a_launcher_not_its_own_is_one_line(monkeypatch):
     """train_spawn.py under torchrun said a port was in use; train_dp.py under torchrun with 2 processes, that its
-    output directory was another run's (its sibling's)."""
+    output directory was another run's (its sibling's). Under torch.distributed.launch, which adds --local-rank=N,
+    each process said argparse's "unrecognized arguments"."""
+    import train_dp
+    import train_spawn
+
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for mode, line in (
-        ("spawn", "train_spawn.py starts its own processes: run it with python, not torchrun"),
-        ("dp", "train_dp.py is one process driving every GPU: run it with python, not torchrun"),
+    for script, line in (
+        (train_spawn, "train_spawn.py starts its own processes: run it with python, not torchrun"),
+        (train_dp, "train_dp.py is one process driving every GPU: run it with python, not torchrun"),
     ):
-        with pytest.raises(UsageError, match=f"^{line}"):
-            parse("--data", "/x", mode=mode)
+        for legacy in ([], ["--local-rank=1"], ["--local_rank=1"]):
+            with pytest.raises(UsageError, match=f"^{line}"):
+                script.parse_args(["--data", "/x", *legacy])
     assert parse("--data", "/x", mode="ddp").data == "/x"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert parse("--data", "/x", mode="dp").data == "/x"  # (torchrun with one process: the run DP would be)
