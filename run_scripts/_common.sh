@@ -66,6 +66,10 @@ nproc_per_node() {  # NPROC_PER_NODE, else WORKER_PER_NODE, else Slurm's GPUs, e
   echo "$n"
 }
 
+note_rendezvous() {  # note_rendezvous NNODES: what torchrun does before any process starts, where nodes must meet
+  [ "$1" -le 1 ] || echo "note: torchrun waits up to 600 s for all $1 nodes (its rendezvous), saying nothing; a node that never comes ends it in torchrun's traceback" >&2
+}
+
 show() {  # the command, quoted as the shell reads it back (a path with a space can be pasted)
   local line
   printf -v line ' %q' "$@"

@@ -9,7 +9,7 @@
 # NPROC_PER_NODE (default: WORKER_PER_NODE, else the visible GPUs).
 # RDZV_BACKEND=static (default): node k holds global ranks k*NPROC_PER_NODE...; =c10d: torchrun's
 # elastic rendezvous (ranks in order of arrival; NODE_RANK unused; needed for --max-restarts across
-# nodes). Extra arguments go to train_ddp.py.
+# nodes: MAX_RESTARTS=N passes torchrun --max-restarts=N). Extra arguments go to train_ddp.py.
 # TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 NNODES="${NNODES:-1}"
@@ -27,4 +27,6 @@ script_here "${TRAIN_SCRIPT:-train_ddp.py}"
 nproc=$(nproc_per_node)
 rdzv=(--rdzv-backend="${RDZV_BACKEND:-static}" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT")
 if [ "${RDZV_BACKEND:-static}" = static ]; then rdzv+=(--node-rank="$NODE_RANK"); else rdzv+=(--rdzv-id="${RDZV_ID:-imagenet}"); fi
+if [ -n "${MAX_RESTARTS:-}" ]; then whole MAX_RESTARTS 0; rdzv+=(--max-restarts="$MAX_RESTARTS"); fi
+note_rendezvous "$NNODES"
 run "${TORCHRUN[@]}" --nnodes="$NNODES" --nproc-per-node="$nproc" "${rdzv[@]}" "$REPO_DIR/${TRAIN_SCRIPT:-train_ddp.py}" "$@"

@@ -203,6 +203,7 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
             "RANK=1 is not a node's first process (a multiple of WORKER_PER_NODE=2): set NODE_RANK, this node's index",
         ),
         ("single_node_ddp.sh", {"NPROC_PER_NODE": "", "WORKER_PER_NODE": "0"}, "WORKER_PER_NODE=0 is not a positive"),
+        ("multi_node_ddp.sh", {"MAX_RESTARTS": "abc"}, "MAX_RESTARTS=abc is not a whole number from 0"),
     ],
 )
 def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, expected):
@@ -210,6 +211,19 @@ def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, e
     result = launch(script, "--output-dir", tmp_path / "out", **env)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {script}: {expected}"), lines
+
+
+def test_multi_node_ddp_says_torchrun_s_wait_and_passes_max_restarts_on():
+    """Node 0 waited for the others in silence, up to 600 s; --max-restarts, which the docs named, had no way in
+    (an extra argument goes to train_ddp.py). /bin/echo stands in for Python: the command torchrun would run."""
+    env = dict(NNODES="2", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="1", RDZV_BACKEND="c10d", MAX_RESTARTS="3")
+    result = run(
+        ["bash", SCRIPTS / "multi_node_ddp.sh", "--epochs", "1"], timeout=60, env=clean_env(PYTHON="/bin/echo", **env)
+    )
+    assert result.returncode == 0, result.stdout
+    note, command, echoed = result.stdout.splitlines()
+    assert note.startswith("note: torchrun waits up to 600 s for all 2 nodes (its rendezvous), saying nothing;")
+    assert command == f"+ /bin/echo {echoed}" and "--rdzv-id=imagenet --max-restarts=3 " in echoed, result.stdout
 
 
 def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
