@@ -256,15 +256,32 @@ def gloo_address_problem(host, host_address, master_address, multi_node, interfa
     )
 
 
+def _rendezvous_host(init_method):
+    """The host of an env:// (MASTER_ADDR) or tcp:// rendezvous; None for file://."""
+    if init_method == "env://":
+        return os.environ.get("MASTER_ADDR")
+    return init_method[len("tcp://") :].rpartition(":")[0].strip("[]") if init_method.startswith("tcp://") else None
+
+
+def check_rendezvous_host(init_method, world_size):
+    """One line where the rendezvous host's name does not resolve (was: on a node past the first, advice to set
+    GLOO_SOCKET_IFNAME, or a wait of --dist-timeout for a store no one could reach)."""
+    host = _rendezvous_host(init_method)
+    if world_size > 1 and host:
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError:
+            raise UsageError(
+                f"the rendezvous host {host} does not resolve to an address: give node 0's address or name "
+                "(MASTER_ADDR, --master-addr)"
+            ) from None
+
+
 def check_gloo_address(init_method, world_size, local_world_size):
     """gloo_address_problem for this process: raised as a UsageError before the rendezvous."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or local_world_size is None or world_size <= local_world_size:
         return
-    master = None
-    if init_method == "env://":
-        master = os.environ.get("MASTER_ADDR")
-    elif init_method.startswith("tcp://"):
-        master = init_method[len("tcp://") :].rpartition(":")[0].strip("[]")
+    master = _rendezvous_host(init_method)
     host = socket.gethostname()
     problem = gloo_address_problem(
         host,
@@ -280,9 +297,10 @@ def check_gloo_address(init_method, world_size, local_world_size):
 def init_process_group(
     backend, init_method, rank, world_size, device, timeout_seconds=1800, local_world_size=None, output_dir=None
 ):
-    """Join the group: a collective that waits longer than timeout_seconds fails instead of hanging. With
-    local_world_size, a host whose name resolves to a loopback address is refused first (check_gloo_address); with
-    output_dir, NCCL's Flight Recorder dumps there on a timeout (flight_recorder)."""
+    """Join the group: a collective that waits longer than timeout_seconds fails instead of hanging. A rendezvous host
+    that does not resolve is refused first; with local_world_size, a host whose name resolves to a loopback address
+    too (check_gloo_address); with output_dir, NCCL's Flight Recorder dumps there on a timeout (flight_recorder)."""
+    check_rendezvous_host(init_method, world_size)
     check_gloo_address(init_method, world_size, local_world_size)
     if output_dir is not None:
         flight_recorder(backend, output_dir)

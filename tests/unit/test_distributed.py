@@ -207,6 +207,17 @@ def test_a_multi_node_rank_on_a_host_named_after_loopback_is_refused_before_the_
         )
 
 
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line_before_the_rendezvous(monkeypatch):
+    """Was: on a host whose name resolves to loopback, advice to set GLOO_SOCKET_IFNAME (then a traceback); else a
+    wait of --dist-timeout for a store no one could reach. An IPv6 literal resolves; a group of one needs no host."""
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid"), monkeypatch.setenv("MASTER_PORT", "29999")
+    for init_method in ("env://", "tcp://no-such-host.invalid:29999"):
+        with pytest.raises(UsageError, match=r"^the rendezvous host no-such-host\.invalid does not resolve to an "):
+            distributed.init_process_group("gloo", init_method, 1, 2, torch.device("cpu"), 5, local_world_size=1)
+    distributed.check_rendezvous_host("tcp://[::1]:29999", 2)
+    distributed.check_rendezvous_host("env://", 1)
+
+
 def test_nccl_s_flight_recorder_is_set_to_dump_into_the_output_dir_unless_the_user_set_it(monkeypatch, tmp_path):
     names = [name for pair in FLIGHT_RECORDER for name in pair]
     for name in names:
