@@ -49,13 +49,12 @@ def ignore_stop_signals(_worker_id=None):
 
 
 class SafeLoader(DataLoader):
-    """A DataLoader whose workers start and end safely. They are born with the stop signals held back (blocked) until
-    ignore_stop_signals, their worker_init_fn, ignores them: one sent to the process group meanwhile reaches the
-    training process alone (was: torch's own SIGTERM handler killed the worker in its first milliseconds, at each
-    epoch's and validation's start: exit 1, "out of memory?", no checkpoint; a Slurm scancel --signal=TERM lands
-    so). And the process's SIGCHLD handler is put back once torch set its own, whose exception for a dead worker came
-    at any point of the training process, once while it held a queue's lock: the loader's shutdown waited for that
-    lock forever. Without it, the loader finds a dead worker where it waits for a batch (within 5 s), as it is."""
+    """A DataLoader whose workers start and end safely. They are born with the stop signals blocked until their
+    worker_init_fn (ignore_stop_signals) ignores them: one sent to the process group meanwhile reaches the training
+    process alone (was: torch's SIGTERM handler killed a starting worker: exit 1, no checkpoint). And the SIGCHLD
+    handler torch sets is replaced by the process's own: its exception for a dead worker came anywhere, once inside a
+    queue's lock, and the loader's shutdown then waited forever. The loader still finds a dead worker where it
+    waits for a batch, within 5 s."""
 
     def __iter__(self):
         if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
