@@ -427,11 +427,16 @@ def index_tar(shard):
         cut, end = "", None
     if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
         cut = ""
-    last = next(reversed(samples), None)  # its label may have been cut off: a .cls, where the shard has them
-    if cut is not None and last is not None and (last not in labels if labels else json_labels.get(last) is None):
+    last = next(reversed(samples), None)  # cut in its members, its label may be lost: a .cls, where the shard has them
+    if (
+        cut is not None
+        and last is not None
+        and last == last_seen
+        and (last not in labels if labels else json_labels.get(last) is None)
+    ):
         cut = samples.popitem()[0]
-    for key in (*labels, *(key for key, label in json_labels.items() if label is not None)):
-        if key not in samples and (cut is None or key != last_seen):  # (a cut shard's last key: its image cut off?)
+    for key in (*labels, *(key for key, label in json_labels.items() if label is not None)) if cut is None else ():
+        if key not in samples:  # (a cut shard's: its image may lie past the cut, its members not together)
             members = ", ".join(sorted(f"{key}.{extension}" for other, extension in names if other == key))
             raise UsageError(  # (its sample was left out, silently: KEY.jpe, KEY.pnm, KEY.input.jpg)
                 f"{shard}:{key} has a label but no image ({members}): an image is KEY.EXT, EXT one of "
