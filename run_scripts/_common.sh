@@ -31,10 +31,12 @@ whole() {  # whole VAR LOW [HIGH]: stop unless VAR is a whole number from LOW (t
   printf -v "$1" '%d' "$((10#$value))"
 }
 
-host() {  # host VAR: stop unless VAR is a host name or address, without a port (was: torchrun's traceback)
-  local value="${!1:-}"
-  [[ -n "$value" && ! "$value" =~ [[:space:]/] ]] || fail "$1='$value' is not a host name or address"
-  [[ ! "$value" =~ ^[^:]+:[0-9]*$ ]] || fail "$1=$value holds a port: give the host alone, and the port in MASTER_PORT"
+host() {  # host VAR: stop unless VAR is one host's name or address, without a port, as torchrun takes them (was: its
+  local value="${!1:-}" bare  # traceback); an IPv6 address may be in brackets
+  [[ ! "$value" =~ ^[^:]*:[^:]*$ && ! "$value" =~ ^\[.*\]: ]] \
+    || fail "$1=$value holds a port: give the host alone, and the port in MASTER_PORT"
+  bare="${value#\[}" && bare="${bare%\]}"
+  [[ "$bare" =~ ^[A-Za-z0-9_.:-]+$ ]] || fail "$1='$value' is not one host's name or address (node 0's)"
 }
 
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)

@@ -21,7 +21,7 @@ fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}" NODE_RANK="${NODE_RANK:-0}" MASTER_PORT="${MASTER_PORT:-29500}"
 host MASTER_ADDR
 whole MASTER_PORT 1 65535
-[[ "${RDZV_BACKEND:-static}" =~ ^(static|c10d)$ ]] || fail "RDZV_BACKEND=$RDZV_BACKEND is not static or c10d"
+[[ "${RDZV_BACKEND:-static}" =~ ^(static|c10d|etcd|etcd-v2)$ ]] || fail "RDZV_BACKEND=$RDZV_BACKEND is not static or c10d (or etcd, etcd-v2)"
 [ "${RDZV_BACKEND:-static}" != static ] || whole NODE_RANK 0 $((NNODES - 1))  # (a wrong one waited silently)
 script_here "${TRAIN_SCRIPT:-train_ddp.py}"
 nproc=$(nproc_per_node)

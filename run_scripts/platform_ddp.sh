@@ -25,13 +25,13 @@ host MASTER_ADDR
 whole MASTER_PORT 1 65535
 whole WORLD_SIZE 1
 whole WORKER_PER_NODE 1
+[ $((WORLD_SIZE % WORKER_PER_NODE)) -eq 0 ] || fail "WORLD_SIZE=$WORLD_SIZE is not a multiple of WORKER_PER_NODE=$WORKER_PER_NODE"
 if [ -z "${NODE_RANK:-}" ]; then
   whole RANK 0 $((WORLD_SIZE - 1))
   # (RANK 1 of WORKER_PER_NODE 2 was node 0, as was RANK 0: two nodes 0, each waiting for the other in silence)
   [ $((RANK % WORKER_PER_NODE)) -eq 0 ] || fail "RANK=$RANK is not a node's first process (a multiple of WORKER_PER_NODE=$WORKER_PER_NODE): set NODE_RANK, this node's index"
 fi
 node_rank="${NODE_RANK:-$((RANK / WORKER_PER_NODE))}"
-[ $((WORLD_SIZE % WORKER_PER_NODE)) -eq 0 ] || fail "WORLD_SIZE=$WORLD_SIZE is not a multiple of WORKER_PER_NODE=$WORKER_PER_NODE"
 nnodes=$((WORLD_SIZE / WORKER_PER_NODE))
 NODE_RANK="$node_rank"
 whole NODE_RANK 0 $((nnodes - 1))  # (RANK 8 of WORLD_SIZE 4 became node 4 of 2, and waited silently)

@@ -189,14 +189,21 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
         ("platform_ddp.sh", {**PLATFORM, "NODE_RANK": "2"}, "NODE_RANK=2 is not a whole number from 0 to 1"),
         # (was: bash's "value too great for base", the range check skipped and a rendezvous of 8 nodes, node 9)
         ("multi_node_ddp.sh", {"NNODES": "08", "NODE_RANK": "9"}, "NODE_RANK=9 is not a whole number from 0 to 7"),
-        ("multi_node_ddp.sh", {"RDZV_BACKEND": "Static"}, "RDZV_BACKEND=Static is not static or c10d"),
+        ("multi_node_ddp.sh", {"RDZV_BACKEND": "Static"}, "RDZV_BACKEND=Static is not static or c10d (or etcd,"),
         (
             "multi_node_ddp.sh",
             {"MASTER_ADDR": "10.0.0.1:29500"},
             "MASTER_ADDR=10.0.0.1:29500 holds a port: give the host alone, and the port in MASTER_PORT",
         ),
-        ("multi_node_spawn.sh", {"MASTER_ADDR": "no such host"}, "MASTER_ADDR='no such host' is not a host name or"),
-        ("platform_ddp.sh", {**PLATFORM, "MASTER_ADDR": "10.0.0.1 "}, "MASTER_ADDR='10.0.0.1 ' is not a host name or"),
+        ("multi_node_spawn.sh", {"MASTER_ADDR": "no such host"}, "MASTER_ADDR='no such host' is not one host's name"),
+        ("platform_ddp.sh", {**PLATFORM, "MASTER_ADDR": "10.0.0.1 "}, "MASTER_ADDR='10.0.0.1 ' is not one host's name"),
+        ("multi_node_ddp.sh", {"MASTER_ADDR": "node01,node02"}, "MASTER_ADDR='node01,node02' is not one host's name"),
+        ("multi_node_ddp.sh", {"MASTER_ADDR": "[::1]:29500"}, "MASTER_ADDR=[::1]:29500 holds a port"),
+        (  # (the first line said RANK, the next WORLD_SIZE)
+            "platform_ddp.sh",
+            {**PLATFORM, "WORLD_SIZE": "6", "WORKER_PER_NODE": "4", "RANK": "1"},
+            "WORLD_SIZE=6 is not a multiple of WORKER_PER_NODE=4",
+        ),
         (  # (was node 0, as RANK 0 was: two nodes 0, each waiting for the other in silence)
             "platform_ddp.sh",
             {**PLATFORM, "RANK": "1"},
