@@ -143,28 +143,34 @@ def default_transforms(config, floating, mean):
     return train, EvalPreset(config.val_resize_size, config.val_crop_size, config.val_interpolation)
 
 
+def given_flags(config):
+    """The default training transform's flags this run gives (a preset's too), as written: {name: text}."""
+    default_scale = PRESETS[config.data_preset]["min_crop_scale"]
+    return {
+        name: text
+        for name, text, given in [
+            ("auto_augment", f"--auto-augment {config.auto_augment}", config.auto_augment != "none"),
+            ("random_erase", f"--random-erase {config.random_erase:g}", config.random_erase > 0),
+            ("res_schedule", f"--res-schedule {config.res_schedule}", bool(config.res_schedule)),
+            ("hflip_prob", f"--hflip-prob {config.hflip_prob:g}", config.hflip_prob != 0.5),
+            ("min_crop_scale", f"--min-crop-scale {config.min_crop_scale:g}", config.min_crop_scale != default_scale),
+        ]
+        if given
+    }
+
+
+def from_preset(config):
+    return f" (some from --preset {config.preset})" if config.preset else ""
+
+
 def check_replaced(config, train):
     """A training transform that is not a TrainPreset (build_transforms replaced it) applies none of the default's
     flags: refused in one line where one is given."""
-    if isinstance(train, TrainPreset):
-        return
-    default_scale = PRESETS[config.data_preset]["min_crop_scale"]
-    unapplied = [
-        text
-        for text, given in [
-            (f"--auto-augment {config.auto_augment}", config.auto_augment != "none"),
-            (f"--random-erase {config.random_erase:g}", config.random_erase > 0),
-            (f"--res-schedule {config.res_schedule}", bool(config.res_schedule)),
-            (f"--hflip-prob {config.hflip_prob:g}", config.hflip_prob != 0.5),
-            (f"--min-crop-scale {config.min_crop_scale:g}", config.min_crop_scale != default_scale),
-        ]
-        if given
-    ]
-    if unapplied:
+    unapplied = list(given_flags(config).values())
+    if unapplied and not isinstance(train, TrainPreset):
         raise UsageError(
             f"build_transforms replaced the training transform, which does not apply {', '.join(unapplied)}"
-            f"{' (some from --preset ' + config.preset + ')' if config.preset else ''}: extend the default "
-            "one instead (train.then(...)), or leave those flags out"
+            f"{from_preset(config)}: extend the default one instead (train.then(...)), or leave those flags out"
         )
 
 
@@ -183,12 +189,14 @@ def check_device_decode(config, datasets, train, val):
                 f"--decode gpu decodes the image files of --data, and the {split} set is a {type(dataset).__name__}: "
                 "leave --decode gpu out"
             )
+    flags = given_flags(config)
+    augmenting = " and ".join(flags[name] for name in ("auto_augment", "random_erase") if name in flags)
     other = (
         "build_transforms' own transform"
         if not isinstance(train, TrainPreset)
         else "the transforms added by build_transforms"
         if train.added
-        else augmentation_flags(config)
+        else augmenting + from_preset(config)
         if train.augmentation is not None
         else None
     )
@@ -199,13 +207,6 @@ def check_device_decode(config, datasets, train, val):
         )
     if not isinstance(val, EvalPreset):
         raise UsageError("--decode gpu resizes and crops on the device: build_transforms replaced the validation one")
-
-
-def augmentation_flags(config):
-    """The augmentation flags of this run that run in the loader workers, as given (a preset's named)."""
-    given = [f"--auto-augment {config.auto_augment}"] if config.auto_augment != "none" else []
-    given += [f"--random-erase {config.random_erase:g}"] if config.random_erase > 0 else []
-    return " and ".join(given) + (f" (given, or from --preset {config.preset})" if config.preset else "")
 
 
 def _wrapped(config, datasets, first, mean, seed, build_transforms):

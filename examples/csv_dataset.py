@@ -39,7 +39,7 @@ def build(config):
         raise UsageError("--dataset examples.csv_dataset:build reads DIR/annotations.csv: give --data DIR")
     root = Path(config.data)
     try:
-        with open(root / "annotations.csv", newline="") as file:
+        with open(root / "annotations.csv", newline="", encoding="utf-8-sig") as file:  # (Excel's: a byte order mark)
             reader = csv.DictReader(file)
             rows = list(reader)
     except OSError as error:
@@ -51,6 +51,9 @@ def build(config):
         raise UsageError(
             f"{root / 'annotations.csv'} has no column {', '.join(missing)}: its header is file,split,species"
         )
+    short = next((number for number, row in enumerate(rows, start=2) if None in row.values()), None)
+    if short:  # (a row of fewer fields: its missing ones are None)
+        raise UsageError(f"{root / 'annotations.csv'} line {short}: expected file,split,species")
     classes = sorted({row["species"] for row in rows})
     index = {name: k for k, name in enumerate(classes)}
 

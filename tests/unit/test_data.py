@@ -398,7 +398,7 @@ def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatc
     config = parse("--data", tiny_data, "--decode", "gpu", "--preset", "tv-v2")  # (was "--auto-augment or ...")
     with pytest.raises(
         UsageError,
-        match=r"; this run has --auto-augment ta_wide and --random-erase 0\.1 \(given, or from --preset tv-v2\), which",
+        match=r"; this run has --auto-augment ta_wide and --random-erase 0\.1 \(some from --preset tv-v2\), which",
     ):
         build_data(config, build_datasets(config), 0, cpu_runtime())
     config = parse("--data", tiny_data, "--decode", "gpu")
