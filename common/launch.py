@@ -257,6 +257,8 @@ def known_failure(error):
             f"error: the rendezvous timed out: not every process joined in {int(waited[1]) / 1000:g} s: start every "
             "node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
         )
+    if "Failed to recv, got 0 bytes. Connection was likely closed" in text:  # (DistNetworkError: node 0 ended)
+        return "error: node 0's rendezvous store closed the connection: its processes ended (see their errors there)"
     connecting = re.search(r"client socket has timed out after \d+ms while trying to connect to \(([^)]*)\)", text)
     if connecting:  # (another node's: DistNetworkError)
         return (

@@ -117,6 +117,12 @@ from harness.processes import PYTHON, REPO, clean_env
                 "own node rank, and check MASTER_ADDR, the port and the node count",
             ),
         ),
+        (  # (a rank waiting in the store of a node 0 that ended: was a traceback)
+            RuntimeError(
+                "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?"
+            ),
+            (1, "error: node 0's rendezvous store closed the connection: its processes ended (see their errors there)"),
+        ),
         (
             RuntimeError(
                 "The client socket has timed out after 900000ms while trying to connect to (10.0.0.1, 29500)."
