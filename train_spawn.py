@@ -85,7 +85,7 @@ def setup(config):
         shown = f"--dist-url {url}" if config.dist_url else f"--master-port {port}"
         port = port_number(port, config.nnodes * nproc, shown)
         if config.node_rank == 0:
-            check_port_free(host, port)  # rank 0 will listen there
+            check_port_free(host, port, ("--dist-url",) * 2 if config.dist_url else ("--master-addr", "--master-port"))
     elif url.startswith("file://"):
         claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
     elif url == "env://":

@@ -196,7 +196,7 @@ def check_device_decode(config, datasets, train, val):
         if not isinstance(train, TrainPreset)
         else "the transforms added by build_transforms"
         if train.added
-        else augmenting + from_preset(config)
+        else (augmenting + from_preset(config) if augmenting else "an augmentation of build_transforms' own")
         if train.augmentation is not None
         else None
     )

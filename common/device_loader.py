@@ -147,7 +147,7 @@ class DeviceLoader:
             with waiting_for_data():  # a stop signal may end a wait that never ends (a hung file system)
                 try:
                     batch = next(batches, None)
-                except (EOFError, ConnectionResetError) as error:
+                except (EOFError, ConnectionError) as error:
                     # A worker that died while handing over a batch (its tensors' shared memory can no longer
                     # be fetched from it): the fault torch reports as "DataLoader worker ... exited unexpectedly".
                     raise RuntimeError(

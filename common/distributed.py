@@ -508,7 +508,11 @@ def shared_seed(seed):
 
 def check_port_free(address, port, names=("--master-addr", "--master-port")):
     """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    try:  # (an IPv6 address listens as one)
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:  # (bind says why, below)
+        family = socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         # As the store will: a port left in TIME_WAIT by the previous run is free to reuse.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -231,8 +231,11 @@ def known_failure(error):
     elsewhere or is the machine's), else None."""
     text = str(error)
     if text.startswith("DataLoader worker"):
-        # "DataLoader worker (pid X) is killed by signal: Killed.": the kernel's OOM killer, mostly.
-        return f"error: {text.splitlines()[0].strip()} (out of memory? fewer --workers use less)"
+        # "DataLoader worker (pid(s) X) exited unexpectedly": the kernel's OOM killer, mostly; or a decoder's crash.
+        return (
+            f"error: {text.splitlines()[0].strip()} (killed for memory? fewer --workers use less; a crash? -j 0 "
+            "decodes in the training process, where it shows)"
+        )
     if "Expected to have finished reduction in the prior iteration" in text:
         # DDP waited for the gradient of a parameter that the forward did not use.
         return (

@@ -66,8 +66,8 @@ class SafeLoader(DataLoader):
             return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            if main:
-                signal.signal(signal.SIGCHLD, sigchld)
+            if main:  # (ignored, a dead worker would be reaped at once, and never found: the default)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL if sigchld == signal.SIG_IGN else sigchld)
 
 
 def before_exit():

@@ -27,7 +27,7 @@ from common.device_loader import Collate, DeviceLoader
 from common.errors import UnreadableImage, UsageError, printable
 from common.preemption import StopNow
 from common.samplers import RepeatedAugmentationSampler
-from common.transforms import Normalise
+from common.transforms import Normalise, TrainPreset
 from conftest import cpu_runtime, make_image_folder, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
@@ -409,6 +409,9 @@ def test_decode_gpu_refuses_what_it_cannot_run_in_one_line(tiny_data, monkeypatc
         UsageError, match=r"^--decode gpu .*; this run has the transforms added by build_transforms, which"
     ):
         build_data(config, (classes, train_set, val_set), 0, cpu_runtime(), lambda t, v: (t.then(lambda x: x), v))
+    own = lambda t, v: (TrainPreset(32, augmentation=lambda image: image), v)  # noqa: E731 (was dropped, silently)
+    with pytest.raises(UsageError, match=r"; this run has an augmentation of build_transforms' own, which the loader"):
+        build_data(config, (classes, train_set, val_set), 0, cpu_runtime(), own)
     monkeypatch.setattr("common.device_loader.decode_jpeg", None)  # (torchvision's decoders are deprecated)
     with pytest.raises(
         UsageError, match=r"^--decode gpu needs torchvision.io.decode_jpeg, which torchvision \S+ lacks$"

@@ -77,7 +77,10 @@ class _BrokenHandOver:
         raise self.error
 
 
-@pytest.mark.parametrize("error", [EOFError(), ConnectionResetError(104, "Connection reset by peer")])
+@pytest.mark.parametrize(
+    "error",  # (refused: the worker's end reaped where SIGCHLD was ignored, a traceback once)
+    [EOFError(), ConnectionResetError(104, "Connection reset by peer"), ConnectionRefusedError(111, "refused")],
+)
 def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line(error):
     batches = iter(DeviceLoader(_BrokenHandOver(error), torch.device("cpu")))
     next(batches)
@@ -85,7 +88,8 @@ def test_a_batch_lost_with_its_worker_is_reported_as_the_dead_worker_in_one_line
         next(batches)
     assert known_failure(raised.value) == (
         f"error: DataLoader worker exited unexpectedly while sending a batch "
-        f"({type(error).__name__}) (out of memory? fewer --workers use less)"
+        f"({type(error).__name__}) (killed for memory? fewer --workers use less; a crash? -j 0 decodes in the "
+        "training process, where it shows)"
     )
 
 

@@ -119,6 +119,10 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
         for script, flags in [(train_ddp, []), (train_spawn, ["--nproc-per-node", "2", "--dist-url", "env://"])]:
             with pytest.raises(UsageError, match=r": the port is in use; choose another MASTER_PORT$"):
                 script.setup(script.parse_args(["--device", "cpu", *flags]))
+        url = ["--nproc-per-node", "2", "--dist-url", f"tcp://127.0.0.1:{busy.getsockname()[1]}"]
+        with pytest.raises(UsageError, match=r": the port is in use; choose another --dist-url$"):  # (--master-port)
+            train_spawn.setup(train_spawn.parse_args(["--device", "cpu", *url]))
+    distributed.check_port_free("::1", 0)  # (an IPv6 address: was refused as no address of node 0)
 
 
 def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):

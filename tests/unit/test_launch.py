@@ -39,11 +39,11 @@ from harness.processes import PYTHON, REPO, clean_env
         (Preempted(), (75, None)),
         (KeyboardInterrupt(), (130, None)),
         (
-            RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed."),
+            RuntimeError("DataLoader worker (pid(s) 7) exited unexpectedly"),
             (
                 1,
-                "error: DataLoader worker (pid 7) is killed by signal: Killed. "
-                "(out of memory? fewer --workers use less)",
+                "error: DataLoader worker (pid(s) 7) exited unexpectedly (killed for memory? fewer --workers use "
+                "less; a crash? -j 0 decodes in the training process, where it shows)",
             ),
         ),
         (

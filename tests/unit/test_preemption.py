@@ -99,14 +99,23 @@ def record_masks(worker_id):
     assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in STOP_SIGNALS)
 
 
-def test_loader_workers_are_born_with_the_stop_signals_held_and_the_process_keeps_its_sigchld_handler():
+def test_loader_workers_are_born_with_the_stop_signals_held_and_the_process_keeps_its_sigchld_handler(monkeypatch):
     """A SIGTERM to the process group in a worker's first milliseconds (before it ignores it) killed it: the run ended
     in exit 1, no checkpoint. And torch's SIGCHLD handler raised for a dead worker wherever the training process was,
     once inside a queue's lock: the loader's shutdown then waited for it forever."""
-    before = signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    for _ in range(2):  # (torch sets its handler once a process: at the first loader)
-        loader = preemption.SafeLoader(
-            SignalMasks(), num_workers=1, worker_init_fn=record_masks, multiprocessing_context="fork"
-        )
-        assert next(iter(loader)).tolist() == [[[True, False]] * len(STOP_SIGNALS)]
-        assert (signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])) == before
+    from torch.utils.data._utils import signal_handling
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    for own, after in [(signal.SIG_DFL, signal.SIG_DFL), (signal.SIG_IGN, signal.SIG_DFL), (print, print)]:
+        # (ignored, a dead worker was reaped at once, never found: the run waited forever, or a traceback)
+        monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)  # (torch sets its own once a process)
+        previous = signal.signal(signal.SIGCHLD, own)
+        try:
+            for _ in range(2):
+                loader = preemption.SafeLoader(
+                    SignalMasks(), num_workers=1, worker_init_fn=record_masks, multiprocessing_context="fork"
+                )
+                assert next(iter(loader)).tolist() == [[[True, False]] * len(STOP_SIGNALS)]
+                assert (signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])) == (after, mask)
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
