@@ -66,8 +66,8 @@ class SafeLoader(DataLoader):
             return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            if main:  # (ignored, a dead worker would be reaped at once, and never found: the default)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL if sigchld == signal.SIG_IGN else sigchld)
+            if main:  # (ignored, a dead worker would be reaped at once, and never found; None: not Python's)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL if sigchld in (signal.SIG_IGN, None) else sigchld)
 
 
 def before_exit():
