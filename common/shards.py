@@ -427,12 +427,14 @@ def index_tar(shard):
         cut, end = "", None
     if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
         cut = ""
-    last = next(reversed(samples), None)  # cut in its members, its label may be lost: a .cls, where the shard has them
+    # The last sample's label may lie past the cut (a .cls, where the shard has them): dropped, named as the one cut,
+    # if the cut is in its members or it has no label at all (a whole one of the other kind before the cut is kept).
+    last = next(reversed(samples), None)
     if (
         cut is not None
         and last is not None
-        and last == last_seen
         and (last not in labels if labels else json_labels.get(last) is None)
+        and (last == last_seen or labels.get(last, json_labels.get(last)) is None)
     ):
         cut = samples.popitem()[0]
     for key in (*labels, *(key for key, label in json_labels.items() if label is not None)) if cut is None else ():

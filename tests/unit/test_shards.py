@@ -316,6 +316,11 @@ def test_a_label_without_an_image_is_refused_naming_the_sample_s_members_and_one
         shard.write_bytes(whole[: index_tar(shard)[0][cut_in][3] + 100])  # in that sample's image
         samples, cut = index_tar(shard)
         assert [sample[0] for sample in samples] == read and cut == f"k{cut_in}", members
+    webdataset_tar(shard, [("k0.jpg", b"z" * 3000), ("k1.jpg", b"z" * 3000), ("k0.cls", b"0"), ("k1.cls", b"1")])
+    with tarfile.open(shard) as tar:  # (`tar cf s.tar *.jpg *.cls`, cut in k1.cls's header: was "k1 has no label")
+        shard.write_bytes(shard.read_bytes()[: tar.getmember("k1.cls").offset + 100])
+    samples, cut = index_tar(shard)
+    assert [sample[0] for sample in samples] == ["k0"] and cut == "k1"
 
 
 def test_a_shard_cut_short_gives_its_samples_before_the_cut_and_names_the_one_it_cut(tmp_path, capsys):
