@@ -57,6 +57,7 @@ def setup(config):
     """Check the launch before starting anything; returns the init_method URL and the processes on this node."""
     import torch
 
+    from common import distributed
     from common.data import micro_batch
     from common.distributed import check_port_free, check_sync_bn, choose_backend, port_number, select_device
     from common.run_dir import claim_rendezvous_file
@@ -79,13 +80,14 @@ def setup(config):
     device = select_device(config.device)
     choose_backend(config.dist_backend, device)
     check_sync_bn(config.sync_bn, device)
-    url = config.dist_url or f"tcp://{config.master_addr}:{config.master_port}"
+    url = config.dist_url or distributed.tcp_url(config.master_addr, config.master_port)
     if url.startswith("tcp://"):
-        host, _, port = url[len("tcp://") :].rpartition(":")
+        port = url.rpartition(":")[2]
         shown = f"--dist-url {url}" if config.dist_url else f"--master-port {port}"
         port = port_number(port, config.nnodes * nproc, shown)
-        if config.node_rank == 0:
-            check_port_free(host, port, ("--dist-url",) * 2 if config.dist_url else ("--master-addr", "--master-port"))
+        if config.node_rank == 0:  # (rank 0 will listen there)
+            names = ("--dist-url",) * 2 if config.dist_url else ("--master-addr", "--master-port")
+            check_port_free(distributed.rendezvous_host(url), port, names)
     elif url.startswith("file://"):
         claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
     elif url == "env://":

@@ -256,7 +256,12 @@ def gloo_address_problem(host, host_address, master_address, multi_node, interfa
     )
 
 
-def _rendezvous_host(init_method):
+def tcp_url(host, port):
+    """tcp://HOST:PORT, an IPv6 address in brackets (tcp://::1:29500 is no URL torch reads)."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def rendezvous_host(init_method):
     """The host of an env:// (MASTER_ADDR) or tcp:// rendezvous; None for file://."""
     if init_method == "env://":
         return os.environ.get("MASTER_ADDR")
@@ -266,7 +271,7 @@ def _rendezvous_host(init_method):
 def check_rendezvous_host(init_method, world_size):
     """One line where the rendezvous host's name does not resolve (was: on a node past the first, advice to set
     GLOO_SOCKET_IFNAME, or a wait of --dist-timeout for a store no one could reach)."""
-    host = _rendezvous_host(init_method)
+    host = rendezvous_host(init_method)
     if world_size > 1 and host:
         try:
             socket.getaddrinfo(host, None)
@@ -281,7 +286,7 @@ def check_gloo_address(init_method, world_size, local_world_size):
     """gloo_address_problem for this process: raised as a UsageError before the rendezvous."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or local_world_size is None or world_size <= local_world_size:
         return
-    master = _rendezvous_host(init_method)
+    master = rendezvous_host(init_method)
     host = socket.gethostname()
     problem = gloo_address_problem(
         host,

@@ -123,6 +123,12 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
         with pytest.raises(UsageError, match=r": the port is in use; choose another --dist-url$"):  # (--master-port)
             train_spawn.setup(train_spawn.parse_args(["--device", "cpu", *url]))
     distributed.check_port_free("::1", 0)  # (an IPv6 address: was refused as no address of node 0)
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        free = probe.getsockname()[1]
+    for flags in (["--master-addr", "::1", "--master-port", str(free)], ["--dist-url", f"tcp://[::1]:{free}"]):
+        url, _ = train_spawn.setup(train_spawn.parse_args(["--device", "cpu", "--nproc-per-node", "2", *flags]))
+        assert url == f"tcp://[::1]:{free}"  # (was tcp://::1:PORT, which torch cannot read: a traceback)
 
 
 def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):
