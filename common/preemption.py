@@ -49,25 +49,28 @@ def ignore_stop_signals(_worker_id=None):
 
 
 class SafeLoader(DataLoader):
-    """A DataLoader whose workers start and end safely. They are born with the stop signals blocked until their
-    worker_init_fn (ignore_stop_signals) ignores them: one sent to the process group meanwhile reaches the training
-    process alone (was: torch's SIGTERM handler killed a starting worker: exit 1, no checkpoint). And the SIGCHLD
-    handler torch sets is replaced by the process's own: its exception for a dead worker came anywhere, once inside a
-    queue's lock, and the loader's shutdown then waited forever. The loader still finds a dead worker where it
-    waits for a batch, within 5 s."""
+    """A DataLoader whose workers start and end safely. Born with the stop signals blocked until ignore_stop_signals
+    (their worker_init_fn) ignores them, so that one sent to the process group reaches the training process alone
+    (torch's SIGTERM handler killed a starting worker: exit 1, no checkpoint). Torch's SIGCHLD handler replaced by
+    the process's own, the default where ignored (its exception came anywhere, once inside a queue's lock: the
+    shutdown waited forever): a dead worker is found where the loader waits for a batch, within 5 s, unless a
+    handler of yours reaps it."""
 
     def __iter__(self):
         if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
             return super().__iter__()
         main = threading.current_thread() is threading.main_thread()
-        sigchld = signal.getsignal(signal.SIGCHLD) if main else None
+        if main:  # (ignored, a dead worker would be reaped at once, and never found; None: not set from Python)
+            sigchld = signal.getsignal(signal.SIGCHLD)
+            sigchld = signal.SIG_DFL if sigchld in (signal.SIG_IGN, None) else sigchld
+            signal.signal(signal.SIGCHLD, sigchld)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (this thread's: the one that forks them)
         try:
             return super().__iter__()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
-            if main:  # (ignored, a dead worker would be reaped at once, and never found; None: not Python's)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL if sigchld in (signal.SIG_IGN, None) else sigchld)
+            if main:
+                signal.signal(signal.SIGCHLD, sigchld)
 
 
 def before_exit():

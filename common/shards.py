@@ -427,14 +427,12 @@ def index_tar(shard):
         cut, end = "", None
     if cut is None and (end is None or not _ends_an_archive(shard, end, size)):
         cut = ""
-    # The last sample's label may lie past the cut (a .cls, where the shard has them): dropped, named as the one cut,
-    # if the cut is in its members or it has no label at all (a whole one of the other kind before the cut is kept).
-    last = next(reversed(samples), None)
+    last = next(reversed(samples), None)  # its label past the cut? (a .cls, where the shard has them: named as cut)
     if (
         cut is not None
         and last is not None
         and (last not in labels if labels else json_labels.get(last) is None)
-        and (last == last_seen or labels.get(last, json_labels.get(last)) is None)
+        and (last == last_seen or labels.get(last, json_labels.get(last)) is None)  # (or whole, of the other kind)
     ):
         cut = samples.popitem()[0]
     for key in (*labels, *(key for key, label in json_labels.items() if label is not None)) if cut is None else ():
