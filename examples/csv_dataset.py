@@ -41,19 +41,22 @@ def build(config):
     try:
         with open(root / "annotations.csv", newline="", encoding="utf-8-sig") as file:  # (Excel's: a byte order mark)
             reader = csv.DictReader(file)
-            rows = list(reader)
+            rows = [(reader.line_num, row) for row in reader]  # (the line each row ends on)
     except OSError as error:
         raise UsageError(
             f"cannot read {root / 'annotations.csv'} ({error.strerror}): give --data DIR of yours"
         ) from None
+    except UnicodeDecodeError:  # (Excel's plain "CSV", in the system's code page)
+        raise UsageError(f"{root / 'annotations.csv'} is not UTF-8: save it as CSV UTF-8") from None
     missing = [column for column in ("file", "split", "species") if column not in (reader.fieldnames or [])]
     if missing:
         raise UsageError(
             f"{root / 'annotations.csv'} has no column {', '.join(missing)}: its header is file,split,species"
         )
-    short = next((number for number, row in enumerate(rows, start=2) if None in row.values()), None)
+    short = next((line for line, row in rows if None in row.values()), None)
     if short:  # (a row of fewer fields: its missing ones are None)
         raise UsageError(f"{root / 'annotations.csv'} line {short}: expected file,split,species")
+    rows = [row for _, row in rows]
     classes = sorted({row["species"] for row in rows})
     index = {name: k for k, name in enumerate(classes)}
 

@@ -35,8 +35,9 @@ host() {  # host VAR: stop unless VAR is one host's name or address, without a p
   local value="${!1:-}" bare  # traceback); an IPv6 address may be in brackets
   [[ ! "$value" =~ ^[^:]*:[^:]*$ && ! "$value" =~ ^\[.*\]: ]] \
     || fail "$1=$value holds a port: give the host alone, and the port in MASTER_PORT"
-  bare="${value#\[}" && bare="${bare%\]}"
-  [[ "$bare" =~ ^[A-Za-z0-9_.:-]+$ ]] || fail "$1='$value' is not one host's name or address (node 0's)"
+  bare="${value#\[}" && bare="${bare%\]}"  # (brackets both or neither; % of a scoped IPv6 address)
+  [[ "$bare" =~ ^[A-Za-z0-9_.:%-]+$ && ("$bare" == "$value" || "[$bare]" == "$value") ]] \
+    || fail "$1='$value' is not one host's name or address (node 0's)"
 }
 
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)

@@ -199,6 +199,7 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
         ("platform_ddp.sh", {**PLATFORM, "MASTER_ADDR": "10.0.0.1 "}, "MASTER_ADDR='10.0.0.1 ' is not one host's name"),
         ("multi_node_ddp.sh", {"MASTER_ADDR": "node01,node02"}, "MASTER_ADDR='node01,node02' is not one host's name"),
         ("multi_node_ddp.sh", {"MASTER_ADDR": "[::1]:29500"}, "MASTER_ADDR=[::1]:29500 holds a port"),
+        ("multi_node_ddp.sh", {"MASTER_ADDR": "[::1"}, "MASTER_ADDR='[::1' is not one host's name or address"),
         (  # (the first line said RANK, the next WORLD_SIZE)
             "platform_ddp.sh",
             {**PLATFORM, "WORLD_SIZE": "6", "WORKER_PER_NODE": "4", "RANK": "1"},
@@ -223,14 +224,19 @@ def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, e
 def test_multi_node_ddp_says_torchrun_s_wait_and_passes_max_restarts_on():
     """Node 0 waited for the others in silence, up to 600 s; --max-restarts, which the docs named, had no way in
     (an extra argument goes to train_ddp.py). /bin/echo stands in for Python: the command torchrun would run."""
-    env = dict(NNODES="2", MASTER_ADDR="127.0.0.1", NPROC_PER_NODE="1", RDZV_BACKEND="c10d", MAX_RESTARTS="3")
-    result = run(
-        ["bash", SCRIPTS / "multi_node_ddp.sh", "--epochs", "1"], timeout=60, env=clean_env(PYTHON="/bin/echo", **env)
-    )
-    assert result.returncode == 0, result.stdout
-    note, command, echoed = result.stdout.splitlines()
-    assert note.startswith("note: torchrun waits up to 600 s for all 2 nodes (its rendezvous), saying nothing;")
-    assert command == f"+ /bin/echo {echoed}" and "--rdzv-id=imagenet --max-restarts=3 " in echoed, result.stdout
+    for backend, host in [("c10d", "127.0.0.1"), ("etcd-v2", "[fe80::1%eth0]")]:  # (torchrun's names and hosts)
+        env = dict(NNODES="2", MASTER_ADDR=host, NPROC_PER_NODE="1", RDZV_BACKEND=backend, MAX_RESTARTS="3")
+        result = run(
+            ["bash", SCRIPTS / "multi_node_ddp.sh", "--epochs", "1"],
+            timeout=60,
+            env=clean_env(PYTHON="/bin/echo", **env),
+        )
+        assert result.returncode == 0, result.stdout
+        note, command, echoed = result.stdout.splitlines()
+        assert note.startswith("note: torchrun waits up to 600 s for all 2 nodes (its rendezvous), saying nothing;")
+        assert shlex.split(command[2:]) == ["/bin/echo", *echoed.split()], result.stdout  # (the line, pasted back)
+        assert "--rdzv-id=imagenet --max-restarts=3 " in echoed, result.stdout
+        assert f"--rdzv-backend={backend} --rdzv-endpoint={host}:29500 " in echoed, result.stdout
 
 
 def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):

@@ -598,18 +598,20 @@ def test_the_distillation_and_csv_examples_say_their_mistakes_in_one_line_and_ta
     assert evaluating.teacher is None
     for name, text in [
         ("columns", "file,split,label\na.jpg,train,cat\n"),
-        ("short", "file,split,species\na.jpg,val\n"),
+        ("short", "file,split,species\na.jpg,train,cat\n\nb.jpg,val\n"),
     ]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "annotations.csv").write_text(text)  # (were a KeyError, a TypeError)
     (tmp_path / "excel").mkdir()
     (tmp_path / "excel" / "annotations.csv").write_bytes(b"\xef\xbb\xbffile,split,species\na.jpg,train,cat\n")
     assert build_datasets(parse("--dataset", "examples.csv_dataset:build", "--data", tmp_path / "excel"))[0] == ["cat"]
+    (tmp_path / "excel" / "annotations.csv").write_bytes(b"file,split,species\na.jpg,train,caf\xe9\n")  # (cp1252)
     for data, says in (
         (None, "give --data DIR"),
         (tmp_path, "cannot read \\S+annotations.csv \\(No such file"),
         (tmp_path / "columns", "annotations.csv has no column species: its header is file,split,species$"),
-        (tmp_path / "short", "annotations.csv line 2: expected file,split,species$"),
+        (tmp_path / "short", "annotations.csv line 4: expected file,split,species$"),  # (after a blank line)
+        (tmp_path / "excel", "annotations.csv is not UTF-8: save it as CSV UTF-8$"),
     ):
         config = parse("--dataset", "examples.csv_dataset:build", *(["--data", data] if data else []))
         with pytest.raises(UsageError, match=says):
