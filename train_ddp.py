@@ -37,11 +37,10 @@ def setup(config, mode="ddp"):
     from common.data import micro_batch
     from common.distributed import (
         Runtime,
-        check_port_free,
+        check_env_rendezvous,
         choose_backend,
         init_process_group,
         local_world_size_from_env,
-        port_number,
         select_device,
         world_info_from_env,
     )
@@ -61,9 +60,8 @@ def setup(config, mode="ddp"):
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start this script with "
             "torchrun, or export them in the job script when srun starts it"
         )
-    port = port_number(os.environ["MASTER_PORT"], world_size)
-    if rank == 0 and port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # (torchrun's agent listens)
-        check_port_free(os.environ["MASTER_ADDR"], port, ("MASTER_ADDR", "MASTER_PORT"))  # (srun's tasks: rank 0)
+    # Rank 0 listens where srun (or a user) started the tasks; under torchrun its agent does.
+    check_env_rendezvous(world_size, rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
     device = select_device(config.device, local_rank)
     backend = choose_backend(config.dist_backend, device)
     micro_batch(config.batch_size, world_size, config.grad_accum_steps)  # fail before the rendezvous, not after

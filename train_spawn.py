@@ -93,9 +93,7 @@ def setup(config):
     elif url == "env://":
         os.environ.setdefault("MASTER_ADDR", config.master_addr)
         os.environ.setdefault("MASTER_PORT", str(config.master_port))
-        port = port_number(os.environ["MASTER_PORT"], config.nnodes * nproc)
-        if config.node_rank == 0 and port:
-            check_port_free(os.environ["MASTER_ADDR"], port, ("MASTER_ADDR", "MASTER_PORT"))
+        distributed.check_env_rendezvous(config.nnodes * nproc, config.node_rank == 0)
     else:
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
     return url, nproc

@@ -511,6 +511,15 @@ def shared_seed(seed):
     return seed if seed is not None else computed_by_rank_0(lambda: random.SystemRandom().randrange(2**31))
 
 
+def check_env_rendezvous(processes, listens):
+    """An env:// rendezvous's MASTER_PORT checked (port_number), and free on MASTER_ADDR where this process's rank 0
+    will listen (`listens`); its port."""
+    port = port_number(os.environ["MASTER_PORT"], processes)
+    if listens and port:
+        check_port_free(os.environ["MASTER_ADDR"], port, ("MASTER_ADDR", "MASTER_PORT"))
+    return port
+
+
 def check_port_free(address, port, names=("--master-addr", "--master-port")):
     """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port)."""
     try:  # (an IPv6 address listens as one)

@@ -226,6 +226,9 @@ def _size(count):
     return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
+RENDEZVOUS_HINT = "start every node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
+
+
 def known_failure(error):
     """One line for the errors that are not this process's own fault (their cause is reported
     elsewhere or is the machine's), else None."""
@@ -251,14 +254,14 @@ def known_failure(error):
     joined = re.search(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", text)
     if joined:  # (node 0's rendezvous: torch's DistStoreError, a traceback)
         return (
-            f"error: the rendezvous timed out: {joined[2]} of {joined[3]} processes joined in {joined[1]} s: start "
-            "every node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
+            f"error: the rendezvous timed out: {joined[2]} of {joined[3]} processes joined in {joined[1]} s: "
+            f"{RENDEZVOUS_HINT}"
         )
     waited = re.search(r"wait timeout after (\d+)ms, keys: ", text)
     if waited:  # (a rank that joined node 0's store, waiting there for the others: DistStoreError)
         return (
-            f"error: the rendezvous timed out: not every process joined in {int(waited[1]) / 1000:g} s: start every "
-            "node, each with its own node rank, and check MASTER_ADDR, the port and the node count"
+            f"error: the rendezvous timed out: not every process joined in {int(waited[1]) / 1000:g} s: "
+            f"{RENDEZVOUS_HINT}"
         )
     if "Failed to recv, got 0 bytes. Connection was likely closed" in text:  # (DistNetworkError: node 0 ended)
         return "error: node 0's rendezvous store closed the connection: its processes ended (see their errors there)"

@@ -19,6 +19,7 @@ from .errors import UsageError, say
 from .folder_index import NameTable
 
 INDEX_VERSION = 3  # 3: index_tar refuses what 1 (and 2, this one's draft) read wrong: others' shards read through again
+MADE_HERE_VERSIONS = (1, INDEX_VERSION)  # the indexes of tools/make_shards.py's shards: 1 read them right
 CLASSES = "classes.txt"
 MANIFEST = "shards.json"  # how tools/make_shards.py wrote a folder of shards: a rerun with other options is refused
 COLUMNS = {"labels": np.int32, "offsets": np.int64, "sizes": np.int64}
@@ -306,7 +307,7 @@ def scan_shards(root, cache=None):
     """(classes, train ShardIndex, val ShardIndex) of the shards under `root` (shard_samples; `cache`: the output
     directory). The class names are root/classes.txt's; without it, the labels' numbers."""
     classes = read_classes(root)
-    versions = (1, INDEX_VERSION) if made_here(root) else (INDEX_VERSION,)  # (1 read tools/make_shards.py's right)
+    versions = MADE_HERE_VERSIONS if made_here(root) else (INDEX_VERSION,)
     train, val = (split_index(root, split, cache, versions) for split in ("train", "val"))
     listed = f"{Path(root) / CLASSES} lists" if classes else f"with no {CLASSES}, the train labels make"
     unseen = np.setdiff1d(val.labels, train.labels) if classes is None else []

@@ -48,7 +48,7 @@ from common.run_dir import atomic_write
 from common.shards import (
     CLASSES,
     IMAGE_EXTENSIONS,
-    INDEX_VERSION,
+    MADE_HERE_VERSIONS,
     MANIFEST,
     index_tar,
     read_index,
@@ -157,7 +157,7 @@ def done(shard):
     """Whether `shard` and its index were written completely and still match (an index of version 1 too: this tool's
     shards are what the current version reads alike)."""
     try:
-        read_index(shard, versions=(1, INDEX_VERSION))
+        read_index(shard, versions=MADE_HERE_VERSIONS)
         return True
     except (UsageError, FileNotFoundError):
         return False
