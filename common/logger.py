@@ -4,6 +4,7 @@ Only the process that writes checkpoints writes files; every other process
 gets a RunLogger that prints and writes nothing.
 """
 
+import contextlib
 import csv
 import io
 import json
@@ -63,7 +64,15 @@ STEP_TAGS = {
 # Every kind of run's checkpoints: a fresh run in a directory (--overwrite) deletes them all, train_fsdp.py's sharded
 # ones (common/sharded_checkpoint.py) in a run of train_dp.py too, so that no --resume auto finds an earlier run's.
 RUN_CHECKPOINTS = tuple(dict.fromkeys((*SingleFile.names, *ShardedCheckpoints.names)))
-DIAGNOSTICS_FOLDERS = ("profile", "memory", "nccl_trace")  # --profile's traces, a GPU's out-of-memory snapshots, NCCL's
+# The folders of a run's own files, and their names: a fresh run deletes these (a researcher's files there stay).
+# metrics/: the metrics' tensors; profile/: --profile's traces; memory/: a GPU's out-of-memory snapshots;
+# nccl_trace/: NCCL's Flight Recorder dumps.
+RUN_FOLDERS = {
+    "metrics": "*_epoch*.json",
+    "profile": "rank*.json",
+    "memory": "oom-rank*.pickle",
+    "nccl_trace": "rank_*",
+}
 
 
 def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
@@ -122,12 +131,18 @@ class RunLogger:
         if not resumed:
             # A fresh run (the trainer refused it where a run's checkpoints were, unless --overwrite):
             # nothing of an earlier run in this directory may pass for this one's.
-            for name in (*RUN_CHECKPOINTS, "summary.json", "bad_images.txt", "metrics", *DIAGNOSTICS_FOLDERS):
+            for name in (*RUN_CHECKPOINTS, "summary.json", "bad_images.txt"):
                 path = self.output_dir / name
                 if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path)
                 else:
                     path.unlink(missing_ok=True)
+            for name, files in RUN_FOLDERS.items():
+                folder = self.output_dir / name
+                for path in folder.glob(files) if folder.is_dir() else []:
+                    path.unlink()
+                with contextlib.suppress(OSError):  # (not there, or not empty: a researcher's own files in it)
+                    folder.rmdir()
             for events in self.output_dir.glob("tensorboard/**/events.out.tfevents.*"):
                 events.unlink()
         else:  # a run that goes on is not finished: its summary.json (of fewer --epochs, say) would pass for this one's

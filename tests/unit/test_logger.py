@@ -123,15 +123,18 @@ def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_va
 def test_a_fresh_run_leaves_nothing_of_an_earlier_one_in_its_directory_and_a_resumed_one_keeps_it(tmp_path):
     """--overwrite kept the earlier run's --profile traces (profile/rankN.json), out-of-memory snapshots and NCCL's
     dumps: they read as this run's."""
-    earlier = ["checkpoint.pth", "summary.json", "bad_images.txt", "metrics/val.json", "profile/rank0.json"]
+    earlier = ["checkpoint.pth", "summary.json", "bad_images.txt", "metrics/val_epoch3.json", "profile/rank0.json"]
     earlier += ["memory/oom-rank0.pickle", "nccl_trace/rank_0", "tensorboard/events.out.tfevents.1.host"]
+    # A researcher's own files in the folders of a run's (was: the folders deleted whole by every fresh start)
+    theirs = ["metrics/results.csv", "memory/notes.txt", "profile/mine.json"]
     for resumed in (True, False):
-        for name in earlier:
+        for name in earlier + theirs:
             (tmp_path / "out" / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / "out" / name).write_text("the earlier run's")
         RunLogger(tmp_path / "out", prints=False, writes=True).start(parse("--dummy"), resumed=resumed)
-        kept = [name for name in earlier if (tmp_path / "out" / name).exists()]
-        assert kept == ([name for name in earlier if name != "summary.json"] if resumed else []), resumed
+        kept = [name for name in earlier + theirs if (tmp_path / "out" / name).exists()]
+        assert kept == ([name for name in earlier + theirs if name != "summary.json"] if resumed else theirs), resumed
+    assert not (tmp_path / "out" / "nccl_trace").exists()  # a folder of the run's files alone goes with them
 
 
 def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
