@@ -120,12 +120,13 @@ def profile_steps(text):
     return int(start), int(steps)
 
 
-def resolve(namespace, mode):
-    """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn): the data
-    source, the layered defaults, the checks (UsageError), the pretrained weights' preprocessing, the output dir."""
+def resolve(namespace, mode, own_data=False):
+    """The frozen Config of what argparse parsed (`namespace`) for a script of `mode` (dp, ddp, spawn; `own_data`: a
+    --trainer that builds its datasets): the data source, the layered defaults, the checks (UsageError), the
+    pretrained weights' preprocessing, the output dir."""
     check_launcher(mode)
     values = dict(vars(namespace))
-    _data_source(values)
+    _data_source(values, own_data)
     from_environment = _layered_defaults(values)
     try:
         _check(values)
@@ -157,9 +158,10 @@ def check_launcher(mode):
         raise UsageError(f"{script} {what}: run it with python, not torchrun (train_ddp.py is torchrun's)")
 
 
-def _data_source(values):
-    """--data (or DIR, or DATASETS_PATH + DATASETS), --dataset, --dummy or the built-in demo set: `dataset` says
-    which ("imagenet" for any --data), `data` the folder (the demo set's where it is generated)."""
+def _data_source(values, own_data):
+    """--data (or DIR, or DATASETS_PATH + DATASETS), --dataset, --dummy, a --trainer's own build_datasets
+    (`own_data`) or the built-in demo set: `dataset` says which ("imagenet" for any --data), `data` the folder (the
+    demo set's where it is generated)."""
     positional = values.pop("data_positional")
     if positional and values["data"] and positional != values["data"]:
         raise UsageError("give the data directory once: as DIR or as --data, not both")
@@ -178,9 +180,8 @@ def _data_source(values):
             )
         if root:
             values["data"] = os.path.join(root, names.split(",")[0]) if names else root
-    values["dataset"] = (
-        "dummy" if values["dummy"] else "custom" if values["dataset_fn"] else "imagenet" if values["data"] else "demo"
-    )
+    kinds = (("dummy", values["dummy"]), ("custom", values["dataset_fn"]), ("imagenet", values["data"]))
+    values["dataset"] = next((kind for kind, given in kinds if given), "custom" if own_data else "demo")
     if values["dataset"] == "demo":
         from .demo_data import DEFAULT_ROOT
 
@@ -468,9 +469,10 @@ def check_arch(arch):
 
 def default_output_dir(values, mode):
     """A run name fixed by mode, arch and data, so --resume auto finds the last run again (your own
-    package.module:name as its name)."""
+    package.module:name as its name, and --data's folder's with it; a --trainer's that builds its datasets)."""
     if values["dataset"] == "custom":
-        dataset = values["dataset_fn"].replace(":", ".")
+        dataset = (values["dataset_fn"] or values["trainer"]).replace(":", ".")
+        dataset += f"-{Path(values['data']).resolve().name}" if values["data"] else ""
     elif values["dataset"] == "imagenet":
         dataset = Path(values["data"]).resolve().name
     else:

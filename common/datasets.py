@@ -227,6 +227,8 @@ def build_datasets(config):
                 f"--dataset {config.dataset_fn} returned {type(result).__name__}: return (classes, train_set, val_set)"
             )
         return tuple(result)
+    if config.data is None:  # (a --trainer's build_datasets that calls this one: no demo set for its own data)
+        raise UsageError(f"--trainer {config.trainer}'s build_datasets reads the data of the flags: give --data")
     root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
     try:
         root.stat()

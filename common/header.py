@@ -317,7 +317,8 @@ def describe_preset(config, first_image=None):
     why = (
         "the built-in demo set"
         if config.data_preset == "demo"
-        else "the default for --data, --dataset and --dummy, made for ImageNet-sized images"
+        else "the default for --data, --dataset, --dummy and a --trainer's build_datasets, made for ImageNet-sized "
+        "images"
     )
     lines = [
         f"preset: {config.data_preset} ({why}) sets {', '.join(given)}; flags, the environment and --preset override it"

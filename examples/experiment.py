@@ -2,7 +2,7 @@
 gives it a 10-way head and a 1-channel conv1, and the header says so), a focal loss, the backbone at a tenth of the
 head's lr, a random rotation, a confusion matrix.
 
-    torchrun --standalone --nproc-per-node 2 train_ddp.py -a resnet18 --init-from my_resnet18.pth \
+    torchrun --standalone --nproc-per-node 2 train_ddp.py -a resnet18 --init-from my_resnet18.pth --epochs 10 \
         --trainer examples.experiment:Experiment --train-crop-size 16 --val-resize-size 16 --val-crop-size 16
 """
 

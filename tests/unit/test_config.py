@@ -82,6 +82,19 @@ def test_without_environment_the_output_dir_is_under_runs():
         "runs/dp-tests.tiny_models.TinyNet-examples.csv_dataset.build"
     )  # no colon: TensorBoard's --logdir reads NAME:PATH
     assert default_output_dir(vars(parse("--dummy")), "spawn") == "runs/spawn-resnet18-dummy"
+    # Two folders of one --dataset function: two runs (was: one directory, the second resumed the first's run)
+    assert parse("--dataset", "examples.csv_dataset:build", "--data", "/d/annotations").output_dir == (
+        "runs/dp-resnet18-examples.csv_dataset.build-annotations"
+    )
+
+
+def test_a_trainer_that_builds_its_datasets_gets_the_imagenet_preset_and_a_directory_of_its_own():
+    """(was: the demo preset, said to be the built-in demo set's, and the demo run's directory, which a run of it
+    then refused as another run's, or resumed)"""
+    args = parse("--trainer", "examples.experiment:Experiment")
+    assert (args.dataset, args.data_preset, args.data, args.epochs) == ("custom", "imagenet", None, 90)
+    assert args.output_dir == "runs/dp-resnet18-examples.experiment.Experiment"
+    assert parse("--trainer", "examples.distillation:Distillation").dataset == "demo"  # (the default build_datasets)
 
 
 def test_positional_data_dir_is_the_same_as_the_flag():

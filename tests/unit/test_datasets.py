@@ -81,6 +81,13 @@ def test_load_image_decodes_jpegs_with_torchvision_and_other_formats_png_too_wit
     )
 
 
+def test_a_trainer_of_its_own_data_that_reads_the_flags_data_without_data_is_told_to_give_it():
+    """(was: a TypeError traceback of Path(None); before, the demo set, said to be the trainer's)"""
+    config = parse("--trainer", "examples.experiment:Experiment")
+    with pytest.raises(UsageError, match="^--trainer examples.experiment:Experiment's build_datasets reads the data "):
+        datasets_module.build_datasets(config)
+
+
 def test_load_image_of_a_broken_file_names_it(tmp_path):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
     with pytest.raises(Exception, match=rf"cannot identify image file .*{re.escape(str(tmp_path / 'broken.jpg'))}"):

@@ -15,7 +15,8 @@ def test_data_that_is_not_imagenet_sized_hears_which_preset_applies_and_why():
         built_trainer(*TINY_NET, "--epochs", "1", "-b", "4", "--dataset", "tests.custom_datasets:pil_images")
     )
     assert (
-        "preset: imagenet (the default for --data, --dataset and --dummy, made for ImageNet-sized images) sets "
+        "preset: imagenet (the default for --data, --dataset, --dummy and a --trainer's build_datasets, made for "
+        "ImageNet-sized images) sets "
         "lr 0.1, 224 px crops, val resize 256, val crop 224, step schedule; flags, the environment and --preset "
         "override it"
     ) in lines  # -b and --epochs given: not the preset's
