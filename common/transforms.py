@@ -118,7 +118,8 @@ def planned(image, plan):
 
 class SeededTransform(Dataset):
     """`transform` applied to the image of the (image, label, bad) `base[index]` (image None: skipped) with a
-    random.Random seeded by (seed, epoch, index), leaving the global RNGs alone. An index beyond len(base) (a repeat of
+    random.Random seeded by (seed, epoch, index) (a transform not of the presets: torch's RNG seeded from it), leaving
+    the global RNGs alone. An index beyond len(base) (a repeat of
     RepeatedAugmentationSampler's) reads base[index % len(base)], seeded by itself: each repeat differs."""
 
     def __init__(self, base, transform, seed):
@@ -136,7 +137,12 @@ class SeededTransform(Dataset):
     def __getitem__(self, index):
         image, label, bad = self.base[index % len(self.base)]
         if image is not None:
-            image = self.transform(image, random.Random(f"{self.seed}-{self.epoch}-{index}"))
+            rng = random.Random(f"{self.seed}-{self.epoch}-{index}")
+            if isinstance(self.transform, (TrainPreset, EvalPreset)):
+                image = self.transform(image, rng)
+            else:  # build_transforms' own: called as torchvision's, drawing from torch's RNG seeded per image
+                with seeded(rng):
+                    image = self.transform(image)
         return image, label, bad
 
 

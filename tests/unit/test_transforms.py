@@ -202,13 +202,18 @@ def test_build_transforms_extends_the_default_pipeline_seeded_per_image_as_the_r
     assert not torch.equal(before, train[1][0][0])
 
 
-def test_a_replaced_training_transform_refuses_the_flags_it_no_longer_applies():
+def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_refuses_the_flags_it_no_longer_applies():
+    """(was: called as transform(image, rng): a torchvision transform failed in collate with a traceback)"""
+
     class Replaced(Trainer):
         def build_transforms(self, train, val):
-            return (lambda image, rng: F.resize(image, [16, 16])), val
+            return v2.Compose([v2.RandomResizedCrop(12), v2.RandomRotation(30)]), (lambda image: image[:, :12, :12])
 
-    trainer = built_trainer("-b", "4", trainer=Replaced, datasets=tensor_datasets(size=16))  # no such flag: fine
-    assert trainer._data.train_loader.dataset[0][0].shape == (3, 16, 16)
+    runs = [built_trainer("-b", "4", trainer=Replaced, datasets=tensor_datasets(size=16)) for _ in range(2)]
+    train, again = (run._data.train_loader.dataset for run in runs)  # no such flag: fine
+    assert train[0][0].shape == (3, 12, 12) and runs[0]._data.val_loader.dataset[0][0].shape == (3, 12, 12)
+    assert all(torch.equal(train[index][0], again[index][0]) for index in range(4))  # seeded per image
+    assert not torch.equal(train[0][0], train[1][0])
     with pytest.raises(UsageError) as refused:
         built_trainer(
             "-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced, datasets=tensor_datasets(size=16)
