@@ -9,16 +9,15 @@ import os
 import re
 import time
 import warnings
-from copy import deepcopy
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from . import distributed
 from .config import profile_steps
 from .distributed import flight_recorder_files
 from .errors import OutOfMemory, Preempted, UsageError
+from .models import meta_copy
 
 # A training epoch that waits longer than this share of its time for batches: said once, with levers.
 INPUT_BOUND = 1 / 3
@@ -55,17 +54,8 @@ def forward_flops(model, size, channels):
     cache) stays with the copy. (None, why) for a model whose forward fails there."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    # The copy's parameters and buffers are meta tensors of the same shapes (a tied weight stays one tensor).
-    meta = {
-        id(tensor): (
-            nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
-            if isinstance(tensor, nn.Parameter)
-            else torch.empty_like(tensor, device="meta")
-        )
-        for tensor in [*model.parameters(), *model.buffers()]
-    }
     try:
-        copy = deepcopy(model, memo=dict(meta)).eval()  # eval: as torchvision counts (no auxiliary heads, no SyncBN)
+        copy = meta_copy(model).eval()  # eval: as torchvision counts (no auxiliary heads, no SyncBN)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             copy(torch.empty(1, channels, size, size, device="meta"))
         return counter.get_total_flops(), None

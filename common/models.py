@@ -6,6 +6,7 @@ losses, autocast (and the wrapper DataParallel needs), the memory format, the ba
 import contextlib
 import math
 import weakref
+from copy import deepcopy
 
 import torch
 import torch.nn as nn
@@ -218,11 +219,35 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
     return model
 
 
+def meta_copy(model):
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes (a tied weight stays one):
+    nothing read or copied, and whatever its forward keeps (a cache) stays with the copy."""
+    meta = {
+        id(tensor): (
+            nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
+            if isinstance(tensor, nn.Parameter)
+            else torch.empty_like(tensor, device="meta")
+        )
+        for tensor in [*model.parameters(), *model.buffers()]
+    }
+    return deepcopy(model, memo=meta)
+
+
 def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=None):
     """Refuse in one line, before any process trains, an image size that torchvision's `model` (--arch `arch`) cannot
     take and logits of another width than `classes`: a forward at each size on the meta device (no memory). A model of
-    yours is not run here (its forward may do more than compute), nor one the meta device cannot run."""
+    yours (-a PKG.MOD:FN) runs on a meta_copy, for its first convolution's channels alone; one the meta device cannot
+    run is not checked."""
     if custom_builder(arch) is not None:
+        try:
+            with torch.no_grad():
+                meta_copy(model).eval()(torch.empty(2, channels, val_size, val_size, device="meta"))
+        except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
+            raise
+        except Exception as error:  # (a model that cannot be copied, a forward the meta device cannot run: unchecked)
+            refused = _other_channels(model, channels)
+            if refused and "channel" in str(error).lower():
+                raise refused from None
         return
     meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
     was_training = model.training
@@ -242,18 +267,26 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
                     return
-                name, conv = first_conv(model)
-                if conv is not None and conv.in_channels != channels:  # (a model a subclass built: not adapted)
-                    raise UsageError(
-                        f"the model (build_model) takes {conv.in_channels}-channel images (its first convolution, "
-                        f"{name}) and the data's are {channels}-channel: build it for them"
-                    ) from None
+                refused = _other_channels(model, channels)  # (a model a subclass built: not adapted)
+                if refused:
+                    raise refused from None
                 raise UsageError(
                     f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): {_size_hint(arch)}"
                 ) from None
     finally:
         model.train(was_training)
     check_logits(split_output(output)[0], classes, "the model (build_model)")
+
+
+def _other_channels(model, channels):
+    """The UsageError of a model whose first convolution takes other channels than `channels`, else None."""
+    name, conv = first_conv(model)
+    if conv is not None and conv.in_channels != channels:
+        return UsageError(
+            f"the model (build_model) takes {conv.in_channels}-channel images (its first convolution, {name}) and "
+            f"the data's are {channels}-channel: build it for them"
+        )
+    return None
 
 
 def check_logits(logits, classes, source):

@@ -31,6 +31,16 @@ def TinyNet(num_classes, dropout=0.0):
     )
 
 
+class AsRgb(nn.Module):
+    def forward(self, images):
+        return images.expand(-1, 3, -1, -1)
+
+
+def GreyAsRgbNet(num_classes, dropout=0.0):
+    """TinyNet for 1-channel images, which it repeats in three channels (its first convolution takes 3)."""
+    return nn.Sequential(AsRgb(), TinyNet(num_classes, dropout))
+
+
 class Block(nn.Module):
     def __init__(self, inputs, outputs):
         super().__init__()

@@ -473,6 +473,13 @@ def test_only_a_model_the_library_built_gets_its_first_convolution_adapted_to_th
         r"conv1\) and the data's are 1-channel: build it for them$",
     ):
         built_trainer(*flags, trainer=OwnResNet, datasets=grey)
+    # A model of yours (-a PKG.MOD:FN): refused alike, on a copy on the meta device (was: a traceback at the first
+    # step); one that takes the data as it is (grey repeated in three channels) trains.
+    with pytest.raises(
+        UsageError, match=r"^the model \(build_model\) takes 3-channel images \(its first convolution, 0\)"
+    ):
+        built_trainer(*SMALL, "-a", "tests.tiny_models:TinyNet", "--mean", "0.5", "--std", "0.25", datasets=grey)
+    built_trainer(*SMALL, "-a", "tests.tiny_models:GreyAsRgbNet", "--mean", "0.5", "--std", "0.25", datasets=grey)
     OwnResNet.built_for = 1
     torch.manual_seed(0)
     own = built_trainer(*flags, trainer=OwnResNet, datasets=grey)
