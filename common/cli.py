@@ -365,7 +365,8 @@ def _device_flags(add):
         default="auto",
         choices=["auto", "on", "off"],
         help="NHWC memory format for model and images (alone: on); auto: on for convolutional networks on the "
-        "CPU, and on GPUs with --amp, where it is measured faster (%(default)s)",
+        "CPU, and on GPUs with --amp or TF32 (compute capability 8.0 and up), where it is measured faster "
+        "(%(default)s)",
     )
     add(
         "--keep-freed-memory",

@@ -222,15 +222,12 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
 def meta_copy(model):
     """A copy of `model` whose parameters and buffers are meta tensors of the same shapes (a tied weight stays one):
     nothing read or copied, and whatever its forward keeps (a cache) stays with the copy."""
-    meta = {
-        id(tensor): (
-            nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False)
-            if isinstance(tensor, nn.Parameter)
-            else torch.empty_like(tensor, device="meta")
-        )
-        for tensor in [*model.parameters(), *model.buffers()]
-    }
-    return deepcopy(model, memo=meta)
+
+    def empty(tensor):
+        meta = torch.empty_like(tensor, device="meta")
+        return nn.Parameter(meta, requires_grad=False) if isinstance(tensor, nn.Parameter) else meta
+
+    return deepcopy(model, memo={id(tensor): empty(tensor) for tensor in [*model.parameters(), *model.buffers()]})
 
 
 def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=None):
@@ -245,9 +242,8 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
         except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
             raise
         except Exception as error:  # (a model that cannot be copied, a forward the meta device cannot run: unchecked)
-            refused = _other_channels(model, channels)
-            if refused and "channel" in str(error).lower():
-                raise refused from None
+            if "channel" in str(error).lower():
+                _refuse_other_channels(model, channels)
         return
     meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
     was_training = model.training
@@ -267,9 +263,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
                     return
-                refused = _other_channels(model, channels)  # (a model a subclass built: not adapted)
-                if refused:
-                    raise refused from None
+                _refuse_other_channels(model, channels)  # (a model a subclass built: not adapted)
                 raise UsageError(
                     f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): {_size_hint(arch)}"
                 ) from None
@@ -278,15 +272,14 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
     check_logits(split_output(output)[0], classes, "the model (build_model)")
 
 
-def _other_channels(model, channels):
-    """The UsageError of a model whose first convolution takes other channels than `channels`, else None."""
+def _refuse_other_channels(model, channels):
+    """Refuse in one line a model whose first convolution takes other channels than `channels`."""
     name, conv = first_conv(model)
     if conv is not None and conv.in_channels != channels:
-        return UsageError(
+        raise UsageError(
             f"the model (build_model) takes {conv.in_channels}-channel images (its first convolution, {name}) and "
             f"the data's are {channels}-channel: build it for them"
         )
-    return None
 
 
 def check_logits(logits, classes, source):

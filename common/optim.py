@@ -6,6 +6,7 @@ train.py's schedulers (LinearLR warmup, then CosineAnnealingLR or StepLR counted
 
 import inspect
 import math
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,11 @@ def _settings(state, prefix=""):
     return found
 
 
+def _short(text):
+    """`text` (a setting's repr) in 60 characters at most, cut between words (OneCycleLR's phases are long)."""
+    return textwrap.shorten(text, 60, placeholder=" ...")
+
+
 def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs):
     """Load the scheduler's own state from `checkpoint` (None: the default schedule at step `done`), which must stand
     at the run's step `done` (stepped once per optimizer step). The default schedule's state is its place alone: it
@@ -183,7 +189,7 @@ def restore_scheduler(scheduler, checkpoint, path, done, steps_per_epoch, epochs
         saved, built = _settings(checkpoint["scheduler"]), _settings(scheduler.state_dict())
         differ = [key for key in saved if key in built and saved[key] != built[key]]
         if differ:
-            said = ", ".join(f"{key} {saved[key][:60]} (this run's: {built[key][:60]})" for key in differ)
+            said = ", ".join(f"{key} {_short(saved[key])} (this run's: {_short(built[key])})" for key in differ)
             raise UsageError(
                 f"{path}'s {kind} was built with {said}, which its state_dict restores over this run's flags and "
                 "data (--epochs, -b, --lr, the data's size): resume it with those it was trained with"

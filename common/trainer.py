@@ -103,9 +103,8 @@ class Trainer:
     def build_transforms(self, train, val):
         """(train, val): the per-image transforms, given the flags' defaults to extend or replace (docs/adapting.md):
         `train.then(t, ...)` adds torchvision transforms after the flip, seeded per image by (seed, epoch, index). Each
-        is called as transform(image) on a uint8 CHW tensor (float in 0-1 for such datasets), normalised after; one
-        that replaces a default alike, seeded alike. A replaced `train` is refused with the flags only the default
-        applies."""
+        (and one that replaces a default) is called as t(image) on a uint8 CHW tensor (float in 0-1 for such
+        datasets), normalised after. A replaced `train` is refused with the flags only the default applies."""
         return train, val
 
     def build_model(self, classes):

@@ -1052,8 +1052,10 @@ def test_a_scheduler_of_one_s_own_resumes_where_this_run_builds_it_as_it_was_bui
     for changed, steps in ((["--epochs", "2"], 6), (["--epochs", "2", "-b", "2"], 12)):
         with pytest.raises(
             UsageError, match=rf"OneCycleLR was built with total_steps 3 \(this run's: {steps}\).*resume"
-        ):
+        ) as refused:
             started(*flags, *changed, "--resume", "auto", trainer=onecycle)
+        # Long settings cut between words (was: mid-token, "{'end_lr': 'max_ (this run's: ...")
+        assert re.search(r"_schedule_phases \[.{,50} \.\.\. \(this run's: \[.{,50} \.\.\.\)", str(refused.value))
     for changed in (["--epochs", "1"], ["--epochs", "1", "-b", "2"]):  # (trained: validated again, nothing to train)
         assert started(*flags, *changed, "--resume", "auto", trainer=onecycle).scheduler.total_steps == 3
     flags = [*SMALL, *TINY_NET, "--output-dir", tmp_path / "step"]
