@@ -207,3 +207,31 @@ def test_the_harness_measures_real_runs_of_the_scripts_on_the_cpu(tmp_path):
     assert (tmp_path / "table.md").read_text().strip() in output
     kept = {path.relative_to(tmp_path / "runs").as_posix() for path in (tmp_path / "runs").rglob("*.*")}
     assert kept >= {"tiny/console.log", "tiny/log.csv", "tiny/summary.json", "tiny_profile/rank0.json.gz"}, kept
+
+
+@pytest.mark.parametrize("tool", ["benchmark_gpu", "gpu_check"])
+def test_the_gpu_tools_bad_input_is_argparse_s_one_line_with_nothing_left_behind(tool, tmp_path, monkeypatch, capsys):
+    """(was: re.error, ValueError and NotADirectoryError tracebacks, each leaving its /tmp folder; an --only that
+    matched no row an empty table and exit code 0, a check of nothing passed)"""
+    import importlib
+    import tempfile
+
+    main = importlib.import_module(tool).main
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "a_file").write_text("")
+    bad = {
+        "--only (": "argument --only: '(' is no regular expression (missing ), unterminated subpattern at position 0)",
+        "--only zzz": "--only 'zzz' matches no row; the rows: ",
+        f"--out {tmp_path}/a_file/out": f"--out {tmp_path}/a_file/out: Not a directory",
+    }
+    if tool == "benchmark_gpu":
+        bad |= {
+            f"--deadline {value}": f"argument --deadline: '{value}': expected a number of seconds above 0"
+            for value in ("nan", "inf", "-5", "0")
+        }
+    for argv, said in bad.items():
+        with pytest.raises(SystemExit) as ended:
+            main(["--cpu", *argv.split()])
+        error = capsys.readouterr().err.splitlines()[-1]
+        assert ended.value.code == 2 and error.partition(": error: ")[2].startswith(said), (argv, error)
+        assert [path.name for path in tmp_path.iterdir()] == ["a_file"], argv  # (no runs' folder left)

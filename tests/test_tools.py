@@ -66,6 +66,8 @@ def one_error_line(capsys, tool, *args):
         ("benchmark_startup.py", ["--root", "{tmp}/a-file/tree"], "cannot write to --root {tmp}/a-file/tree: Not a "),
         ("benchmark_startup.py", ["--root", "{tmp}", "--scale", "0.001"], "--root {tmp} exists and is not a tree"),
         ("benchmark_startup.py", ["--nproc", "0"], "argument --nproc: '0': expected a whole number"),
+        ("benchmark_startup.py", ["--nproc", "3"], "--nproc 3 does not divide the training runs' batch of 16"),
+        ("benchmark_startup.py", ["--timeout", "nan"], "argument --timeout: 'nan': expected a number of seconds"),
         ("benchmark_fsdp.py", ["--processes", "0"], "argument --processes: '0': expected a whole number"),
         ("benchmark_fsdp.py", ["--arch", "nonexist"], "'nonexist': no torchvision classification model"),
     ],
@@ -105,6 +107,18 @@ def test_a_training_script_s_error_line_is_given_on_as_the_benchmark_s_own(tmp_p
     with pytest.raises(RuntimeError, match=r"(?s)spawn failed \(exit code 1\):.*Traceback"):
         check_child("spawn", CompletedProcess([], 1, "Traceback (most recent call last):\n", ""))
     check_child("train_dp.py", CompletedProcess([], 0, "error: in a line of a run that succeeded\n", ""))
+
+
+def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():
+    """(was: GoogLeNet's and Inception v3's tuples given to cross_entropy, a traceback in each rank)"""
+    import torch
+    import torchvision
+
+    model = torchvision.models.get_model("googlenet", num_classes=10, aux_logits=True, init_weights=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.aux1.fc2.weight.detach().clone()
+    benchmark_fsdp.train_steps(model, optimizer, torch.device("cpu"), steps=1)
+    assert not torch.equal(before, model.aux1.fc2.weight)  # (its auxiliary head trained too)
 
 
 def test_benchmark_shards_lists_its_imagenet_sized_indexes(tmp_path):

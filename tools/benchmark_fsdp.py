@@ -27,6 +27,20 @@ from common.cli import Parser  # noqa: E402
 from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
 
 
+def train_steps(model, optimizer, device, steps=2):
+    """`steps` training steps of `model` on one random image: its auxiliary heads' losses added (GoogLeNet's,
+    Inception v3's: their outputs are tuples), as the scripts train them."""
+    import torch
+
+    from common.models import loss_with_aux
+
+    images, labels = torch.randn(1, 3, 224, 224, device=device), torch.zeros(1, dtype=torch.long, device=device)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=False)
+        loss_with_aux(torch.nn.functional.cross_entropy, model(images), labels)[0].backward()
+        optimizer.step()
+
+
 def worker(arch):
     """One rank under torchrun: shard, two steps, and this rank's figures as one JSON line."""
     import resource
@@ -52,11 +66,7 @@ def worker(arch):
     whole = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
     model = sharding(model, fsdp.default_units(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    images, labels = torch.randn(1, 3, 224, 224, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=False)
-        torch.nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
+    train_steps(model, optimizer, device)
     parameters, gradients, state = fsdp.state_bytes(model, optimizer)
     resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     peak = (

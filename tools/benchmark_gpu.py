@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jobs import CheckFailed, free_port, run  # noqa: E402
+from shared import folder, no_row, regex, seconds, write_replacing  # noqa: E402
 
 # Epoch 0's progress lines: step count, images/s since the epoch's start, and (where said) its input wait and GPU idle.
 PROGRESS = re.compile(
@@ -712,9 +713,10 @@ def slug(name):
 
 def save(rows, facts, repo, out):
     """The table and the rows' figures so far (after every row: a command cut short keeps what it measured)."""
-    (out / "table.md").write_text(table(rows, facts) + "\n")
-    (out / "rows.json").write_text(
-        json.dumps({"environment": facts, "repo": repo, "rows": [asdict(bench) for bench in rows]}, indent=1)
+    write_replacing(out / "table.md", table(rows, facts) + "\n")
+    write_replacing(
+        out / "rows.json",
+        json.dumps({"environment": facts, "repo": repo, "rows": [asdict(bench) for bench in rows]}, indent=1),
     )
 
 
@@ -726,7 +728,7 @@ def row_limit(cpu, deadline, started):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
+    parser.add_argument("--only", type=regex, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose scripts run (default: this one)")
     parser.add_argument(
         "--out",
@@ -735,7 +737,7 @@ def main(argv=None):
     )
     parser.add_argument(
         "--deadline",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds after which no row starts or runs on (a lease of a GPU machine); default: none",
     )
@@ -753,13 +755,21 @@ def main(argv=None):
     if not args.cpu and not torch.cuda.is_available():
         print("benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure (--cpu tests the harness)")
         return 0
-    started = time.monotonic()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    started, out = time.monotonic(), folder(parser, args.out)
     workdir = Path(tempfile.mkdtemp(prefix="benchmark-gpu-"))
+    try:
+        every = (cpu_rows if args.cpu else gpu_rows)(str(workdir / "jpegs"))
+        rows = selected(every, args.only)
+        if not rows:
+            no_row(parser, args.only, [bench.name for bench in every])
+        return measure_rows(rows, args, started, out, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure_rows(rows, args, started, out, workdir):
+    """Each row measured in turn, the table and figures saved to `out` after each; the exit code."""
     facts = environment(args.cpu)
-    rows = (cpu_rows if args.cpu else gpu_rows)(str(workdir / "jpegs"))
-    rows = selected(rows, args.only)
     print(f"benchmark-gpu: {len(rows)} rows, runs in {workdir}, table to {out}", flush=True)
     for bench in rows:
         if bench.data == "jpeg" and not (workdir / "jpegs").is_dir():
@@ -787,7 +797,6 @@ def main(argv=None):
         keep_run(bench, workdir, out)
         save(rows, facts, args.repo, out)
     save(rows, facts, args.repo, out)
-    shutil.rmtree(workdir, ignore_errors=True)
     print("\n" + table(rows, facts))
     return 1 if any("error" in bench.result and not bench.result.get("skipped") for bench in rows) else 0
 

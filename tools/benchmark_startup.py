@@ -32,10 +32,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from common.cli import Parser  # noqa: E402
 from common.errors import UsageError  # noqa: E402
-from shared import run_tool, whole  # noqa: E402
+from shared import run_tool, seconds, whole  # noqa: E402
 
 FULL_TRAIN, VAL_PER_CLASS, CLASSES = 1_281_167, 50, 1000
 MARK, STEP = "_BENCHMARK_STARTUP_MARK", "Epoch: [0] ["
+BATCH = 16  # the training runs' global batch
 DROP = {
     "RANK",
     "WORLD_SIZE",
@@ -216,7 +217,7 @@ def measure(root, opts, index):
         "-a",
         "resnet18",
         "-b",
-        "16",
+        str(BATCH),
         "-j",
         "1",
         "--train-crop-size",
@@ -301,10 +302,12 @@ def main():
     parser.add_argument("--repeats", type=whole(1), default=2, help="rounds of measurements (default 2)")
     parser.add_argument("--nproc", type=whole(1), default=8, help="torchrun --nproc_per_node (default 8)")
     parser.add_argument("--ddp-rounds", type=whole(0), help="rounds with the torchrun run (default: all; 0: none)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per subprocess (default 600)")
+    parser.add_argument("--timeout", type=seconds, default=600, help="seconds per subprocess (default 600)")
     opts = parser.parse_args()
     if not 0 < opts.scale <= 1:
         parser.error("--scale must be in (0, 1]")
+    if BATCH % opts.nproc:  # (was: a traceback of torchrun's run after the scans, at full scale minutes later)
+        parser.error(f"--nproc {opts.nproc} does not divide the training runs' batch of {BATCH}")
     root = os.path.abspath(
         opts.root or ("/tmp/fake-imagenet" if opts.scale == 1 else f"/tmp/fake-imagenet-{opts.scale:g}")
     )

@@ -53,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, slug, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
+from shared import folder, no_row, regex, write_replacing  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
 LAUNCH_VARIABLES = (
@@ -650,7 +651,7 @@ def table(rows, failures):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="JPEG rows only (no synthetic ResNet-50)")
-    parser.add_argument("--only", default=None, metavar="REGEX", help="only the rows whose name matches")
+    parser.add_argument("--only", type=regex, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (gloo, tiny model)")
     parser.add_argument("--keep", action="store_true", help="keep the runs' output directories")
     parser.add_argument(
@@ -671,16 +672,29 @@ def main(argv=None):
     if not args.cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU is visible on this machine: nothing to check (make test covers the CPU)")
         return 0
-
+    out = folder(parser, args.out) if args.out else None
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    setup = Setup(args.cpu, workdir, args.extra_args.split())
-    where = (
-        "CPU (self-test: gloo, 2 processes, tiny model)"
-        if args.cpu
-        else f"{setup.gpus} x {torch.cuda.get_device_name(0)}"
-    )
-    print(f"gpu-check on {where}, torch {torch.__version__}; runs in {workdir}", flush=True)
-    checks = [(row, check_row) for row in rows_for(setup, args.quick)]
+    try:
+        setup = Setup(args.cpu, workdir, args.extra_args.split())
+        every = all_checks(setup, args.quick)
+        checks = [(row, check) for row, check in every if not args.only or re.search(args.only, row.name)]
+        if not checks:
+            no_row(parser, args.only, [row.name for row, _ in every])
+        where = (
+            "CPU (self-test: gloo, 2 processes, tiny model)"
+            if args.cpu
+            else f"{setup.gpus} x {torch.cuda.get_device_name(0)}"
+        )
+        print(f"gpu-check on {where}, torch {torch.__version__}; runs in {workdir}", flush=True)
+        return run_checks(setup, checks, out)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def all_checks(setup, quick):
+    """(row, check) of every check this machine can run: the training rows, then the checks of one guarantee each."""
+    checks = [(row, check_row) for row in rows_for(setup, quick)]
     checks += [
         (Row("validation 1 vs N processes", "ddp", "jpeg"), check_validation_world_sizes),
         (Row("exact resume (ddp --deterministic)", "ddp", "jpeg"), check_exact_resume),
@@ -708,12 +722,11 @@ def main(argv=None):
                 check_refused,
             )
         )
-    if args.only:
-        checks = [(row, check) for row, check in checks if re.search(args.only, row.name)]
+    return checks
 
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
+
+def run_checks(setup, checks, out):
+    """Each check in turn, the table written to `out` (if any) after each with a failed row's output; the exit code."""
     failures = 0
     for row, check in checks:
         start = time.monotonic()
@@ -730,10 +743,8 @@ def main(argv=None):
                 (out / f"{slug(row.name)}.log").write_text(getattr(error, "output", None) or detail)
         print(f"{row.name}: {row.result} ({time.monotonic() - start:.0f} s)", flush=True)
         if out:
-            (out / "table.md").write_text(table([row for row, _ in checks], failures) + "\n")
+            write_replacing(out / "table.md", table([row for row, _ in checks], failures) + "\n")
     print("\n" + table([row for row, _ in checks], failures))
-    if not args.keep:
-        shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0
 
 

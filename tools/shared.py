@@ -1,12 +1,14 @@
-"""What the tools share: whole numbers and torchvision's model names for their command lines, a bad input
-(UsageError) or a child's failure ended in one line, an image resized as a JPEG, the check that prepare_imagenet.py
-and make_shards.py write nowhere they read, and the pool of worker processes that a stop signal or an error stops at
-once."""
+"""What the tools share: whole numbers, seconds, regular expressions and torchvision's model names for their
+command lines, a bad input (UsageError) or a child's failure ended in one line, a table replaced whole, an image
+resized as a JPEG, the check that prepare_imagenet.py and make_shards.py write nowhere they read, and the pool of
+worker processes that a stop signal or an error stops at once."""
 
 import argparse
 import io
+import math
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -58,6 +60,49 @@ def whole(low, high=None):
         return int(text)
 
     return parse
+
+
+def regex(text):
+    """An argparse type: a regular expression (--only)."""
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is no regular expression ({error})") from None
+    return text
+
+
+def seconds(text):
+    """An argparse type: a positive, finite number of seconds (--deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0")
+    return value
+
+
+def no_row(parser, only, names):
+    """argparse's error (exit code 2) for an --only that matches none of the rows `names`, naming them (was: an empty
+    table, exit code 0: a check of nothing passed)."""
+    parser.error(f"--only {only!r} matches no row; the rows: {'; '.join(names)}")
+
+
+def folder(parser, path):
+    """`path` made as a folder (--out); where it cannot be, argparse's error naming why (exit code 2)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {path}: {error.strerror or error}")
+    return Path(path)
+
+
+def write_replacing(path, text):
+    """`text` written to a temporary beside `path`, then renamed over it: a run stopped while it writes (a lent
+    machine's time spent) leaves the table of the rows before, never half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def overlap(reads, writes):
