@@ -22,7 +22,7 @@ from .config import flag
 from .data import items_digest, other_items
 from .errors import CheckpointWriteError, Preempted, UsageError, raise_interrupt_within, written_reason
 from .models import unwrap
-from .optim import restore_scheduler
+from .optim import group_parameters, restore_scheduler
 from .run_dir import atomic_write, link_or_copy, replace_synced, write_synced
 
 CHECKPOINT = "checkpoint.pth"
@@ -302,11 +302,15 @@ class SingleFile:
         load_weights(unwrap(model), checkpoint, arch, classes, path, key)
 
     def load_optimizer(self, model, optimizer, checkpoint, path):
+        groups = group_parameters(unwrap(model), optimizer)  # (regrouped, as many in each: went on, momenta swapped)
+        if checkpoint.get("optimizer_groups", groups) != groups:
+            raise ValueError("other parameter groups")  # (_load_optimizer's line names the flags)
         optimizer.load_state_dict(checkpoint["optimizer"])
 
     def states(self, trainer):
         """The parts of a checkpoint that are the model's and optimizer's (and the EMA's): plain state dicts."""
         states = {"state_dict": unwrap(trainer.model).state_dict(), "optimizer": trainer.optimizer.state_dict()}
+        states["optimizer_groups"] = group_parameters(unwrap(trainer.model), trainer.optimizer)
         if trainer.ema is not None:
             states["model_ema"] = trainer.ema.state_dict()
         return states

@@ -166,6 +166,13 @@ def _settings(state, prefix=""):
     return found
 
 
+def group_parameters(model, optimizer):
+    """Each parameter group's parameter names in the bare `model` (another's, a criterion's: its shape): a resume's
+    groups must be the checkpoint's, as torch's load_state_dict checks their lengths alone."""
+    names = {id(parameter): name for name, parameter in model.named_parameters(remove_duplicate=False)}
+    return [[names.get(id(p), str(tuple(p.shape))) for p in group["params"]] for group in optimizer.param_groups]
+
+
 def _short(text):
     """`text` (a setting's repr) in 60 characters at most, cut between words (OneCycleLR's phases are long)."""
     return textwrap.shorten(text, 60, placeholder=" ...")

@@ -722,6 +722,7 @@ def test_a_checkpoint_holds_each_part_under_its_documented_key_and_loads_with_we
         "samples",
         "state_dict",
         "optimizer",
+        "optimizer_groups",
         "scheduler",
         "scheduler_type",
         "scaler",
@@ -856,6 +857,21 @@ def test_what_would_not_go_on_as_the_checkpoint_s_run_is_refused_in_one_line(one
     with pytest.raises(UsageError) as refused:
         started(*argv)
     assert str(refused.value).endswith(line), str(refused.value)
+
+
+def test_a_resume_whose_flags_regroup_as_many_parameters_is_refused(tmp_path):
+    """(was: went on, exit 0, the groups keeping the checkpoint's settings and each moved parameter another's momentum;
+    torch's load_state_dict compares the groups' lengths alone)"""
+    argv = [*SMALL, "-a", "tests.tiny_models:RegroupNet", "--output-dir", tmp_path]
+    first = started(*argv, "--epochs", "1", "--norm-weight-decay", "0")
+    first.fit(first.model, first.model)
+    assert [len(group) for group in torch.load(tmp_path / "checkpoint.pth", weights_only=True)["optimizer_groups"]] == [
+        4,
+        2,
+    ]
+    with pytest.raises(UsageError, match="holds an optimizer with other parameter groups than this run's: resume"):
+        started(*argv, "--epochs", "2", "--bias-weight-decay", "0", "--resume", "auto")
+    assert started(*argv, "--epochs", "2", "--norm-weight-decay", "0", "--resume", "auto").start_epoch == 1
 
 
 @pytest.mark.parametrize("part", ["scheduler", "samples", "optimizer", "step_in_epoch", "args/trainer"])
