@@ -85,8 +85,12 @@ def start_lines(trainer):
         )
     if config.preset:
         demo = "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
+        warmup = RECIPES[config.preset]["scale"].get("warmup_epochs", 0) if config.dataset != "demo" else 0
+        short = config.warmup_epochs == 0 and warmup >= config.epochs  # (was dropped without a word)
         lines.append(
-            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})" + (demo if config.dataset == "demo" else "")
+            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
+            + (demo if config.dataset == "demo" else "")
+            + (f"; its {warmup:g}-epoch warmup does not fit --epochs {config.epochs}: none" if short else "")
         )
     if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
         lines.append(

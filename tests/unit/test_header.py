@@ -56,6 +56,12 @@ def test_dummy_with_the_recipe_says_its_images_skip_the_per_image_augmentation()
         "images/s leaves out their cost (measure it with --data)"
     ) in lines
     assert "recipe: tv-v2 (torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here)" in lines
+    # Its 5-epoch warmup in a run of 3 epochs: none, and said (was: dropped without a word)
+    short = built_trainer(*TINY_NET, "--dummy", "--dummy-size", "16", "--preset", "tv-v2", "-b", "8", "--epochs", "3")
+    assert short.config.warmup_epochs == 0 and (
+        "recipe: tv-v2 (torchvision's ResNet-50 V2 recipe, published 80.86% acc@1, not measured here); its 5-epoch "
+        "warmup does not fit --epochs 3: none"
+    ) in start_lines(short)
     assert (
         "warning: --ra-sampler with 1 process(es) and --ra-reps 4: copies of an image share a process's batch (and "
         "its BatchNorm statistics), so a step sees fewer different images; torchvision uses it only with several "
