@@ -10,6 +10,8 @@ import random
 import torch
 from torchvision.transforms import v2
 
+from .errors import UsageError
+
 IMAGENET_MEAN_UINT8 = (124, 116, 104)  # round(255 x ImageNet mean): erased pixels, as RandomErasing(value=0)
 # after Normalize in torchvision's recipe
 
@@ -105,4 +107,12 @@ def build_batch_mix(config, num_classes, world_size):
     if config.mixup_alpha <= 0 and config.cutmix_alpha <= 0:
         return None
     copies = -(-config.ra_reps // world_size) if config.ra_sampler else 1
+    micro = config.batch_size // world_size // config.grad_accum_steps
+    if copies > 1 and micro < 2 * copies:  # (was: each image mixed with its own copy, or left as it was)
+        raise UsageError(
+            f"--mixup-alpha/--cutmix-alpha with --ra-sampler: a micro-batch of {micro} image(s) per process holds "
+            f"runs of {copies} copies of one image (--ra-reps {config.ra_reps} over {world_size} process(es)), which "
+            f"mixing would pair with each other: give at least {2 * copies} images per process and micro-batch (-b, "
+            "--grad-accum-steps), or more processes"
+        )
     return BatchMix(num_classes, config.mixup_alpha, config.cutmix_alpha, copies)

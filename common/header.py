@@ -84,14 +84,7 @@ def start_lines(trainer):
             "their flags override)"
         )
     if config.preset:
-        demo = "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
-        warmup = RECIPES[config.preset]["scale"].get("warmup_epochs", 0) if config.dataset != "demo" else 0
-        short = config.warmup_epochs == 0 and warmup >= config.epochs  # (was dropped without a word)
-        lines.append(
-            f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
-            + (demo if config.dataset == "demo" else "")
-            + (f"; its {warmup:g}-epoch warmup does not fit --epochs {config.epochs}: none" if short else "")
-        )
+        lines.append(recipe_line(config))
     if config.dummy and (config.auto_augment != "none" or config.random_erase > 0):
         lines.append(
             "note: --dummy images are synthetic tensors: --auto-augment and --random-erase are not applied, "
@@ -299,6 +292,18 @@ def describe_optimizer(optimizer, config):
     )
     clip = f", gradients clipped to norm {config.clip_grad_norm:g}" if config.clip_grad_norm else ""
     return f"optimizer: {type(optimizer).__name__}, {', '.join([lr, *settings])}, weight decay {decay}{clip}"
+
+
+def recipe_line(config):
+    """The header's line of --preset: its name, and what of it this run does not take."""
+    demo = "; on the demo set its epochs, batch, lr and image sizes stay the demo's"
+    warmup = RECIPES[config.preset]["scale"].get("warmup_epochs", 0) if config.dataset != "demo" else 0
+    short = config.warmup_epochs == 0 and warmup >= config.epochs  # (was dropped without a word)
+    return (
+        f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
+        + (demo if config.dataset == "demo" else "")
+        + (f"; its {warmup:g}-epoch warmup does not fit --epochs {config.epochs}: none" if short else "")
+    )
 
 
 def describe_preset(config, first_image=None):

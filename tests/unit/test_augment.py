@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.augment import IMAGENET_MEAN_UINT8, BatchMix, batch_mix_key, build_batch_mix, image_augmentation
+from common.errors import UsageError
 from common.samplers import RepeatedAugmentationSampler
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset
 
@@ -168,9 +169,8 @@ def test_batch_mix_needs_an_alpha():
     with pytest.raises(ValueError):
         BatchMix(8, 0.0, 0.0)
     assert build_batch_mix(SimpleNamespace(mixup_alpha=0.0, cutmix_alpha=0.0, ra_sampler=False), 8, 1) is None
-    assert isinstance(
-        build_batch_mix(SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0, ra_sampler=False), 8, 1), BatchMix
-    )
+    args = SimpleNamespace(mixup_alpha=0.2, cutmix_alpha=0.0, ra_sampler=False, batch_size=2, grad_accum_steps=1)
+    assert isinstance(build_batch_mix(args, 8, 1), BatchMix)
 
 
 def mixing_partners(mix, batch_size, key):
@@ -203,10 +203,26 @@ def copy_pairs(world_size, reps, copies, length=48, batch_size=16):
 
 @pytest.mark.parametrize("world_size, reps", [(1, 4), (2, 4), (1, 2), (2, 3), (3, 4), (4, 4), (1, 1)])
 def test_mixing_never_pairs_an_image_with_its_own_copy_under_the_ra_sampler(world_size, reps):
-    args = SimpleNamespace(mixup_alpha=1.0, cutmix_alpha=0.0, ra_sampler=True, ra_reps=reps)
+    args = SimpleNamespace(
+        mixup_alpha=1.0, cutmix_alpha=0.0, ra_sampler=True, ra_reps=reps, batch_size=16 * world_size, grad_accum_steps=1
+    )
     copies = build_batch_mix(args, 16, world_size).copies
     assert copies == -(-reps // world_size)
     assert copy_pairs(world_size, reps, copies) == 0
+    # A micro-batch of fewer than two runs of copies is refused (was: MixUp of 4 copies of one image, a no-op; of 5
+    # images, 3 mixed with their own copy)
+    if copies > 1:
+        for batch, accum in (
+            (copies * world_size, 1),
+            (4 * copies * world_size, 4),
+            ((2 * copies - 1) * world_size, 1),
+        ):
+            with pytest.raises(UsageError, match=r"^--mixup-alpha/--cutmix-alpha with --ra-sampler: a micro-batch "):
+                build_batch_mix(
+                    SimpleNamespace(**{**vars(args), "batch_size": batch, "grad_accum_steps": accum}), 16, world_size
+                )
+        if reps % world_size == 0:  # (runs of as many copies: two of them, each mixed with the other)
+            assert copy_pairs(world_size, reps, copies, batch_size=2 * copies) == 0
 
 
 def test_without_the_partner_order_mixing_pairs_copies_as_the_neighbours_they_are():
