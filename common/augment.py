@@ -101,6 +101,14 @@ def batch_mix_key(seed, epoch, step, rank):
     return random.Random(f"mix-{seed}-{epoch}-{step}-{rank}").getrandbits(63)
 
 
+def transformed_batch(result):
+    """The (images, labels) a batch transform (build_batch_transform's) returned; anything else refused in one line."""
+    if isinstance(result, (tuple, list)) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result):
+        return result
+    kind = type(result).__name__ + (f" of {len(result)}" if isinstance(result, (tuple, list)) else "")
+    raise UsageError(f"build_batch_transform's transform returned a {kind}: return (images, labels), two tensors")
+
+
 def build_batch_mix(config, num_classes, world_size):
     """A BatchMix for --mixup-alpha / --cutmix-alpha, or None when both are 0. With --ra-sampler, a process of
     `world_size` holds runs of up to ceil(--ra-reps / world_size) copies of an image (RepeatedAugmentationSampler)."""

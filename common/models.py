@@ -30,9 +30,7 @@ def classifiers(model, outputs):
 
 def first_conv(model):
     """(name, module) of the first nn.Conv2d of `model` (the layer that takes the images), or (None, None)."""
-    return next(
-        ((name, module) for name, module in model.named_modules() if isinstance(module, nn.Conv2d)), (None, None)
-    )
+    return next(((name, layer) for name, layer in model.named_modules() if isinstance(layer, nn.Conv2d)), (None, None))
 
 
 def replace_heads(model, categories, num_classes):
@@ -518,6 +516,8 @@ def step_result(result, method, classes=None):
                     f"{method}'s loss has shape {list(loss.shape)}: return the batch's mean, a scalar (a criterion of "
                     "reduction='none' gives one per image)"
                 )
+            if method == "train_step" and not loss.requires_grad:  # (was a traceback from backward)
+                raise UsageError("train_step's loss does not require grad (detached, or computed under torch.no_grad)")
             return loss.reshape(()), output, values
     raise UsageError(
         f"{method} returned {type(result).__name__}"

@@ -6,6 +6,7 @@ collectives of other sizes or train apart: a difference ends every rank with one
 side (exit code 2).
 """
 
+import difflib
 import os
 from pathlib import Path
 
@@ -221,18 +222,27 @@ def start_run(trainer):
 
 
 def library_replaced(cls):
-    """A warning naming the Trainer's own methods (not its HOOKS) that the subclass `cls` replaces: a helper of one's
-    own named `save` had turned every checkpoint off, exit 0."""
+    """A warning naming the Trainer's own methods (not its HOOKS) that the subclass `cls` replaces (a helper of one's
+    own named `save` had turned every checkpoint off, exit 0), and one for each method of its own named as a hook
+    misspelt."""
     names = [
         name
         for name, method in vars(Trainer).items()
         if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
     ]
-    if not names:
-        return []
+    own = {name for kind in cls.__mro__ if issubclass(kind, Trainer) and kind is not Trainer for name in vars(kind)}
+    misspelt = {  # (a build_optimiser of one's own: never called, the default's SGD trained, without a word)
+        name: close[0]
+        for name in own - set(vars(Trainer))
+        for close in [difflib.get_close_matches(name, HOOKS, 1, 0.85)]
+        if close
+    }
     return [
         f"warning: {cls.__name__} replaces the Trainer's own {', '.join(names)} (not hooks: the loops call them; "
         "docs/adapting.md): the tests no longer cover this run; give a method of your own another name"
+    ] * bool(names) + [
+        f"warning: {cls.__name__}.{name} is no hook, never called: did you mean {hook}?"
+        for name, hook in sorted(misspelt.items())
     ]
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from . import data, distributed, fsdp, models, optim, seeding
-from .augment import batch_mix_key, build_batch_mix
+from .augment import batch_mix_key, build_batch_mix, transformed_batch
 from .checkpoint import SingleFile, assemble, init_from
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
@@ -481,7 +481,7 @@ class Trainer:
             labels = target
             if self._batch_transform is not None:  # MixUp / CutMix: soft labels, drawn from (seed, epoch, batch, rank)
                 key = batch_mix_key(self.seed, epoch, step * config.grad_accum_steps + index, rank)
-                images, labels = self._batch_transform(images, target, key)
+                images, labels = transformed_batch(self._batch_transform(images, target, key))
             share = target.size(0) / total if total else 1.0
             # (DDP decides at the forward whether the backward syncs: both inside)
             with models.gradient_sync(model, enabled=index == len(micro_batches) - 1):

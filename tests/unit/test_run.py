@@ -515,6 +515,11 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
         "warning: Helper replaces the Trainer's own save (not hooks: the loops call them; docs/adapting.md): the "
         "tests no longer cover this run; give a method of your own another name"
     ]
+    # A hook's name misspelt (was: never called, the default trained, without a word)
+    misspelt = type("Misspelt", (SAM,), {"build_optimiser": lambda self, model: None, "build_extra": lambda self: 1})
+    assert library_replaced(misspelt) == [
+        "warning: Misspelt.build_optimiser is no hook, never called: did you mean build_optimizer?"
+    ]
 
 
 def test_a_restart_goes_on_from_its_own_job_s_checkpoint_alone(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ optimizer and scheduler steps, the sums, the progress line), for the smallest mo
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -275,6 +276,38 @@ def test_a_train_step_that_returns_the_wrong_thing_is_refused_in_one_line():
         match=r"^train_step returned Tensor: return \(loss, logits\) or \(loss, logits, "
         r"\{name: scalar value\}\)$",
     ):
+        trainer.train_one_epoch(trainer.model, 0)
+
+
+class ReturnsWhatItShouldNot(Trainer):
+    """A train_step or batch transform that returns what the loop cannot use: RETURNS says which."""
+
+    RETURNS = None
+
+    def train_step(self, model, images, labels):
+        loss, logits = super().train_step(model, images, labels)
+        if self.RETURNS == "detached":
+            return loss.detach(), logits
+        return (loss, logits, {"confidence": "high"}) if self.RETURNS == "text" else (loss, logits)
+
+    def build_batch_transform(self, classes):
+        return (lambda images, labels, key: images) if self.RETURNS == "images" else None
+
+
+@pytest.mark.parametrize(
+    "returns, line",
+    [
+        ("detached", "train_step's loss does not require grad (detached, or computed under torch.no_grad)"),
+        ("text", "logged value 'confidence' is a str: log a number or a scalar tensor"),
+        ("images", "build_batch_transform's transform returned a Tensor: return (images, labels), two tensors"),
+    ],
+)
+def test_a_train_step_or_batch_transform_that_returns_what_the_loop_cannot_use_is_one_line(returns, line):
+    """(were tracebacks: backward's "element 0 of tensors does not require grad", float()'s "could not convert string",
+    and "too many values to unpack")"""
+    ReturnsWhatItShouldNot.RETURNS = returns
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=ReturnsWhatItShouldNot, datasets=tensor_datasets())
+    with pytest.raises(UsageError, match="^" + re.escape(line)):
         trainer.train_one_epoch(trainer.model, 0)
 
 
