@@ -18,6 +18,7 @@ from .config import profile_steps
 from .distributed import flight_recorder_files
 from .errors import OutOfMemory, Preempted, UsageError
 from .models import meta_copy
+from .run_dir import atomic_export
 
 # A training epoch that waits longer than this share of its time for batches: said once, with levers.
 INPUT_BOUND = 1 / 3
@@ -332,7 +333,7 @@ class Diagnostics:
             path = Path(self.config.output_dir) / "memory" / f"oom-rank{runtime.rank}.pickle"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                torch.cuda.memory._dump_snapshot(str(path))
+                atomic_export(path, torch.cuda.memory._dump_snapshot)
                 snapshot = f"; the allocator's snapshot in {path} (open it in https://pytorch.org/memory_viz)"
             except Exception as failure:  # the evidence is a bonus: the line still says what happened
                 snapshot = f"; no snapshot ({failure})"
@@ -454,7 +455,7 @@ class StepProfiler:
             )
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        profile.export_chrome_trace(str(self.path))
+        atomic_export(self.path, profile.export_chrome_trace)
         self.written = True
         self.say(
             f"profile: steps {self.start} to {min(self.done, self.start + self.steps) - 1} in {self.path.parent}/"

@@ -80,6 +80,19 @@ def atomic_write(path, write, sync_folder=True):
     replace_synced(write_synced(path, write), path, sync_folder)
 
 
+def atomic_export(path, export):
+    """`path` written by export(name) (torch's writers of a file by its name: a trace, a memory snapshot) to a
+    temporary beside it, renamed over it: a run killed while it writes leaves no half of one."""
+    fd, tmp = temporary_beside(path)
+    os.close(fd)
+    try:
+        export(str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 # What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary of the files a run writes
 TEMPORARY = re.compile(r"\..+\.(pth|csv|json|txt)\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
 

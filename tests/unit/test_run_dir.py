@@ -7,12 +7,13 @@ import resource
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from common import checkpoint, run_dir
 from common.errors import NoRoom, UsageError
-from common.run_dir import OutputLock, atomic_write, link_or_copy
+from common.run_dir import OutputLock, atomic_export, atomic_write, link_or_copy
 from harness.processes import PYTHON, REPO
 
 
@@ -200,3 +201,20 @@ def test_a_run_started_while_the_holder_is_stopping_waits_for_it_instead_of_bein
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_trace_or_snapshot_killed_while_written_leaves_the_one_before_whole(tmp_path):
+    """torch's writers of a file by its name (export_chrome_trace, _dump_snapshot) wrote straight to it: a run killed
+    while writing a large trace left half of one, profile/rank0.json."""
+    path = tmp_path / "rank0.json"
+    path.write_text("the trace before")
+
+    def killed(name):
+        Path(name).write_text('{"traceEvents": [')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_export(path, killed)
+    assert path.read_text() == "the trace before" and [p.name for p in tmp_path.iterdir()] == ["rank0.json"]
+    atomic_export(path, lambda name: Path(name).write_text("the trace after"))
+    assert path.read_text() == "the trace after" and [p.name for p in tmp_path.iterdir()] == ["rank0.json"]
