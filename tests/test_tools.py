@@ -109,6 +109,14 @@ def test_a_training_script_s_error_line_is_given_on_as_the_benchmark_s_own(tmp_p
     check_child("train_dp.py", CompletedProcess([], 0, "error: in a line of a run that succeeded\n", ""))
 
 
+def test_the_benchmarks_take_an_imagenet_folder_of_jpeg_files(tmp_path):
+    """(was: refused, "expected an ImageFolder of JPEGs": *.jpg alone were looked for, and ImageNet's are *.JPEG)"""
+    for name in ("train/n01440764/a.JPEG", "train/n01440764/b.jpeg", "train/n01440764/c.txt", "val/n01440764/d.JPEG"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    assert benchmark.jpeg_sizes(tmp_path) == [len("train/n01440764/a.JPEG"), len("train/n01440764/b.jpeg")]
+
+
 def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():
     """(was: GoogLeNet's and Inception v3's tuples given to cross_entropy, a traceback in each rank)"""
     import torch
@@ -132,13 +140,14 @@ def test_benchmark_s_training_table_ends_in_the_script_s_line_and_leaves_no_fold
     """A training run that refuses its input (here LR from the environment, which the scripts read) ends
     benchmark.py with its line, said of it; the runs' folder (under TMPDIR) is removed, as after a table."""
     (tmp_path / "tmp").mkdir()
-    command = [PYTHON, REPO / "tools" / "benchmark.py", "--quick", "--jpeg-dir", tiny_data, "--batches", "8"]
-    # (a new interpreter: the prewarm server has read TMPDIR already)
-    result = run(command, env=clean_env(LR="x", TMPDIR=tmp_path / "tmp"), timeout=300, prewarmed=False)
-    assert result.returncode == 2 and result.stdout.splitlines()[-1] == (
-        "error: train_dp.py: environment variable LR='x' is not a valid float"
-    ), result.stdout[-3000:]
-    assert no_traceback_of_ours(result.stdout) and list((tmp_path / "tmp").glob("bench-*")) == []
+    for only in (["--quick", "--batches", "8"], ["--wait-compare"]):  # (--wait-compare's folder was left)
+        command = [PYTHON, REPO / "tools" / "benchmark.py", *only, "--jpeg-dir", tiny_data]
+        # (a new interpreter: the prewarm server has read TMPDIR already)
+        result = run(command, env=clean_env(LR="x", TMPDIR=tmp_path / "tmp"), timeout=300, prewarmed=False)
+        assert result.returncode == 2 and result.stdout.splitlines()[-1] == (
+            "error: train_dp.py: environment variable LR='x' is not a valid float"
+        ), result.stdout[-3000:]
+        assert no_traceback_of_ours(result.stdout) and list((tmp_path / "tmp").glob("bench-*")) == [], only
 
 
 def test_a_second_stop_signal_while_a_tool_stops_does_nothing():

@@ -27,6 +27,7 @@ c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): th
 """
 
 import argparse
+import contextlib
 import csv
 import math
 import os
@@ -53,6 +54,21 @@ from common.device_loader import Collate  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
 from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
+
+
+@contextlib.contextmanager
+def scratch(prefix):
+    """A temporary folder (under TMPDIR), removed however its block ends: a training run's error, Ctrl-C."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def jpegs(folder):
+    """The JPEG files under `folder`, sorted: *.jpg and *.jpeg in any case (ImageNet's are *.JPEG)."""
+    return sorted(path for path in Path(folder).rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))
 
 
 def make_jpegs(root, per_class, classes=2, seed=0):
@@ -89,7 +105,7 @@ def pipeline_rates(jpeg_dir, images, batch=64):
     from torchvision import transforms
     from torchvision.io import decode_jpeg, read_file
 
-    paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
+    paths = [str(path) for path in jpegs(Path(jpeg_dir, "train"))]
     paths = (paths * math.ceil(images / len(paths)))[:images]
     ours = TrainPreset(224)
     classic = transforms.Compose(
@@ -256,48 +272,47 @@ def resize_compare(jpeg_dir, images, batch=64):
     sys.path.insert(0, str(REPO / "tools"))
     from shared import resize_jpeg
 
-    originals = sorted(path for path in Path(jpeg_dir, "train").rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))
+    originals = jpegs(Path(jpeg_dir, "train"))
     sets, making = {"original": originals}, {}
-    workdir = Path(tempfile.mkdtemp(prefix="bench-resized-"))
-    for size in (256, 160):
-        start, sets[f"--resize {size}"] = time.process_time(), []
-        for index, path in enumerate(originals):
-            sets[f"--resize {size}"].append(workdir / f"{size}-{index:06d}.jpg")
-            sets[f"--resize {size}"][-1].write_bytes(resize_jpeg(path.read_bytes(), size, quality=90))
-        making[f"--resize {size}"] = len(originals) / (time.process_time() - start)
+    with scratch("bench-resized-") as workdir:
+        for size in (256, 160):
+            start, sets[f"--resize {size}"] = time.process_time(), []
+            for index, path in enumerate(originals):
+                sets[f"--resize {size}"].append(workdir / f"{size}-{index:06d}.jpg")
+                sets[f"--resize {size}"][-1].write_bytes(resize_jpeg(path.read_bytes(), size, quality=90))
+            making[f"--resize {size}"] = len(originals) / (time.process_time() - start)
 
-    class Crops(Dataset):
-        def __init__(self, paths, crop):
-            self.paths, self.preset = (paths * math.ceil(images / len(paths)))[:images], TrainPreset(crop)
+        class Crops(Dataset):
+            def __init__(self, paths, crop):
+                self.paths, self.preset = (paths * math.ceil(images / len(paths)))[:images], TrainPreset(crop)
 
-        def __len__(self):
-            return len(self.paths)
+            def __len__(self):
+                return len(self.paths)
 
-        def __getitem__(self, index):
-            return self.preset(load_image(str(self.paths[index])), random.Random(index)), 0
+            def __getitem__(self, index):
+                return self.preset(load_image(str(self.paths[index])), random.Random(index)), 0
 
-    def worker_rate(paths, crop):
-        before = cpu_of_children()
-        count = sum(len(target) for _, target in DataLoader(Crops(paths, crop), batch_size=batch, num_workers=1))
-        return count / (cpu_of_children() - before)
+        def worker_rate(paths, crop):
+            before = cpu_of_children()
+            count = sum(len(target) for _, target in DataLoader(Crops(paths, crop), batch_size=batch, num_workers=1))
+            return count / (cpu_of_children() - before)
 
-    print(
-        "| images | crop | average file | average shorter side | images/s per worker | vs original "
-        "| made at (images/s, 1 process) |\n|---|---:|---:|---:|---:|---:|---:|"
-    )
-    original = {}
-    for name, crop in [("original", 224), ("--resize 256", 224), ("original", 160), ("--resize 160", 160)]:
-        rate = worker_rate(sets[name], crop)
-        original.setdefault(crop, rate)
-        kilobytes = sum(path.stat().st_size for path in sets[name]) / len(sets[name]) / 1024
-        side = sum(min(Image.open(path).size) for path in sets[name]) / len(sets[name])
-        made = f"{making[name]:.0f}" if name in making else "-"
         print(
-            f"| {name} | {crop} | {kilobytes:.0f} KB | {side:.0f} | {rate:.0f} | {rate / original[crop]:.2f}x "
-            f"| {made} |",
-            flush=True,
+            "| images | crop | average file | average shorter side | images/s per worker | vs original "
+            "| made at (images/s, 1 process) |\n|---|---:|---:|---:|---:|---:|---:|"
         )
-    shutil.rmtree(workdir)
+        original = {}
+        for name, crop in [("original", 224), ("--resize 256", 224), ("original", 160), ("--resize 160", 160)]:
+            rate = worker_rate(sets[name], crop)
+            original.setdefault(crop, rate)
+            kilobytes = sum(path.stat().st_size for path in sets[name]) / len(sets[name]) / 1024
+            side = sum(min(Image.open(path).size) for path in sets[name]) / len(sets[name])
+            made = f"{making[name]:.0f}" if name in making else "-"
+            print(
+                f"| {name} | {crop} | {kilobytes:.0f} KB | {side:.0f} | {rate:.0f} | {rate / original[crop]:.2f}x "
+                f"| {made} |",
+                flush=True,
+            )
 
 
 AUGMENTATIONS = [
@@ -330,7 +345,7 @@ def augment_compare(jpeg_dir, images, crop, batch=64, rounds=3):
     (so other load on the machine touches them little) and per wall-second."""
     from torch.utils.data import DataLoader
 
-    paths = sorted(str(path) for path in Path(jpeg_dir, "train").rglob("*.jpg"))
+    paths = [str(path) for path in jpegs(Path(jpeg_dir, "train"))]
     samples = [(path, 0) for path in (paths * math.ceil(images / len(paths)))[:images]]
     cpu_rates, wall_rates = {name: [] for name, _, _ in AUGMENTATIONS}, {name: [] for name, _, _ in AUGMENTATIONS}
     for _ in range(rounds):
@@ -458,57 +473,57 @@ def wait_compare(jpeg_dir, crop, epochs=2):
     sys.path.insert(0, str(REPO / "tools"))
     from shared import resize_jpeg
 
-    workdir = Path(tempfile.mkdtemp(prefix="bench-wait-"))
-    resized = workdir / "resized"
-    for path in Path(jpeg_dir).rglob("*.jpg"):
-        target = resized / path.relative_to(jpeg_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(resize_jpeg(path.read_bytes(), 160, quality=90))
-    print(
-        "| JPEGs | flags | images/s | input wait (log.csv) | TFLOP/s | said input-bound |\n|---|---|---:|---:|---:|---|"
-    )
-    for name, data, workers in (
-        ("as they are", jpeg_dir, "0"),
-        ("as they are", jpeg_dir, "1"),
-        ("--resize 160 copies", resized, "0"),
-        ("--resize 160 copies", resized, "1"),
-    ):
-        out = workdir / f"{name.split()[0].strip('-')}-j{workers}"
-        command = [
-            sys.executable,
-            str(REPO / "train_dp.py"),
-            "--data",
-            str(data),
-            "-a",
-            "resnet18",
-            "-b",
-            "32",
-            "--train-crop-size",
-            str(crop),
-            "--val-resize-size",
-            str(crop),
-            "--val-crop-size",
-            str(crop),
-            "-j",
-            workers,
-            "--epochs",
-            str(epochs),
-            "--seed",
-            "0",
-            "-p",
-            "1000",
-            "--output-dir",
-            str(out),
-        ]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        check_child("train_dp.py", result)
-        last = log_rows(out)[-1]
+    with scratch("bench-wait-") as workdir:
+        resized = workdir / "resized"
+        for path in jpegs(jpeg_dir):
+            target = resized / path.relative_to(jpeg_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(resize_jpeg(path.read_bytes(), 160, quality=90))
         print(
-            f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
-            f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
-            flush=True,
+            "| JPEGs | flags | images/s | input wait (log.csv) | TFLOP/s | said input-bound |\n"
+            "|---|---|---:|---:|---:|---|"
         )
-    shutil.rmtree(workdir)
+        for name, data, workers in (
+            ("as they are", jpeg_dir, "0"),
+            ("as they are", jpeg_dir, "1"),
+            ("--resize 160 copies", resized, "0"),
+            ("--resize 160 copies", resized, "1"),
+        ):
+            out = workdir / f"{name.split()[0].strip('-')}-j{workers}"
+            command = [
+                sys.executable,
+                str(REPO / "train_dp.py"),
+                "--data",
+                str(data),
+                "-a",
+                "resnet18",
+                "-b",
+                "32",
+                "--train-crop-size",
+                str(crop),
+                "--val-resize-size",
+                str(crop),
+                "--val-crop-size",
+                str(crop),
+                "-j",
+                workers,
+                "--epochs",
+                str(epochs),
+                "--seed",
+                "0",
+                "-p",
+                "1000",
+                "--output-dir",
+                str(out),
+            ]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+            check_child("train_dp.py", result)
+            last = log_rows(out)[-1]
+            print(
+                f"| {name} | -j {workers} | {float(last['images_per_second']):.0f} | {last['input_wait_pct']}% "
+                f"| {float(last['tflops_per_device']):.3f} | {'yes' if 'input-bound:' in result.stdout else 'no'} |",
+                flush=True,
+            )
 
 
 CHANNELS_LAST_MODELS = [
@@ -552,11 +567,13 @@ def model_sizes(text):
 
 
 def jpeg_sizes(jpeg_dir):
-    """The sizes of the JPEGs (*.jpg) of the ImageFolder `jpeg_dir`'s train/; UsageError unless it has some, and
+    """The sizes of the JPEGs (jpegs) of the ImageFolder `jpeg_dir`'s train/; UsageError unless it has some, and
     a val/ (the training runs validate)."""
-    sizes = [path.stat().st_size for path in Path(jpeg_dir, "train").rglob("*.jpg")]
+    sizes = [path.stat().st_size for path in jpegs(Path(jpeg_dir, "train"))]
     if not sizes or not Path(jpeg_dir, "val").is_dir():
-        raise UsageError(f"--jpeg-dir {jpeg_dir}: expected an ImageFolder of JPEGs, train/<class>/*.jpg and val/")
+        raise UsageError(
+            f"--jpeg-dir {jpeg_dir}: expected an ImageFolder of JPEGs, train/<class>/*.jpg (.jpeg, .JPEG) and val/"
+        )
     return sizes
 
 
@@ -629,9 +646,8 @@ def main():
             f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n\n"
             f"train_dp.py on the demo set, second of 2 epochs, median of 3 runs per size\n"
         )
-        workdir = tempfile.mkdtemp(prefix="bench-res-")
-        res_compare(sizes, epochs=2, rounds=1 if args.quick else 3, workdir=workdir)
-        shutil.rmtree(workdir)
+        with scratch("bench-res-") as workdir:
+            res_compare(sizes, epochs=2, rounds=1 if args.quick else 3, workdir=workdir)
         return
     gpu = torch.cuda.is_available()
     crop = args.crop or (224 if gpu else 112)
