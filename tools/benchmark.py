@@ -56,6 +56,11 @@ from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, Trai
 from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
 
 
+def crop_flags(crop):
+    """The training scripts' flags of one size for training crops and validation's resize and crop."""
+    return ["--train-crop-size", str(crop), "--val-resize-size", str(crop), "--val-crop-size", str(crop)]
+
+
 @contextlib.contextmanager
 def scratch(prefix):
     """A temporary folder (under TMPDIR), removed however its block ends: a training run's error, Ctrl-C."""
@@ -499,12 +504,7 @@ def wait_compare(jpeg_dir, crop, epochs=2):
                 "resnet18",
                 "-b",
                 "32",
-                "--train-crop-size",
-                str(crop),
-                "--val-resize-size",
-                str(crop),
-                "--val-crop-size",
-                str(crop),
+                *crop_flags(crop),
                 "-j",
                 workers,
                 "--epochs",
@@ -688,12 +688,7 @@ def main():
     model_args = [
         "-a",
         args.arch,
-        "--train-crop-size",
-        str(crop),
-        "--val-resize-size",
-        str(crop),
-        "--val-crop-size",
-        str(crop),
+        *crop_flags(crop),
         "-j",
         str(args.workers),
     ]
