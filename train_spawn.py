@@ -68,7 +68,7 @@ def setup(config):
         # No GPU: 2 CPU processes, so that `python train_spawn.py` shows DDP at work (two ranks, gloo,
         # the global batch split in two) on any machine.
         nproc = gpus or CPU_PROCESSES
-        if not gpus:
+        if not gpus and config.device != "cuda":  # (--device cuda: refused below)
             say(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)")
     if nproc < 1 or config.nnodes < 1:
         raise UsageError(f"--nproc-per-node {nproc} and --nnodes {config.nnodes} must be 1 or more")

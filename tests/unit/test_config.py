@@ -144,6 +144,10 @@ def test_the_crop_scale_and_flip_probability_are_checked(argv, line):
         (["--dist-timeout", "1e300"], "--dist-timeout must be at most 1e9 seconds, got 1e+300"),
         (["--opt", "sgd-nesterov", "--momentum", "0"], "--opt sgd-nesterov needs a --momentum above 0, got 0"),
         (["--dummy"], "give --data or --dummy (random images), not both"),
+        (  # (was: nothing recorded, without a word)
+            ["-e", "--pretrained", "--profile", "0:1"],
+            "--profile records training steps, and -e trains none: leave one of them out",
+        ),
     ],
 )
 def test_an_empty_value_and_values_torch_would_refuse_later_are_one_line(argv, line):

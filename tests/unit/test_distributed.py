@@ -131,6 +131,16 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
         assert url == f"tcp://[::1]:{free}"  # (was tcp://::1:PORT, which torch cannot read: a traceback)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of --device cuda where no GPU is visible")
+def test_spawn_s_device_cuda_without_a_gpu_is_its_one_line_alone(capsys):
+    """(was: "no GPU in use: 2 processes on the CPU" said first, then the refusal)"""
+    import train_spawn
+
+    with pytest.raises(UsageError, match=r"^--device cuda asked for, but no CUDA GPU is visible: use --device cpu$"):
+        train_spawn.setup(train_spawn.parse_args(["--device", "cuda"]))
+    assert capsys.readouterr() == ("", "")
+
+
 def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):
     """RANK stood in for a missing LOCAL_RANK: under --save-on node the nodes past the first wrote nothing, exit 0. A
     missing MASTER_PORT was said as both variables missing."""
