@@ -57,7 +57,9 @@ def take_output_dir(trainer):
     if not trainer.log.writes:
         return None, None
     try:
-        return OutputLock(trainer.config.output_dir, wait=LOCK_WAIT_ON_RESTART if restarts() else 0, say=say), None
+        wait = LOCK_WAIT_ON_RESTART if restarts() else 0
+        node = " (with --save-on node, this job's other nodes write there too: give each node a disk of its own)"
+        return OutputLock(trainer.config.output_dir, wait, say, node if trainer.config.save_on == "node" else ""), None
     except UsageError as failure:  # said by every rank, by check_start
         return None, failure
 

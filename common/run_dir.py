@@ -143,10 +143,11 @@ def _describe_holder(path):
 class OutputLock:
     """The output directory's lock (run.lock), which the kernel drops when the process ends: a second run that would
     write the directory is refused in one line naming the first. A POSIX lock (lockf): it works over NFS, and a forked
-    loader worker does not inherit it. `wait`: seconds to wait for the holder (one stopping: LOCK_WAIT_ON_RESTART)."""
+    loader worker does not inherit it. `wait`: seconds to wait for the holder (one stopping: LOCK_WAIT_ON_RESTART);
+    `hint`: the end of the refusal's line."""
 
-    def __init__(self, output_dir, wait=0.0, say=None):
-        self.directory = Path(output_dir)
+    def __init__(self, output_dir, wait=0.0, say=None, hint=""):
+        self.directory, self.hint = Path(output_dir), hint
         self.created = not self.directory.exists()
         self.path, self.warning = self.directory / LOCK, None
         self.started, self.stopping = None, False
@@ -192,8 +193,7 @@ class OutputLock:
                 os.close(self.fd)
                 raise UsageError(
                     f"{self.directory} is in use by another run ({holder}): one run at a time writes "
-                    "an output directory; wait for that one to end, or give this one another "
-                    "--output-dir"
+                    f"an output directory; wait for that one to end, or give this one another --output-dir{self.hint}"
                 ) from None
             if say is not None and not said:
                 say(f"waiting up to {wait:.0f} s for the run this job replaces to release {self.path} ({holder})")

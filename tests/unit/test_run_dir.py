@@ -93,6 +93,15 @@ def test_a_second_run_is_refused_in_one_line_naming_the_first_until_the_first_en
         r"give this one another --output-dir$",
     ):
         OutputLock(out)
+    # --save-on node: the other node of this job may be the holder, which waiting would not end (was not said)
+    from common.run import take_output_dir
+    from conftest import built_trainer
+
+    trainer = built_trainer("--dummy", "--dummy-size", "8", "-b", "4", "--save-on", "node", "--output-dir", out)
+    assert str(take_output_dir(trainer)[1]).endswith(
+        "another --output-dir (with --save-on node, this job's other nodes write there too: give each node a disk of "
+        "its own)"
+    )
     holder.kill()  # SIGKILL: no exit handler runs; the kernel drops the lock
     holder.wait()
     assert OutputLock(out).warning is None
