@@ -4,6 +4,7 @@ normalisation that makes a batch the model's input (on the device, or in the CPU
 """
 
 import copy
+import inspect
 import math
 import random
 
@@ -116,6 +117,19 @@ def planned(image, plan):
     return function(image, *args)
 
 
+def takes_rng(transform):
+    """Whether `transform` is called as transform(image, rng), rng a random.Random seeded per image: the presets, and
+    a function of two arguments (a build_transforms' own of the scripts' earlier convention, still taken)."""
+    if isinstance(transform, (TrainPreset, EvalPreset)):
+        return True
+    try:
+        parameters = inspect.signature(transform).parameters.values()
+    except (TypeError, ValueError):  # (a callable of C, no signature: torchvision's convention)
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(parameter.kind in positional and parameter.default is parameter.empty for parameter in parameters) >= 2
+
+
 class SeededTransform(Dataset):
     """`transform` applied to the image of the (image, label, bad) `base[index]` (image None: skipped) with a
     random.Random seeded by (seed, epoch, index) (a transform not of the presets: torch's RNG seeded from it), leaving
@@ -124,6 +138,7 @@ class SeededTransform(Dataset):
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
+        self.takes_rng = takes_rng(transform)
 
     def set_epoch(self, epoch):
         # Workers are re-forked every epoch (no persistent_workers), so they see this.
@@ -138,7 +153,7 @@ class SeededTransform(Dataset):
         image, label, bad = self.base[index % len(self.base)]
         if image is not None:
             rng = random.Random(f"{self.seed}-{self.epoch}-{index}")
-            if isinstance(self.transform, (TrainPreset, EvalPreset)):
+            if self.takes_rng:
                 image = self.transform(image, rng)
             else:  # build_transforms' own: called as torchvision's, drawing from torch's RNG seeded per image
                 with seeded(rng):

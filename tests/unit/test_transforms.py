@@ -214,6 +214,15 @@ def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_ref
     assert train[0][0].shape == (3, 12, 12) and runs[0]._data.val_loader.dataset[0][0].shape == (3, 12, 12)
     assert all(torch.equal(train[index][0], again[index][0]) for index in range(4))  # seeded per image
     assert not torch.equal(train[0][0], train[1][0])
+
+    class TakesRng(Trainer):  # (the earlier convention, transform(image, rng): still taken)
+        def build_transforms(self, train, val):
+            return (lambda image, rng: F.resize(image, [16 - rng.randrange(4)] * 2)), val
+
+    takes = built_trainer("-b", "4", trainer=TakesRng, datasets=tensor_datasets(size=16))._data.train_loader.dataset
+    assert [takes[index][0].shape[-1] for index in range(6)] == [
+        16 - random.Random(f"0-0-{i}").randrange(4) for i in range(6)
+    ]
     with pytest.raises(UsageError) as refused:
         built_trainer(
             "-b", "4", "--preset", "tv-v2", "--hflip-prob", "0", trainer=Replaced, datasets=tensor_datasets(size=16)
