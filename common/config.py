@@ -180,8 +180,8 @@ def _data_source(values, own_data):
             )
         if root:
             values["data"] = os.path.join(root, names.split(",")[0]) if names else root
-    kinds = (("dummy", values["dummy"]), ("custom", values["dataset_fn"]), ("imagenet", values["data"]))
-    values["dataset"] = next((kind for kind, given in kinds if given), "custom" if own_data else "demo")
+    kinds = (("dummy", values["dummy"]), ("custom", values["dataset_fn"] or own_data), ("imagenet", values["data"]))
+    values["dataset"] = next((kind for kind, given in kinds if given), "demo")
     if values["dataset"] == "demo":
         from .demo_data import DEFAULT_ROOT
 

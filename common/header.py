@@ -302,7 +302,7 @@ def recipe_line(config):
     return (
         f"recipe: {config.preset} ({RECIPES[config.preset]['name']})"
         + (demo if config.dataset == "demo" else "")
-        + (f"; its {warmup:g}-epoch warmup does not fit --epochs {config.epochs}: none" if short else "")
+        + (f"; its {warmup:g}-epoch warmup does not fit --epochs {config.epochs}" if short else "")
     )
 
 

@@ -4,7 +4,6 @@ results (Trainer.build_metrics). A metric is stateless: MetricSums holds its flo
 """
 
 import datetime
-import numbers
 import time
 
 import torch
@@ -113,9 +112,13 @@ class MetricSums:
         if name in BUILT_IN or name in RUN_OWN:  # (an acc1 of one's own had replaced the run's, exit 0)
             raise UsageError(f"a logged value may not be named {name!r}: that name is the run's own")
         if not isinstance(value, torch.Tensor):
-            if not isinstance(value, numbers.Real):  # (a str, None, a list: was a traceback of float())
-                raise UsageError(f"logged value {name!r} is a {type(value).__name__}: log a number or a scalar tensor")
-            return torch.tensor(float(value), dtype=torch.float64, device=self.device)
+            try:
+                number = float(value)  # (numpy's scalars and 0-d arrays too)
+            except (TypeError, ValueError):  # (a word, None, a list: was a traceback)
+                raise UsageError(
+                    f"logged value {name!r} is a {type(value).__name__}: log a number or a scalar tensor"
+                ) from None
+            return torch.tensor(number, dtype=torch.float64, device=self.device)
         if value.numel() != 1:
             raise UsageError(f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)")
         return value.detach().reshape(()).to(self.device, torch.float64)

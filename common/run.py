@@ -232,10 +232,11 @@ def library_replaced(cls):
         for name, method in vars(Trainer).items()
         if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
     ]
-    own = {name for kind in cls.__mro__ if issubclass(kind, Trainer) and kind is not Trainer for name in vars(kind)}
+    kinds = [kind for kind in cls.__mro__ if issubclass(kind, Trainer) and kind is not Trainer]
+    called = {name for kind in kinds for value in vars(kind).values() for name in _names_used(value)}
     misspelt = {  # (a build_optimiser of one's own: never called, the default's SGD trained, without a word)
         name: close[0]
-        for name in own - set(vars(Trainer))
+        for name in {name for kind in kinds for name in vars(kind)} - set(vars(Trainer)) - called
         for close in [difflib.get_close_matches(name, HOOKS, 1, 0.85)]
         if close
     }
@@ -243,9 +244,20 @@ def library_replaced(cls):
         f"warning: {cls.__name__} replaces the Trainer's own {', '.join(names)} (not hooks: the loops call them; "
         "docs/adapting.md): the tests no longer cover this run; give a method of your own another name"
     ] * bool(names) + [
-        f"warning: {cls.__name__}.{name} is no hook, never called: did you mean {hook}?"
+        f"warning: {cls.__name__}.{name} is not a hook, and nothing calls it: did you mean {hook}?"
         for name, hook in sorted(misspelt.items())
     ]
+
+
+def _names_used(value):
+    """The names that the code of `value` (a function, and those it defines) reads: self.NAME among them."""
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    codes, names = [code] if code else [], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [constant for constant in code.co_consts if hasattr(constant, "co_names")]
+    return names
 
 
 # The ranks' agreement on their arguments and checkpoint.

@@ -87,6 +87,8 @@ def atomic_export(path, export):
     os.close(fd)
     try:
         export(str(tmp))
+        with open(tmp, "rb") as file:  # (its bytes on disk before the rename, as atomic_write's)
+            os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -94,15 +96,15 @@ def atomic_export(path, export):
 
 
 # What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary of the files a run writes
-TEMPORARY = re.compile(r"\..+\.(pth|csv|json|txt)\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
+TEMPORARY = re.compile(r"\..+\.(pth|csv|json|txt|pickle)\.([a-z0-9_]{8}|[0-9a-f]{32})\.tmp")
 
 
 def remove_leftover_temporaries(directory):
-    """Remove the temporaries (TEMPORARY) in `directory` and its metrics/ that a run killed while writing left there:
-    each as large as a checkpoint. Only by the holder of the directory's lock: no other run writes there. Returns
-    the removed files' sizes."""
+    """Remove the temporaries (TEMPORARY) in `directory` and its metrics/, profile/ and memory/ that a run killed while
+    writing left there: each as large as a checkpoint, a trace or a snapshot. Only by the holder of the directory's
+    lock: no other run writes there. Returns the removed files' sizes."""
     removed = []
-    for folder in (Path(directory), Path(directory) / "metrics"):
+    for folder in (Path(directory), *(Path(directory) / name for name in ("metrics", "profile", "memory"))):
         for path in folder.glob(".*.tmp") if folder.is_dir() else []:
             if TEMPORARY.fullmatch(path.name) and path.is_file() and not path.is_symlink():
                 with contextlib.suppress(OSError):

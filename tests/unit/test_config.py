@@ -94,6 +94,13 @@ def test_a_trainer_that_builds_its_datasets_gets_the_imagenet_preset_and_a_direc
     args = parse("--trainer", "examples.experiment:Experiment")
     assert (args.dataset, args.data_preset, args.data, args.epochs) == ("custom", "imagenet", None, 90)
     assert args.output_dir == "runs/dp-resnet18-examples.experiment.Experiment"
+    # With --data (which its build_datasets may read), or DATASETS_PATH's (was: the data folder's name alone, as a
+    # run of the default data there)
+    with_data = parse("--trainer", "examples.experiment:Experiment", "--data", "/d/digits")
+    assert (with_data.dataset, with_data.output_dir) == (
+        "custom",
+        "runs/dp-resnet18-examples.experiment.Experiment-digits",
+    )
     assert parse("--trainer", "examples.distillation:Distillation").dataset == "demo"  # (the default build_datasets)
 
 

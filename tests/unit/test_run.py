@@ -515,10 +515,18 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
         "warning: Helper replaces the Trainer's own save (not hooks: the loops call them; docs/adapting.md): the "
         "tests no longer cover this run; give a method of your own another name"
     ]
+
     # A hook's name misspelt (was: never called, the default trained, without a word)
-    misspelt = type("Misspelt", (SAM,), {"build_optimiser": lambda self, model: None, "build_extra": lambda self: 1})
-    assert library_replaced(misspelt) == [
-        "warning: Misspelt.build_optimiser is no hook, never called: did you mean build_optimizer?"
+    class Misspelt(SAM):
+        def build_optimiser(self, model): ...
+
+        def build_dataset(self, split): ...  # (a helper of its own, which its build_datasets calls: no warning)
+
+        def build_datasets(self):
+            return self.build_dataset("train"), self.build_dataset("val")
+
+    assert library_replaced(Misspelt) == [
+        "warning: Misspelt.build_optimiser is not a hook, and nothing calls it: did you mean build_optimizer?"
     ]
 
 

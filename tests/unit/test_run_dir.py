@@ -139,7 +139,8 @@ def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing
     """Seen: a SIGKILL while a checkpoint was written left .checkpoint.pth.XXXXXXXX.tmp (65 MB for resnet50), which no
     later run removed."""
     out = tmp_path / "run"
-    (out / "metrics").mkdir(parents=True)
+    for folder in ("metrics", "profile", "memory"):
+        (out / folder).mkdir(parents=True)
     fd, half_written = run_dir.temporary_beside(out / "checkpoint.pth")
     os.write(fd, b"x" * 3_000_000)
     os.close(fd)
@@ -147,6 +148,8 @@ def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing
         half_written,
         out / f".checkpoint_prev.pth.{'ab12' * 8}.tmp",
         out / "metrics" / ".val_epoch0.json.k2j4_x9z.tmp",
+        out / "profile" / ".rank0.json.a1b2c3d4.tmp",  # (atomic_export's: a trace, a snapshot, killed while written)
+        out / "memory" / ".oom-rank0.pickle.a1b2c3d4.tmp",
     ]
     for path in left[1:]:
         path.write_bytes(b"y")
@@ -158,7 +161,7 @@ def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing
     OutputLock(out, say=said.append)
     assert not any(path.exists() for path in left) and all(path.exists() for path in kept)
     assert said == [
-        f"note: removed 3 temporary file(s) of 2.9 MiB from {out}, left by a run killed while it wrote them"
+        f"note: removed 5 temporary file(s) of 2.9 MiB from {out}, left by a run killed while it wrote them"
     ]
 
 

@@ -6,6 +6,7 @@ import copy
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -288,7 +289,9 @@ class ReturnsWhatItShouldNot(Trainer):
         loss, logits = super().train_step(model, images, labels)
         if self.RETURNS == "detached":
             return loss.detach(), logits
-        return (loss, logits, {"confidence": "high"}) if self.RETURNS == "text" else (loss, logits)
+        if self.RETURNS == "text":
+            return loss, logits, {"confidence": "high"}
+        return loss, logits, {"of_numpy": np.array(0.5), "numpy_scalar": np.float32(0.25)}  # (numbers: taken)
 
     def build_batch_transform(self, classes):
         return (lambda images, labels, key: images) if self.RETURNS == "images" else None
@@ -309,6 +312,9 @@ def test_a_train_step_or_batch_transform_that_returns_what_the_loop_cannot_use_i
     trainer = built_trainer(*SMALL, *TINY_NET, trainer=ReturnsWhatItShouldNot, datasets=tensor_datasets())
     with pytest.raises(UsageError, match="^" + re.escape(line)):
         trainer.train_one_epoch(trainer.model, 0)
+    ReturnsWhatItShouldNot.RETURNS = None
+    trainer = built_trainer(*SMALL, *TINY_NET, trainer=ReturnsWhatItShouldNot, datasets=tensor_datasets())
+    trainer.train_one_epoch(trainer.model, 0)
 
 
 class OneHot(nn.Module):
