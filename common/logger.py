@@ -68,10 +68,10 @@ RUN_CHECKPOINTS = tuple(dict.fromkeys((*SingleFile.names, *ShardedCheckpoints.na
 # metrics/: the metrics' tensors; profile/: --profile's traces; memory/: a GPU's out-of-memory snapshots;
 # nccl_trace/: NCCL's Flight Recorder dumps.
 RUN_FOLDERS = {
-    "metrics": "*_epoch*.json",
-    "profile": "rank*.json",
-    "memory": "oom-rank*.pickle",
-    "nccl_trace": "rank_*",
+    "metrics": ("train_epoch*.json", "val_epoch*.json", "ema_val_epoch*.json"),
+    "profile": ("rank*.json",),
+    "memory": ("oom-rank*.pickle",),
+    "nccl_trace": ("rank_*",),
 }
 
 
@@ -137,10 +137,11 @@ class RunLogger:
                     shutil.rmtree(path)
                 else:
                     path.unlink(missing_ok=True)
-            for name, files in RUN_FOLDERS.items():
+            for name, patterns in RUN_FOLDERS.items():
                 folder = self.output_dir / name
-                for path in folder.glob(files) if folder.is_dir() else []:
-                    path.unlink()
+                for path in [path for files in patterns for path in folder.glob(files)] if folder.is_dir() else []:
+                    if path.is_file() or path.is_symlink():  # (a folder of that name: a researcher's)
+                        path.unlink()
                 with contextlib.suppress(OSError):  # (not there, or not empty: a researcher's own files in it)
                     folder.rmdir()
             for events in self.output_dir.glob("tensorboard/**/events.out.tfevents.*"):

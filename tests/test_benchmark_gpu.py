@@ -2,13 +2,16 @@
 trace's summary, and the harness run on the CPU (a tiny model) as it runs on a GPU."""
 
 import json
+import os
 import re
+import signal
 import sys
+import time
 
 import pytest
 
 from common.metrics import ProgressMeter
-from harness.jobs import assert_ok, run
+from harness.jobs import Job, assert_ok, run
 from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -235,3 +238,20 @@ def test_the_gpu_tools_bad_input_is_argparse_s_one_line_with_nothing_left_behind
         error = capsys.readouterr().err.splitlines()[-1]
         assert ended.value.code == 2 and error.partition(": error: ")[2].startswith(said), (argv, error)
         assert [path.name for path in tmp_path.iterdir()] == ["a_file"], argv  # (no runs' folder left)
+
+
+def test_a_gpu_tool_stopped_mid_row_removes_its_folder_and_its_job(tmp_path):
+    """SIGTERM (a lent machine's `timeout`) while a row's run trains: exit code 143, one line, the runs' folder in
+    TMPDIR removed and the row's job killed (were: both left, the job still writing in /tmp)."""
+    (tmp_path / "tmp").mkdir()
+    job = Job(
+        [PYTHON, BENCH, "--cpu", "--only", "^tiny$", "--out", tmp_path / "out"],
+        env=clean_env(TMPDIR=tmp_path / "tmp"),
+        prewarmed=False,
+    )
+    job.wait_for(re.compile(r"^benchmark-gpu: 1 rows, runs in "), timeout=120)
+    time.sleep(3)  # (its run under way)
+    os.kill(job.process.pid, signal.SIGTERM)
+    code, output = job.finish(timeout=120)
+    assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_gpu.py ended, its temporary folders removed"
+    assert list((tmp_path / "tmp").glob("benchmark-gpu-*")) == [] and not job.left_behind, job.left_behind

@@ -53,7 +53,7 @@ from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
-from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
+from shared import check_child, run_tool, torchvision_model, until_stopped, whole  # noqa: E402
 
 
 def crop_flags(crop):
@@ -684,7 +684,6 @@ def main():
         print(f"| {name} | {rate:.0f} | {rate / classic:.2f}x |")
 
     batches = args.batches
-    workdir = tempfile.mkdtemp(prefix="bench-")
     model_args = [
         "-a",
         args.arch,
@@ -698,7 +697,7 @@ def main():
     )
     print("| data | global batch | " + " | ".join(["dp", "ddp (torchrun)", "spawn", "classic loop"]) + " |")
     print("|---|---:|---:|---:|---:|---:|")
-    try:  # (the runs' output folders, kept by no one)
+    with scratch("bench-") as workdir:  # (the runs' output folders, kept by no one)
         for data_name, data_args in [("dummy", []), ("jpeg", ["--data", str(jpeg_dir)])]:
             for batch in batches:
                 images_per_epoch = train_images // 4 if data_name == "dummy" else len(sizes)
@@ -720,8 +719,6 @@ def main():
                     + f" | {classic_cell} |",
                     flush=True,
                 )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
     print(
         "\nc. the GPU at steady state: make benchmark-gpu (python tools/benchmark.py --gpu)"
@@ -730,4 +727,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_tool(until_stopped(main)))

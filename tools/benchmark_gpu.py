@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jobs import CheckFailed, free_port, run  # noqa: E402
-from shared import folder, no_row, regex, seconds, write_replacing  # noqa: E402
+from shared import folder, no_row, regex, seconds, until_stopped, write_replacing  # noqa: E402
 
 # Epoch 0's progress lines: step count, images/s since the epoch's start, and (where said) its input wait and GPU idle.
 PROGRESS = re.compile(
@@ -802,4 +802,4 @@ def measure_rows(rows, args, started, out, workdir):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(until_stopped(main)())

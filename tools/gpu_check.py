@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, slug, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
-from shared import folder, no_row, regex, write_replacing  # noqa: E402
+from shared import folder, no_row, regex, until_stopped, write_replacing  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
 LAUNCH_VARIABLES = (
@@ -672,13 +672,14 @@ def main(argv=None):
     if not args.cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU is visible on this machine: nothing to check (make test covers the CPU)")
         return 0
-    out = folder(parser, args.out) if args.out else None
+    out = folder(parser, args.out) if args.out is not None else None
     workdir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         setup = Setup(args.cpu, workdir, args.extra_args.split())
         every = all_checks(setup, args.quick)
         checks = [(row, check) for row, check in every if not args.only or re.search(args.only, row.name)]
         if not checks:
+            shutil.rmtree(workdir, ignore_errors=True)  # (--keep: nothing ran to keep)
             no_row(parser, args.only, [row.name for row, _ in every])
         where = (
             "CPU (self-test: gloo, 2 processes, tiny model)"
@@ -749,4 +750,4 @@ def run_checks(setup, checks, out):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(until_stopped(main)())

@@ -90,6 +90,8 @@ def no_row(parser, only, names):
 
 def folder(parser, path):
     """`path` made as a folder (--out); where it cannot be, argparse's error naming why (exit code 2)."""
+    if not path:  # (was: the current directory, without a word)
+        parser.error("--out is empty: give a folder")
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -98,11 +100,11 @@ def folder(parser, path):
 
 
 def write_replacing(path, text):
-    """`text` written to a temporary beside `path`, then renamed over it: a run stopped while it writes (a lent
-    machine's time spent) leaves the table of the rows before, never half a file."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    """`text` written beside `path`, then renamed over it (common.run_dir.atomic_write): a tool stopped while it
+    rewrites its table (a lent machine's time spent) leaves the table of the rows before, never half a file."""
+    from common.run_dir import atomic_write
+
+    atomic_write(path, lambda file: file.write(text.encode()))
 
 
 def overlap(reads, writes):
@@ -206,3 +208,22 @@ def stop_on_signals():
             os.kill(os.getpid(), signum)
 
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def until_stopped(main):
+    """`main` with SIGTERM and SIGINT raised in it (stop_on_signals) while it runs, so that its `finally` blocks run
+    (the benchmarks' temporary folders removed, their jobs killed): a stop says one line and returns 143 (SIGTERM)
+    or 130 (was: the folders left in /tmp, a job still writing there)."""
+
+    def run(*args):
+        before = stop_on_signals()
+        try:
+            return main(*args)
+        except (KeyboardInterrupt, Stopped) as stopped:
+            say(f"stopped: {Path(sys.argv[0]).name} ended, its temporary folders removed", file=sys.stderr)
+            return 130 if isinstance(stopped, KeyboardInterrupt) else 143
+        finally:
+            for signum, handler in before.items():
+                signal.signal(signum, handler)
+
+    return run

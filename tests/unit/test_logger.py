@@ -126,14 +126,19 @@ def test_a_fresh_run_leaves_nothing_of_an_earlier_one_in_its_directory_and_a_res
     earlier = ["checkpoint.pth", "summary.json", "bad_images.txt", "metrics/val_epoch3.json", "profile/rank0.json"]
     earlier += ["memory/oom-rank0.pickle", "nccl_trace/rank_0", "tensorboard/events.out.tfevents.1.host"]
     # A researcher's own files in the folders of a run's (was: the folders deleted whole by every fresh start)
-    theirs = ["metrics/results.csv", "memory/notes.txt", "profile/mine.json"]
+    theirs = ["metrics/results.csv", "metrics/results_epoch3.json", "memory/notes.txt", "profile/mine.json"]
     for resumed in (True, False):
         for name in earlier + theirs:
             (tmp_path / "out" / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / "out" / name).write_text("the earlier run's")
+        (tmp_path / "out" / "nccl_trace" / "rank_notes").mkdir(exist_ok=True)  # (a folder: was an IsADirectoryError)
         RunLogger(tmp_path / "out", prints=False, writes=True).start(parse("--dummy"), resumed=resumed)
         kept = [name for name in earlier + theirs if (tmp_path / "out" / name).exists()]
         assert kept == ([name for name in earlier + theirs if name != "summary.json"] if resumed else theirs), resumed
+    assert not (tmp_path / "out" / "profile" / "rank0.json").exists() and (tmp_path / "out" / "nccl_trace").is_dir()
+    (tmp_path / "out" / "nccl_trace" / "rank_notes").rmdir()
+    (tmp_path / "out" / "nccl_trace" / "rank_0").write_text("the earlier run's")
+    RunLogger(tmp_path / "out", prints=False, writes=True).start(parse("--dummy"), resumed=False)
     assert not (tmp_path / "out" / "nccl_trace").exists()  # a folder of the run's files alone goes with them
 
 
