@@ -160,8 +160,8 @@ def check_launcher(mode):
 
 def _data_source(values, own_data):
     """--data (or DIR, or DATASETS_PATH + DATASETS), --dataset, --dummy, a --trainer's own build_datasets
-    (`own_data`) or the built-in demo set: `dataset` says which ("imagenet" for any --data), `data` the folder (the
-    demo set's where it is generated)."""
+    (`own_data`) or the built-in demo set: `dataset` says which ("custom" for --dataset or a trainer's own, with or
+    without --data; "imagenet" for any other --data), `data` the folder (the demo set's where it is generated)."""
     positional = values.pop("data_positional")
     if positional and values["data"] and positional != values["data"]:
         raise UsageError("give the data directory once: as DIR or as --data, not both")
