@@ -10,7 +10,7 @@ and the presets (common/config.py). This module imports no torch: --help and usa
 import argparse
 
 from .config import RECIPES, resolve
-from .errors import UsageError, import_named
+from .errors import UsageError, import_named, replaces
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,8 +96,7 @@ def parse_args(parser, argv=None, mode="dp"):
     if empty is not None:  # (the scripts' own flags: was taken as not given, without a word)
         shown = max(empty.option_strings, key=len) if empty.option_strings else empty.metavar
         raise UsageError(f"{shown} is empty: give a value, or leave it out")
-    own_data = getattr(getattr(found, "build_datasets", None), "__qualname__", "Trainer.build_datasets")
-    return resolve(namespace, mode, own_data=own_data != "Trainer.build_datasets")
+    return resolve(namespace, mode, own_data=found is not None and replaces(found, "build_datasets"))
 
 
 def _fsdp_flags(add):

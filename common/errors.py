@@ -127,6 +127,13 @@ def say(message, file=None):
     stream.flush()
 
 
+def replaces(cls, hook):
+    """Whether the Trainer subclass `cls` replaces the base class's `hook` (by identity: a subclass may be named
+    Trainer too)."""
+    defining = [kind for kind in getattr(cls, "__mro__", ()) if hook in vars(kind)]
+    return len(defining) > 1 and defining[0] is not defining[-1]
+
+
 def import_named(text, flag, builtin=True):
     """The object that `package.module:name` names (None for a text without a colon: a built-in name, if `builtin`)."""
     if ":" not in text and builtin:

@@ -13,7 +13,7 @@ import torch
 from . import distributed, optim
 from .config import RECIPES
 from .device_loader import SyntheticOnDevice
-from .errors import UsageError
+from .errors import UsageError, replaces
 from .fsdp import state_bytes
 from .models import warn_slow_amp
 from .run_dir import holds
@@ -40,10 +40,9 @@ def start_lines(trainer):
         f"{runtime.mode}: world size {runtime.world_size}, {runtime.num_devices} device(s) per process, "
         f"{describe_environment(runtime.device, runtime.num_devices)}{kept}"
     ]
-    hook = type(trainer).build_datasets
     source = (
-        hook.__qualname__
-        if hook.__qualname__ != "Trainer.build_datasets"
+        type(trainer).build_datasets.__qualname__
+        if replaces(type(trainer), "build_datasets")
         else f"--dataset {config.dataset_fn}"
         if config.dataset_fn
         else config.data or "synthetic (--dummy)"
@@ -64,7 +63,7 @@ def start_lines(trainer):
     if config.trainer:
         lines.append(f"trainer: {config.trainer}")
     hook = type(trainer).build_batch_transform
-    if hook.__qualname__ != "Trainer.build_batch_transform":  # (the default's: the preset's and the flags' lines)
+    if replaces(type(trainer), "build_batch_transform"):  # (the default's: the preset's and the flags' lines)
         lines.append(
             f"batch transform: {hook.__qualname__} (build_batch_transform), "
             f"{'seeded per batch' if trainer._batch_transform is not None else 'none'}"

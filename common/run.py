@@ -233,12 +233,16 @@ def library_replaced(cls):
         if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
     ]
     kinds = [kind for kind in cls.__mro__ if issubclass(kind, Trainer) and kind is not Trainer]
-    called = {name for kind in kinds for value in vars(kind).values() for name in _names_used(value)}
+    methods = {name: value for kind in reversed(kinds) for name, value in vars(kind).items()}
+
+    def called(name):  # (by another of its methods: its own code may call a helper of the same name, recurse)
+        return any(name in _names_used(value) for other, value in methods.items() if other != name)
+
     misspelt = {  # (a build_optimiser of one's own: never called, the default's SGD trained, without a word)
         name: close[0]
-        for name in {name for kind in kinds for name in vars(kind)} - set(vars(Trainer)) - called
+        for name in set(methods) - set(vars(Trainer))
         for close in [difflib.get_close_matches(name, HOOKS, 1, 0.85)]
-        if close
+        if close and not called(name)
     }
     return [
         f"warning: {cls.__name__} replaces the Trainer's own {', '.join(names)} (not hooks: the loops call them; "
@@ -250,12 +254,16 @@ def library_replaced(cls):
 
 
 def _names_used(value):
-    """The names that the code of `value` (a function, and those it defines) reads: self.NAME among them."""
-    code = getattr(getattr(value, "__func__", value), "__code__", None)
-    codes, names = [code] if code else [], set()
+    """The names that the code of `value` reads (self.NAME among them, and strings: getattr(self, "NAME")): a function,
+    those it defines and wraps, a property's or a cached_property's."""
+    found = [value]
+    for name in ("__func__", "fget", "fset", "func", "__wrapped__"):  # (method kinds, properties, decorators)
+        found += [getattr(part, name) for part in list(found) if getattr(part, name, None) is not None]
+    codes, names = [part.__code__ for part in found if hasattr(part, "__code__")], set()
     while codes:
         code = codes.pop()
         names.update(code.co_names)
+        names.update(constant for constant in code.co_consts if isinstance(constant, str))
         codes += [constant for constant in code.co_consts if hasattr(constant, "co_names")]
     return names
 

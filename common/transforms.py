@@ -119,15 +119,18 @@ def planned(image, plan):
 
 def takes_rng(transform):
     """Whether `transform` is called as transform(image, rng), rng a random.Random seeded per image: the presets, and
-    a function of two arguments (a build_transforms' own of the scripts' earlier convention, still taken)."""
+    a build_transforms' own of the scripts' earlier convention, still taken: a function (a module's forward) of two
+    required arguments, or whose second is named rng."""
     if isinstance(transform, (TrainPreset, EvalPreset)):
         return True
-    try:
-        parameters = inspect.signature(transform).parameters.values()
+    try:  # (an nn.Module's __call__ takes *args: its forward says what it takes)
+        signature = inspect.signature(transform.forward if isinstance(transform, torch.nn.Module) else transform)
     except (TypeError, ValueError):  # (a callable of C, no signature: torchvision's convention)
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(parameter.kind in positional and parameter.default is parameter.empty for parameter in parameters) >= 2
+    parameters = [parameter for parameter in signature.parameters.values() if parameter.kind in positional]
+    required = sum(parameter.default is parameter.empty for parameter in parameters)
+    return required >= 2 or (len(parameters) >= 2 and parameters[1].name == "rng")
 
 
 class SeededTransform(Dataset):

@@ -240,12 +240,14 @@ def test_the_gpu_tools_bad_input_is_argparse_s_one_line_with_nothing_left_behind
         assert [path.name for path in tmp_path.iterdir()] == ["a_file"], argv  # (no runs' folder left)
 
 
-def test_a_gpu_tool_stopped_mid_row_removes_its_folder_and_its_job(tmp_path):
+@pytest.mark.parametrize("command", [[BENCH], [REPO / "tools" / "benchmark.py", "--gpu"]])
+def test_a_gpu_tool_stopped_mid_row_removes_its_folder_and_its_job(tmp_path, command):
     """SIGTERM (a lent machine's `timeout`) while a row's run trains: exit code 143, one line, the runs' folder in
-    TMPDIR removed and the row's job killed (were: both left, the job still writing in /tmp)."""
+    TMPDIR removed and the row's job killed (were: both left, the job still writing in /tmp; benchmark.py --gpu, which
+    ran it as a child, killed it before its clean-up)."""
     (tmp_path / "tmp").mkdir()
     job = Job(
-        [PYTHON, BENCH, "--cpu", "--only", "^tiny$", "--out", tmp_path / "out"],
+        [PYTHON, *command, "--cpu", "--only", "^tiny$", "--out", tmp_path / "out"],
         env=clean_env(TMPDIR=tmp_path / "tmp"),
         prewarmed=False,
     )
@@ -253,5 +255,5 @@ def test_a_gpu_tool_stopped_mid_row_removes_its_folder_and_its_job(tmp_path):
     time.sleep(3)  # (its run under way)
     os.kill(job.process.pid, signal.SIGTERM)
     code, output = job.finish(timeout=120)
-    assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_gpu.py ended, its temporary folders removed"
+    assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_gpu.py ended by SIGTERM"
     assert list((tmp_path / "tmp").glob("benchmark-gpu-*")) == [] and not job.left_behind, job.left_behind

@@ -630,7 +630,8 @@ def main():
     )
     args, rest = parser.parse_known_args()
     if args.gpu:  # tools/benchmark_gpu.py, with the flags it takes (--only, --out, ...)
-        sys.exit(subprocess.run([sys.executable, str(REPO / "tools" / "benchmark_gpu.py"), *rest]).returncode)
+        script = str(REPO / "tools" / "benchmark_gpu.py")  # (this process becomes it: a stop reaches its clean-up)
+        os.execv(sys.executable, [sys.executable, script, *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.channels_last_compare:

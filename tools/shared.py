@@ -220,8 +220,9 @@ def until_stopped(main):
         try:
             return main(*args)
         except (KeyboardInterrupt, Stopped) as stopped:
-            say(f"stopped: {Path(sys.argv[0]).name} ended, its temporary folders removed", file=sys.stderr)
-            return 130 if isinstance(stopped, KeyboardInterrupt) else 143
+            interrupted = isinstance(stopped, KeyboardInterrupt)
+            say(f"stopped: {Path(sys.argv[0]).name} ended by {'SIGINT' if interrupted else 'SIGTERM'}", file=sys.stderr)
+            return 130 if interrupted else 143
         finally:
             for signum, handler in before.items():
                 signal.signal(signum, handler)

@@ -4,6 +4,7 @@ fails before writing leaves no directory it made, and a Trainer holds its docume
 subclass may assign; what the ranks of one job compare before they train (arguments, checkpoints) and the one line
 that names the first difference."""
 
+import functools
 import json
 import re
 import shutil
@@ -517,13 +518,33 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
     ]
 
     # A hook's name misspelt (was: never called, the default trained, without a word)
+    def logged(function):  # (a decorator: the method is its wrapper, whose own code calls no build_transform)
+        @functools.wraps(function)
+        def wrapper(*args):
+            return function(*args)
+
+        return wrapper
+
     class Misspelt(SAM):
-        def build_optimiser(self, model): ...
+        def build_optimiser(self, model):  # (its own code naming it: still warned of)
+            return self.build_optimiser(model)
 
         def build_dataset(self, split): ...  # (a helper of its own, which its build_datasets calls: no warning)
 
+        def build_metric(self): ...  # (called by name from a property)
+
+        def build_transform(self): ...  # (called from a decorated method)
+
         def build_datasets(self):
             return self.build_dataset("train"), self.build_dataset("val")
+
+        @property
+        def metric(self):
+            return getattr(self, "build_metric")()
+
+        @logged
+        def build_transforms(self, train, val):
+            return self.build_transform()
 
     assert library_replaced(Misspelt) == [
         "warning: Misspelt.build_optimiser is not a hook, and nothing calls it: did you mean build_optimizer?"

@@ -13,7 +13,7 @@ from torchvision.transforms.v2 import functional as F
 from common.augment import image_augmentation
 from common.errors import UsageError
 from common.trainer import Trainer
-from common.transforms import EvalPreset, Normalise, SeededTransform, TrainPreset
+from common.transforms import EvalPreset, Normalise, SeededTransform, TrainPreset, takes_rng
 from conftest import built_trainer, parse, tensor_datasets
 
 # Every pixel different, so that any two different crops or flips give different images.
@@ -202,6 +202,16 @@ def test_build_transforms_extends_the_default_pipeline_seeded_per_image_as_the_r
     assert not torch.equal(before, train[1][0][0])
 
 
+class ModuleOfRng(torch.nn.Module):
+    def forward(self, image, rng):
+        return image
+
+
+class CallOfRng:
+    def __call__(self, image, rng=None):
+        return image
+
+
 def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_refuses_the_flags_it_no_longer_applies():
     """(was: called as transform(image, rng): a torchvision transform failed in collate with a traceback)"""
 
@@ -219,6 +229,12 @@ def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_ref
         def build_transforms(self, train, val):
             return (lambda image, rng: F.resize(image, [16 - rng.randrange(4)] * 2)), val
 
+    assert [takes_rng(made) for made in (ModuleOfRng(), CallOfRng(), v2.RandomRotation(3), lambda *images: images)] == [
+        True,
+        True,
+        False,
+        False,
+    ]  # (a module's forward(image, rng); a __call__(image, rng=None): were called without their rng)
     takes = built_trainer("-b", "4", trainer=TakesRng, datasets=tensor_datasets(size=16))._data.train_loader.dataset
     assert [takes[index][0].shape[-1] for index in range(6)] == [
         16 - random.Random(f"0-0-{i}").randrange(4) for i in range(6)
