@@ -128,10 +128,11 @@ def say(message, file=None):
 
 
 def replaces(cls, hook):
-    """Whether the Trainer subclass `cls` replaces the base class's `hook` (by identity: a subclass may be named
-    Trainer too)."""
-    defining = [kind for kind in getattr(cls, "__mro__", ()) if hook in vars(kind)]
-    return len(defining) > 1 and defining[0] is not defining[-1]
+    """Whether the Trainer subclass `cls` replaces common.trainer.Trainer's `hook` (by identity: a subclass may be
+    named Trainer too, a mixin after it define one)."""
+    mro = getattr(cls, "__mro__", ())
+    base = next((kind for kind in mro if (kind.__module__, kind.__qualname__) == ("common.trainer", "Trainer")), None)
+    return base is not None and getattr(cls, hook, None) is not vars(base).get(hook)
 
 
 def import_named(text, flag, builtin=True):

@@ -233,14 +233,14 @@ def library_replaced(cls):
         if callable(method) and not name.startswith("__") and name not in HOOKS and getattr(cls, name) is not method
     ]
     kinds = [kind for kind in cls.__mro__ if issubclass(kind, Trainer) and kind is not Trainer]
-    methods = {name: value for kind in reversed(kinds) for name, value in vars(kind).items()}
+    methods = [(name, value) for kind in kinds for name, value in vars(kind).items()]  # (each class's: super() calls)
 
     def called(name):  # (by another of its methods: its own code may call a helper of the same name, recurse)
-        return any(name in _names_used(value) for other, value in methods.items() if other != name)
+        return any(name in _names_used(value) for other, value in methods if other != name)
 
     misspelt = {  # (a build_optimiser of one's own: never called, the default's SGD trained, without a word)
         name: close[0]
-        for name in set(methods) - set(vars(Trainer))
+        for name in {name for name, _ in methods} - set(vars(Trainer))
         for close in [difflib.get_close_matches(name, HOOKS, 1, 0.85)]
         if close and not called(name)
     }

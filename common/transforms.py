@@ -118,19 +118,22 @@ def planned(image, plan):
 
 
 def takes_rng(transform):
-    """Whether `transform` is called as transform(image, rng), rng a random.Random seeded per image: the presets, and
-    a build_transforms' own of the scripts' earlier convention, still taken: a function (a module's forward) of two
-    required arguments, or whose second is named rng."""
+    """How `transform` takes a random.Random seeded per image: "positional", transform(image, rng) (the presets, a
+    function of two required arguments: the scripts' earlier convention, still taken), "keyword" (a parameter named
+    rng: transform(image, rng=rng)), or None: called as torchvision's, transform(image)."""
     if isinstance(transform, (TrainPreset, EvalPreset)):
-        return True
+        return "positional"
+    module_call = isinstance(transform, torch.nn.Module) and type(transform).__call__ is torch.nn.Module.__call__
     try:  # (an nn.Module's __call__ takes *args: its forward says what it takes)
-        signature = inspect.signature(transform.forward if isinstance(transform, torch.nn.Module) else transform)
+        signature = inspect.signature(transform.forward if module_call else transform)
     except (TypeError, ValueError):  # (a callable of C, no signature: torchvision's convention)
-        return False
+        return None
+    named = signature.parameters.get("rng")
+    if named is not None and named.kind != inspect.Parameter.POSITIONAL_ONLY:
+        return "keyword"
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    parameters = [parameter for parameter in signature.parameters.values() if parameter.kind in positional]
-    required = sum(parameter.default is parameter.empty for parameter in parameters)
-    return required >= 2 or (len(parameters) >= 2 and parameters[1].name == "rng")
+    required = [p for p in signature.parameters.values() if p.kind in positional and p.default is p.empty]
+    return "positional" if len(required) >= 2 else None
 
 
 class SeededTransform(Dataset):
@@ -156,7 +159,9 @@ class SeededTransform(Dataset):
         image, label, bad = self.base[index % len(self.base)]
         if image is not None:
             rng = random.Random(f"{self.seed}-{self.epoch}-{index}")
-            if self.takes_rng:
+            if self.takes_rng == "keyword":
+                image = self.transform(image, rng=rng)
+            elif self.takes_rng:
                 image = self.transform(image, rng)
             else:  # build_transforms' own: called as torchvision's, drawing from torch's RNG seeded per image
                 with seeded(rng):

@@ -52,6 +52,7 @@ def one_error_line(capsys, tool, *args):
     "tool, args, expected",
     [
         ("benchmark.py", ["--quick", "--batches", "0"], "argument --batches: '0': expected a whole number"),
+        ("benchmark.py", ["--gpu", "--quick"], "--gpu runs tools/benchmark_gpu.py, which takes none of --quick: leave"),
         ("benchmark.py", ["--quick", "--batches", "32,x"], "argument --batches: 'x': expected a whole number"),
         ("benchmark.py", ["--quick", "--workers", "-1"], "argument --workers: '-1': expected a whole number"),
         ("benchmark.py", ["--quick", "--arch", "nonexist"], "'nonexist': no torchvision classification model"),

@@ -323,3 +323,14 @@ class EmptyDefault(Trainer):
     @classmethod
     def add_arguments(cls, parser):
         parser.add_argument("--tag", default="")
+
+
+class Trainer(Experiment):  # (a researcher's subclass named as the base: told from it by identity)
+    def build_datasets(self):
+        return super().build_datasets()
+
+
+NamedTrainer, Trainer = (
+    Trainer,
+    Experiment.__bases__[0],
+)  # (--trainer tests.tiny_models:NamedTrainer; Trainer: the base)

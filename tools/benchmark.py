@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from common.augment import image_augmentation  # noqa: E402
 from common.cli import Parser  # noqa: E402
+from common.config import flag  # noqa: E402
 from common.data import SkipUnreadable  # noqa: E402
 from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
@@ -630,6 +631,10 @@ def main():
     )
     args, rest = parser.parse_known_args()
     if args.gpu:  # tools/benchmark_gpu.py, with the flags it takes (--only, --out, ...)
+        defaults = vars(parser.parse_known_args([])[0])  # (as parsed: --batches' default is a list there)
+        ours = [flag(name) for name, value in vars(args).items() if name != "gpu" and value != defaults[name]]
+        if ours:  # (were dropped without a word: --gpu --quick ran the whole 8 minutes)
+            parser.error(f"--gpu runs tools/benchmark_gpu.py, which takes none of {', '.join(ours)}: leave them out")
         script = str(REPO / "tools" / "benchmark_gpu.py")  # (this process becomes it: a stop reaches its clean-up)
         os.execv(sys.executable, [sys.executable, script, *rest])
     if rest:

@@ -102,14 +102,16 @@ def test_a_trainer_that_builds_its_datasets_gets_the_imagenet_preset_and_a_direc
         "runs/dp-resnet18-examples.experiment.Experiment-digits",
     )
     assert parse("--trainer", "examples.distillation:Distillation").dataset == "demo"  # (the default build_datasets)
-    # Told by identity: a subclass named Trainer (was taken for the base by its method's name)
+    # Told by identity: a subclass named Trainer (was taken for the base by its method's name), a mixin after the base
     from common import trainer
     from common.errors import replaces
 
-    class Trainer(trainer.Trainer):
-        def build_datasets(self): ...
-
-    assert replaces(Trainer, "build_datasets") and not replaces(type("Plain", (trainer.Trainer,), {}), "build_datasets")
+    assert parse("--trainer", "tests.tiny_models:NamedTrainer").dataset == "custom"
+    mixin = type("Mixin", (), {"build_datasets": lambda self: None})
+    assert not replaces(type("Late", (trainer.Trainer, mixin), {}), "build_datasets")
+    assert not replaces(type("Plain", (trainer.Trainer,), {}), "build_datasets") and not replaces(
+        mixin, "build_datasets"
+    )
 
 
 def test_positional_data_dir_is_the_same_as_the_flag():

@@ -550,6 +550,14 @@ def test_a_subclass_that_replaces_a_method_of_the_library_is_warned_of_by_name()
         "warning: Misspelt.build_optimiser is not a hook, and nothing calls it: did you mean build_optimizer?"
     ]
 
+    class Extended(Misspelt):  # (its build_datasets calls the parent's, which calls build_dataset: no warning)
+        def build_datasets(self):
+            return super().build_datasets()
+
+    assert library_replaced(Extended) == [
+        "warning: Extended.build_optimiser is not a hook, and nothing calls it: did you mean build_optimizer?"
+    ]
+
 
 def test_a_restart_goes_on_from_its_own_job_s_checkpoint_alone(tmp_path, monkeypatch):
     """torchrun's restart, or a Slurm requeue, of a command with --overwrite goes on from the directory's checkpoint

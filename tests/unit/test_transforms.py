@@ -207,6 +207,11 @@ class ModuleOfRng(torch.nn.Module):
         return image
 
 
+class ModuleCallOfRng(torch.nn.Module):
+    def __call__(self, image, rng):
+        return image
+
+
 class CallOfRng:
     def __call__(self, image, rng=None):
         return image
@@ -229,12 +234,18 @@ def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_ref
         def build_transforms(self, train, val):
             return (lambda image, rng: F.resize(image, [16 - rng.randrange(4)] * 2)), val
 
-    assert [takes_rng(made) for made in (ModuleOfRng(), CallOfRng(), v2.RandomRotation(3), lambda *images: images)] == [
-        True,
-        True,
-        False,
-        False,
-    ]  # (a module's forward(image, rng); a __call__(image, rng=None): were called without their rng)
+    called = [ModuleOfRng(), CallOfRng(), ModuleCallOfRng(), v2.RandomRotation(3), lambda *images: images]
+    called += [lambda image, *, rng: image, lambda image, size=8, rng=None: image, lambda image, other: image]
+    assert [takes_rng(made) for made in called] == [
+        "keyword",
+        "keyword",
+        "keyword",
+        None,
+        None,
+        "keyword",
+        "keyword",
+        "positional",
+    ]  # (a module's forward(image, rng), a __call__ of (image, rng=None), a keyword rng: were called without it)
     takes = built_trainer("-b", "4", trainer=TakesRng, datasets=tensor_datasets(size=16))._data.train_loader.dataset
     assert [takes[index][0].shape[-1] for index in range(6)] == [
         16 - random.Random(f"0-0-{i}").randrange(4) for i in range(6)
