@@ -7,6 +7,7 @@ import errno
 import importlib
 import inspect
 import sys
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -128,11 +129,21 @@ def say(message, file=None):
 
 
 def replaces(cls, hook):
-    """Whether the Trainer subclass `cls` replaces common.trainer.Trainer's `hook` (by identity: a subclass may be
-    named Trainer too, a mixin after it define one)."""
+    """Whether the Trainer subclass `cls` replaces the library's Trainer's `hook`: the first class of its MRO that
+    defines it is not that Trainer (told by its source file, trainer.py beside this one: a subclass may be named
+    Trainer too, the package copied under another name)."""
+
+    def library(kind):
+        source = getattr(sys.modules.get(kind.__module__), "__file__", None)
+        return (
+            kind.__qualname__ == "Trainer"
+            and source is not None
+            and Path(source) == Path(__file__).parent / "trainer.py"
+        )
+
     mro = getattr(cls, "__mro__", ())
-    base = next((kind for kind in mro if (kind.__module__, kind.__qualname__) == ("common.trainer", "Trainer")), None)
-    return base is not None and getattr(cls, hook, None) is not vars(base).get(hook)
+    first = next((kind for kind in mro if hook in vars(kind)), None)
+    return any(map(library, mro)) and first is not None and not library(first)
 
 
 def import_named(text, flag, builtin=True):

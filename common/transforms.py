@@ -123,9 +123,14 @@ def takes_rng(transform):
     rng: transform(image, rng=rng)), or None: called as torchvision's, transform(image)."""
     if isinstance(transform, (TrainPreset, EvalPreset)):
         return "positional"
-    module_call = isinstance(transform, torch.nn.Module) and type(transform).__call__ is torch.nn.Module.__call__
-    try:  # (an nn.Module's __call__ takes *args: its forward says what it takes)
-        signature = inspect.signature(transform.forward if module_call else transform)
+    try:  # (an nn.Module's __call__ that takes *args, torch's or a wrapper's: its forward says what it takes)
+        signature = inspect.signature(transform)
+        passes_on = {parameter.kind for parameter in signature.parameters.values()} <= {
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        }
+        if isinstance(transform, torch.nn.Module) and passes_on:
+            signature = inspect.signature(transform.forward)
     except (TypeError, ValueError):  # (a callable of C, no signature: torchvision's convention)
         return None
     named = signature.parameters.get("rng")

@@ -3,6 +3,7 @@ one line, `error: ...` (argparse's `PROG: error: ...`), exit code 2, never a tra
 main() is run in-process as its `__main__` runs it (shared.run_tool), and one run of each error path as a real
 process; a training script's own error line, given on by a benchmark that started it."""
 
+import os
 import re
 import signal
 import sys
@@ -37,6 +38,8 @@ def one_error_line(capsys, tool, *args):
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [str(REPO / "tools" / tool), *map(str, args)])
+        # (benchmark.py --gpu becomes benchmark_gpu.py: here it would replace the test process)
+        patch.setattr(os, "execv", lambda *exec_args: pytest.fail(f"os.execv{exec_args[1][1:]}: another program"))
         try:
             code = run_tool(TOOLS[tool].main)
         except SystemExit as exit:  # argparse's

@@ -212,6 +212,11 @@ class ModuleCallOfRng(torch.nn.Module):
         return image
 
 
+class WrappedModuleOfRng(ModuleOfRng):  # (a __call__ of *args that passes them on: its forward says)
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
 class CallOfRng:
     def __call__(self, image, rng=None):
         return image
@@ -234,9 +239,11 @@ def test_a_replaced_training_transform_is_called_as_torchvision_s_seeded_and_ref
         def build_transforms(self, train, val):
             return (lambda image, rng: F.resize(image, [16 - rng.randrange(4)] * 2)), val
 
-    called = [ModuleOfRng(), CallOfRng(), ModuleCallOfRng(), v2.RandomRotation(3), lambda *images: images]
+    called = [ModuleOfRng(), CallOfRng(), ModuleCallOfRng(), WrappedModuleOfRng(), v2.RandomRotation(3)]
+    called += [lambda *images: images]
     called += [lambda image, *, rng: image, lambda image, size=8, rng=None: image, lambda image, other: image]
     assert [takes_rng(made) for made in called] == [
+        "keyword",
         "keyword",
         "keyword",
         "keyword",
