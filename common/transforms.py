@@ -143,9 +143,9 @@ def takes_rng(transform):
 
 class SeededTransform(Dataset):
     """`transform` applied to the image of the (image, label, bad) `base[index]` (image None: skipped) with a
-    random.Random seeded by (seed, epoch, index) (a transform not of the presets: torch's RNG seeded from it), leaving
-    the global RNGs alone. An index beyond len(base) (a repeat of
-    RepeatedAugmentationSampler's) reads base[index % len(base)], seeded by itself: each repeat differs."""
+    random.Random seeded by (seed, epoch, index) (takes_rng; else torch's RNG seeded from it), leaving the global RNGs
+    alone. An index beyond len(base) (a repeat of RepeatedAugmentationSampler's) reads base[index % len(base)], seeded
+    by itself: each repeat differs."""
 
     def __init__(self, base, transform, seed):
         self.base, self.transform, self.seed, self.epoch = base, transform, seed, 0
