@@ -84,15 +84,15 @@ def atomic_export(path, export):
     """`path` written by export(name) (torch's writers of a file by its name: a trace, a memory snapshot) to a
     temporary beside it, renamed over it: a run killed while it writes leaves no half of one."""
     fd, tmp = temporary_beside(path)
-    os.close(fd)
     try:
+        os.close(fd)
         export(str(tmp))
-        with open(tmp, "rb") as file:  # (its bytes on disk before the rename, as atomic_write's)
+        with open(tmp, "rb") as file:  # (its bytes on disk before the rename, as write_synced's)
             os.fsync(file.fileno())
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    replace_synced(tmp, path)
 
 
 # What temporary_beside (mkstemp's 8 characters) and link_or_copy (a uuid) name a temporary of the files a run writes
