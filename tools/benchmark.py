@@ -27,13 +27,11 @@ c. With a CUDA GPU: see --gpu (tools/benchmark_gpu.py, `make benchmark-gpu`): th
 """
 
 import argparse
-import contextlib
 import csv
 import math
 import os
 import platform
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,22 +52,12 @@ from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
-from shared import check_child, run_tool, torchvision_model, until_stopped, whole  # noqa: E402
+from shared import check_child, run_tool, scratch, torchvision_model, until_stopped, whole  # noqa: E402
 
 
 def crop_flags(crop):
     """The training scripts' flags of one size for training crops and validation's resize and crop."""
     return ["--train-crop-size", str(crop), "--val-resize-size", str(crop), "--val-crop-size", str(crop)]
-
-
-@contextlib.contextmanager
-def scratch(prefix):
-    """A temporary folder (under TMPDIR), removed however its block ends: a training run's error, Ctrl-C."""
-    workdir = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield workdir
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def jpegs(folder):

@@ -38,7 +38,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jobs import CheckFailed, free_port, run  # noqa: E402
-from shared import folder, no_row, regex, seconds, until_stopped, write_replacing  # noqa: E402
+from shared import folder, no_row, regex, scratch, seconds, until_stopped, write_replacing  # noqa: E402
 
 # Epoch 0's progress lines: step count, images/s since the epoch's start, and (where said) its input wait and GPU idle.
 PROGRESS = re.compile(
@@ -756,15 +755,12 @@ def main(argv=None):
         print("benchmark-gpu: no CUDA GPU is visible on this machine: nothing to measure (--cpu tests the harness)")
         return 0
     started, out = time.monotonic(), folder(parser, args.out)
-    workdir = Path(tempfile.mkdtemp(prefix="benchmark-gpu-"))
-    try:
+    with scratch("benchmark-gpu-") as workdir:
         every = (cpu_rows if args.cpu else gpu_rows)(str(workdir / "jpegs"))
         rows = selected(every, args.only)
         if not rows:
             no_row(parser, args.only, [bench.name for bench in every])
         return measure_rows(rows, args, started, out, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def measure_rows(rows, args, started, out, workdir):

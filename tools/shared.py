@@ -4,13 +4,16 @@ resized as a JPEG, the check that prepare_imagenet.py and make_shards.py write n
 worker processes that a stop signal or an error stops at once."""
 
 import argparse
+import contextlib
 import io
 import math
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -208,6 +211,16 @@ def stop_on_signals():
             os.kill(os.getpid(), signum)
 
     return {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+@contextlib.contextmanager
+def scratch(prefix):
+    """A temporary folder (under TMPDIR), removed however its block ends: a training run's error, a stop."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield workdir
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def until_stopped(main):
