@@ -145,11 +145,13 @@ class Diagnostics:
         self.device_idle = DeviceIdle(runtime.device, say) if runtime.device.type == "cuda" else None
         self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
 
-    def count_flops(self, model, channels):
-        """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's)."""
+    def count_flops(self, model, channels, counted):
+        """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's);
+        `counted`: {crop: FLOPs} already counted (by the size check), not counted again."""
         schedule = self.config.crop_schedule
         for size in schedule.crops(self.config.epochs) if schedule else [self.config.train_crop_size]:
-            self.flops[size], problem = forward_flops(model, size, channels)
+            known = counted.get(size)
+            self.flops[size], problem = (known, None) if known is not None else forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
 
     def crop(self, epoch):

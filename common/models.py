@@ -13,6 +13,7 @@ import torch.nn as nn
 import torchvision
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import Preempted, UsageError, check_call, import_named
 
@@ -75,18 +76,9 @@ def adapt_first_conv(model, arch, channels, pretrained):
         how = "RGB filters repeated, scaled by 3/channels" if pretrained else "the fresh filters repeated"
         if pretrained:
             weight = weight * (3 / channels)
-    new = nn.Conv2d(
-        channels,
-        conv.out_channels,
-        conv.kernel_size,
-        conv.stride,
-        conv.padding,
-        conv.dilation,
-        bias=conv.bias is not None,
-        padding_mode=conv.padding_mode,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
+    shape = (conv.kernel_size, conv.stride, conv.padding, conv.dilation)
+    options = dict(bias=conv.bias is not None, padding_mode=conv.padding_mode, device=weight.device, dtype=weight.dtype)
+    new = nn.Conv2d(channels, conv.out_channels, *shape, **options)
     with torch.no_grad():
         new.weight.copy_(weight)
         if conv.bias is not None:
@@ -232,35 +224,38 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
     """Refuse in one line, before any process trains, an image size that torchvision's `model` (--arch `arch`) cannot
     take and logits of another width than `classes`: a forward at each size on the meta device (no memory). A model of
     yours (-a PKG.MOD:FN) runs on a meta_copy, for its first convolution's channels alone; one the meta device cannot
-    run is not checked."""
+    run is not checked. Returns the FLOPs of one image's forward at `val_size` in eval mode, counted there as
+    diagnostics.forward_flops counts them (None: not counted)."""
+    counter = FlopCounterMode(display=False)
     if custom_builder(arch) is not None:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), counter:
                 meta_copy(model).eval()(torch.empty(2, channels, val_size, val_size, device="meta"))
+            return counter.get_total_flops() // 2
         except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
             raise
         except Exception as error:  # (a model that cannot be copied, a forward the meta device cannot run: unchecked)
             if "channel" in str(error).lower():
                 _refuse_other_channels(model, channels)
-        return
+            return None
     meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
     was_training = model.training
     try:
         for size, training in [*((size, True) for size in sorted(set(train_sizes))), (val_size, False)]:
             model.train(training)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), contextlib.nullcontext() if training else counter:
                     output = torch.func.functional_call(
-                        model, meta, (torch.empty(2, channels, size, size, device="meta"),)
+                        model, meta, torch.empty(2, channels, size, size, device="meta")
                     )
             except NotImplementedError:
-                return
+                return None
             except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
                 raise
             except Exception as error:  # the layers' own shape checks: RuntimeError, AssertionError, ValueError
                 reason = " ".join(str(error).split())
                 if "meta" in reason.lower():  # an operation the meta device cannot run: no answer here
-                    return
+                    return None
                 _refuse_other_channels(model, channels)  # (a model a subclass built: not adapted)
                 raise UsageError(
                     f"--arch {arch} cannot take {size}x{size} px images ({reason[:200]}): {_size_hint(arch)}"
@@ -268,6 +263,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
     finally:
         model.train(was_training)
     check_logits(split_output(output)[0], classes, "the model (build_model)")
+    return counter.get_total_flops() // 2
 
 
 def _refuse_other_channels(model, channels):

@@ -208,7 +208,6 @@ class Trainer:
         self._data = data.last_batch_for(self._data, model, runtime.num_devices)
         # An optimizer step: --grad-accum-steps micro-batches of the loader (the epoch's last step: what is left).
         self.steps_per_epoch = math.ceil(len(self._data.train_loader) / config.grad_accum_steps)
-        self._diagnostics.count_flops(model, self.channels)  # before it is sharded (or wrapped)
         self.ema = None
         if config.model_ema and not config.evaluate:  # a copy of the bare model (a sharded one cannot be copied)
             decay = models.adjusted_decay(
@@ -265,10 +264,10 @@ class Trainer:
             changes += models.adapt_first_conv(model, config.arch, self.channels, pretrained)
         self._model_changes = changes
         models.patch_embedding_as_matmul(model)
-        sizes = (
-            [] if config.evaluate else config.crop_schedule.sizes() if config.res_schedule else [config.train_crop_size]
-        )
-        models.check_input_size(model, config.arch, sizes, config.val_crop_size, self.channels, len(self.classes))
+        train_sizes = config.crop_schedule.sizes() if config.res_schedule else [config.train_crop_size]
+        crop, checked = config.val_crop_size, [] if config.evaluate else train_sizes  # (-e: no training)
+        flops = models.check_input_size(model, config.arch, checked, crop, self.channels, len(self.classes))
+        self._diagnostics.count_flops(model, self.channels, {crop: flops})  # (the check's count of crop: not again)
         self._aux_weight = getattr(model, "aux_loss_weight", None)
         if config.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -27,6 +27,7 @@ from common.diagnostics import (
     reset_peak_rss,
 )
 from common.errors import OutOfMemory, UsageError
+from common.models import build_model, check_input_size
 from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")
@@ -62,6 +63,33 @@ def test_the_forward_flops_counted_on_meta_are_torchvision_s_own_figures(arch):
     published = torchvision.models.get_model_weights(arch).DEFAULT.meta["_ops"]
     assert problem is None and flops / 2e9 == pytest.approx(published, rel=0.02)
     assert model.training and all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("arch, size", [("resnet18", 64), ("vit_b_16", 224), ("tests.tiny_models:TinyNet", 16)])
+def test_the_size_check_counts_the_validation_crop_s_flops_as_forward_flops_does(arch, size):
+    """check_input_size counts the FLOPs of its eval forward at the validation crop (torchvision's models and one of
+    yours): the same count as forward_flops's, which a run then does not repeat for that crop."""
+    model = build_model(arch, 10)
+    assert check_input_size(model, arch, [size], size, 3, 10) == forward_flops(model, size, 3)[0] > 0
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "tests.tiny_models:TinyNet"])
+def test_a_run_counts_the_flops_of_the_validation_crop_in_the_size_check_s_forward_not_in_one_more(arch):
+    """The size check's forwards on the meta device (torchvision's: training mode at the training crop, then eval at
+    the validation crop; yours: eval at the validation crop) count the FLOPs too: a count of its own would be one
+    more forward of the whole model at start-up. Another training crop is counted in a forward of its own."""
+    forwards = []
+
+    def count(module, args):  # each forward of the model calls its first convolution once
+        if isinstance(module, nn.Conv2d) and module.in_channels == 3 and args[0].device.type == "meta":
+            forwards.append("train" if module.training else "eval")
+
+    for crop, expected in [("16", ["eval"]), ("8", ["eval", "eval"])]:
+        forwards.clear()
+        with torch.nn.modules.module.register_module_forward_pre_hook(count):
+            trainer = built_trainer(*SMALL, "-a", arch, "--train-crop-size", crop, datasets=tensor_datasets(size=16))
+        assert sorted(forwards) == expected + (["train"] if arch == "resnet18" else [])
+        assert trainer._diagnostics.flops[int(crop)] == forward_flops(trainer.model, int(crop), 3)[0] > 0
 
 
 class Tied(nn.Module):
@@ -149,7 +177,7 @@ def test_the_rate_is_per_device_of_the_job_and_the_summary_counts_the_last_epoch
     rate each. A --res-schedule that ends smaller: summary.json's FLOPs are the last epoch's crop's."""
     config = parse(*SMALL, "--res-schedule", "32:16:0:1:16", "--epochs", "2")
     diagnostics = Diagnostics(config, replace(cpu_runtime(world_size=2), num_devices=2), print)
-    diagnostics.count_flops(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), 3)
+    diagnostics.count_flops(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()), 3, {})
     diagnostics.start_epoch()
     figures = diagnostics.epoch_figures(0, images_per_second=1000.0)
     assert figures["tflops_per_device"] == pytest.approx(3 * diagnostics.flops[32] * 1000.0 / 4 / 1e12, rel=1e-3)
