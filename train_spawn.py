@@ -68,8 +68,6 @@ def setup(config):
         # No GPU: 2 CPU processes, so that `python train_spawn.py` shows DDP at work (two ranks, gloo,
         # the global batch split in two) on any machine.
         nproc = gpus or CPU_PROCESSES
-        if not gpus and config.device != "cuda":  # (--device cuda: refused below)
-            say(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)")
     if nproc < 1 or config.nnodes < 1:
         raise UsageError(f"--nproc-per-node {nproc} and --nnodes {config.nnodes} must be 1 or more")
     if gpus and nproc > gpus:
@@ -96,6 +94,8 @@ def setup(config):
         distributed.check_env_rendezvous(config.nnodes * nproc, config.node_rank == 0)
     else:
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")
+    if config.nproc_per_node is None and not gpus:  # (said once the launch is checked: an error comes alone)
+        say(f"no GPU in use: {CPU_PROCESSES} processes on the CPU (--nproc-per-node N to choose)")
     return url, nproc
 
 

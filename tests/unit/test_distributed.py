@@ -22,7 +22,7 @@ from common.distributed import (
 )
 from common.errors import UsageError
 from harness.jobs import run
-from harness.processes import PYTHON, REPO, clean_env
+from harness.processes import PYTHON, REPO, clean_env, free_port
 
 
 def test_without_a_process_group_this_process_is_rank_0_of_1_and_reductions_are_the_identity():
@@ -131,14 +131,25 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
         assert url == f"tcp://[::1]:{free}"  # (was tcp://::1:PORT, which torch cannot read: a traceback)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of --device cuda where no GPU is visible")
-def test_spawn_s_device_cuda_without_a_gpu_is_its_one_line_alone(capsys):
-    """(was: "no GPU in use: 2 processes on the CPU" said first, then the refusal)"""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals where no GPU is visible")
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--device", "cuda"], r"^--device cuda asked for, but no CUDA GPU is visible: use --device cpu$"),
+        (["--node-rank", "1"], r"^--node-rank 1 must be in 0\.\.0"),
+        (["--master-port", "70000"], r"--master-port 70000"),
+        (["--dist-url", "http://x"], r"^--dist-url http://x: use tcp://"),
+    ],
+)
+def test_spawn_s_refusal_of_its_launch_is_its_one_line_alone(capsys, flags, refusal):
+    """(was: "no GPU in use: 2 processes on the CPU" said first, then the refusal); said where the launch is sound."""
     import train_spawn
 
-    with pytest.raises(UsageError, match=r"^--device cuda asked for, but no CUDA GPU is visible: use --device cpu$"):
-        train_spawn.setup(train_spawn.parse_args(["--device", "cuda"]))
+    with pytest.raises(UsageError, match=refusal):
+        train_spawn.setup(train_spawn.parse_args(flags))
     assert capsys.readouterr() == ("", "")
+    train_spawn.setup(train_spawn.parse_args(["--master-port", str(free_port())]))
+    assert capsys.readouterr().out == "no GPU in use: 2 processes on the CPU (--nproc-per-node N to choose)\n"
 
 
 def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(monkeypatch):
