@@ -133,6 +133,21 @@ def trained_outputs(output_dir, there):
     return [path.name for path in there] + (["summary.json"] if (output_dir / "summary.json").is_file() else [])
 
 
+def refuse_a_finished_run_from_elsewhere(config, path, checkpoint):
+    """Refuse --resume of another directory's checkpoint trained to --epochs: nothing to go on with here (was: its
+    summary.json written into --output-dir, beside that directory's own run and log)."""
+    if checkpoint is None or config.evaluate or holds(config.output_dir, path):
+        return
+    epoch, step = int(checkpoint.get("epoch", 0)), int(checkpoint.get("step_in_epoch", 0))
+    if epoch >= config.epochs:
+        stands = f"epoch {epoch}" + (f" step {step}" if step else "")
+        raise UsageError(
+            f"--resume {path} stands at {stands} of --epochs {config.epochs}: nothing to train in {config.output_dir}; "
+            f"give --epochs {epoch + 1} or more to train it further, -e to evaluate it, or --init-from {path} to start "
+            "a new run from its weights"
+        )
+
+
 def refuse_to_replace_a_run(config, classes, checkpoints, resumed=False):
     """Refuse, unless --overwrite, a start that would replace the run in --output-dir: a relaunch that forgot --resume
     auto, --resume auto that found no checkpoint (`resumed`) where the run left outputs worth keeping, or --resume of
@@ -197,6 +212,7 @@ def start_run(trainer):
         for line in library_replaced(type(trainer)):
             trainer.log.print(line)
         path, checkpoint = load_agreed_checkpoint(trainer)
+        refuse_a_finished_run_from_elsewhere(config, path, checkpoint)
         if config.evaluate and isinstance((checkpoint or {}).get("args"), dict):  # at the sizes it was trained with
             trainer.config = config = evaluated_as_trained(config, checkpoint["args"])
         # A resumed run keeps the determinism it was started with.

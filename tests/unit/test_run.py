@@ -98,6 +98,18 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
     trained("--epochs", "2", "--overwrite", "--output-dir", tmp_path / "replaced", "--resume", elsewhere)
     rows = (tmp_path / "replaced" / "log.csv").read_text().splitlines()[1:]
     assert [row.split(",")[0] for row in rows] == ["1"], rows
+    # Trained to --epochs already, into another directory, with --overwrite or into a new one (was: "nothing to do",
+    # then its summary.json written there beside the replaced run's files and log.csv's figures, or alone).
+    kept = {path.name: path.read_bytes() for path in (tmp_path / "replaced").iterdir() if path.is_file()}
+    for flags in (["--overwrite", "--output-dir", tmp_path / "replaced"], ["--output-dir", tmp_path / "empty"]):
+        with pytest.raises(
+            UsageError,
+            match=r"^--resume \S+elsewhere.pth stands at epoch 1 of --epochs 1: nothing to train in \S+; give "
+            r"--epochs 2 or more to train it further, -e to evaluate it, or --init-from \S+ to start a new run",
+        ):
+            started("--epochs", "1", *flags, "--resume", elsewhere)
+    assert not (tmp_path / "empty").exists()
+    assert {path.name: path.read_bytes() for path in (tmp_path / "replaced").iterdir() if path.is_file()} == kept
     resumed = started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth")
     assert not any(line.startswith("note: the best acc@1 so far") for line in start_lines(resumed))
     # Into a directory of its own: its best epoch's model_best.pth is not there (summary.json and done: say its acc@1)
