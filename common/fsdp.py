@@ -7,7 +7,9 @@ parameters, and are not torch.nn layers (ResNet's Bottleneck, ViT's EncoderBlock
 (stem, head) stays with the root. The Trainer's shard_units hook chooses others (docs/adapting.md).
 """
 
+import contextlib
 from collections import Counter
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -20,6 +22,23 @@ FLOAT32_LAYERS = (nn.modules.batchnorm._BatchNorm,)
 
 
 LISTS = (nn.Sequential, nn.ModuleList)
+
+
+def recomputed_in_place(unit):
+    """torch.utils.checkpoint's context_fn for `unit`: its forward as it is, and its recomputation in backward, after
+    which the unit's buffers are as that forward left them (was: BatchNorm's running statistics updated twice)."""
+
+    @contextlib.contextmanager
+    def buffers_kept():
+        kept = {name: buffer.clone() for name, buffer in unit.named_buffers()}
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in kept.items():
+                    unit.get_buffer(name).copy_(value)
+
+    return contextlib.nullcontext(), buffers_kept()
 
 
 def is_layer(module):
@@ -130,8 +149,12 @@ class Sharding:
         if self.activation_checkpointing:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-            # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient).
-            units = [checkpoint_wrapper(unit, preserve_rng_state=True) for unit in units]
+            # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient); its
+            # buffers restored after it: BatchNorm's running statistics are updated once a step, as without the flag.
+            units = [
+                checkpoint_wrapper(unit, preserve_rng_state=True, context_fn=partial(recomputed_in_place, unit))
+                for unit in units
+            ]
             for name, wrapper in zip(names, units):
                 model.set_submodule(name, wrapper)
         if self.bf16 is not None:

@@ -240,8 +240,14 @@ class ShardedCheckpoints:
         bare model's parameter names. BatchNorm statistics are each rank's own under FSDP: rank 0's are saved (as
         DDP's are: DDP gives every rank rank 0's at each forward)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.fsdp import FSDPModule
 
         model = unwrap(trainer.model)
+        # --no-reshard-after-forward: the units stay whole after validation's forwards, and the optimizer's state is of
+        # the sharded parameters (was: a KeyError at each epoch's end): sharded again first.
+        for module in (*model.modules(), *(trainer.ema.module.modules() if trainer.ema is not None else ())):
+            if isinstance(module, FSDPModule):
+                module.reshard()
         distributed.broadcast_buffers(model)
         optimizer = get_optimizer_state_dict(model, trainer.optimizer)
         states = {"state_dict": get_model_state_dict(model), "optimizer": optimizer}

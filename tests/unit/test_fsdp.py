@@ -109,14 +109,19 @@ def test_the_header_says_what_a_rank_holds_and_the_summary_measures_it(group_of_
     assert state_bytes(trainer.model, trainer.optimizer) == (whole, whole, 2 * whole)  # a group of one: all of it
 
 
-def test_activation_checkpointing_gives_the_same_gradients(group_of_one):
-    grads = []
+@pytest.mark.parametrize("arch, parameters", [("tests.tiny_models:BlockNet", 8), ("resnet18", 62)])
+def test_activation_checkpointing_gives_the_same_gradients_and_batchnorm_statistics(group_of_one, arch, parameters):
+    """The recomputed forward in backward leaves the BatchNorm statistics as the forward left them (was: updated
+    twice a step: num_batches_tracked 2, other running means, and so other validations and saved weights)."""
+    grads, buffers = [], []
     for flags in ([], ["--activation-checkpointing"]):
-        trainer = sharded_trainer("-a", "tests.tiny_models:BlockNet", *flags)
+        trainer = sharded_trainer("-a", arch, *flags)
         torch.manual_seed(0)
         trainer.model(torch.randn(2, 3, 16, 16)).square().sum().backward()
         grads.append([parameter.grad.full_tensor() for parameter in trainer.model.parameters()])
-    assert len(grads[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*grads))
+        buffers.append([buffer.clone() for buffer in trainer.model.buffers()])
+    assert len(grads[0]) == parameters and all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*buffers)) and len(buffers[0]) == len(buffers[1])
     assert "--activation-checkpointing on" in trainer.shard.describe(trainer.model, trainer.optimizer)[0]
 
 

@@ -83,6 +83,20 @@ def test_a_run_copied_with_its_links_followed_saves_on_as_links(group_of_one, tm
     assert torch.load(tmp_path / "damaged" / PREVIOUS / "state.pth", weights_only=True)["epoch"] == 1
 
 
+def test_a_save_after_validation_without_resharding_after_forward_saves_the_sharded_state(group_of_one, tmp_path):
+    """--no-reshard-after-forward: validation's forwards (no backward) leave the units whole; the save shards them
+    again (was: a KeyError in torch's get_optimizer_state_dict at every epoch's end, an unusable flag)."""
+    trainer = trained(tmp_path, "--no-reshard-after-forward")
+    with torch.no_grad():
+        for model in (trainer.model, trainer.ema.module):
+            model.eval()(torch.randn(2, 3, 16, 16))
+    trainer.save(0, 1)
+    resumed = sharded_trainer(*BLOCKS, "--output-dir", tmp_path, "--resume", "auto")
+    path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
+    restore(resumed, checkpoint, path)
+    assert all(torch.equal(value, whole(trainer.model)[name]) for name, value in whole(resumed.model).items())
+
+
 def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(group_of_one, tmp_path):
     trainer = trained(tmp_path)
     trainer.save(0, 1)
