@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from . import distributed
 from .config import profile_steps
@@ -64,6 +65,37 @@ def forward_flops(model, size, channels):
         raise
     except Exception as error:  # any forward of a researcher's model: n/a, said once
         return None, (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+
+
+def bf16_gradient_risks(model, sizes, channels):
+    """[(name, kernel, input size, crop)] of the convolutions of `model` whose weight gradient torch's CPU kernels
+    (oneDNN) may get wrong in bf16 at the training crops `sizes`: NaN or garbage, at times, in taps that see padding
+    alone, seen for dense convolutions strided across an input 1 pixel wide, their kernel wider (resnet's
+    layer4.0.conv1 at 16 px), never in float32. A meta_copy's training forward finds them."""
+    copy, inputs, crop = meta_copy(model).train(), {}, [None]
+
+    def seen(layer, args):  # (the first crop at which each layer takes each input size)
+        inputs.setdefault((layer, tuple(args[0].shape[-2:])), crop[0])
+
+    layers = [layer for layer in copy.modules() if isinstance(layer, nn.Conv2d) and layer.groups == 1]
+    hooks = [layer.register_forward_pre_hook(seen) for layer in layers if layer.stride[1] > 1 < layer.kernel_size[1]]
+    try:
+        with torch.no_grad():
+            for crop[0] in sizes:
+                copy(torch.empty(2, channels, crop[0], crop[0], device="meta"))
+    except Preempted:
+        raise
+    except Exception:  # (a forward the meta device cannot run: not checked)
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    names = {layer: name for name, layer in copy.named_modules()}
+    return [
+        (names[layer], "x".join(map(str, layer.kernel_size)), "x".join(map(str, shape)), size)
+        for (layer, shape), size in inputs.items()
+        if shape[1] == 1
+    ]
 
 
 def peak_tflops(given, device, amp):
@@ -141,18 +173,21 @@ class Diagnostics:
         if config.memory_history:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.peak, self.peak_source = peak_tflops(config.peak_tflops, runtime.device, config.amp)
-        self.flops, self.flops_problem, self.profiler, self.hinted = {}, None, None, None
+        self.flops, self.flops_problem, self.profiler, self.hinted, self.bf16_risks = {}, None, None, None, []
         self.device_idle = DeviceIdle(runtime.device, say) if runtime.device.type == "cuda" else None
         self.waited, self.started, self.worker_rss, self.run_peak, self.last = 0.0, time.perf_counter(), 0, 0, {}
 
     def count_flops(self, model, channels, counted):
         """The forward FLOPs per image of the bare `model` at each training crop of the run (--res-schedule's);
-        `counted`: {crop: FLOPs} already counted (by the size check), not counted again."""
+        `counted`: {crop: FLOPs} already counted (by the size check), not counted again. On the CPU under --amp bf16,
+        the convolutions whose bf16 weight gradient torch may get wrong there (bf16_gradient_risks)."""
         schedule = self.config.crop_schedule
         for size in schedule.crops(self.config.epochs) if schedule else [self.config.train_crop_size]:
             known = counted.get(size)
             self.flops[size], problem = (known, None) if known is not None else forward_flops(model, size, channels)
             self.flops_problem = self.flops_problem or problem
+        if self.runtime.device.type == "cpu" and self.config.amp == "bf16" and not self.config.evaluate:
+            self.bf16_risks = bf16_gradient_risks(model, list(self.flops), channels)
 
     def crop(self, epoch):
         """The training crop of `epoch`."""

@@ -129,6 +129,14 @@ def warnings(trainer):
             "warning: --compile with --res-schedule: each new training size compiles another graph "
             "(seconds to minutes each)"
         )
+    risks = trainer._diagnostics.bf16_risks
+    if risks:
+        found.append(
+            "warning: --amp bf16 on the CPU: torch's bf16 kernels may compute a wrong weight gradient (NaN or garbage, "
+            "at times) for a convolution strided across an input 1 pixel wide, and the run would train on it: "
+            + ", ".join(f"{name} ({kernel} kernel, {shape} input at {crop} px)" for name, kernel, shape, crop in risks)
+            + "; train with --amp none, or at a --train-crop-size where their inputs are larger"
+        )
     if config.ra_sampler and runtime.world_size < config.ra_reps and not config.evaluate:
         # Consecutive copies go to consecutive ranks; with fewer ranks than copies some share a batch.
         found.append(
