@@ -292,10 +292,7 @@ def this_node_s_copy(root, classes, train_files, val_files):
             except UsageError as failure:
                 difference = str(failure)
             if difference:
-                error = (
-                    f"{where} holds other files than rank 0's ({difference}): "
-                    "every node's copy must hold the same files"
-                )
+                error = f"{where} holds other files than rank 0's ({difference}): each node's copy must be the same"
             else:
                 train_files, val_files = own_train, own_val
     distributed.raise_any(error)
@@ -428,13 +425,20 @@ def has_hf_dataset(root):
 
 def parquet_splits(root):
     """{split: [parquet files]} under `root`: a file's split starts its name (train-00000-of-00294.parquet) or names
-    its folder (train/0000.parquet)."""
-    found = {}
+    its folder (train/0000.parquet). Numbered files of which some are missing (a download cut short) are refused."""
+    found, numbered = {}, {}
     for path in sorted(Path(root).rglob("*.parquet")):
         names = [re.split(r"[-_.]", path.name)[0], *(part for part in reversed(path.relative_to(root).parts[:-1]))]
         split = next((name for name in names if name in TRAIN_SPLITS + VAL_SPLITS), None)
         if split:
             found.setdefault(split, []).append(str(path))
+        if part := re.fullmatch(r"(.+)-(\d+)-of-(\d+)\.parquet", path.name):
+            numbered.setdefault((path.parent / part[1], int(part[3])), set()).add(int(part[2]))
+    for (stem, count), have in numbered.items():  # (each is read as the whole split: part of it trained on)
+        if missing := sorted(set(range(count)) - have):
+            raise UsageError(
+                f"--data {root}: no {stem}-{missing[0]:05d}-of-{count:05d}.parquet (a download cut short?)"
+            )
     return found
 
 
@@ -455,7 +459,7 @@ def _load(root):
         return datasets.load_dataset(
             "parquet", data_files=parquet_splits(root), cache_dir=os.environ.get("HF_DATASETS_CACHE")
         )
-    except Preempted:
+    except (Preempted, UsageError):  # (a stop; a numbered file missing)
         raise
     except Exception as error:  # damaged: a file cut short or missing, JSON or parquet that is not (pyarrow's, json's)
         raise UsageError(f"--data {root}: the Hugging Face dataset cannot be loaded ({describe(error)})") from None
@@ -468,14 +472,11 @@ def load_splits(root):
     distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
     classes, train, val = first[0] if first else _splits(root)
     found = distributed.all_gather_object((classes, len(train), len(val)))
-    distributed.raise_any(
-        None
-        if all(other == found[0] for other in found)
-        else (
+    if any(other != found[0] for other in found):  # (found is every rank's: each raises it)
+        raise UsageError(
             f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
             f"{[(len(c), t, v) for c, t, v in found]}): every node's copy must hold the same dataset"
         )
-    )
     return classes, train, val
 
 

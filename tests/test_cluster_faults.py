@@ -669,7 +669,7 @@ def test_a_node_whose_copy_of_the_data_differs_stops_every_rank_in_one_line(per_
     results, copy = per_node_copies["incomplete"]
     expected = (
         f"--data {copy} (rank 0: {data}) holds other files than rank 0's (train/ring: 15 images here, 16 on "
-        "rank 0): every node's copy must hold the same files"
+        "rank 0): each node's copy must be the same"
     )
     for rank, (returncode, output) in enumerate(results):
         assert returncode != 0 and error_lines(output) == [f"error: {'rank 1: ' if rank == 0 else ''}{expected}"], (

@@ -448,7 +448,12 @@ def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
     with pytest.raises(UsageError, match=r"the Hugging Face dataset cannot be loaded \(.+\)$"):
         load_splits(disk)
     hub = hf_copy(folder, tmp_path / "hub", "parquet")
-    (hub / "data" / "train-00000-of-00001.parquet").write_bytes(b"garbage")
+    # Its train split in 2 files, the second not there (a download cut short; was: trained on half, without a word)
+    (hub / "data" / "train-00000-of-00001.parquet").rename(hub / "data" / "train-00000-of-00002.parquet")
+    with pytest.raises(UsageError, match=rf"^--data \S+: no {re.escape(str(hub))}/data/train-00001-of-00002.parquet "):
+        load_splits(hub)
+    (hub / "data" / "train-00000-of-00002.parquet").write_bytes(b"garbage")
+    (hub / "data" / "train-00000-of-00002.parquet").rename(hub / "data" / "train-00000-of-00001.parquet")
     with pytest.raises(UsageError, match=r"the Hugging Face dataset cannot be loaded \(.+\)$"):
         load_splits(hub)
 
