@@ -129,6 +129,8 @@ def warnings(trainer):
             "warning: --compile with --res-schedule: each new training size compiles another graph "
             "(seconds to minutes each)"
         )
+    if config.evaluate and config.model_ema and trainer.ema is None:  # (was: the model's figures alone, without a word)
+        found.append(f"note: --model-ema: {trainer.resumed_from or config.weights} holds no EMA weights to evaluate")
     risks = trainer._diagnostics.bf16_risks
     if risks:
         found.append(

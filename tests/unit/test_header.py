@@ -113,8 +113,12 @@ def test_a_pretrained_evaluation_says_where_its_weights_and_preprocessing_came_f
     cache.mkdir(parents=True)
     torch.save(torchvision.models.resnet18().state_dict(), cache / weights.url.rsplit("/", 1)[1])
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
-    trainer = built_trainer("--data", tiny_data, "-j", "0", "-a", "resnet18", "--pretrained", "-e", "-b", "12")
+    trainer = built_trainer(
+        "--data", tiny_data, "-j", "0", "-a", "resnet18", "--pretrained", "-e", "-b", "12", "--model-ema"
+    )
     lines = start_lines(trainer)
+    # (was: the model's figures alone, without a word)
+    assert "note: --model-ema: ResNet18_Weights.IMAGENET1K_V1 holds no EMA weights to evaluate" in warnings(trainer)
     assert any(line.startswith("model: resnet18 from ResNet18_Weights.IMAGENET1K_V1, ") for line in lines), lines
     assert (
         "validation: resize 256, crop 224, bilinear, label smoothing 0 (resize, crop and interpolation from "
