@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from conftest import make_image_folder, tiny_folder
+from conftest import hf_copy, make_image_folder, tiny_folder
 from harness.ahead import SideBySide, ahead, once
 from harness.jobs import Job, no_traceback_of_ours, run, torchrun_command
 from harness.processes import PYTHON, REPO, clean_env, free_port
@@ -502,3 +502,34 @@ def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
     assert re.search(r"^warning: skipped \S+/broken-\\xff\.jpg: cannot decode it", output, re.MULTILINE), output
     path = out / "odd-name-data" / "train" / "ring" / os.fsdecode(b"broken-\xff.jpg")
     assert (out / "odd-name-dp" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(path)))
+
+
+HF_LOAD = """
+import os, sys
+import torch.distributed as dist
+from common.errors import UsageError
+from common.hf_datasets import load_splits
+dist.init_process_group("gloo")
+try:
+    load_splits(sys.argv[1 + int(os.environ["RANK"])])  # each rank its own node's copy
+    print("loaded", flush=True)
+except UsageError as error:
+    print(f"refused: {error}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_node_whose_copy_of_a_hugging_face_dataset_lacks_a_file_stops_every_rank_in_one_line(tiny_data, tmp_path):
+    """Rank 1's copy of the Hub's parquet files lacks the second of its train files (a download cut short): every rank
+    stops with its line (was, with the check in the detection: rank 1 alone, the other in gloo's traceback or, on
+    NCCL, waiting for --dist-timeout)."""
+    whole = hf_copy(tiny_data, tmp_path / "whole", "parquet")
+    cut = hf_copy(tiny_data, tmp_path / "cut", "parquet")
+    (cut / "data" / "train-00000-of-00001.parquet").rename(cut / "data" / "train-00000-of-00002.parquet")
+    script = tmp_path / "load.py"
+    script.write_text(HF_LOAD)
+    env = clean_env(PYTHONPATH=REPO, HF_DATASETS_CACHE=tmp_path / "hf-cache")
+    returncode, output = Job(torchrun_command(script, 2, whole, cut, prewarmed=False), env=env).finish(timeout=120)
+    line = f"--data {cut}: data/train-00001-of-00002.parquet is missing (a download cut short?)"
+    said = sorted(found for found in output.splitlines() if found.startswith("refused: "))
+    assert said == [f"refused: {line}", f"refused: rank 1: {line}"] and returncode == 0, output[-3000:]
