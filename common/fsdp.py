@@ -107,7 +107,7 @@ class Sharding:
             )
         self.mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
         self.reshard_after_forward = config.reshard_after_forward
-        self.activation_checkpointing = config.activation_checkpointing
+        self.activation_checkpointing, self.compile = config.activation_checkpointing, config.compile
         self.offload = CPUOffloadPolicy() if config.cpu_offload else None
         # --amp bf16: FSDP casts the gathered parameters to bf16 for compute, and reduces gradients in float32
         # (the sharded parameters and the optimizer stay float32). The trainer's autocast stays on over it, so that
@@ -150,9 +150,12 @@ class Sharding:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
             # preserve_rng_state: the recomputed forward draws the same dropout masks (an exact gradient); its
-            # buffers restored after it: BatchNorm's running statistics are updated once a step, as without the flag.
+            # buffers restored after it: BatchNorm's running statistics are updated once a step, as without the flag
+            # (compiled, the graph recomputes without updating them, and torch takes no context_fn there).
             units = [
                 checkpoint_wrapper(unit, preserve_rng_state=True, context_fn=partial(recomputed_in_place, unit))
+                if not self.compile
+                else checkpoint_wrapper(unit, preserve_rng_state=True)
                 for unit in units
             ]
             for name, wrapper in zip(names, units):

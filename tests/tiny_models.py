@@ -75,6 +75,24 @@ def BlockNet(num_classes, dropout=0.0):
     )
 
 
+class NormBlock(Block):
+    """Block with BatchNorm after its convolution."""
+
+    def __init__(self, inputs, outputs):
+        super().__init__(inputs, outputs)
+        self.norm = nn.BatchNorm2d(outputs)
+
+    def forward(self, images):
+        return self.pool(self.relu(self.norm(self.conv(images))))
+
+
+def NormBlockNet(num_classes, dropout=0.0):
+    """BlockNet's units with BatchNorm: what --activation-checkpointing recomputes updates running statistics."""
+    return nn.Sequential(
+        NormBlock(3, 8), NormBlock(8, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes)
+    )
+
+
 def _pauses(model):
     """`model`, which sleeps for good at its Nth training forward in each process where PAUSE_AT_TRAINING_FORWARD=N
     is set: a test that kills a job at a progress line kills it there, however late the line is read (a fast

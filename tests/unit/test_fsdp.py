@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
+from common import models
 from common.errors import UsageError
 from common.fsdp import Sharding, default_units, describe_units, optimizer_slots, state_bytes
 from conftest import cpu_runtime, parse, sharded_trainer
@@ -123,6 +124,19 @@ def test_activation_checkpointing_gives_the_same_gradients_and_batchnorm_statist
     assert len(grads[0]) == parameters and all(torch.equal(a, b) for a, b in zip(*grads))
     assert all(torch.equal(a, b) for a, b in zip(*buffers)) and len(buffers[0]) == len(buffers[1])
     assert "--activation-checkpointing on" in trainer.shard.describe(trainer.model, trainer.optimizer)[0]
+
+
+def test_compiled_activation_checkpointing_updates_batchnorm_statistics_once(group_of_one):
+    """Compiled, the recomputation is the graph's, which updates no buffer (torch refuses a context_fn there: was a
+    BackendCompilerFailed at the first step)."""
+    buffers = []
+    for flags in ([], ["--activation-checkpointing", "--compile"]):
+        trainer = sharded_trainer("-a", "tests.tiny_models:NormBlockNet", *flags)
+        model = models.compiled(trainer.model, static=True) if flags else trainer.model
+        torch.manual_seed(0)
+        model(torch.randn(2, 3, 16, 16)).square().sum().backward()
+        buffers.append([buffer.clone() for buffer in trainer.model.buffers()])
+    assert len(buffers[0]) == 6 and all(torch.allclose(a, b) for a, b in zip(*buffers))
 
 
 def test_a_unit_that_is_not_a_submodule_or_is_inside_another_is_refused_in_one_line(group_of_one):
