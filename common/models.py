@@ -72,10 +72,8 @@ def adapt_first_conv(model, arch, channels, pretrained):
         weight = weight.sum(dim=1, keepdim=True) if pretrained else weight[:, :1]
         how = "RGB filters summed" if pretrained else "the fresh filters' first channel"
     else:
-        weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels]
+        weight = weight.repeat(1, math.ceil(channels / 3), 1, 1)[:, :channels] * (3 / channels if pretrained else 1)
         how = "RGB filters repeated, scaled by 3/channels" if pretrained else "the fresh filters repeated"
-        if pretrained:
-            weight = weight * (3 / channels)
     shape = (conv.kernel_size, conv.stride, conv.padding, conv.dilation)
     options = dict(bias=conv.bias is not None, padding_mode=conv.padding_mode, device=weight.device, dtype=weight.dtype)
     new = nn.Conv2d(channels, conv.out_channels, *shape, **options)
@@ -224,8 +222,8 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
     """Refuse in one line, before any process trains, an image size that torchvision's `model` (--arch `arch`) cannot
     take and logits of another width than `classes`: a forward at each size on the meta device (no memory). A model of
     yours (-a PKG.MOD:FN) runs on a meta_copy, for its first convolution's channels alone; one the meta device cannot
-    run is not checked. Returns the FLOPs of one image's forward at `val_size` in eval mode, counted there as
-    diagnostics.forward_flops counts them (None: not counted)."""
+    run is not checked. Returns the FLOPs per image of its forward at `val_size` in eval mode (a batch of 2: as
+    diagnostics.forward_flops's one image, but for work done once a batch, Swin V2's position bias: 0.2%), or None."""
     counter = FlopCounterMode(display=False)
     if custom_builder(arch) is not None:
         try:
@@ -240,14 +238,21 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
             return None
     meta = {name: tensor.to("meta") for name, tensor in (*model.named_parameters(), *model.named_buffers())}
     was_training = model.training
+
+    def forward(size, counted):
+        with torch.no_grad(), counter if counted else contextlib.nullcontext():
+            return torch.func.functional_call(model, meta, (torch.empty(2, channels, size, size, device="meta"),))
+
     try:
         for size, training in [*((size, True) for size in sorted(set(train_sizes))), (val_size, False)]:
             model.train(training)
             try:
-                with torch.no_grad(), contextlib.nullcontext() if training else counter:
-                    output = torch.func.functional_call(
-                        model, meta, torch.empty(2, channels, size, size, device="meta")
-                    )
+                try:
+                    output = forward(size, counted=not training)
+                except Exception as error:  # (the counter's own failure is no answer: the forward again without it)
+                    if training or isinstance(error, Preempted):
+                        raise
+                    counter, output = None, forward(size, counted=False)
             except NotImplementedError:
                 return None
             except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
@@ -263,7 +268,7 @@ def check_input_size(model, arch, train_sizes, val_size, channels=3, classes=Non
     finally:
         model.train(was_training)
     check_logits(split_output(output)[0], classes, "the model (build_model)")
-    return counter.get_total_flops() // 2
+    return None if counter is None else counter.get_total_flops() // 2
 
 
 def _refuse_other_channels(model, channels):
@@ -397,12 +402,8 @@ def warn_slow_amp(amp, device, warn):
     if amp == "none":
         return
     if device.type == "cpu":
-        native = (
-            torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            if amp == "bf16"
-            else torch.ops.mkldnn._is_mkldnn_fp16_supported()
-        )
-        if not native:
+        supported = getattr(torch.ops.mkldnn, f"_is_mkldnn_{'fp16' if amp == 'fp16' else 'bf16'}_supported")
+        if not supported():
             warn(
                 f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
                 f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here"

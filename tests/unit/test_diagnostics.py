@@ -73,6 +73,22 @@ def test_the_size_check_counts_the_validation_crop_s_flops_as_forward_flops_does
     assert check_input_size(model, arch, [size], size, 3, 10) == forward_flops(model, size, 3)[0] > 0
 
 
+def test_a_flop_counter_that_fails_is_no_answer_of_the_size_check(monkeypatch):
+    """The counter's own failure in the size check's eval forward: the size is checked again without it, the FLOPs
+    not counted (was: --arch resnet18 cannot take 64x64 px images, exit 2); a size it cannot take is still refused."""
+    import torch.utils.flop_counter
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a formula of its own that fails")
+
+    monkeypatch.setitem(torch.utils.flop_counter.flop_registry, torch.ops.aten.addmm, fails)
+    model = build_model("resnet18", 10)
+    assert check_input_size(model, "resnet18", [64], 64, 3, 10) is None
+    assert forward_flops(model, 64, 3) == (None, "a formula of its own that fails")
+    with pytest.raises(UsageError, match=r"^--arch vit_b_16 cannot take 16x16 px images"):
+        check_input_size(build_model("vit_b_16", 10), "vit_b_16", [224], 16, 3, 10)
+
+
 @pytest.mark.parametrize("arch", ["resnet18", "tests.tiny_models:TinyNet"])
 def test_a_run_counts_the_flops_of_the_validation_crop_in_the_size_check_s_forward_not_in_one_more(arch):
     """The size check's forwards on the meta device (torchvision's: training mode at the training crop, then eval at
