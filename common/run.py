@@ -141,10 +141,13 @@ def refuse_a_finished_run_from_elsewhere(config, path, checkpoint):
     epoch, step = int(checkpoint.get("epoch", 0)), int(checkpoint.get("step_in_epoch", 0))
     if epoch >= config.epochs:
         stands = f"epoch {epoch}" + (f" step {step}" if step else "")
+        weights = (
+            config.resume if Path(path).is_file() else "its run's model_best.pth (or tools/export_checkpoint.py's)"
+        )
         raise UsageError(
-            f"--resume {path} stands at {stands} of --epochs {config.epochs}: nothing to train in {config.output_dir}; "
-            f"give --epochs {epoch + 1} or more to train it further, -e to evaluate it, or --init-from {path} to start "
-            "a new run from its weights"
+            f"--resume {config.resume} stands at {stands} of --epochs {config.epochs}: nothing to train in "
+            f"{config.output_dir}; give --epochs {epoch + 1} or more to train it further, -e to evaluate it, or "
+            f"--init-from {weights} to start a new run from its weights"
         )
 
 
@@ -212,7 +215,6 @@ def start_run(trainer):
         for line in library_replaced(type(trainer)):
             trainer.log.print(line)
         path, checkpoint = load_agreed_checkpoint(trainer)
-        refuse_a_finished_run_from_elsewhere(config, path, checkpoint)
         if config.evaluate and isinstance((checkpoint or {}).get("args"), dict):  # at the sizes it was trained with
             trainer.config = config = evaluated_as_trained(config, checkpoint["args"])
         # A resumed run keeps the determinism it was started with.
@@ -229,7 +231,8 @@ def start_run(trainer):
             trainer.log.print(nothing_to_resume(config.output_dir))
         trainer.build(datasets, seed, resuming=checkpoint is not None)
         if checkpoint is not None:
-            restore(trainer, checkpoint, path)
+            restore(trainer, checkpoint, path)  # (its weights checked: another arch, other classes)
+            refuse_a_finished_run_from_elsewhere(config, path, checkpoint)
             trainer.resumed_from = path
         trainer._output_lock = lock
         return trainer

@@ -15,7 +15,7 @@ import torch
 
 from common import distributed
 from common.errors import NoRoom, UsageError
-from common.header import start_lines
+from common.header import start_lines, warnings
 from common.run import (
     argument_difference,
     check_start,
@@ -98,9 +98,13 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
     trained("--epochs", "2", "--overwrite", "--output-dir", tmp_path / "replaced", "--resume", elsewhere)
     rows = (tmp_path / "replaced" / "log.csv").read_text().splitlines()[1:]
     assert [row.split(",")[0] for row in rows] == ["1"], rows
+
     # Trained to --epochs already, into another directory, with --overwrite or into a new one (was: "nothing to do",
     # then its summary.json written there beside the replaced run's files and log.csv's figures, or alone).
-    kept = {path.name: path.read_bytes() for path in (tmp_path / "replaced").iterdir() if path.is_file()}
+    def files(folder):  # (run.lock aside: a refused start took this process's own lock again)
+        return {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file() and path.name != "run.lock"}
+
+    kept = files(tmp_path / "replaced")
     for flags in (["--overwrite", "--output-dir", tmp_path / "replaced"], ["--output-dir", tmp_path / "empty"]):
         with pytest.raises(
             UsageError,
@@ -109,7 +113,7 @@ def test_a_fresh_start_in_the_directory_of_a_run_is_refused_and_costs_it_nothing
         ):
             started("--epochs", "1", *flags, "--resume", elsewhere)
     assert not (tmp_path / "empty").exists()
-    assert {path.name: path.read_bytes() for path in (tmp_path / "replaced").iterdir() if path.is_file()} == kept
+    assert files(tmp_path / "replaced") == kept
     resumed = started("--epochs", "2", "--output-dir", finished, "--resume", finished / "checkpoint.pth")
     assert not any(line.startswith("note: the best acc@1 so far") for line in start_lines(resumed))
     # Into a directory of its own: its best epoch's model_best.pth is not there (summary.json and done: say its acc@1)
@@ -171,6 +175,15 @@ def test_evaluate_needs_weights_to_evaluate(tmp_path):
         UsageError, match=r"^-e evaluates the weights of --resume PATH or --pretrained: give one of them$"
     ):
         parse(*SMALL, "-e")
+
+
+def test_evaluate_with_model_ema_says_where_the_weights_have_no_ema(finished, tmp_path):
+    """(was: the model's figures alone, without a word); a checkpoint with an EMA evaluates it, without the note."""
+    plain = started("-e", "--model-ema", "--resume", finished / "checkpoint.pth", "--output-dir", tmp_path / "e1")
+    assert f"note: --model-ema: {finished / 'checkpoint.pth'} has no EMA weights these scripts read" in warnings(plain)
+    trained("--epochs", "1", "--model-ema", "--output-dir", tmp_path / "ema")
+    averaged = started("-e", "--model-ema", "--resume", tmp_path / "ema" / "checkpoint.pth", "--output-dir", tmp_path)
+    assert averaged.ema is not None and not any("no EMA weights" in line for line in warnings(averaged))
 
 
 def test_resume_auto_that_finds_nothing_says_so_and_names_another_script_s_run_beside(tmp_path, capsys):
