@@ -106,7 +106,7 @@ def port_number(text, processes, shown=None):
     if not 0 <= port <= 65535 or (port == 0 and processes > 1):
         raise UsageError(
             f"{shown}: the rendezvous port must be a whole number in 1..65535 (0, any free port, only for a "
-            "single process)"
+            f"single process; this job has {processes})"
         )
     return port
 

@@ -137,7 +137,11 @@ def test_ports_that_no_store_can_listen_on_and_addresses_not_of_node_0_are_refus
     [
         (["--device", "cuda"], r"^--device cuda asked for, but no CUDA GPU is visible: use --device cpu$"),
         (["--node-rank", "1"], r"^--node-rank 1 must be in 0\.\.0"),
-        (["--master-port", "70000"], r"--master-port 70000"),
+        (["--master-port", "70000"], r"^--master-port 70000: the rendezvous port must be"),
+        (
+            ["--master-port", "0"],
+            r"^--master-port 0: .+ \(0, any free port, only for a single process; this job has 2\)$",
+        ),
         (["--dist-url", "http://x"], r"^--dist-url http://x: use tcp://"),
     ],
 )
