@@ -72,21 +72,24 @@ def bf16_gradient_risks(model, sizes, channels):
     (oneDNN) may get wrong in bf16 at the training crops `sizes`: NaN or garbage, at times, in taps that see padding
     alone, seen for dense convolutions strided across an input 1 pixel wide, their kernel wider (resnet's
     layer4.0.conv1 at 16 px), never in float32. A meta_copy's training forward finds them."""
-    copy, inputs, crop = meta_copy(model).train(), {}, [None]
+    inputs, crop, hooks = {}, [None], []
 
     def seen(layer, args):  # (the first crop at which each layer takes each input size)
         inputs.setdefault((layer, tuple(args[0].shape[-2:])), crop[0])
 
-    layers = [layer for layer in copy.modules() if isinstance(layer, nn.Conv2d) and layer.groups == 1]
-    hooks = [layer.register_forward_pre_hook(seen) for layer in layers if layer.stride[1] > 1 < layer.kernel_size[1]]
     try:
+        copy = meta_copy(model).train()
+        layers = [layer for layer in copy.modules() if isinstance(layer, nn.Conv2d) and layer.groups == 1]
+        hooks = [
+            layer.register_forward_pre_hook(seen) for layer in layers if layer.stride[1] > 1 < layer.kernel_size[1]
+        ]
         with torch.no_grad():
             for crop[0] in sizes:
                 copy(torch.empty(2, channels, crop[0], crop[0], device="meta"))
     except Preempted:
         raise
-    except Exception:  # (a forward the meta device cannot run: not checked)
-        pass
+    except Exception:  # (a model that cannot be copied, a forward the meta device cannot run: not checked)
+        return []
     finally:
         for hook in hooks:
             hook.remove()

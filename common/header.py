@@ -116,7 +116,7 @@ def _best_elsewhere(trainer):
 
 
 def warnings(trainer):
-    """Warnings of what this run's flags cost or mean, where they apply."""
+    """Warnings (and notes) of what this run's flags cost or mean, where they apply."""
     config, runtime, found = trainer.config, trainer.runtime, []
     warn_slow_amp(config.amp, runtime.device, found.append)
     if config.compile and config.sync_bn:
@@ -130,14 +130,16 @@ def warnings(trainer):
             "(seconds to minutes each)"
         )
     if config.evaluate and config.model_ema and trainer.ema is None:  # (was: the model's figures alone, without a word)
-        found.append(f"note: --model-ema: {trainer.resumed_from or config.weights} holds no EMA weights to evaluate")
+        found.append(
+            f"note: --model-ema: {trainer.resumed_from or config.weights} has no EMA weights these scripts read"
+        )
     risks = trainer._diagnostics.bf16_risks
     if risks:
         found.append(
             "warning: --amp bf16 on the CPU: torch's bf16 kernels may compute a wrong weight gradient (NaN or garbage, "
             "at times) for a convolution strided across an input 1 pixel wide, and the run would train on it: "
             + ", ".join(f"{name} ({kernel} kernel, {shape} input at {crop} px)" for name, kernel, shape, crop in risks)
-            + "; train with --amp none, or at a --train-crop-size where their inputs are larger"
+            + "; train with --amp none, or at crops where their inputs are wider"
         )
     if config.ra_sampler and runtime.world_size < config.ra_reps and not config.evaluate:
         # Consecutive copies go to consecutive ranks; with fewer ranks than copies some share a batch.

@@ -1,7 +1,11 @@
 """common/header.py: the lines a run begins with name every part it uses and where each setting came from."""
 
-import pytest
+import threading
 
+import pytest
+import torchvision
+
+from common.diagnostics import bf16_gradient_risks
 from common.header import describe_preset, start_lines, training_lines, warnings
 from common.trainer import trainer_class
 from conftest import built_trainer, parse, tensor_datasets
@@ -118,7 +122,9 @@ def test_a_pretrained_evaluation_says_where_its_weights_and_preprocessing_came_f
     )
     lines = start_lines(trainer)
     # (was: the model's figures alone, without a word)
-    assert "note: --model-ema: ResNet18_Weights.IMAGENET1K_V1 holds no EMA weights to evaluate" in warnings(trainer)
+    assert "note: --model-ema: ResNet18_Weights.IMAGENET1K_V1 has no EMA weights these scripts read" in warnings(
+        trainer
+    )
     assert any(line.startswith("model: resnet18 from ResNet18_Weights.IMAGENET1K_V1, ") for line in lines), lines
     assert (
         "validation: resize 256, crop 224, bilinear, label smoothing 0 (resize, crop and interpolation from "
@@ -193,8 +199,8 @@ def test_bf16_on_the_cpu_warns_of_the_convolutions_whose_weight_gradient_torch_m
     assert warnings(built_trainer(*crop16, "--amp", "bf16", datasets=tensor_datasets()))[-1] == (
         "warning: --amp bf16 on the CPU: torch's bf16 kernels may compute a wrong weight gradient (NaN or garbage, at "
         "times) for a convolution strided across an input 1 pixel wide, and the run would train on it: "
-        "layer4.0.conv1 (3x3 kernel, 1x1 input at 16 px); train with --amp none, or at a --train-crop-size where "
-        "their inputs are larger"
+        "layer4.0.conv1 (3x3 kernel, 1x1 input at 16 px); train with --amp none, or at crops where their inputs are "
+        "wider"
     )  # (after a slow-amp warning, on a CPU without bf16 instructions)
     crop32 = [*crop16[:5], "32", "--val-resize-size", "32", "--val-crop-size", "32", "--amp", "bf16"]
     for trainer in (
@@ -202,3 +208,9 @@ def test_bf16_on_the_cpu_warns_of_the_convolutions_whose_weight_gradient_torch_m
         built_trainer(*crop32, datasets=tensor_datasets(32)),
     ):
         assert not any("may compute a wrong weight gradient" in line for line in warnings(trainer))
+    # Depthwise convolutions (mobilenet's, strided across 1x1 inputs at 16 px) were right: not named; a model that
+    # cannot be copied is not checked
+    assert bf16_gradient_risks(torchvision.models.mobilenet_v3_small(), [16], 3) == []
+    uncopyable = torchvision.models.resnet18()
+    uncopyable.lock = threading.Lock()
+    assert bf16_gradient_risks(uncopyable, [16], 3) == []
