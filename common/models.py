@@ -402,8 +402,9 @@ def warn_slow_amp(amp, device, warn):
     if amp == "none":
         return
     if device.type == "cpu":
-        supported = getattr(torch.ops.mkldnn, f"_is_mkldnn_{'fp16' if amp == 'fp16' else 'bf16'}_supported")
-        if not supported():
+        mkldnn = torch.ops.mkldnn
+        native = mkldnn._is_mkldnn_bf16_supported() if amp == "bf16" else mkldnn._is_mkldnn_fp16_supported()
+        if not native:
             warn(
                 f"warning: --amp {amp} on this CPU ({torch.backends.cpu.get_cpu_capability()}), which has no "
                 f"native {amp} instructions: it is emulated and much slower than float32; leave out --amp here"
