@@ -243,6 +243,10 @@ def build_datasets(config):
         kind = kind or ("split files" if root.is_dir() and split_files(root) else "folder")
     except OSError as error:  # --data not searchable (no permission), a loop of links in its train/
         raise UsageError(f"cannot list {errors.printable(error.filename)}: {error.strerror}") from None
+    kinds = distributed.all_gather_object(kind)  # (each node reads its own copy: one kind for all, or every rank stops)
+    if any(other != kind for other in kinds):
+        said = ", ".join(f"rank {rank}: {other}" for rank, other in enumerate(kinds))
+        raise UsageError(f"--data {root}: the nodes' copies hold other kinds of data ({said}): each must be the same")
     if kind == "hf":
         classes, train_rows, val_rows = load_splits(root)
         return classes, HFImages(train_rows), HFImages(val_rows)
@@ -396,6 +400,3 @@ def first_item(dataset, split, num_classes):
         except Exception:  # (an image that cannot be read: skipped in its epoch, as any other, SkipUnreadable)
             pass
     return (image.shape[0], *image.shape[-2:], image.dtype)
-
-
-# A Hugging Face dataset on disk.

@@ -505,16 +505,22 @@ def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
 
 
 HF_LOAD = """
-import os, sys
+import os, sys, types
 import torch.distributed as dist
+from common.datasets import build_datasets
 from common.errors import UsageError
 from common.hf_datasets import load_splits
 dist.init_process_group("gloo")
-try:
-    load_splits(sys.argv[1 + int(os.environ["RANK"])])  # each rank its own node's copy
-    print("loaded", flush=True)
-except UsageError as error:
-    print(f"refused: {error}", flush=True)
+rank = int(os.environ["RANK"])
+for load in (
+    lambda: load_splits(sys.argv[1 + rank]),  # each rank its own node's copy
+    lambda: build_datasets(types.SimpleNamespace(dummy=False, dataset_fn=None, data=sys.argv[3 + rank], dataset=None)),
+):
+    try:
+        load()
+        print("loaded", flush=True)
+    except UsageError as error:
+        print(f"refused: {error}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -529,7 +535,21 @@ def test_a_node_whose_copy_of_a_hugging_face_dataset_lacks_a_file_stops_every_ra
     script = tmp_path / "load.py"
     script.write_text(HF_LOAD)
     env = clean_env(PYTHONPATH=REPO, HF_DATASETS_CACHE=tmp_path / "hf-cache")
-    returncode, output = Job(torchrun_command(script, 2, whole, cut, prewarmed=False), env=env).finish(timeout=120)
+    # Then rank 0's copy a Hugging Face dataset and rank 1's an image folder (was: rank 1 unpacked rank 0's None)
+    job = Job(torchrun_command(script, 2, whole, cut, whole, tiny_data, prewarmed=False), env=env)
+    returncode, output = job.finish(timeout=120)
     line = f"--data {cut}: data/train-00001-of-00002.parquet is missing (a download cut short?)"
     said = sorted(found for found in output.splitlines() if found.startswith("refused: "))
-    assert said == [f"refused: {line}", f"refused: rank 1: {line}"] and returncode == 0, output[-3000:]
+    kinds = "the nodes' copies hold other kinds of data (rank 0: hf, rank 1: folder): each must be the same"
+    assert (
+        said
+        == sorted(
+            [
+                f"refused: {line}",
+                f"refused: rank 1: {line}",
+                f"refused: --data {whole}: {kinds}",
+                f"refused: --data {tiny_data}: {kinds}",
+            ]
+        )
+        and returncode == 0
+    ), output[-3000:]

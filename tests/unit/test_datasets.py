@@ -28,13 +28,11 @@ from common.datasets import (
     ItemCheck,
     SyntheticImages,
     build_datasets,
-    has_hf_dataset,
     load_image,
-    load_splits,
 )
 from common.errors import BadItem, UnreadableFile, UsageError
 from common.folder_index import read_split_file
-from common.hf_datasets import first_missing_part, parquet_splits
+from common.hf_datasets import first_missing_part, has_hf_dataset, load_splits, parquet_splits
 from conftest import cpu_runtime, hf_copy, make_image_folder, parse
 from harness.processes import PYTHON, REPO
 
@@ -450,6 +448,7 @@ def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
     hub = hf_copy(folder, tmp_path / "hub", "parquet")
     # Its train split in 2 files, the second not there (a download cut short; was: trained on half, without a word)
     (hub / "data" / "train-00000-of-00001.parquet").rename(hub / "data" / "train-00000-of-00002.parquet")
+    assert has_hf_dataset(hub)  # (found when the splits load, on every rank: not in the detection, by one rank alone)
     with pytest.raises(UsageError, match=r"^--data \S+: data/train-00001-of-00002.parquet is missing \(a download cut"):
         load_splits(hub)
     # The first gap of the numbered files of the splits read (parquet_splits': train and validation), older names'
