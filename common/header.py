@@ -123,6 +123,12 @@ def warnings(trainer):
         found.append(
             "warning: --compile with --sync-bn: SyncBatchNorm's collectives break the compiled graph at every "
             "BatchNorm layer, which costs most of what compiling gains"
+            + (
+                "; and with --activation-checkpointing, each unit recomputed outside the graph updates its BatchNorm "
+                "statistics twice a step: leave out one of the three"
+                if getattr(config, "activation_checkpointing", False) and not config.evaluate
+                else ""
+            )
         )
     if config.compile and config.res_schedule and not config.evaluate:
         found.append(

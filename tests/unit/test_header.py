@@ -1,6 +1,7 @@
 """common/header.py: the lines a run begins with name every part it uses and where each setting came from."""
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torchvision
@@ -8,7 +9,7 @@ import torchvision
 from common.diagnostics import bf16_gradient_risks
 from common.header import describe_preset, start_lines, training_lines, warnings
 from common.trainer import trainer_class
-from conftest import built_trainer, parse, tensor_datasets
+from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 TINY_NET = ["-a", "tests.tiny_models:TinyNet", "-j", "0"]
@@ -214,3 +215,16 @@ def test_bf16_on_the_cpu_warns_of_the_convolutions_whose_weight_gradient_torch_m
     uncopyable = torchvision.models.resnet18()
     uncopyable.lock = threading.Lock()
     assert bf16_gradient_risks(uncopyable, [16], 3) == []
+
+
+def test_compile_with_sync_bn_and_activation_checkpointing_warns_of_the_statistics():
+    """(GPU flags: --sync-bn is refused on the CPU later, at the start.) A graph break inside a checkpointed unit
+    (SyncBatchNorm's) recomputes it outside the graph, which updates its running statistics again."""
+    config = parse("--compile", "--sync-bn", "--activation-checkpointing", mode="fsdp")
+    trainer = SimpleNamespace(
+        config=config, runtime=cpu_runtime(mode="fsdp"), _diagnostics=SimpleNamespace(bf16_risks=[])
+    )
+    assert warnings(trainer)[0].endswith(
+        "; and with --activation-checkpointing, each unit recomputed outside the graph updates its BatchNorm "
+        "statistics twice a step: leave out one of the three"
+    )
