@@ -228,25 +228,22 @@ def build_datasets(config):
                 f"--dataset {config.dataset_fn} returned {type(result).__name__}: return (classes, train_set, val_set)"
             )
         return tuple(result)
-    if config.data is None:  # (a --trainer's build_datasets that calls this one: no demo set for its own data)
-        raise UsageError(f"--trainer {config.trainer}'s build_datasets reads the data of the flags: give --data")
-    root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
-    try:
-        root.stat()
-    except FileNotFoundError:  # (the scan says so)
-        pass
-    except OSError as error:  # a name too long, a loop of links, no permission: before any file in it is read
-        raise UsageError(f"--data {root}: {error.strerror}") from None
-    try:
-        folder_index.refuse_unfinished(root)
-        kind = "hf" if has_hf_dataset(root) else "shards" if has_shards(root) else None
-        kind = kind or ("split files" if root.is_dir() and split_files(root) else "folder")
-    except OSError as error:  # --data not searchable (no permission), a loop of links in its train/
-        raise UsageError(f"cannot list {errors.printable(error.filename)}: {error.strerror}") from None
-    kinds = distributed.all_gather_object(kind)  # (each node reads its own copy: one kind for all, or every rank stops)
-    if any(other != kind for other in kinds):
-        said = ", ".join(f"rank {rank}: {other}" for rank, other in enumerate(kinds))
-        raise UsageError(f"--data {root}: the nodes' copies hold other kinds of data ({said}): each must be the same")
+    error, root, kind = None, None, None
+    try:  # (what this node holds: every rank stops with a node's line, none waits in the gather below)
+        if config.data is None:  # (a --trainer's build_datasets that calls this one: no demo set for its own data)
+            raise UsageError(f"--trainer {config.trainer}'s build_datasets reads the data of the flags: give --data")
+        root = ensure_demo_dataset(config.data) if config.dataset == "demo" else Path(config.data)
+        kind = data_kind(root)
+    except UsageError as failure:
+        error = str(failure)
+    distributed.raise_any(error)
+    kinds = distributed.all_gather_object(kind)  # (each node reads its own copy: one kind for all)
+    other = next((rank for rank, found in enumerate(kinds) if found != kinds[0]), None)
+    if other is not None:
+        raise UsageError(
+            f"--data {root}: rank 0's copy holds {KINDS[kinds[0]]}, rank {other}'s {KINDS[kinds[other]]} "
+            f"({sum(found != kinds[0] for found in kinds)} of {len(kinds)} ranks differ): each node's must be the same"
+        )
     if kind == "hf":
         classes, train_rows, val_rows = load_splits(root)
         return classes, HFImages(train_rows), HFImages(val_rows)
@@ -256,6 +253,32 @@ def build_datasets(config):
     train_files, val_files = this_node_s_copy(root, classes, train_files, val_files)
     files = ShardedImages if isinstance(train_files, ShardIndex) else ImageFiles
     return classes, files(train_files), files(val_files)
+
+
+KINDS = {
+    "hf": "a Hugging Face dataset",
+    "shards": "shards",
+    "split files": "train.csv and val.csv",
+    "folder": "an image folder",
+    None: "nothing (no such path)",
+}
+
+
+def data_kind(root):
+    """What this node's --data `root` holds: a KINDS key (None: nothing, which the scan says); one line for a path
+    that cannot be read."""
+    try:
+        root.stat()
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # a name too long, a loop of links, no permission: before any file in it is read
+        raise UsageError(f"--data {root}: {error.strerror}") from None
+    try:
+        folder_index.refuse_unfinished(root)
+        kind = "hf" if has_hf_dataset(root) else "shards" if has_shards(root) else None
+        return kind or ("split files" if root.is_dir() and split_files(root) else "folder")
+    except OSError as error:  # --data not searchable (no permission), a loop of links in its train/
+        raise UsageError(f"cannot list {errors.printable(error.filename)}: {error.strerror}") from None
 
 
 def _first_difference(split, classes, own, rank_0s):

@@ -79,21 +79,22 @@ def bf16_gradient_risks(model, sizes, channels):
 
     try:
         copy = meta_copy(model).train()
+    except Preempted:  # a stop signal in start-up (launch.py): never taken for the model's answer
+        raise
     except Exception:  # (a model that cannot be copied: not checked)
         return []
     layers = [layer for layer in copy.modules() if isinstance(layer, nn.Conv2d) and layer.groups == 1]
     hooks = [layer.register_forward_pre_hook(seen) for layer in layers if layer.stride[1] > 1 < layer.kernel_size[1]]
-    try:
-        with torch.no_grad():
-            for crop[0] in sizes:
+    for crop[0] in sizes:
+        try:
+            with torch.no_grad():
                 copy(torch.empty(2, channels, crop[0], crop[0], device="meta"))
-    except Preempted:
-        raise
-    except Exception:  # (a forward the meta device cannot run: the layers before it checked)
-        pass
-    finally:
-        for hook in hooks:
-            hook.remove()
+        except Preempted:
+            raise
+        except Exception:  # (a forward the meta device cannot finish: the layers before it checked)
+            pass
+    for hook in hooks:
+        hook.remove()
     names = {layer: name for name, layer in copy.named_modules()}
     return [
         (names[layer], "x".join(map(str, layer.kernel_size)), "x".join(map(str, shape)), size)

@@ -504,7 +504,7 @@ def test_a_bad_file_whose_name_is_not_utf8_is_listed_by_its_bytes(faulty_runs):
     assert (out / "odd-name-dp" / "bad_images.txt").read_bytes().startswith(os.fsencode(str(path)))
 
 
-HF_LOAD = """
+NODE_COPIES = """
 import os, sys, types
 import torch.distributed as dist
 from common.datasets import build_datasets
@@ -512,12 +512,10 @@ from common.errors import UsageError
 from common.hf_datasets import load_splits
 dist.init_process_group("gloo")
 rank = int(os.environ["RANK"])
-for load in (
-    lambda: load_splits(sys.argv[1 + rank]),  # each rank its own node's copy
-    lambda: build_datasets(types.SimpleNamespace(dummy=False, dataset_fn=None, data=sys.argv[3 + rank], dataset=None)),
-):
+for first in range(1, len(sys.argv), 2):  # each rank its own node's copy: the pairs of paths in turn
+    config = types.SimpleNamespace(dummy=False, dataset_fn=None, data=sys.argv[first + rank], dataset=None)
     try:
-        load()
+        (load_splits(config.data) if first == 1 else build_datasets(config))
         print("loaded", flush=True)
     except UsageError as error:
         print(f"refused: {error}", flush=True)
@@ -525,31 +523,28 @@ dist.destroy_process_group()
 """
 
 
-def test_a_node_whose_copy_of_a_hugging_face_dataset_lacks_a_file_stops_every_rank_in_one_line(tiny_data, tmp_path):
-    """Rank 1's copy of the Hub's parquet files lacks the second of its train files (a download cut short): every rank
-    stops with its line (was, with the check in the detection: rank 1 alone, the other in gloo's traceback or, on
-    NCCL, waiting for --dist-timeout)."""
+def test_nodes_whose_copies_of_the_data_differ_stop_every_rank_in_one_line(tiny_data, tmp_path):
+    """Each rank its own copy (torchrun, 2 processes, gloo), every rank stops with one line, the other's prefixed:
+    - rank 1's copy of the Hub's parquet files lacks the second of its train files (a download cut short; was, with
+      the check in the detection: rank 1 alone, the other in gloo's traceback or, on NCCL, waiting);
+    - rank 0's a Hugging Face dataset, rank 1's an image folder (was: rank 1 unpacked rank 0's None);
+    - rank 1's train.csv without val.csv (was: refused on rank 1 alone, rank 0 left in the gather)."""
     whole = hf_copy(tiny_data, tmp_path / "whole", "parquet")
     cut = hf_copy(tiny_data, tmp_path / "cut", "parquet")
     (cut / "data" / "train-00000-of-00001.parquet").rename(cut / "data" / "train-00000-of-00002.parquet")
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "train.csv").write_text("a.jpg,0\n")
     script = tmp_path / "load.py"
-    script.write_text(HF_LOAD)
+    script.write_text(NODE_COPIES)
     env = clean_env(PYTHONPATH=REPO, HF_DATASETS_CACHE=tmp_path / "hf-cache")
-    # Then rank 0's copy a Hugging Face dataset and rank 1's an image folder (was: rank 1 unpacked rank 0's None)
-    job = Job(torchrun_command(script, 2, whole, cut, whole, tiny_data, prewarmed=False), env=env)
+    job = Job(torchrun_command(script, 2, whole, cut, whole, tiny_data, tiny_data, half, prewarmed=False), env=env)
     returncode, output = job.finish(timeout=120)
-    line = f"--data {cut}: data/train-00001-of-00002.parquet is missing (a download cut short?)"
-    said = sorted(found for found in output.splitlines() if found.startswith("refused: "))
-    kinds = "the nodes' copies hold other kinds of data (rank 0: hf, rank 1: folder): each must be the same"
-    assert (
-        said
-        == sorted(
-            [
-                f"refused: {line}",
-                f"refused: rank 1: {line}",
-                f"refused: --data {whole}: {kinds}",
-                f"refused: --data {tiny_data}: {kinds}",
-            ]
-        )
-        and returncode == 0
-    ), output[-3000:]
+    missing = f"--data {cut}: data/train-00001-of-00002.parquet is missing (a download cut short?)"
+    kinds = "rank 0's copy holds a Hugging Face dataset, rank 1's an image folder (1 of 2 ranks differ): each node's"
+    half_line = f"--data {half} has train.csv but no val.csv: give both splits"
+    said = sorted(line for line in output.splitlines() if line.startswith("refused: "))
+    expected = [f"refused: {missing}", f"refused: rank 1: {missing}", f"refused: {half_line}"]
+    expected += [f"refused: rank 1: {half_line}"]
+    expected += [f"refused: --data {path}: {kinds} must be the same" for path in (whole, tiny_data)]
+    assert returncode == 0 and said == sorted(expected), output[-3000:]

@@ -215,6 +215,10 @@ def test_bf16_on_the_cpu_warns_of_the_convolutions_whose_weight_gradient_torch_m
     uncopyable = torchvision.models.resnet18()
     uncopyable.lock = threading.Lock()
     assert bf16_gradient_risks(uncopyable, [16], 3) == []
+    # A forward the meta device cannot finish (a head that reads its values) at each crop: the layers before it found
+    unfinished = torchvision.models.resnet18()
+    unfinished.fc.register_forward_hook(lambda layer, args, output: output.tolist())
+    assert bf16_gradient_risks(unfinished, [32, 16], 3) == [("layer4.0.conv1", "3x3", "1x1", 16)]
 
 
 def test_compile_with_sync_bn_and_activation_checkpointing_warns_of_the_statistics():
