@@ -236,13 +236,19 @@ def build_datasets(config):
         kind = data_kind(root)
     except UsageError as failure:
         error = str(failure)
-    distributed.raise_any(error)
-    kinds = distributed.all_gather_object(kind)  # (each node reads its own copy: one kind for all)
+    except OSError as failure:  # (the demo set not written: a read-only checkout, a full disk)
+        error = f"cannot write the demo set into {errors.printable(failure.filename)}: {failure.strerror}"
+    gathered = distributed.all_gather_object({"error": error, "kind": kind})  # (each node reads its own copy)
+    line = distributed.first_error(gathered)
+    if line is not None:
+        raise UsageError(line)
+    kinds = [facts["kind"] for facts in gathered]
     other = next((rank for rank, found in enumerate(kinds) if found != kinds[0]), None)
     if other is not None:
+        differ = sum(found != kinds[0] for found in kinds)
         raise UsageError(
-            f"--data {root}: rank 0's copy holds {KINDS[kinds[0]]}, rank {other}'s {KINDS[kinds[other]]} "
-            f"({sum(found != kinds[0] for found in kinds)} of {len(kinds)} ranks differ): each node's must be the same"
+            f"--data {errors.printable(root)}: rank 0's copy holds {KINDS[kinds[0]]}, rank {other}'s "
+            f"{KINDS[kinds[other]]} ({differ} of {len(kinds)} ranks differ): each node's must be the same"
         )
     if kind == "hf":
         classes, train_rows, val_rows = load_splits(root)
