@@ -141,9 +141,7 @@ def refuse_a_finished_run_from_elsewhere(config, path, checkpoint):
     epoch, step = int(checkpoint.get("epoch", 0)), int(checkpoint.get("step_in_epoch", 0))
     if epoch >= config.epochs:
         stands = f"epoch {epoch}" + (f" step {step}" if step else "")
-        weights = (
-            config.resume if Path(path).is_file() else "its run's model_best.pth (or tools/export_checkpoint.py's)"
-        )
+        weights = config.resume if Path(path).is_file() else "its export (tools/export_checkpoint.py)"
         raise UsageError(
             f"--resume {config.resume} stands at {stands} of --epochs {config.epochs}: nothing to train in "
             f"{config.output_dir}; give --epochs {epoch + 1} or more to train it further, -e to evaluate it, or "

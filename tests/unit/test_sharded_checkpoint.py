@@ -16,8 +16,11 @@ import torch
 
 from common.checkpoint import check_format, is_ours, restore
 from common.errors import CheckpointWriteError, UsageError
-from common.sharded_checkpoint import LATEST, PREVIOUS, export, is_sharded
-from conftest import sharded_trainer
+from common.fsdp import Sharding
+from common.run import start_run
+from common.sharded_checkpoint import LATEST, PREVIOUS, ShardedCheckpoints, export, is_sharded
+from common.trainer import Trainer
+from conftest import cpu_runtime, parse, sharded_trainer
 from harness.processes import PYTHON, REPO, clean_env
 from tests.tiny_models import BlockNet
 
@@ -95,6 +98,20 @@ def test_a_save_after_validation_without_resharding_after_forward_saves_the_shar
     path, checkpoint = resumed._checkpoints.load_resume("auto", tmp_path, warn=print)
     restore(resumed, checkpoint, path)
     assert all(torch.equal(value, whole(trainer.model)[name]) for name, value in whole(resumed.model).items())
+
+
+def test_a_finished_sharded_checkpoint_from_elsewhere_is_refused_naming_its_export(group_of_one, tmp_path):
+    """(--init-from takes a weights file, not the sharded directory the refusal named before)"""
+    trainer = trained(tmp_path / "run")
+    trainer.save(1)
+    small = "--train-crop-size 16 --val-resize-size 16 --val-crop-size 16 -j 0 -b 4 --seed 1 --epochs 1".split()
+    flags = [*small, *BLOCKS, "--dataset", "tests.custom_datasets:uint8_tensors", "--output-dir", tmp_path / "new"]
+    config = parse(*flags, "--resume", tmp_path / "run" / LATEST, mode="fsdp")
+    runtime = cpu_runtime(mode="fsdp")
+    with pytest.raises(
+        UsageError, match=r"or --init-from its export \(tools/export_checkpoint.py\) to start a new run"
+    ):
+        start_run(Trainer(config, runtime, shard=Sharding(config, runtime), checkpoints=ShardedCheckpoints(config)))
 
 
 def test_a_resumed_trainer_gets_the_weights_the_ema_and_the_optimizer_state(group_of_one, tmp_path):
