@@ -238,11 +238,7 @@ def build_datasets(config):
         error = str(failure)
     except OSError as failure:  # (the demo set not written: a read-only checkout, a full disk)
         error = f"cannot write the demo set into {errors.printable(failure.filename)}: {failure.strerror}"
-    gathered = distributed.all_gather_object({"error": error, "kind": kind})  # (each node reads its own copy)
-    line = distributed.first_error(gathered)
-    if line is not None:
-        raise UsageError(line)
-    kinds = [facts["kind"] for facts in gathered]
+    kinds = distributed.raise_any(error, kind)  # (each node reads its own copy)
     other = next((rank for rank, found in enumerate(kinds) if found != kinds[0]), None)
     if other is not None:
         differ = sum(found != kinds[0] for found in kinds)

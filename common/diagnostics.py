@@ -72,7 +72,7 @@ def bf16_gradient_risks(model, sizes, channels):
     (oneDNN) may get wrong in bf16 at the training crops `sizes`: NaN or garbage, at times, in taps that see padding
     alone, seen for dense convolutions strided across an input 1 pixel wide, their kernel wider (resnet's
     layer4.0.conv1 at 16 px), never in float32. A meta_copy's training forward finds them."""
-    inputs, crop, hooks = {}, [None], []
+    inputs, crop = {}, [None]
 
     def seen(layer, args):  # (the first crop at which each layer takes each input size)
         inputs.setdefault((layer, tuple(args[0].shape[-2:])), crop[0])

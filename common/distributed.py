@@ -574,9 +574,11 @@ def first_error(gathered):
     return None
 
 
-def raise_any(error):
-    """A collective: every rank gives the error (a line) that stops it, or None; the first rank's is raised on
-    every rank, so none is left waiting for another."""
-    line = first_error(all_gather_object({"error": error}))
+def raise_any(error, value=None):
+    """A collective: every rank gives the error (a line) that stops it, or None, and a `value`; the first rank's error
+    is raised on every rank, so none is left waiting for another; else every rank's value, in rank order."""
+    gathered = all_gather_object({"error": error, "value": value})
+    line = first_error(gathered)
     if line is not None:
         raise UsageError(line)
+    return [facts["value"] for facts in gathered]

@@ -88,14 +88,14 @@ def _load(root):
 def load_splits(root):
     """(classes, train rows, val rows) of the dataset at `root` (HFRows); one line for what it lacks. Rank 0 loads it
     first (parquet: converted once), then every rank its own --data, which must hold rank 0's classes and rows."""
-    first, error = [], None  # rank 0's, kept: it loads once
+    first, error, facts = [], None, None  # rank 0's, kept: it loads once
     distributed.computed_by_rank_0(lambda: first.append(_splits(root)))
     try:
         classes, train, val = first[0] if first else _splits(root)
-    except UsageError as failure:  # (another node's copy, damaged: every rank stops, none waits below)
+        facts = (classes, len(train), len(val))
+    except UsageError as failure:  # (another node's copy, damaged: every rank stops with its line)
         error = str(failure)
-    distributed.raise_any(error)
-    found = distributed.all_gather_object((classes, len(train), len(val)))
+    found = distributed.raise_any(error, facts)
     if any(other != found[0] for other in found):  # (found is every rank's: each raises it)
         raise UsageError(
             f"--data {root} holds other classes or rows than rank 0's (classes and train / val rows by rank: "
