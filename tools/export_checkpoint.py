@@ -8,6 +8,7 @@ The optimizer state stays in the sharded checkpoint. model_best.pth is written t
 """
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,22 +19,29 @@ from common.errors import UsageError
 from shared import Stopped, stop_on_signals
 
 
-def refuse_out(out):
-    """UsageError where writing OUT would be no file of its own: a folder (or the run's `checkpoint` link, which a
-    file would replace: the run could not resume), a file inside a sharded checkpoint (its state.pth), or a folder
-    that does not exist."""
+def file_to_write(text):
+    """The file OUT (`text`) names: a link's target, written in its place (the link kept). UsageError where writing
+    it would be no file of its own: a folder (or the run's `checkpoint` link, which a file would replace: the run
+    could not resume), a device, a pipe or a socket (a file would replace it), a file inside a sharded checkpoint (its
+    state.pth), or a folder that does not exist."""
+    out = Path(text)
     if out.is_dir():
         raise UsageError(f"OUT {out} is a folder{' (a link to one)' if out.is_symlink() else ''}: give a file name")
+    if text.endswith(os.sep):
+        raise UsageError(f"OUT {text} ends in {os.sep}, as a folder's name: give a file name")
     from common.sharded_checkpoint import is_sharded
 
     try:
-        parent = out.resolve().parent
+        target = out.resolve()
     except (OSError, RuntimeError):  # (Python 3.11: RuntimeError for a loop of links)
         raise UsageError(f"OUT {out} is a loop of links: give a file name") from None
-    if is_sharded(parent):
+    if target.exists() and not target.is_file():
+        raise UsageError(f"OUT {out} is not a file (a device, a pipe or a socket): give a file name")
+    if is_sharded(target.parent):
         raise UsageError(f"OUT {out} lies inside a sharded checkpoint: write it elsewhere (the run resumes from there)")
-    if not parent.is_dir():
-        raise UsageError(f"OUT {out}: no folder {out.parent}")
+    if not target.parent.is_dir():
+        raise UsageError(f"OUT {out}: no folder {target.parent if out.is_symlink() else out.parent}")
+    return target
 
 
 def main(argv=None):
@@ -52,8 +60,7 @@ def main(argv=None):
                 f"{args.checkpoint} is not a sharded checkpoint of train_fsdp.py (a directory holding "
                 "state.pth and DCP's .metadata)"
             )
-        refuse_out(Path(args.out))
-        exported = export(args.checkpoint, args.out)
+        exported = export(args.checkpoint, file_to_write(args.out))
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

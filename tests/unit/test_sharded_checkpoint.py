@@ -475,7 +475,9 @@ def test_both_links_dangling_are_no_checkpoint_and_an_unreadable_share_fails_the
 
 def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of_one, tmp_path, capsys):
     """tools/export_checkpoint.py over the checkpoint it reads (its state.pth, or the `checkpoint` link replaced by a
-    file) exited 0, and the run could no longer resume; an OUT in no folder was exit code 1; Ctrl-C a traceback."""
+    file) exited 0, and the run could no longer resume; an OUT in no folder was exit code 1; Ctrl-C a traceback; a
+    pipe or a device (as root: /dev/null) became a file, a folder's name ending in / a file of that name, and a link
+    was replaced by a file (now: its target written, the link kept)."""
     sys.path.insert(0, str(REPO / "tools"))
     import export_checkpoint
 
@@ -493,9 +495,16 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
         (tmp_path, f"OUT {tmp_path} is a folder: give a file name"),
         (tmp_path / "no" / "model.pth", f"OUT {tmp_path / 'no' / 'model.pth'}: no folder {tmp_path / 'no'}"),
         (tmp_path / "loop", f"OUT {tmp_path / 'loop'} is a loop of links: give a file name"),
+        (tmp_path / "pipe", f"OUT {tmp_path / 'pipe'} is not a file (a device, a pipe or a socket): give a file name"),
+        (f"{tmp_path / 'new'}/", f"OUT {tmp_path / 'new'}/ ends in /, as a folder's name: give a file name"),
+        (tmp_path / "dangling", f"OUT {tmp_path / 'dangling'}: no folder {tmp_path / 'gone'}"),
     ):
-        if out.name == "loop":
+        if str(out).endswith("loop"):
             out.symlink_to("loop")  # (was a RuntimeError traceback)
+        if str(out).endswith("pipe"):
+            os.mkfifo(out)
+        if str(out).endswith("dangling"):
+            out.symlink_to(tmp_path / "gone" / "model.pth")
         assert export_checkpoint.main([str(latest), str(out)]) == 2
         assert capsys.readouterr().err.splitlines() == [f"error: {line}"]
     assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == before
@@ -509,8 +518,10 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
         patch.setattr(torch, "save", lambda state, file: interrupted(file))
         assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 130
     assert capsys.readouterr().err.splitlines() == [f"stopped: {tmp_path / 'model.pth'} not written"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["loop", "run"]  # no temporary beside it
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dangling", "loop", "pipe", "run"]  # no temporary
+    (tmp_path / "model.pth").symlink_to("elsewhere.pth")
     assert export_checkpoint.main([str(latest), str(tmp_path / "model.pth")]) == 0
+    assert (tmp_path / "model.pth").is_symlink() and (tmp_path / "elsewhere.pth").is_file()
     assert torch.load(tmp_path / "model.pth", weights_only=True)["epoch"] == 1
     hook, out = tmp_path / "hook", tmp_path / "signalled"  # SIGTERM while it writes, as a process (was: killed
     hook.mkdir()  # at once, its temporary left beside OUT)
