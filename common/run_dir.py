@@ -130,6 +130,8 @@ def link_or_copy(source, path):
         with open(source, "rb") as file:
             link = write_synced(path, lambda out: shutil.copyfileobj(file, out))
     replace_synced(link, path, sync_folder=False)
+    with contextlib.suppress(FileNotFoundError):  # (a rename over another link of the same file does nothing)
+        os.unlink(link)
 
 
 def _describe_holder(path):

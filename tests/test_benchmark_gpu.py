@@ -232,6 +232,9 @@ def test_the_gpu_tools_bad_input_is_argparse_s_one_line_with_nothing_left_behind
             f"--deadline {value}": f"argument --deadline: '{value}': expected a number of seconds above 0"
             for value in ("nan", "inf", "-5", "0")
         }
+        bad[f"--repo {tmp_path}"] = (
+            f"--repo {tmp_path}: no train_dp.py there"  # (was: every row failed, after the JPEGs)
+        )
     for argv, said in bad.items():
         with pytest.raises(SystemExit) as ended:
             main(["--cpu", *argv.split()])

@@ -548,6 +548,73 @@ def test_val_sorted_into_class_folders(images, tmp_path, capsys):
     assert "lacks ILSVRC2012_devkit_t12.tar.gz" in one_error_line(capsys, source, out)
 
 
+def test_a_rerun_after_the_source_changed_redoes_what_changed(images, tmp_path):
+    """A source that gained images since its classes and val chunks were marked done (a download cut short, then
+    extracted again) kept them without the new images; one that lost an image kept it in OUT_DIR to train on."""
+    source, out = make_valprep(tmp_path / "extracted", images), tmp_path / "out"
+    assert_ok(prepare(source, out))
+    added = {
+        "train/n01440764/n01440764_900.JPEG": encode((40, 30), 900),
+        "val/n01443537/ILSVRC2012_val_00000099.JPEG": encode((40, 30), 901),
+    }
+    for name, data in added.items():
+        (source / name).write_bytes(data)
+    removed = "train/n01484850/n01484850_101.JPEG"
+    (source / removed).unlink()
+    output = assert_ok(prepare(source, out))
+    changed = "was written from other images than the source holds now (some added, removed or renamed): redoing"
+    assert warnings(output) == [
+        f"warning: {out}/.prepare/train-n01440764.done {changed} train/n01440764",
+        f"warning: {out}/.prepare/train-n01484850.done {changed} train/n01484850",
+        f"warning: {out}/.prepare/val-0000.done {changed} val images 1 to 9 (in name order)",
+    ], output
+    assert contents(out) == {name: data for name, data in (images | added).items() if name != removed}
+    assert warnings(assert_ok(prepare(source, out))) == []  # (the new markers trusted)
+
+
+def damaged_class_tars(images, root):
+    """Train archives whose second class's tar has a damaged first header, or whose first class's tar ends inside its
+    last image (tarfile took both for the end of the class: its images, or the last one's end, left out unsaid)."""
+    class_tars = {
+        wnid: tar_bytes({Path(name).name: data for name, data in images.items() if name.startswith(f"train/{wnid}/")})
+        for wnid in CLASSES
+    }
+    last = tarfile.open(fileobj=io.BytesIO(class_tars["n01440764"])).getmembers()[-1]
+    damaged = {
+        "header": {**class_tars, "n01443537": b"garbage " * 200},
+        "cut": {**class_tars, "n01440764": class_tars["n01440764"][: last.offset_data + 100]},
+    }
+    for kind, tars in damaged.items():
+        make_valprep(root / kind, {name: data for name, data in images.items() if name.startswith("val/")})
+        (root / kind / "ILSVRC2012_img_train.tar").write_bytes(tar_bytes({f"{w}.tar": d for w, d in tars.items()}))
+    return root / "header", root / "cut"
+
+
+def test_a_damaged_class_tar_in_the_train_archive_is_one_line_with_or_without_shards(images, tmp_path, capsys):
+    header, cut = damaged_class_tars(images, tmp_path)
+    with tarfile.open(header / "ILSVRC2012_img_train.tar") as archive:
+        garbage = archive.getmembers()[1].offset_data
+    assert one_error_line(capsys, header, tmp_path / "out1", "--skip-md5", "--shards") == (
+        f"error: cannot read {header}/ILSVRC2012_img_train.tar: damaged tar header at byte {garbage:,}"
+    )
+    assert one_error_line(capsys, cut, tmp_path / "out2", "--skip-md5", "--shards") == (
+        f"error: cannot read {cut}/ILSVRC2012_img_train.tar: n01440764_104.JPEG runs past the end of its class's tar "
+        "(damaged)"
+    )
+    result = prepare(cut, tmp_path / "out3", "--skip-md5", "--workers", "1")  # (read by a worker of the pool)
+    assert result.returncode == 2 and result.stdout.splitlines() == [
+        f"error: {cut}/ILSVRC2012_img_train.tar (train-n01440764): n01440764_104.JPEG runs past the end of its "
+        "class's tar (damaged)"
+    ], result.stdout
+    outer = (header / "ILSVRC2012_img_train.tar").read_bytes()  # a damaged header in the archive itself
+    second = tarfile.open(fileobj=io.BytesIO(outer)).getmembers()[1].offset
+    (header / "ILSVRC2012_img_train.tar").write_bytes(outer[:second] + b"x" * 512 + outer[second + 512 :])
+    assert one_error_line(capsys, header, tmp_path / "out4", "--skip-md5") == (
+        f"error: cannot read {header}/ILSVRC2012_img_train.tar: damaged tar header at byte {second:,} (download it "
+        "again)"
+    )
+
+
 def test_every_write_is_synced_before_its_rename(archives, images, tmp_path, monkeypatch):
     """Every file is fsynced under its temporary name before it is renamed into place (else a power loss
     can leave the final name empty), and a marker is written once its images' folders are synced."""
@@ -806,4 +873,4 @@ def test_shard_size_without_shards_and_shards_where_no_folder_can_be_made_are_on
     assert not (tmp_path / "out").exists()
     (tmp_path / "a-file").write_text("")
     line = one_error_line(capsys, source, tmp_path / "a-file", "--shards")
-    assert line == f"error: cannot write to {tmp_path / 'a-file'}: Not a directory"
+    assert line == f"error: cannot write to {tmp_path / 'a-file'}: File exists"  # (as tools/make_shards.py says it)

@@ -258,6 +258,21 @@ def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_manifest_this_tool_did_not_write_is_refused_in_one_line(tmp_path, tiny_data, capsys):
+    """Empty or cut short: a JSONDecodeError traceback; a list: taken for no manifest, none written, and a rerun with
+    other options then added their shards to the first ones (the images read twice)."""
+    for text in ("", '{"shard_size": 5', "[]"):
+        out = tmp_path / f"out{len(text)}"
+        out.mkdir()
+        (out / "shards.json").write_text(text)
+        assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: {out}/shards.json is not a manifest this tool writes (empty, damaged or another's): give another "
+            f"OUT, or delete {out} to write the shards again"
+        ]
+        assert sorted(path.name for path in out.rglob("*")) == [".lock", "shards.json"]
+
+
 def test_a_rerun_on_other_images_or_into_an_image_folder_is_refused_in_one_line(tmp_path, tiny_data, capsys):
     """A rerun after SRC changed (here a class renamed, then an image moved to another class: counts unchanged) kept
     the shards written with the old labels and wrote the new classes.txt: images trained under another class's name.

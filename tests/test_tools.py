@@ -6,12 +6,13 @@ process; a training script's own error line, given on by a benchmark that starte
 import os
 import re
 import signal
+import socket
 import sys
 from subprocess import CompletedProcess
 
 import pytest
 
-from harness.jobs import no_traceback_of_ours, run
+from harness.jobs import Job, no_traceback_of_ours, run
 from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -19,6 +20,8 @@ import benchmark  # noqa: E402
 import benchmark_fsdp  # noqa: E402
 import benchmark_shards  # noqa: E402
 import benchmark_startup  # noqa: E402
+import make_shards  # noqa: E402
+import prepare_imagenet  # noqa: E402
 from common.errors import UsageError  # noqa: E402
 from shared import check_child, run_tool  # noqa: E402
 
@@ -119,6 +122,14 @@ def test_the_benchmarks_take_an_imagenet_folder_of_jpeg_files(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"x" * len(name))
     assert benchmark.jpeg_sizes(tmp_path) == [len("train/n01440764/a.JPEG"), len("train/n01440764/b.jpeg")]
+    (tmp_path / "train/n01440764/e.JPEG").mkdir()  # a folder, and a link to nothing: not images (were tracebacks)
+    (tmp_path / "train/n01440764/f.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    assert benchmark.jpeg_sizes(tmp_path) == [len("train/n01440764/a.JPEG"), len("train/n01440764/b.jpeg")]
+    (tmp_path / "train/n01440764/g.jpg").write_bytes(b"")  # (was: a PIL traceback from a loader worker)
+    with pytest.raises(UsageError, match=rf"^--jpeg-dir {tmp_path}: {tmp_path}/train/n01440764/g.jpg is empty: "):
+        benchmark.jpeg_sizes(tmp_path)
+    with pytest.raises(UsageError, match=rf"^--jpeg-dir: cannot decode {tmp_path}/train/n01440764/a.JPEG \("):
+        benchmark.resize_compare(tmp_path, 8)  # (its files are not images: was a PIL traceback)
 
 
 def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():
@@ -182,3 +193,71 @@ def test_the_command_a_tool_marks_its_output_with_runs_again_from_anywhere(tmp_p
     assert command_line(tool, ["a b", "out"]) == f"cd {gone} && python {tool} 'a b' out"
     gone.rmdir()
     assert command_line(tool, ["a b", "out"]) == f"python {tool} 'a b' out"
+
+
+def test_a_second_run_of_a_tool_on_an_out_being_written_is_refused_in_one_line_naming_the_first(
+    tmp_path, tiny_data, capsys, monkeypatch
+):
+    """tools/make_shards.py and tools/prepare_imagenet.py: the second run removed the first one's files in progress
+    (as a killed run's temporaries: the first ended on `cannot write ... No such file`), and whichever ended first
+    marked OUT finished while the other still wrote it. The first here: another process in the tools' lock."""
+    out = tmp_path / "out"
+    holder = Job(
+        [
+            PYTHON,
+            "-c",
+            f"import sys, time; sys.path.insert(0, {str(REPO / 'tools')!r}); from shared import output_lock\n"
+            f"with output_lock({str(out)!r}): print('held', flush=True); time.sleep(120)",
+        ],
+        prewarmed=False,
+    )
+    try:
+        holder.wait_for(re.compile("^held"), timeout=60)
+        refused = [
+            f"error: {out} is being written by another run (PID {holder.process.pid} on {socket.gethostname()}): "
+            "wait for it to end, then run this command again (it carries on)"
+        ]
+        assert make_shards.main([str(tiny_data), str(out), "--workers", "1"]) == 2
+        assert capsys.readouterr().err.splitlines() == refused
+        monkeypatch.setattr(sys, "argv", ["prepare_imagenet.py", str(tiny_data), str(out), "--workers", "1"])
+        assert prepare_imagenet.main() == 2
+        assert capsys.readouterr().err.splitlines() == refused
+        assert sorted(path.name for path in out.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+    assert holder.process.wait(timeout=30) is not None
+    assert make_shards.main([str(tiny_data), str(out), "--workers", "1"]) == 0
+
+
+def test_benchmark_shards_reads_the_paths_strace_escapes_as_the_files_names():
+    """A byte outside printable ASCII is an octal escape in strace's output: a --jpeg-dir named café counted no image
+    opened (0 in the table, nothing said)."""
+    trace = '12 openat(AT_FDCWD, "/d/caf\\303\\251/a.jpg", O_RDONLY) = 3\n13 open("/d/x\\"y.tar", O_RDONLY) = 4\n'
+    assert benchmark_shards.opened_paths(trace) == ["/d/café/a.jpg", '/d/x"y.tar']
+
+
+def test_benchmark_startup_s_child_that_times_out_or_fails_is_one_line():
+    """(was: a RuntimeError traceback with the child's whole script in it)"""
+    with pytest.raises(UsageError) as timed_out:
+        benchmark_startup.run([PYTHON, "-c", "import time; time.sleep(30)", "torch", "/root"], 1)
+    assert (str(timed_out.value), timed_out.value.exit_code) == (
+        "python -c CHILD torch /root did not end within --timeout 1 s: give it more",
+        1,
+    )
+    with pytest.raises(UsageError, match=r"^python -c CHILD: RANK='x' is not a whole number$"):
+        benchmark_startup.run([PYTHON, "-c", "print(\"error: RANK='x' is not a whole number\"); exit(2)"], 60)
+
+
+def test_benchmark_startup_stopped_while_it_builds_its_tree_leaves_none(tmp_path):
+    """SIGTERM to the tool alone, while it builds: the tree part-way was left, and every rerun refused it."""
+    root = tmp_path / "tree"
+    command = [PYTHON, REPO / "tools" / "benchmark_startup.py", "--root", root, "--scale", "0.1", "--nproc", "1"]
+    job = Job(command, prewarmed=False)
+    try:
+        job.wait_for(re.compile("^building "), timeout=120)
+        os.kill(job.process.pid, signal.SIGTERM)
+        code, output = job.finish(timeout=60)
+    finally:
+        job.kill()
+    assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_startup.py ended by SIGTERM", output
+    assert not root.exists() and no_traceback_of_ours(output)

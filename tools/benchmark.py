@@ -61,8 +61,11 @@ def crop_flags(crop):
 
 
 def jpegs(folder):
-    """The JPEG files under `folder`, sorted: *.jpg and *.jpeg in any case (ImageNet's are *.JPEG)."""
-    return sorted(path for path in Path(folder).rglob("*") if path.suffix.lower() in (".jpg", ".jpeg"))
+    """The JPEG files under `folder`, sorted: *.jpg and *.jpeg in any case (ImageNet's are *.JPEG); not a folder or a
+    link to nothing of such a name."""
+    return sorted(
+        path for path in Path(folder).rglob("*") if path.suffix.lower() in (".jpg", ".jpeg") and path.is_file()
+    )
 
 
 def make_jpegs(root, per_class, classes=2, seed=0):
@@ -273,7 +276,13 @@ def resize_compare(jpeg_dir, images, batch=64):
             start, sets[f"--resize {size}"] = time.process_time(), []
             for index, path in enumerate(originals):
                 sets[f"--resize {size}"].append(workdir / f"{size}-{index:06d}.jpg")
-                sets[f"--resize {size}"][-1].write_bytes(resize_jpeg(path.read_bytes(), size, quality=90))
+                try:
+                    resized = resize_jpeg(path.read_bytes(), size, quality=90)
+                except (OSError, SyntaxError, ValueError) as error:  # (a file cut short, not an image)
+                    raise UsageError(
+                        f"--jpeg-dir: cannot decode {path} ({error}): remove it, or give another"
+                    ) from None
+                sets[f"--resize {size}"][-1].write_bytes(resized)
             making[f"--resize {size}"] = len(originals) / (time.process_time() - start)
 
         class Crops(Dataset):
@@ -558,11 +567,14 @@ def model_sizes(text):
 def jpeg_sizes(jpeg_dir):
     """The sizes of the JPEGs (jpegs) of the ImageFolder `jpeg_dir`'s train/; UsageError unless it has some, and
     a val/ (the training runs validate)."""
-    sizes = [path.stat().st_size for path in jpegs(Path(jpeg_dir, "train"))]
+    paths = jpegs(Path(jpeg_dir, "train"))
+    sizes = [path.stat().st_size for path in paths]
     if not sizes or not Path(jpeg_dir, "val").is_dir():
         raise UsageError(
             f"--jpeg-dir {jpeg_dir}: expected an ImageFolder of JPEGs, train/<class>/*.jpg (.jpeg, .JPEG) and val/"
         )
+    if 0 in sizes:
+        raise UsageError(f"--jpeg-dir {jpeg_dir}: {paths[sizes.index(0)]} is empty: remove it, or give another")
     return sizes
 
 

@@ -745,6 +745,8 @@ def main(argv=None):
         "--bare-loop", nargs=5, metavar=("ARCH", "AMP", "LAYOUT", "BATCH", "STEPS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    if not (Path(args.repo) / "train_dp.py").is_file():  # (else every row failed, the JPEGs made first)
+        parser.error(f"--repo {args.repo}: no train_dp.py there: give a checkout of this repository")
     if args.bare_loop:
         arch, amp, layout, batch, steps = args.bare_loop
         print("bare: " + json.dumps(run_bare_loop(arch, amp, layout, int(batch), int(steps), args.cpu)), flush=True)

@@ -13,6 +13,7 @@ c. Listing 1,281,167 samples at a run's start: the scripts read the shards' inde
    same count is tools/benchmark_startup.py's.
 """
 
+import codecs
 import json
 import math
 import os
@@ -38,6 +39,13 @@ from common.folder_index import scan_image_folder  # noqa: E402
 from common.shards import scan_shards, shard_stamp, write_index  # noqa: E402
 from common.transforms import TrainPreset  # noqa: E402
 from shared import run_tool, whole  # noqa: E402
+
+
+def opened_paths(trace):
+    """The paths that strace's `trace` (its text) shows opened, as this process names them: strace writes a byte
+    outside printable ASCII as an octal escape (a folder `café`: caf\303\251)."""
+    found = re.findall(r'open(?:at)?\([^"]*"((?:[^"\\]|\\.)*)"', trace)
+    return [os.fsdecode(codecs.escape_decode(path.encode())[0]) for path in found]
 
 
 def opened_files(data, workdir):
@@ -78,7 +86,7 @@ def opened_files(data, workdir):
         "--overwrite",
     ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    paths = re.findall(r'open(?:at)?\([^"]*"([^"]+)"', trace.read_text())
+    paths = opened_paths(trace.read_text())
     data = str(data)
     return {
         "images": sum(path.startswith(data) and path.lower().endswith((".jpg", ".jpeg", ".png")) for path in paths),

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import queue
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from common.cli import Parser  # noqa: E402
 from common.errors import UsageError  # noqa: E402
-from shared import run_tool, seconds, whole  # noqa: E402
+from shared import check_child, run_tool, seconds, until_stopped, whole  # noqa: E402
 
 FULL_TRAIN, VAL_PER_CLASS, CLASSES = 1_281_167, 50, 1000
 MARK, STEP = "_BENCHMARK_STARTUP_MARK", "Epoch: [0] ["
@@ -158,7 +159,10 @@ def snapshot(token):
 def run(command, timeout, stop_at=None, **env):
     """Run command in a new session until it exits, or prints a line starting with stop_at; then kill it and
     everything it started. Returns ({"data:"/stop_at/"exit": seconds from launch}, output lines, snapshot)."""
-    token = uuid.uuid4().hex
+    token, what = (
+        uuid.uuid4().hex,
+        shlex.join(["python", *(["-c", "CHILD", *command[3:]] if "-c" in command else command[1:])]),
+    )
     environ = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
     environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO, **env, **{MARK: token})
     lines, seen, output, start = queue.Queue(), {}, [], time.perf_counter()
@@ -182,11 +186,13 @@ def run(command, timeout, stop_at=None, **env):
         while stop_at not in seen and "exit" not in seen:
             try:
                 line = lines.get(timeout=max(0.01, start + timeout - time.perf_counter()))
-            except queue.Empty:
-                raise RuntimeError(f"timed out after {timeout} s: {' '.join(command)}\n{''.join(output[-30:])}")
+            except queue.Empty:  # (a slow machine, or a --timeout too short for this scale)
+                error = UsageError(f"{what} did not end within --timeout {timeout:g} s: give it more")
+                error.exit_code = 1
+                raise error from None
             if line is None:
                 if proc.wait(timeout=30) != 0 or stop_at:
-                    raise RuntimeError(f"exit {proc.returncode}: {' '.join(command)}\n{''.join(output[-30:])}")
+                    check_child(what, subprocess.CompletedProcess(command, proc.returncode or 1, "".join(output)))
                 seen["exit"] = time.perf_counter() - start
                 continue
             output.append(line)
@@ -338,4 +344,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_tool(until_stopped(main)))

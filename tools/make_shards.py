@@ -55,7 +55,17 @@ from common.shards import (
     shard_stamp,
     write_index,
 )
-from shared import Stopped, command_line, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import (
+    Stopped,
+    command_line,
+    output_lock,
+    overlap,
+    resize_jpeg,
+    stop_on_signals,
+    stop_workers,
+    whole,
+    worker_pool,
+)
 
 
 def sample_key(relative):
@@ -169,13 +179,19 @@ LISTED = ("train", "val", "images")  # the manifest's record of what SRC held; t
 def open_output(out, manifest, classes, splits, command):
     """OUT, created, marked unfinished (common/folder_index.py: by `command`), with its manifest, class list and split
     folders (no temporary left by a killed run): whether an earlier run wrote it. UsageError if that run had other
-    options or images, OUT holds class folders, or OUT cannot be written (one line, nothing else written)."""
+    options or images, or OUT cannot be written (one line, nothing else written)."""
     path = out / MANIFEST
-    if any(folder.is_dir() for split in splits for folder in (out / split).glob("*")):
-        raise UsageError(f"{out} holds class folders: give the shards an OUT of their own")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        earlier = json.loads(path.read_text()) if path.exists() else None
+        try:
+            earlier = json.loads(path.read_bytes()) if path.exists() else None
+        except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
+            earlier = []
+        if not isinstance(earlier, (dict, type(None))):  # (this tool writes it whole, or not at all)
+            raise UsageError(
+                f"{path} is not a manifest this tool writes (empty, damaged or another's): give another OUT, or "
+                f"delete {out} to write the shards again"
+            )
         changed = [name for name in manifest if name in (earlier or {}) and earlier[name] != manifest[name]]
         options = [f"{name} {earlier[name]} -> {manifest[name]}" for name in changed if name not in LISTED]
         if options:
@@ -252,27 +268,31 @@ def write_all(out, classes, samples, source, args):
         **{split: len(samples[split]) for split in samples},
         "images": hashlib.sha256(json.dumps(listed).encode()).hexdigest(),  # each image's key, extension and label
     }
-    if open_output(out, manifest, classes, samples, args.command):
-        print(f"carrying on in {out}", flush=True)
-    jobs = []
-    for split, items in samples.items():
-        for number in range((len(items) + args.shard_size - 1) // args.shard_size):
-            shard = out / split / f"{split}-{number:06d}.tar"
-            if not done(shard):
-                jobs.append((shard, items[number * args.shard_size : (number + 1) * args.shard_size]))
-    for count, ((shard, part), warnings) in enumerate(zip(jobs, written(jobs, args)), start=1):
-        for warning in warnings:
-            print(f"warning: {shard.name}: {warning}", file=sys.stderr, flush=True)
+    if any(folder.is_dir() for split in samples for folder in (out / split).glob("*")):
+        raise UsageError(f"{out} holds class folders: give the shards an OUT of their own")
+    with output_lock(out):  # (a second run at once would remove this one's shards in progress)
+        if open_output(out, manifest, classes, samples, args.command):
+            print(f"carrying on in {out}", flush=True)
+        jobs = []
+        for split, items in samples.items():
+            for number in range((len(items) + args.shard_size - 1) // args.shard_size):
+                shard = out / split / f"{split}-{number:06d}.tar"
+                if not done(shard):
+                    jobs.append((shard, items[number * args.shard_size : (number + 1) * args.shard_size]))
+        for count, ((shard, part), warnings) in enumerate(zip(jobs, written(jobs, args)), start=1):
+            for warning in warnings:
+                print(f"warning: {shard.name}: {warning}", file=sys.stderr, flush=True)
+            print(
+                f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)",
+                flush=True,
+            )
         print(
-            f"{shard.parent.name}/{shard.name}: {len(part)} images ({count} of {len(jobs)} shards to write)", flush=True
+            f"wrote {out}: {len(classes)} classes, "
+            + " and ".join(f"{len(items):,} {split}" for split, items in samples.items())
+            + f" images in shards of {args.shard_size}",
+            flush=True,
         )
-    print(
-        f"wrote {out}: {len(classes)} classes, "
-        + " and ".join(f"{len(items):,} {split}" for split, items in samples.items())
-        + f" images in shards of {args.shard_size}",
-        flush=True,
-    )
-    mark_finished(out)  # (last)
+        mark_finished(out)  # (last)
 
 
 def written(jobs, args):

@@ -51,12 +51,22 @@ from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
-from common.errors import NO_ROOM
+from common.errors import NO_ROOM, UsageError
 from common.folder_index import IMG_EXTENSIONS, mark_finished, mark_unfinished
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
 from common.shards import MANIFEST
-from shared import Stopped, command_line, overlap, resize_jpeg, stop_on_signals, stop_workers, whole, worker_pool
+from shared import (
+    Stopped,
+    command_line,
+    output_lock,
+    overlap,
+    resize_jpeg,
+    stop_on_signals,
+    stop_workers,
+    whole,
+    worker_pool,
+)
 
 # torchvision.datasets.imagenet.ARCHIVE_META, written out: importing torchvision imports torch, which made this tool
 # take 7 s of CPU to start and seconds to exit (tests/test_prepare_imagenet.py compares the two).
@@ -140,16 +150,33 @@ def write_atomically(path, data, sync_folder=True):
     atomic_write(path, lambda file: file.write(data), sync_folder)
 
 
+def class_tar_members(file, offset, size):
+    """(tar, member) of each member of the class's tar at `offset` (of `size` bytes) in the open train archive `file`,
+    offsets counted from the archive's start. TarError for a damaged header (tarfile takes one after an archive's
+    first for its end: a class's images left out unsaid) or an image running past the class's tar."""
+    file.seek(offset)
+    with tarfile.open(fileobj=file, mode="r:") as inner:
+        while (member := inner.next()) is not None and member.offset < offset + size:
+            if member.offset_data + member.size > offset + size:
+                raise tarfile.ReadError(f"{member.name} runs past the end of its class's tar (damaged)")
+            yield inner, member
+        check_tar_end(inner, offset + size)
+
+
+def check_tar_end(tar, end=None):
+    """TarError unless the read of `tar`'s members stopped at its end (its zero blocks, the file's end or `end`)."""
+    if end is None or tar.offset < end:
+        tar.fileobj.seek(tar.offset)
+        if tar.fileobj.read(tarfile.BLOCKSIZE).strip(b"\0"):
+            raise tarfile.ReadError(f"damaged tar header at byte {tar.offset:,}")
+
+
 def class_tar(archive, wnid, offset, size):
     """The images of one class's tar inside the train archive, read in place: no extracted copy."""
     with open(archive, "rb") as file:
-        file.seek(offset)
-        with tarfile.open(fileobj=file, mode="r|") as inner:
-            for member in inner:
-                if member.offset >= size:  # past the end of this class's tar
-                    break
-                if member.isfile() and member.name.lower().endswith(IMG_EXTENSIONS):  # (not a Thumbs.db)
-                    yield wnid, os.path.basename(member.name), inner.extractfile(member).read()
+        for inner, member in class_tar_members(file, offset, size):
+            if member.isfile() and member.name.lower().endswith(IMG_EXTENSIONS):  # (not a Thumbs.db)
+                yield wnid, os.path.basename(member.name), inner.extractfile(member).read()
 
 
 def tar_members(archive, items):
@@ -210,13 +237,26 @@ def finished_size(dest, source, resize):
         os.close(fd)
 
 
+def source_of(job):
+    """What a job reads, in short, as its marker records it: a rerun redoes a job whose source changed since (images
+    added to a class folder, a val image more in a chunk). A class's tar: where it lies in the train archive (its
+    images' names would take a read of the archive); else a hash of the images' names."""
+    if job.read is class_tar:
+        return list(job.args[1:])
+    items = class_folder(job.source, *job.args) if job.read is class_folder else job.args[0]
+    names = "\n".join(f"{wnid}/{name}" for wnid, name, *_ in items)
+    return hashlib.sha256(names.encode("utf-8", "surrogateescape")).hexdigest()
+
+
 def run_job(job, out_dir, resize, quality, redo=False):
     """Put a job's images in place, keeping those a killed run finished (every one written again when
-    `redo`: its marker did not match them), sync their folders, then write its marker."""
-    images, total, undecodable, folders = 0, 0, [], {}
+    `redo`: its marker did not match them, and a class folder's images no longer in the source removed), sync their
+    folders, then write its marker."""
+    images, total, undecodable, folders, names = 0, 0, [], {}, set()
     try:
         for wnid, name, source in job.read(job.source, *job.args):
             dest = out_dir / job.split / wnid / name
+            names.add(name)
             if dest.parent not in folders:
                 dest.parent.mkdir(exist_ok=True)
                 folders[dest.parent] = True
@@ -226,11 +266,19 @@ def run_job(job, out_dir, resize, quality, redo=False):
                 if not decoded:
                     undecodable.append(f"{job.split}/{wnid}/{name}")
             images, total = images + 1, total + size
+        if redo and job.split == "train" and (out_dir / "train" / job.args[0]).is_dir():
+            folders[out_dir / "train" / job.args[0]] = True  # (images gone from the source: not left to train on)
+            with os.scandir(out_dir / "train" / job.args[0]) as entries:
+                for entry in entries:
+                    if entry.name not in names and not entry.name.startswith("."):
+                        os.unlink(entry.path)
         for folder in [*folders, out_dir / job.split]:  # the renames (and new folders) on disk before the marker
             sync(folder)
         write_atomically(
             out_dir / STATE / job.marker,
-            json.dumps({"images": images, "bytes": total, "undecodable": undecodable}).encode(),
+            json.dumps(
+                {"images": images, "bytes": total, "undecodable": undecodable, "source": source_of(job)}
+            ).encode(),
         )
     except OSError as error:
         if error.errno in NO_ROOM:
@@ -242,8 +290,9 @@ def run_job(job, out_dir, resize, quality, redo=False):
 
 
 def read_marker(path):
-    """{"images", "bytes", "undecodable"} from a job's marker ("bytes" None in the [images, undecodable]
-    of older versions). OSError if it cannot be read, ValueError (why, in words) if it is not one."""
+    """{"images", "bytes", "undecodable", "source"} from a job's marker ("bytes" None in the [images, undecodable] of
+    older versions, "source" None in theirs and in markers without it). OSError if it cannot be read, ValueError
+    (why, in words) if it is not one."""
     data = path.read_bytes()
     if not data:
         raise ValueError("is empty")
@@ -258,6 +307,7 @@ def read_marker(path):
         and isinstance(record.get("images"), int)
         and isinstance(record.get("bytes"), (int, type(None)))
         and isinstance(record.get("undecodable"), list)
+        and isinstance(record.setdefault("source", None), (str, list, type(None)))
     ):
         raise ValueError("is not a marker this script writes")
     return record
@@ -304,15 +354,19 @@ def check_marker(job, out_dir):
         problem = f"cannot be read ({error.strerror or error})"
     else:
         sizes, images, size = image_sizes(job, out_dir), record["images"], record["bytes"]
+        source = None if record["source"] is None else source_of(job)  # (None: a marker of an older version)
         # size None: the marker of an older version, without it; then only no image may be empty
-        if len(sizes) == images and (0 not in sizes if size is None else sum(sizes) == size):
+        if source != record["source"]:
+            problem = "was written from other images than the source holds now (some added, removed or renamed)"
+        elif len(sizes) == images and (0 not in sizes if size is None else sum(sizes) == size):
             return True, None
-        problem = (
-            f"says {images:,} images"
-            + ("" if size is None else f" of {size:,} bytes")
-            + f", but {len(sizes):,} of {sum(sizes):,} bytes are there"
-            + (f" ({sizes.count(0):,} empty)" if 0 in sizes else "")
-        )
+        else:
+            problem = (
+                f"says {images:,} images"
+                + ("" if size is None else f" of {size:,} bytes")
+                + f", but {len(sizes):,} of {sum(sizes):,} bytes are there"
+                + (f" ({sizes.count(0):,} empty)" if 0 in sizes else "")
+            )
     return False, f"warning: {path} {problem}: redoing {described(job)}"
 
 
@@ -444,8 +498,9 @@ def members(archive):
     try:
         with tarfile.open(archive) as tar:
             found = [member for member in tar if member.isfile()]
+            check_tar_end(tar)
     except (OSError, tarfile.TarError, EOFError) as error:
-        raise Failure(f"cannot read {archive}: {error} (download it again)")
+        raise Failure(f"cannot read {archive}: {' '.join(str(error).split())} (download it again)")
     if found and found[-1].offset_data + found[-1].size > archive.stat().st_size:
         raise Failure(f"{archive} is truncated (download it again)")
     return found
@@ -557,13 +612,11 @@ def class_members(archive, offset, size):
     """(file name, offset, size) of the images of the class's tar at `offset` (of `size` bytes) inside the train
     archive, their offsets in the archive itself: read by the shard writers in place."""
     with open(archive, "rb") as file:
-        file.seek(offset)
-        with tarfile.open(fileobj=file, mode="r:") as inner:  # offsets count from the archive's start
-            return [
-                (os.path.basename(m.name), m.offset_data, m.size)
-                for m in inner
-                if m.isfile() and m.offset < offset + size and m.name.lower().endswith(IMG_EXTENSIONS)
-            ]
+        return [
+            (os.path.basename(m.name), m.offset_data, m.size)
+            for _, m in class_tar_members(file, offset, size)
+            if m.isfile() and m.name.lower().endswith(IMG_EXTENSIONS)
+        ]
 
 
 def shard_samples(train, val, labels):
@@ -607,9 +660,11 @@ def prepare_shards(args, train, val, labels):
     """--shards: OUT_DIR as tools/make_shards.py writes it from the folders this script would write, straight from
     the archives (no extracted copy): the same shards, byte for byte."""
     import make_shards
-    from common.errors import UsageError
 
-    classes, samples = shard_samples(train, val, labels)
+    try:
+        classes, samples = shard_samples(train, val, labels)
+    except (OSError, tarfile.TarError) as error:  # (a class's tar damaged, an archive unreadable)
+        raise Failure(f"cannot read {train}: {error.strerror if isinstance(error, OSError) else error}") from None
     source = {"source": str(Path(args.archive_dir).resolve())}
     try:
         make_shards.write_all(Path(args.out_dir), classes, samples, source, args)
@@ -639,6 +694,12 @@ def prepare(args):
         raise Failure(
             f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
         )
+    with output_lock(out_dir):  # (a second run at once would remove this one's files in progress)
+        prepare_out(args, out_dir, train, val, labels, start)
+
+
+def prepare_out(args, out_dir, train, val, labels, start):
+    """OUT_DIR's shards, or its folders (a job per class and per chunk of val images: those done before kept)."""
     state = out_dir / STATE if args.shards else open_output(out_dir, args.resize, args.quality)
     if labels and labels.name == DEVKIT:
         require_scipy()  # before the long MD5 check
@@ -738,7 +799,7 @@ def main():
     try:
         prepare(args)
         return 0
-    except Failure as error:
+    except (Failure, UsageError) as error:  # (UsageError: OUT_DIR written by another run, or not writable)
         say(f"error: {error}")
         return error.exit_code
     except BrokenProcessPool:

@@ -5,6 +5,7 @@ worker processes that a stop signal or an error stops at once."""
 
 import argparse
 import contextlib
+import errno
 import io
 import math
 import multiprocessing
@@ -12,13 +13,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.errors import UsageError, say
+from common.errors import NO_ROOM, NoRoom, UsageError, say
 from common.launch import end_with_launcher
 
 
@@ -121,6 +123,57 @@ def overlap(reads, writes):
             if real == target or target in real.parents or real in target.parents:
                 return read, written
     return None
+
+
+LOCK = ".lock"  # in a tool's OUT while a run writes there
+_held = set()  # the OUTs (resolved) this process holds
+
+
+@contextlib.contextmanager
+def output_lock(out):
+    """OUT (made if need be) written by this process alone while the block runs: a POSIX lock on OUT/.lock, which the
+    kernel drops when the process ends. A second run on the same OUT meanwhile (it would remove the first one's files
+    in progress as a killed run's) is refused: UsageError naming the first. Nothing is held on a file system that
+    does not lock; a block inside another on the same OUT holds nothing more."""
+    import fcntl
+
+    from common.run_dir import NO_LOCKING
+
+    key = Path(out).resolve()
+    if key in _held:
+        yield
+        return
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(out) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno in NO_ROOM:
+            raise NoRoom(
+                f"cannot write to {out} ({error.strerror}): make room, then run the same command again"
+            ) from None
+        raise UsageError(f"cannot write to {out}: {error.strerror or error}") from None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EACCES, errno.EAGAIN):
+                holder = " ".join(os.pread(fd, 200, 0).decode(errors="replace").split()) or "which has not said who"
+                raise UsageError(
+                    f"{out} is being written by another run ({holder}): wait for it to end, then run this command "
+                    "again (it carries on)"
+                ) from None
+            if error.errno not in NO_LOCKING:
+                raise UsageError(f"cannot lock {Path(out) / LOCK}: {error.strerror or error}") from None
+        else:
+            _held.add(key)
+            with contextlib.suppress(OSError):  # (who holds it, for the refusal: a full disk leaves it unsaid)
+                text = f"PID {os.getpid()} on {socket.gethostname()}".encode()
+                os.pwrite(fd, text, 0)
+                os.ftruncate(fd, len(text))
+        yield
+    finally:
+        _held.discard(key)
+        os.close(fd)
 
 
 def torchvision_model(text):

@@ -58,6 +58,8 @@ def test_link_or_copy_gives_a_second_name_to_the_same_bytes(tmp_path):
         tmp_path / "a"
     ).stat().st_ino
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+    link_or_copy(tmp_path / "a", tmp_path / "b")  # again (a class redone by tools/prepare_imagenet.py)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]  # (was: the temporary left, the rename over b a no-op)
 
 
 HOLDER = """import sys, time
