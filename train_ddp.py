@@ -52,9 +52,9 @@ def setup(config, mode="ddp"):
             "--save-on node: LOCAL_RANK is not set (torchrun and srun set it), so no process knows whether it is "
             "its node's first, which writes: set it, or leave --save-on node out"
         )
-    if world_size == 1 and "MASTER_ADDR" not in os.environ:  # `python train_ddp.py`: a group of one
+    if world_size == 1 and not os.environ.get("MASTER_ADDR"):  # `python train_ddp.py`: a group of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]  # (empty: unset)
     if missing:
         raise UsageError(
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start this script with "

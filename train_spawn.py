@@ -59,7 +59,8 @@ def setup(config):
 
     from common import distributed
     from common.data import micro_batch
-    from common.distributed import check_port_free, check_sync_bn, choose_backend, port_number, select_device
+    from common.distributed import check_sync_bn, choose_backend, port_number, select_device
+    from common.launch import check_port_free
     from common.run_dir import claim_rendezvous_file
 
     gpus = torch.cuda.device_count() if config.device != "cpu" else 0
@@ -89,8 +90,8 @@ def setup(config):
     elif url.startswith("file://"):
         claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
     elif url == "env://":
-        os.environ.setdefault("MASTER_ADDR", config.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(config.master_port))
+        for name, value in (("MASTER_ADDR", config.master_addr), ("MASTER_PORT", str(config.master_port))):
+            os.environ[name] = os.environ.get(name) or value  # (an empty one as unset)
         distributed.check_env_rendezvous(config.nnodes * nproc, config.node_rank == 0)
     else:
         raise UsageError(f"--dist-url {url}: use tcp://HOST:PORT, file:///path or env://")

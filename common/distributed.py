@@ -4,7 +4,6 @@
 
 import ctypes
 import datetime
-import errno
 import fcntl
 import ipaddress
 import os
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UsageError, say
+from .launch import check_host_resolves, check_port_free
 
 
 @dataclass
@@ -273,13 +273,7 @@ def check_rendezvous_host(init_method, world_size):
     GLOO_SOCKET_IFNAME, or a wait of --dist-timeout for a store no one could reach)."""
     host = rendezvous_host(init_method)
     if world_size > 1 and host:
-        try:
-            socket.getaddrinfo(host, None)
-        except OSError:
-            raise UsageError(
-                f"the rendezvous host {host} does not resolve to an address: give node 0's address or name "
-                "(MASTER_ADDR, --master-addr)"
-            ) from None
+        check_host_resolves(host)
 
 
 def check_gloo_address(init_method, world_size, local_world_size):
@@ -518,25 +512,6 @@ def check_env_rendezvous(processes, listens):
     if listens and port:
         check_port_free(os.environ["MASTER_ADDR"], port, ("MASTER_ADDR", "MASTER_PORT"))
     return port
-
-
-def check_port_free(address, port, names=("--master-addr", "--master-port")):
-    """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port)."""
-    try:  # (an IPv6 address listens as one)
-        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError:  # (bind says why, below)
-        family = socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # As the store will: a port left in TIME_WAIT by the previous run is free to reuse.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError as error:
-            why = {
-                errno.EADDRINUSE: f"the port is in use; choose another {names[1]}",
-                errno.EACCES: f"{'a port below 1024 needs root; ' * (port < 1024)}choose another {names[1]}",
-            }.get(error.errno, f"node 0 listens there: {names[0]} must name an address of node 0")
-            raise UsageError(f"cannot listen on {address}:{port} ({error.strerror}): {why}") from None
 
 
 FLIGHT_RECORDER = (

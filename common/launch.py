@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -222,6 +223,38 @@ def launcher_ended(wait=0.0):
     return False
 
 
+def check_host_resolves(host):
+    """One line where the rendezvous host's name does not resolve (torchrun waits 600 s for it, saying nothing)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise UsageError(
+            f"the rendezvous host {host} does not resolve to an address: give node 0's address or name "
+            "(MASTER_ADDR, --master-addr)"
+        ) from None
+
+
+def check_port_free(address, port, names=("--master-addr", "--master-port")):
+    """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port); on
+    every address where `address` is "" (torchrun's agent listens so)."""
+    try:  # (an IPv6 address listens as one)
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:  # (bind says why, below)
+        family = socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the store will: a port left in TIME_WAIT by the previous run is free to reuse.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as error:
+            why = {
+                errno.EADDRINUSE: f"the port is in use; choose another {names[1]}",
+                errno.EACCES: f"{'a port below 1024 needs root; ' * (port < 1024)}choose another {names[1]}",
+            }.get(error.errno, f"node 0 listens there: {names[0]} must name an address of node 0")
+            where = f"{address}:{port}" if address else f"port {port}"
+            raise UsageError(f"cannot listen on {where} ({error.strerror}): {why}") from None
+
+
 def _size(count):
     return f"{count / 2**30:.1f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
@@ -270,6 +303,12 @@ def known_failure(error):
         return (
             f"error: no rendezvous answered at {connecting[1].replace(', ', ':')}: start node 0 (node rank 0), and "
             "check MASTER_ADDR and the port"
+        )
+    listening = re.search(r"server socket has failed to listen on any local network address\. port: (\d+)", text)
+    if listening and "EADDRINUSE" in text:  # (DistNetworkError: another job took the port after this one's check)
+        return (
+            f"error: cannot listen on port {listening[1]} (Address already in use): the port is in use; choose "
+            "another (MASTER_PORT, --master-port)"
         )
     if "Expected more than 1 value per channel when training" in text:  # (BatchNorm's ValueError; DP's wraps it)
         return (

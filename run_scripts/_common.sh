@@ -40,13 +40,27 @@ host() {  # host VAR: stop unless VAR is one host's name or address, without a p
     || fail "$1='$value' is not one host's name or address (node 0's)"
 }
 
+check_endpoint() {  # check_endpoint LISTENS: stop unless MASTER_ADDR resolves and, where this node's torchrun will
+  local said  # listen (LISTENS 1: node 0), MASTER_PORT is free here (was: torchrun waited 600 s saying nothing, or
+  said=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1])  # ended in its traceback)
+from common.errors import UsageError
+from common.launch import check_host_resolves, check_port_free
+try:
+    check_host_resolves(sys.argv[2].removeprefix("[").removesuffix("]"))
+    if sys.argv[4] == "1":
+        check_port_free("", int(sys.argv[3]), ("MASTER_ADDR", "MASTER_PORT"))
+except UsageError as error:
+    print(f"refused: {error}")' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1") || fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT"
+  [[ "$said" != "refused: "* ]] || fail "${said#refused: }"
+}
+
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)
   [ -f "$REPO_DIR/$1" ] || fail "TRAIN_SCRIPT=$1 is not a script of this repository (train_ddp.py or train_fsdp.py)"
 }
 
 visible_gpus() {  # GPUs this node's processes may use (CUDA_VISIBLE_DEVICES respected)
-  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
-    [ -z "$CUDA_VISIBLE_DEVICES" ] && echo 0 || echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # (CUDA reads it up to its first entry naming no GPU: -1, NoDevFiles)
+    echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | awk '!/^([0-9]+|GPU-.+|MIG-.+)$/ { exit } { n++ } END { print n + 0 }'
   elif command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
   else

@@ -11,7 +11,7 @@
 # elastic rendezvous (ranks in order of arrival; NODE_RANK unused; needed for --max-restarts across
 # nodes: MAX_RESTARTS=N passes torchrun --max-restarts=N). Extra arguments go to train_ddp.py.
 # TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/_common.sh"  # (a link to this script: its folder)
 NNODES="${NNODES:-1}"
 whole NNODES 1
 if [ "$NNODES" -gt 1 ]; then
@@ -24,6 +24,7 @@ whole MASTER_PORT 1 65535
 [[ "${RDZV_BACKEND:-static}" =~ ^(static|c10d|etcd|etcd-v2)$ ]] || fail "RDZV_BACKEND=$RDZV_BACKEND is not static or c10d (or etcd, etcd-v2)"
 [ "${RDZV_BACKEND:-static}" != static ] || whole NODE_RANK 0 $((NNODES - 1))  # (a wrong one waited silently)
 script_here "${TRAIN_SCRIPT:-train_ddp.py}"
+check_endpoint "$([ "${RDZV_BACKEND:-static}" = static ] && [ "$NODE_RANK" = 0 ] && echo 1 || echo 0)"
 nproc=$(nproc_per_node)
 rdzv=(--rdzv-backend="${RDZV_BACKEND:-static}" --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT")
 if [ "${RDZV_BACKEND:-static}" = static ]; then rdzv+=(--node-rank="$NODE_RANK"); else rdzv+=(--rdzv-id="${RDZV_ID:-imagenet}"); fi

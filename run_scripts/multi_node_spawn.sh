@@ -8,7 +8,7 @@
 # NNODES > 1), MASTER_PORT (default 29500), NPROC_PER_NODE (default: WORKER_PER_NODE, else the
 # visible GPUs). Global rank = NODE_RANK * NPROC_PER_NODE + local rank. Extra arguments go to
 # train_spawn.py (e.g. --dist-url file:///shared/rendezvous instead of tcp://MASTER_ADDR:MASTER_PORT).
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/_common.sh"  # (a link to this script: its folder)
 NNODES="${NNODES:-1}"
 whole NNODES 1
 if [ "$NNODES" -gt 1 ]; then

@@ -15,7 +15,7 @@
 #   EPOCHS, LR, BATCH_SIZE    hyperparameters (BATCH_SIZE is the global batch here)
 # The training script reads the last four groups itself; extra arguments go to train_ddp.py.
 # TRAIN_SCRIPT=train_fsdp.py runs the FSDP script instead (the same launch; default: train_ddp.py).
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/_common.sh"  # (a link to this script: its folder)
 require MASTER_ADDR "the address of node 0"
 require MASTER_PORT "a free port on node 0"
 require WORLD_SIZE "the number of processes in the job"
@@ -36,6 +36,7 @@ nnodes=$((WORLD_SIZE / WORKER_PER_NODE))
 NODE_RANK="$node_rank"
 whole NODE_RANK 0 $((nnodes - 1))  # (RANK 8 of WORLD_SIZE 4 became node 4 of 2, and waited silently)
 script_here "${TRAIN_SCRIPT:-train_ddp.py}"
+check_endpoint "$([ "$node_rank" = 0 ] && echo 1 || echo 0)"
 # torchrun gives each process its own RANK, LOCAL_RANK and WORLD_SIZE.
 unset RANK LOCAL_RANK
 note_rendezvous "$nnodes"

@@ -6,7 +6,7 @@
 #
 # GPUS: the GPU ids to use (default: all visible). Extra arguments go to train_dp.py, which also
 # reads EPOCHS, LR, BATCH_SIZE, DATASETS_PATH, DATASETS and WORKSPACE from the environment.
-source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/_common.sh"  # (a link to this script: its folder)
 gpus=()
 [ -z "${GPUS:-}" ] || gpus=(--gpus "$GPUS")
 run "$PYTHON" "$REPO_DIR/train_dp.py" "${gpus[@]}" "$@"

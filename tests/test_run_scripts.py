@@ -3,6 +3,7 @@
 
 import re
 import shlex
+import socket
 
 import pytest
 import torch
@@ -212,6 +213,16 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
         ),
         ("single_node_ddp.sh", {"NPROC_PER_NODE": "", "WORKER_PER_NODE": "0"}, "WORKER_PER_NODE=0 is not a positive"),
         ("multi_node_ddp.sh", {"MAX_RESTARTS": "abc"}, "MAX_RESTARTS=abc is not a whole number from 0"),
+        (  # (was: torchrun's wait of 600 s, saying nothing but a C++ warning every few seconds)
+            "multi_node_ddp.sh",
+            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "no-such-host.invalid"},
+            "the rendezvous host no-such-host.invalid does not resolve to an address: give node 0's address or name",
+        ),
+        (
+            "platform_ddp.sh",
+            {**PLATFORM, "MASTER_ADDR": "no-such-host.invalid"},
+            "the rendezvous host no-such-host.invalid does not resolve to an address",
+        ),
     ],
 )
 def test_a_launch_variable_out_of_its_range_is_one_line(tmp_path, script, env, expected):
@@ -240,9 +251,63 @@ def test_multi_node_ddp_says_torchrun_s_wait_and_passes_max_restarts_on():
 
 
 def test_scripts_without_a_gpu_ask_for_the_process_count(tmp_path):
-    result = launch("single_node_ddp.sh", "--output-dir", tmp_path / "out")
-    assert result.returncode == 2
-    assert "no GPU visible: set NPROC_PER_NODE" in result.stdout
+    for hidden in ({}, {"CUDA_VISIBLE_DEVICES": "-1"}, {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}):  # (CUDA's: none)
+        result = launch("single_node_ddp.sh", "--output-dir", tmp_path / "out", **hidden)
+        assert result.returncode == 2 and "no GPU visible: set NPROC_PER_NODE" in result.stdout, (hidden, result.stdout)
+
+
+def test_a_port_in_use_on_node_0_is_one_line_from_the_torchrun_launchers(tmp_path):
+    """(was: torchrun's DistNetworkError traceback, EADDRINUSE: two jobs of multi_node_ddp.sh's default port)"""
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for script, env in (
+            ("multi_node_ddp.sh", {"NPROC_PER_NODE": "1"}),
+            ("platform_ddp.sh", {**PLATFORM, "WORLD_SIZE": "2", "WORKER_PER_NODE": "2"}),
+        ):
+            result = launch(script, "--output-dir", tmp_path / "out", **{**env, "MASTER_PORT": str(port)})
+            assert result.returncode == 2 and result.stdout.splitlines() == [
+                f"error: {script}: cannot listen on port {port} (Address already in use): the port is in use; choose "
+                "another MASTER_PORT"
+            ], result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_link_to_a_launcher_runs_it(tmp_path):
+    """(was: `_common.sh: No such file or directory` beside the link, then bash's `command not found`)"""
+    (tmp_path / "ddp").symlink_to(SCRIPTS / "single_node_ddp.sh")
+    result = run([tmp_path / "ddp", "--epochs", "1"], timeout=60, env=clean_env(PYTHON="/bin/echo", NPROC_PER_NODE="1"))
+    assert result.returncode == 0 and f" {REPO}/train_ddp.py --epochs 1" in result.stdout, result.stdout
+
+
+def test_the_slurm_job_scripts_check_what_they_are_given_in_one_line(tmp_path):
+    """Run by bash with Slurm's variables, `scontrol` and `srun` stand-ins on PATH (the real ones: tests/test_slurm.py):
+    a failed `scontrol` (was: an empty MASTER_ADDR, torch's traceback in every task), MASTER_PORT=abc to
+    slurm_ddp.sbatch (was: torchrun's traceback), and a submitting shell's RANK and WORLD_SIZE, which sbatch passes on
+    (was: they won over srun's ranks, every task rank 0)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tools = {
+        "scontrol": '[ -z "${SCONTROL_FAILS:-}" ] && echo localhost || exit 1',
+        "srun": 'echo "task: RANK=${RANK-unset} WORLD_SIZE=${WORLD_SIZE-unset} LOCAL_RANK=${LOCAL_RANK-unset}"',
+        "scancel": "true",
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    slurm = dict(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=REPO)
+    path = f"{bin_dir}:{clean_env()['PATH']}"
+    for script, env, line in (
+        ("slurm_ddp.sbatch", {"SCONTROL_FAILS": "1"}, "scontrol show hostnames localhost named no host"),
+        ("slurm_ddp_tasks.sbatch", {"SCONTROL_FAILS": "1"}, "scontrol show hostnames localhost named no host"),
+        ("slurm_ddp.sbatch", {"MASTER_PORT": "abc"}, "MASTER_PORT=abc is not a whole number from 1 to 65535"),
+    ):
+        result = launch(script, **slurm, **env, PATH=path, NPROC_PER_NODE="1")
+        assert result.returncode == 2 and result.stdout.splitlines() == [f"error: {script}: {line}"], result.stdout
+    result = launch("slurm_ddp_tasks.sbatch", **slurm, PATH=path, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+    assert result.returncode == 0, result.stdout
+    assert "task: RANK=unset WORLD_SIZE=unset LOCAL_RANK=unset" in result.stdout.splitlines(), result.stdout
 
 
 def test_platform_script_trains_from_the_platform_variables_alone_and_node_1_takes_its_rank_from_rank(

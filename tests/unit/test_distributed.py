@@ -172,6 +172,20 @@ def test_save_on_node_without_a_local_rank_or_a_master_port_alone_is_one_line(mo
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(UsageError, match=r"^MASTER_PORT is not set: start this script with torchrun"):
         train_ddp.setup(train_ddp.parse_args(["--device", "cpu"]))
+    monkeypatch.setenv("MASTER_ADDR", "")  # (a job script's failed `scontrol`: was torch's ValueError, a traceback)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(UsageError, match=r"^MASTER_ADDR is not set: start this script with torchrun"):
+        train_ddp.setup(train_ddp.parse_args(["--device", "cpu"]))
+    import train_spawn
+
+    monkeypatch.setenv("MASTER_PORT", "")  # (empty: unset, as to train_ddp.py; was torch's traceback in each rank)
+    port = str(free_port())
+    train_spawn.setup(
+        train_spawn.parse_args(
+            ["--device", "cpu", "--nproc-per-node", "2", "--dist-url", "env://", "--master-port", port]
+        )
+    )
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", port)
     assert distributed.Runtime("ddp", None, 0, 3, 1).writes_checkpoints("node")  # (one process: it writes)
 
 

@@ -101,6 +101,17 @@ from harness.processes import PYTHON, REPO, clean_env
             ),
         ),
         (ValueError("a bug of ours"), None),
+        (  # (a second spawn job took the port between the first one's check and its rank 0's store: a traceback)
+            RuntimeError(
+                "The server socket has failed to listen on any local network address. port: 29591, useIpv6: 0, code: "
+                "-98, name: EADDRINUSE, message: address already in use"
+            ),
+            (
+                1,
+                "error: cannot listen on port 29591 (Address already in use): the port is in use; choose another "
+                "(MASTER_PORT, --master-port)",
+            ),
+        ),
         (  # (a rendezvous no other node came to: torch's DistStoreError, a traceback after --dist-timeout)
             RuntimeError("Timed out after 21 seconds waiting for clients. 1/2 clients joined."),
             (
