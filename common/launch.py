@@ -234,6 +234,30 @@ def check_host_resolves(host):
         ) from None
 
 
+def check_endpoint(host, port, listens, wait):
+    """For the torchrun launchers of run_scripts/ (torchrun waits 600 s for its rendezvous, saying nothing, or ends in
+    a traceback): UsageError unless `host` (an IPv6 address in brackets or not) resolves within `wait` seconds (a note
+    while it does not: a platform's name for node 0 may come to its DNS after the nodes start) and, where this node's
+    torchrun listens (`listens`: node 0 of a static rendezvous, on every address), `port` is free."""
+    host, deadline, said = host.removeprefix("[").removesuffix("]"), time.monotonic() + wait, False
+    while True:
+        try:
+            check_host_resolves(host)
+            break
+        except UsageError:
+            if time.monotonic() >= deadline:
+                raise
+            if not said:
+                say(
+                    f"note: MASTER_ADDR {host} does not resolve yet: waiting up to {wait} s (MASTER_ADDR_WAIT)",
+                    sys.stderr,
+                )
+                said = True
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    if listens:
+        check_port_free("", port, ("MASTER_ADDR", "MASTER_PORT"))
+
+
 def check_port_free(address, port, names=("--master-addr", "--master-port")):
     """Fail early and clearly when the rendezvous port is taken (`names`: what gave the address and the port); on
     every address where `address` is "" (torchrun's agent listens so)."""

@@ -40,17 +40,21 @@ host() {  # host VAR: stop unless VAR is one host's name or address, without a p
     || fail "$1='$value' is not one host's name or address (node 0's)"
 }
 
-check_endpoint() {  # check_endpoint LISTENS: stop unless MASTER_ADDR resolves and, where this node's torchrun will
-  local said  # listen (LISTENS 1: node 0), MASTER_PORT is free here (was: torchrun waited 600 s saying nothing, or
-  said=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1])  # ended in its traceback)
-from common.errors import UsageError
-from common.launch import check_host_resolves, check_port_free
+# check_endpoint LISTENS: stop unless MASTER_ADDR resolves within MASTER_ADDR_WAIT seconds (default 600, as torchrun
+# waits for its rendezvous: a platform's name for node 0 may come to its DNS after the nodes start) and, where this
+# node's torchrun listens (LISTENS 1: node 0 of a static rendezvous), MASTER_PORT is free here (was: torchrun's wait
+# of 600 s, saying nothing, or its traceback): common/launch.py's check_endpoint.
+check_endpoint() {
+  local said
+  MASTER_ADDR_WAIT="${MASTER_ADDR_WAIT:-600}"
+  whole MASTER_ADDR_WAIT 0
+  said=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1])
+from common.launch import UsageError, check_endpoint
 try:
-    check_host_resolves(sys.argv[2].removeprefix("[").removesuffix("]"))
-    if sys.argv[4] == "1":
-        check_port_free("", int(sys.argv[3]), ("MASTER_ADDR", "MASTER_PORT"))
+    check_endpoint(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]))
 except UsageError as error:
-    print(f"refused: {error}")' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1") || fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT"
+    print(f"refused: {error}")' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1" "$MASTER_ADDR_WAIT") \
+    || fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT"
   [[ "$said" != "refused: "* ]] || fail "${said#refused: }"
 }
 

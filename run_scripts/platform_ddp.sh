@@ -36,9 +36,9 @@ nnodes=$((WORLD_SIZE / WORKER_PER_NODE))
 NODE_RANK="$node_rank"
 whole NODE_RANK 0 $((nnodes - 1))  # (RANK 8 of WORLD_SIZE 4 became node 4 of 2, and waited silently)
 script_here "${TRAIN_SCRIPT:-train_ddp.py}"
-check_endpoint "$([ "$node_rank" = 0 ] && echo 1 || echo 0)"
+check_endpoint "$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)"
 # torchrun gives each process its own RANK, LOCAL_RANK and WORLD_SIZE.
 unset RANK LOCAL_RANK
 note_rendezvous "$nnodes"
-run "${TORCHRUN[@]}" --nnodes="$nnodes" --node-rank="$node_rank" --nproc-per-node="$WORKER_PER_NODE" \
+run "${TORCHRUN[@]}" --nnodes="$nnodes" --node-rank="$NODE_RANK" --nproc-per-node="$WORKER_PER_NODE" \
     --rdzv-backend=static --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" "$REPO_DIR/${TRAIN_SCRIPT:-train_ddp.py}" "$@"

@@ -215,12 +215,12 @@ PLATFORM = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "4
         ("multi_node_ddp.sh", {"MAX_RESTARTS": "abc"}, "MAX_RESTARTS=abc is not a whole number from 0"),
         (  # (was: torchrun's wait of 600 s, saying nothing but a C++ warning every few seconds)
             "multi_node_ddp.sh",
-            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "no-such-host.invalid"},
+            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "no-such-host.invalid", "MASTER_ADDR_WAIT": "0"},
             "the rendezvous host no-such-host.invalid does not resolve to an address: give node 0's address or name",
         ),
         (
             "platform_ddp.sh",
-            {**PLATFORM, "MASTER_ADDR": "no-such-host.invalid"},
+            {**PLATFORM, "MASTER_ADDR": "no-such-host.invalid", "MASTER_ADDR_WAIT": "0"},
             "the rendezvous host no-such-host.invalid does not resolve to an address",
         ),
     ],
@@ -265,6 +265,7 @@ def test_a_port_in_use_on_node_0_is_one_line_from_the_torchrun_launchers(tmp_pat
         for script, env in (
             ("multi_node_ddp.sh", {"NPROC_PER_NODE": "1"}),
             ("platform_ddp.sh", {**PLATFORM, "WORLD_SIZE": "2", "WORKER_PER_NODE": "2"}),
+            ("platform_ddp.sh", {**PLATFORM, "WORLD_SIZE": "2", "WORKER_PER_NODE": "2", "NODE_RANK": "00"}),
         ):
             result = launch(script, "--output-dir", tmp_path / "out", **{**env, "MASTER_PORT": str(port)})
             assert result.returncode == 2 and result.stdout.splitlines() == [

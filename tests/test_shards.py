@@ -261,8 +261,8 @@ def test_a_rerun_with_other_options_or_a_missing_source_is_refused_in_one_line(t
 def test_a_manifest_this_tool_did_not_write_is_refused_in_one_line(tmp_path, tiny_data, capsys):
     """Empty or cut short: a JSONDecodeError traceback; a list: taken for no manifest, none written, and a rerun with
     other options then added their shards to the first ones (the images read twice)."""
-    for text in ("", '{"shard_size": 5', "[]"):
-        out = tmp_path / f"out{len(text)}"
+    for text in ("", '{"shard_size": 5', "[]", "null"):
+        out = tmp_path / f"out-{text.encode().hex()}"
         out.mkdir()
         (out / "shards.json").write_text(text)
         assert make_shards.main([str(tiny_data), str(out), "--shard-size", "5", "--workers", "1"]) == 2

@@ -161,7 +161,7 @@ def run(command, timeout, stop_at=None, **env):
     everything it started. Returns ({"data:"/stop_at/"exit": seconds from launch}, output lines, snapshot)."""
     token, what = (
         uuid.uuid4().hex,
-        shlex.join(["python", *(["-c", "CHILD", *command[3:]] if "-c" in command else command[1:])]),
+        shlex.join(["python", *(["-c", "CHILD", *command[3:]] if command[1] == "-c" else command[1:])]),
     )
     environ = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
     environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO, **env, **{MARK: token})

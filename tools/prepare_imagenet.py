@@ -250,7 +250,7 @@ def source_of(job):
 
 def run_job(job, out_dir, resize, quality, redo=False):
     """Put a job's images in place, keeping those a killed run finished (every one written again when
-    `redo`: its marker did not match them, and a class folder's images no longer in the source removed), sync their
+    `redo`: its marker did not match them), remove a class folder's images no longer in the source, sync their
     folders, then write its marker."""
     images, total, undecodable, folders, names = 0, 0, [], {}, set()
     try:
@@ -266,7 +266,7 @@ def run_job(job, out_dir, resize, quality, redo=False):
                 if not decoded:
                     undecodable.append(f"{job.split}/{wnid}/{name}")
             images, total = images + 1, total + size
-        if redo and job.split == "train" and (out_dir / "train" / job.args[0]).is_dir():
+        if job.split == "train" and (out_dir / "train" / job.args[0]).is_dir():
             folders[out_dir / "train" / job.args[0]] = True  # (images gone from the source: not left to train on)
             with os.scandir(out_dir / "train" / job.args[0]) as entries:
                 for entry in entries:
@@ -354,7 +354,10 @@ def check_marker(job, out_dir):
         problem = f"cannot be read ({error.strerror or error})"
     else:
         sizes, images, size = image_sizes(job, out_dir), record["images"], record["bytes"]
-        source = None if record["source"] is None else source_of(job)  # (None: a marker of an older version)
+        try:
+            source = None if record["source"] is None else source_of(job)  # (None: a marker of an older version)
+        except OSError as error:  # (a class folder of the source that cannot be listed now)
+            raise Failure(f"cannot list {error.filename}: {error.strerror or error}") from None
         # size None: the marker of an older version, without it; then only no image may be empty
         if source != record["source"]:
             problem = "was written from other images than the source holds now (some added, removed or renamed)"

@@ -126,7 +126,6 @@ def overlap(reads, writes):
 
 
 LOCK = ".lock"  # in a tool's OUT while a run writes there
-_held = set()  # the OUTs (resolved) this process holds
 
 
 @contextlib.contextmanager
@@ -134,15 +133,11 @@ def output_lock(out):
     """OUT (made if need be) written by this process alone while the block runs: a POSIX lock on OUT/.lock, which the
     kernel drops when the process ends. A second run on the same OUT meanwhile (it would remove the first one's files
     in progress as a killed run's) is refused: UsageError naming the first. Nothing is held on a file system that
-    does not lock; a block inside another on the same OUT holds nothing more."""
+    does not lock."""
     import fcntl
 
     from common.run_dir import NO_LOCKING
 
-    key = Path(out).resolve()
-    if key in _held:
-        yield
-        return
     try:
         Path(out).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(out) / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -165,14 +160,12 @@ def output_lock(out):
             if error.errno not in NO_LOCKING:
                 raise UsageError(f"cannot lock {Path(out) / LOCK}: {error.strerror or error}") from None
         else:
-            _held.add(key)
             with contextlib.suppress(OSError):  # (who holds it, for the refusal: a full disk leaves it unsaid)
                 text = f"PID {os.getpid()} on {socket.gethostname()}".encode()
                 os.pwrite(fd, text, 0)
                 os.ftruncate(fd, len(text))
         yield
     finally:
-        _held.discard(key)
         os.close(fd)
 
 

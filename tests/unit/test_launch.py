@@ -8,7 +8,9 @@ import errno
 import gc
 import os
 import signal
+import socket
 import subprocess
+import time
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from common.diagnostics import forward_flops
 from common.errors import CheckpointWriteError, Preempted, UnreadableImage, UsageError
 from common.launch import (
     _start_up_stop_line,
+    check_endpoint,
     known_failure,
     outcome,
     stop_at_once_until_training,
@@ -434,3 +437,22 @@ def test_a_spawned_worker_that_a_passed_on_stop_signal_killed_while_it_started_i
         143,
     )  # (killed by someone else: a crash to report)
     assert worker_ended(ended(75), {signal.SIGTERM}) == (None, 75) and worker_ended(ended(2), set())[1] == 2
+
+
+def test_the_launchers_check_of_their_endpoint_waits_for_a_name_to_resolve_and_finds_a_port_in_use(capsys):
+    """run_scripts/ (check_endpoint): a platform's name for node 0 may come to its DNS after the nodes start, so the
+    launchers wait for it as torchrun would, saying so; then one line. Node 0's port in use on any address."""
+    start = time.monotonic()
+    with pytest.raises(UsageError, match=r"^the rendezvous host no-such-host\.invalid does not resolve to an address"):
+        check_endpoint("no-such-host.invalid", 29999, False, 1)
+    assert time.monotonic() - start >= 1
+    assert capsys.readouterr().err.splitlines() == [
+        "note: MASTER_ADDR no-such-host.invalid does not resolve yet: waiting up to 1 s (MASTER_ADDR_WAIT)"
+    ]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        check_endpoint("[::1]", port, False, 0)  # (a node past the first: it listens nowhere)
+        with pytest.raises(UsageError, match=rf"^cannot listen on port {port} \(Address already in use\): the port"):
+            check_endpoint("[::1]", port, True, 0)
