@@ -373,17 +373,24 @@ def report_shared_gpus(owners, backend, device, rank, warn=say):
         warn(f"warning: {message}")
 
 
+_fence = None  # the last collective's Work, held for the process's life (destroy_process_group)
+
+
 def destroy_process_group(finished=False):
     """End this process's groups. finished=True (every rank ends normally, never on an error's way out): one last
-    all-reduce first, on a tensor held until the groups are gone, so that gloo's thread is not still freeing tensors
-    while the group's destructor holds Python's lock and waits for it (a hang at exit: docs/development.md). A stop's
-    barrier does as well."""
+    all-reduce first, its Work held for the process's life, so that gloo's thread never frees its tensors: that needs
+    Python's lock, which the group's destructor holds while it waits for the thread (a hang at exit:
+    docs/development.md), and which Python shutting down refuses it (an abort, `terminate called without an active
+    exception`: FSDP's device mesh keeps the groups and their threads alive past this call). A stop's barrier does as
+    well."""
+    global _fence
     if not is_initialized():
         return
     if finished:
         nccl = dist.get_backend() == "nccl"
         fence = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-        dist.all_reduce(fence)
+        _fence = dist.all_reduce(fence, async_op=True)  # (its connections stay open too, until the process ends)
+        _fence.wait()
     dist.destroy_process_group()
 
 
