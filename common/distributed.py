@@ -389,7 +389,7 @@ def destroy_process_group(finished=False):
     if finished:
         nccl = dist.get_backend() == "nccl"
         fence = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-        _fence = dist.all_reduce(fence, async_op=True)  # (its connections stay open too, until the process ends)
+        _fence = dist.all_reduce(fence, async_op=True)  # (its store and connections stay open till the process ends)
         _fence.wait()
     dist.destroy_process_group()
 

@@ -247,13 +247,10 @@ def check_endpoint(host, port, listens, wait):
         except UsageError:
             if time.monotonic() >= deadline:
                 raise
-            if not said:
-                say(
-                    f"note: MASTER_ADDR {host} does not resolve yet: waiting up to {wait} s (MASTER_ADDR_WAIT)",
-                    sys.stderr,
-                )
-                said = True
-            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        if not said:  # (out of the `except`: a Ctrl-C while it sleeps is not chained to the UsageError)
+            say(f"note: MASTER_ADDR {host} does not resolve yet: waiting up to {wait} s (MASTER_ADDR_WAIT)", sys.stderr)
+            said = True
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
     if listens:
         check_port_free("", port, ("MASTER_ADDR", "MASTER_PORT"))
 

@@ -45,7 +45,7 @@ host() {  # host VAR: stop unless VAR is one host's name or address, without a p
 # node's torchrun listens (LISTENS 1: node 0 of a static rendezvous), MASTER_PORT is free here (was: torchrun's wait
 # of 600 s, saying nothing, or its traceback): common/launch.py's check_endpoint.
 check_endpoint() {
-  local said
+  local said status=0
   MASTER_ADDR_WAIT="${MASTER_ADDR_WAIT:-600}"
   whole MASTER_ADDR_WAIT 0
   said=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1])
@@ -53,9 +53,15 @@ from common.launch import UsageError, check_endpoint
 try:
     check_endpoint(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]))
 except UsageError as error:
-    print(f"refused: {error}")' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1" "$MASTER_ADDR_WAIT") \
-    || fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT"
-  [[ "$said" != "refused: "* ]] || fail "${said#refused: }"
+    sys.exit(print(error) or 2)
+except KeyboardInterrupt:
+    sys.exit(130)' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1" "$MASTER_ADDR_WAIT") || status=$?
+  case "$status" in  # (the refusal: exit code 2, its line on stdout; the note while it waits: on stderr)
+    0) ;;
+    2) fail "$said" ;;
+    130) exit 130 ;;
+    *) fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT (exit code $status)" ;;
+  esac
 }
 
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)

@@ -6,7 +6,8 @@
 #
 # NNODES (default 1), NODE_RANK (0..NNODES-1; required with NNODES > 1), MASTER_ADDR (node 0's
 # address, reachable from every node; required with NNODES > 1), MASTER_PORT (default 29500),
-# NPROC_PER_NODE (default: WORKER_PER_NODE, else the visible GPUs).
+# NPROC_PER_NODE (default: WORKER_PER_NODE, else the visible GPUs), MASTER_ADDR_WAIT (seconds to wait for
+# MASTER_ADDR to resolve, default 600).
 # RDZV_BACKEND=static (default): node k holds global ranks k*NPROC_PER_NODE...; =c10d: torchrun's
 # elastic rendezvous (ranks in order of arrival; NODE_RANK unused; needed for --max-restarts across
 # nodes: MAX_RESTARTS=N passes torchrun --max-restarts=N). Extra arguments go to train_ddp.py.

@@ -4,7 +4,8 @@
 #   bash run_scripts/platform_ddp.sh -a resnet50          # extra arguments go to train_ddp.py
 #
 # after setting (seed 004, "AILines ML"):
-#   MASTER_ADDR, MASTER_PORT  where node 0 listens
+#   MASTER_ADDR, MASTER_PORT  where node 0 listens (MASTER_ADDR_WAIT: seconds to wait for its name to
+#                             resolve, default 600)
 #   WORLD_SIZE                processes in the whole job (= devices)
 #   WORKER_PER_NODE           processes on each node
 #   NODE_RANK                 this node's index (else RANK / WORKER_PER_NODE, RANK being the global rank

@@ -568,8 +568,21 @@ def test_a_rerun_after_the_source_changed_redoes_what_changed(images, tmp_path):
         f"warning: {out}/.prepare/train-n01484850.done {changed} train/n01484850",
         f"warning: {out}/.prepare/val-0000.done {changed} val images 1 to 9 (in name order)",
     ], output
+    assert f"note: removed {removed}: its source no longer holds it" in output.splitlines(), output
     assert contents(out) == {name: data for name, data in (images | added).items() if name != removed}
     assert warnings(assert_ok(prepare(source, out))) == []  # (the new markers trusted)
+    # A class whose marker a kill left unwritten: its stale image removed too; a user's own file and folder kept
+    folder = out / "train" / "n01491361"
+    (folder / "README.txt").write_text("mine")
+    (folder / "crops").mkdir()
+    (folder / "gone.JPEG").write_bytes(images["train/n01491361/n01491361_101.JPEG"])
+    (out / ".prepare" / "train-n01491361.done").unlink()
+    output = assert_ok(prepare(source, out))
+    assert "note: removed train/n01491361/gone.JPEG: its source no longer holds it" in output.splitlines(), output
+    assert sorted(path.name for path in folder.iterdir() if not path.name.lower().endswith(".jpeg")) == [
+        "README.txt",
+        "crops",
+    ]
 
 
 def damaged_class_tars(images, root):
@@ -873,4 +886,4 @@ def test_shard_size_without_shards_and_shards_where_no_folder_can_be_made_are_on
     assert not (tmp_path / "out").exists()
     (tmp_path / "a-file").write_text("")
     line = one_error_line(capsys, source, tmp_path / "a-file", "--shards")
-    assert line == f"error: cannot write to {tmp_path / 'a-file'}: File exists"  # (as tools/make_shards.py says it)
+    assert line == f"error: cannot write to {tmp_path / 'a-file'}: Not a directory"

@@ -275,6 +275,17 @@ def test_a_port_in_use_on_node_0_is_one_line_from_the_torchrun_launchers(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_a_name_that_does_not_resolve_is_waited_for_with_a_note_then_one_line(tmp_path):
+    """(a platform's name for node 0 may come to its DNS after the nodes start: the wait as torchrun's, said)"""
+    env = dict(NNODES="2", NODE_RANK="1", NPROC_PER_NODE="1", MASTER_ADDR="no-such-host.invalid", MASTER_ADDR_WAIT="1")
+    result = launch("multi_node_ddp.sh", "--output-dir", tmp_path / "out", **env)
+    assert result.returncode == 2 and result.stdout.splitlines() == [
+        "note: MASTER_ADDR no-such-host.invalid does not resolve yet: waiting up to 1 s (MASTER_ADDR_WAIT)",
+        "error: multi_node_ddp.sh: the rendezvous host no-such-host.invalid does not resolve to an address: give node "
+        "0's address or name (MASTER_ADDR, --master-addr)",
+    ], result.stdout
+
+
 def test_a_link_to_a_launcher_runs_it(tmp_path):
     """(was: `_common.sh: No such file or directory` beside the link, then bash's `command not found`)"""
     (tmp_path / "ddp").symlink_to(SCRIPTS / "single_node_ddp.sh")

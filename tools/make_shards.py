@@ -186,7 +186,7 @@ def open_output(out, manifest, classes, splits, command):
         try:
             earlier = json.loads(path.read_bytes()) if path.exists() else None
         except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
-            earlier = []
+            earlier = "damaged"
         if path.exists() and not isinstance(earlier, dict):  # (this tool writes it whole, or not at all)
             raise UsageError(
                 f"{path} is not a manifest this tool writes (empty, damaged or another's): give another OUT, or "
@@ -270,9 +270,7 @@ def write_all(out, classes, samples, source, args):
     }
     if any(folder.is_dir() for split in samples for folder in (out / split).glob("*")):
         raise UsageError(f"{out} holds class folders: give the shards an OUT of their own")
-    # (a second run at once would remove this one's shards in progress; prepare_imagenet.py --shards holds it already,
-    # and a process may take its own lock again)
-    with output_lock(out):
+    with output_lock(out):  # (a second run at once would remove this one's shards in progress)
         if open_output(out, manifest, classes, samples, args.command):
             print(f"carrying on in {out}", flush=True)
         jobs = []

@@ -252,7 +252,7 @@ def run_job(job, out_dir, resize, quality, redo=False):
     """Put a job's images in place, keeping those a killed run finished (every one written again when
     `redo`: its marker did not match them), remove a class folder's images no longer in the source, sync their
     folders, then write its marker."""
-    images, total, undecodable, folders, names = 0, 0, [], {}, set()
+    images, total, undecodable, folders, names, removed = 0, 0, [], {}, set(), []
     try:
         for wnid, name, source in job.read(job.source, *job.args):
             dest = out_dir / job.split / wnid / name
@@ -269,9 +269,11 @@ def run_job(job, out_dir, resize, quality, redo=False):
         if job.split == "train" and (out_dir / "train" / job.args[0]).is_dir():
             folders[out_dir / "train" / job.args[0]] = True  # (images gone from the source: not left to train on)
             with os.scandir(out_dir / "train" / job.args[0]) as entries:
-                for entry in entries:
-                    if entry.name not in names and not entry.name.startswith("."):
+                for entry in entries:  # (a file of the user's own, or a folder, left as it is)
+                    image = entry.is_file(follow_symlinks=False) and entry.name.lower().endswith(IMG_EXTENSIONS)
+                    if image and entry.name not in names and not entry.name.startswith("."):
                         os.unlink(entry.path)
+                        removed.append(f"train/{job.args[0]}/{entry.name}")
         for folder in [*folders, out_dir / job.split]:  # the renames (and new folders) on disk before the marker
             sync(folder)
         write_atomically(
@@ -286,7 +288,7 @@ def run_job(job, out_dir, resize, quality, redo=False):
         raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
     except (tarfile.TarError, EOFError) as error:
         raise Failure(f"{job.source} ({job.marker.removesuffix('.done')}): {error}") from None
-    return images, undecodable
+    return images, undecodable, removed
 
 
 def read_marker(path):
@@ -598,9 +600,11 @@ def run_pool(jobs, redo, out_dir, args):
     pool = worker_pool(workers)
     try:
         for future in as_completed([pool.submit(work, job, redo=job.marker in redo) for job in jobs]):
-            count, undecodable = future.result()
+            count, undecodable, removed = future.result()
             for name in undecodable:
                 say(f"warning: cannot decode {name}: copied unchanged")
+            for name in removed:
+                say(f"note: removed {name}: its source no longer holds it")
             images += count
             progress.update(1, f" ({images:,} images)")
     except BaseException:  # an error, Ctrl-C, SIGTERM or a dead worker: stop the workers now, mid-job
@@ -697,7 +701,8 @@ def prepare(args):
         raise Failure(
             f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
         )
-    with output_lock(out_dir):  # (a second run at once would remove this one's files in progress)
+    # A second run at once would remove this one's files in progress (--shards: make_shards.write_all takes the lock)
+    with contextlib.nullcontext() if args.shards else output_lock(out_dir):
         prepare_out(args, out_dir, train, val, labels, start)
 
 
