@@ -58,7 +58,7 @@ except KeyboardInterrupt:
     sys.exit(130)' "$REPO_DIR" "$MASTER_ADDR" "$MASTER_PORT" "$1" "$MASTER_ADDR_WAIT") || status=$?
   case "$status" in  # (the refusal: exit code 2, its line on stdout; the note while it waits: on stderr)
     0) ;;
-    2) fail "$said" ;;
+    2) fail "${said:-$PYTHON refused MASTER_ADDR or MASTER_PORT, saying nothing}" ;;
     130) exit 130 ;;
     *) fail "$PYTHON could not check MASTER_ADDR and MASTER_PORT (exit code $status)" ;;
   esac

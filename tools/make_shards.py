@@ -22,6 +22,7 @@ refuse OUT. A rerun after SRC changed (an image or a class added, removed, renam
 """
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import io
@@ -246,9 +247,10 @@ def make_shards(args):
     write_all(out, classes, samples, {"source": str(src.resolve())}, args)
 
 
-def write_all(out, classes, samples, source, args):
+def write_all(out, classes, samples, source, args, locked=False):
     """OUT's class list and shards of samples {split: [(key, extension, label, path, offset, size)]}, in their order,
-    args.shard_size each, the shards not done yet written by args.workers processes."""
+    args.shard_size each, the shards not done yet written by args.workers processes. OUT's lock (shared.output_lock)
+    held meanwhile, unless the caller holds it (`locked`: tools/prepare_imagenet.py --shards)."""
     for split, items in samples.items():
         first = {}
         for key, _, _, path, offset, _ in items:
@@ -270,7 +272,7 @@ def write_all(out, classes, samples, source, args):
     }
     if any(folder.is_dir() for split in samples for folder in (out / split).glob("*")):
         raise UsageError(f"{out} holds class folders: give the shards an OUT of their own")
-    with output_lock(out):  # (a second run at once would remove this one's shards in progress)
+    with contextlib.nullcontext() if locked else output_lock(out):  # (a second run at once would remove its work)
         if open_output(out, manifest, classes, samples, args.command):
             print(f"carrying on in {out}", flush=True)
         jobs = []

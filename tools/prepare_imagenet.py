@@ -270,10 +270,9 @@ def run_job(job, out_dir, resize, quality, redo=False):
             folders[out_dir / "train" / job.args[0]] = True  # (images gone from the source: not left to train on)
             with os.scandir(out_dir / "train" / job.args[0]) as entries:
                 for entry in entries:  # (a file of the user's own, or a folder, left as it is)
-                    image = entry.is_file(follow_symlinks=False) and entry.name.lower().endswith(IMG_EXTENSIONS)
-                    if image and entry.name not in names and not entry.name.startswith("."):
+                    if stored_image(entry) and entry.name not in names:
                         os.unlink(entry.path)
-                        removed.append(f"train/{job.args[0]}/{entry.name}")
+                        removed.append((job.args[0], entry.name))
         for folder in [*folders, out_dir / job.split]:  # the renames (and new folders) on disk before the marker
             sync(folder)
         write_atomically(
@@ -315,6 +314,16 @@ def read_marker(path):
     return record
 
 
+def stored_image(entry):
+    """Whether the os.scandir `entry` of a class folder in OUT_DIR is an image as this script stores one (neither a
+    temporary, a link, a folder nor a file of the user's own): what a marker counts, and what a rerun may remove."""
+    return (
+        not entry.name.startswith(".")
+        and entry.is_file(follow_symlinks=False)
+        and entry.name.lower().endswith(IMG_EXTENSIONS)
+    )
+
+
 def image_sizes(job, out_dir):
     """The sizes of the images a job put in OUT_DIR, as they are now: those in its class folder (train),
     those of its names found (val)."""
@@ -322,7 +331,7 @@ def image_sizes(job, out_dir):
         if job.split == "train":
             try:
                 with os.scandir(out_dir / "train" / job.args[0]) as entries:  # no temporaries: open_output
-                    return [entry.stat().st_size for entry in entries if not entry.name.startswith(".")]
+                    return [entry.stat().st_size for entry in entries if stored_image(entry)]
             except FileNotFoundError:
                 return []
         sizes = []
@@ -603,8 +612,11 @@ def run_pool(jobs, redo, out_dir, args):
             count, undecodable, removed = future.result()
             for name in undecodable:
                 say(f"warning: cannot decode {name}: copied unchanged")
-            for name in removed:
-                say(f"note: removed {name}: its source no longer holds it")
+            if removed:
+                say(
+                    f"note: removed {len(removed)} image(s) that its source does not hold from train/"
+                    f"{removed[0][0]}: {', '.join(name for _, name in removed[:3])}{', ...' * (len(removed) > 3)}"
+                )
             images += count
             progress.update(1, f" ({images:,} images)")
     except BaseException:  # an error, Ctrl-C, SIGTERM or a dead worker: stop the workers now, mid-job
@@ -674,7 +686,7 @@ def prepare_shards(args, train, val, labels):
         raise Failure(f"cannot read {train}: {error.strerror if isinstance(error, OSError) else error}") from None
     source = {"source": str(Path(args.archive_dir).resolve())}
     try:
-        make_shards.write_all(Path(args.out_dir), classes, samples, source, args)
+        make_shards.write_all(Path(args.out_dir), classes, samples, source, args, locked=True)
     except UsageError as error:
         raise Failure(str(error), error.exit_code) from None  # (NoRoom's 1 for a full disk)
 
@@ -701,8 +713,7 @@ def prepare(args):
         raise Failure(
             f"{out_dir} holds {holds}: give the {'shards' if args.shards else 'class folders'} an OUT_DIR of their own"
         )
-    # A second run at once would remove this one's files in progress (--shards: make_shards.write_all takes the lock)
-    with contextlib.nullcontext() if args.shards else output_lock(out_dir):
+    with output_lock(out_dir):  # (a second run at once would remove this one's files in progress)
         prepare_out(args, out_dir, train, val, labels, start)
 
 
