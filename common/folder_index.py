@@ -5,7 +5,9 @@ workers copy as reference counts touch it. The order is ImageFolder's: sample i 
 """
 
 import csv
+import errno
 import os
+import stat
 import unicodedata
 from pathlib import Path
 from typing import NamedTuple
@@ -20,6 +22,22 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 # Written first into the folder it writes by tools/make_shards.py and tools/prepare_imagenet.py (their command line),
 # removed once it is whole: --data with it is refused (its tool was stopped part-way, or is still writing it).
 UNFINISHED = ".unfinished"
+
+
+def open_regular(path):
+    """`path` opened to read as a binary file; OSError (EINVAL, naming it) unless it is a regular file (or a link to
+    one): a FIFO named like an image or a shard would block its reader forever, a device never end. (A socket's open
+    fails by itself: ENXIO.)"""
+
+    def regular(name, flags):
+        fd = os.open(name, flags | os.O_NONBLOCK)  # (a FIFO's open waits for a writer without it)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device)", str(name))
+        os.set_blocking(fd, True)
+        return fd
+
+    return open(path, "rb", opener=regular)  # (its name the path's: PIL's errors name it)
 
 
 def mark_unfinished(root, command):

@@ -40,6 +40,7 @@ from common.errors import NO_ROOM, NoRoom, UsageError, printable
 from common.folder_index import (
     mark_finished,
     mark_unfinished,
+    open_regular,
     refuse_unfinished,
     scan_image_folder,
     scan_split_files,
@@ -99,12 +100,12 @@ def folder_samples(files, split_root):
     return samples
 
 
-GONE = (errno.ENOENT, errno.EACCES, errno.ELOOP, errno.EISDIR)  # a file that no rerun reads: stored empty
+GONE = (errno.ENOENT, errno.EACCES, errno.ELOOP, errno.EISDIR, errno.EINVAL)  # no rerun reads it: stored empty
 
 
 def read_sample(path, offset, size):
     """A sample's bytes: the file at `path`, or `size` bytes at `offset` in it (an image inside an archive)."""
-    with open(path, "rb") as file:
+    with open_regular(path) as file:  # (a FIFO named like an image: refused, not waited on forever)
         if offset is None:
             return file.read()
         file.seek(offset)

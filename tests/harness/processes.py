@@ -1,7 +1,9 @@
 """The processes of the tests' jobs: a user's environment, free ports, and what /proc says of a process."""
 
+import contextlib
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -164,3 +166,19 @@ def resident_bytes_returned_at_fork():
         os._exit(0)
     os.waitpid(child, 0)
     return before - resident()
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """The block ended by TimeoutError after `seconds` (a reader blocked in open(): the test fails, not the suite)."""
+
+    def expired(_signum, _frame):
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)

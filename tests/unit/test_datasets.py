@@ -29,7 +29,7 @@ from common.datasets import (
 from common.errors import BadItem, UnreadableFile, UsageError
 from common.folder_index import read_split_file
 from conftest import cpu_runtime, parse
-from harness.processes import PYTHON, REPO
+from harness.processes import PYTHON, REPO, within
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")  # conftest: none of the platform variables
 SMALL = ["--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "-j", "0", "-b", "4"]
@@ -85,6 +85,34 @@ def test_load_image_of_a_broken_file_names_it(tmp_path):
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
     with pytest.raises(Exception, match=rf"cannot identify image file .*{re.escape(str(tmp_path / 'broken.jpg'))}"):
         load_image(str(tmp_path / "broken.jpg"))
+
+
+def test_a_fifo_named_like_an_image_is_an_unreadable_file_not_a_reader_blocked_forever(tmp_path):
+    """(was: its open() waited for a writer forever, in a loader worker or, with -j 0, in training itself)"""
+    for name in ("fifo.jpg", "fifo.png"):
+        os.mkfifo(tmp_path / name)
+        files = ImageFiles([(str(tmp_path / name), 0)])
+        with within(10), pytest.raises(UnreadableFile, match=r"not a regular file \(a FIFO or a device\)"):
+            files[0]
+
+
+def test_a_jpeg_whose_header_claims_more_pixels_than_pil_decodes_is_refused_as_pil_refuses_it(tmp_path):
+    """A file of 600 bytes whose frame header says 20000 x 20000: torchvision decoded it (1.2 GB, grey: trained on,
+    unsaid), where PIL, and so ImageFolder, refuse it (DecompressionBombError). Normal JPEGs: their size as PIL's."""
+    for options in ({}, {"progressive": True}, {"exif": b"x" * 60000, "icc_profile": b"y" * 70000}):
+        encoded = io.BytesIO()
+        Image.new("RGB", (300, 200)).save(encoded, "JPEG", **options)
+        assert datasets_module.jpeg_pixels(memoryview(encoded.getvalue())) == 300 * 200, options
+    bomb = bytearray(encoded.getvalue())
+    frame = bomb.index(b"\xff\xc0")
+    bomb[frame + 5 : frame + 9] = (20000).to_bytes(2, "big") * 2
+    (tmp_path / "bomb.jpg").write_bytes(bomb)
+    with pytest.raises(Image.DecompressionBombError) as pil:
+        Image.open(tmp_path / "bomb.jpg")
+    for decode in (lambda: load_image(str(tmp_path / "bomb.jpg")), lambda: datasets_module.decode_bytes(bomb, "jpg")):
+        with pytest.raises(Image.DecompressionBombError) as ours:
+            decode()
+        assert str(ours.value) == str(pil.value)
 
 
 def test_an_image_file_that_cannot_be_decoded_is_an_unreadable_file_named_by_its_path(tmp_path):

@@ -31,7 +31,7 @@ from common.shards import (
     write_index,
 )
 from conftest import parse
-from harness.processes import REPO
+from harness.processes import REPO, within
 
 sys.path.insert(0, str(REPO / "tools"))
 import make_shards
@@ -131,6 +131,17 @@ def test_a_file_it_cannot_read_is_stored_empty_and_named_and_odd_class_names_kee
     gone = next(index for index in range(len(train)) if train.name(index).endswith(":ring/zz-gone"))
     with pytest.raises(UnreadableFile, match="^cannot identify image file"):  # (was torch.frombuffer's complaint)
         ShardedImages(train)[gone]
+    # A FIFO named like an image: stored empty, as a broken link (was: make_shards.py waited for a writer forever)
+    os.mkfifo(src / "train" / "ring" / "zz-fifo.jpg")
+    with within(30):
+        assert make_shards.main([str(src), str(tmp_path / "out2"), "--workers", "1"]) == 0
+    assert (
+        f"cannot read {src / 'train' / 'ring' / 'zz-fifo.jpg'} (not a regular file (a FIFO or a device)): stored "
+        in (capsys.readouterr().err)
+    )
+    os.mkfifo(tmp_path / "out2" / "train" / "train-000009.tar")  # (among shards: the scan waited forever)
+    with within(30), pytest.raises(UsageError, match=r"train-000009.tar is not a regular file \(a FIFO, a device or"):
+        scan_shards(tmp_path / "out2")
     # A file that may read on a rerun (a socket here: ENXIO; a disk's or a mount's failure): one line, stopped.
     listening = socket.socket(socket.AF_UNIX)
     listening.bind(str(src / "val" / "ring" / "zz-socket.jpg"))
