@@ -103,7 +103,7 @@ SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # a JPEG's fram
 
 def jpeg_pixels(data):
     """Width x height from the frame header of the JPEG bytes `data` (a memoryview), or None where none is found
-    (Image.open would take 30 times as long: 3% of a decode)."""
+    (a few microseconds: Image.open's parse of the same header costs many times that)."""
     at = 2
     while at + 9 <= len(data) and data[at] == 0xFF:
         marker = data[at + 1]

@@ -24,16 +24,24 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 UNFINISHED = ".unfinished"
 
 
+class NotRegularFile(OSError):
+    """open_regular's refusal of a FIFO or a device: for good (tools/make_shards.py stores it empty)."""
+
+
 def open_regular(path):
-    """`path` opened to read as a binary file; OSError (EINVAL, naming it) unless it is a regular file (or a link to
-    one): a FIFO named like an image or a shard would block its reader forever, a device never end. (A socket's open
-    fails by itself: ENXIO.)"""
+    """`path` opened to read as a binary file; NotRegularFile (naming it) unless it is a regular file or a folder (a
+    link to one too): a FIFO named like an image or a shard would block its reader forever, a device never end. (A
+    socket's open fails by itself: ENXIO; a folder's read: IsADirectoryError, as open()'s.)"""
 
     def regular(name, flags):
-        fd = os.open(name, flags | os.O_NONBLOCK)  # (a FIFO's open waits for a writer without it)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            fd = os.open(name, flags | os.O_NONBLOCK)  # (a FIFO's open waits for a writer without it)
+        except BlockingIOError:  # (a regular file under another's lease: a plain open waits for it, as before)
+            return os.open(name, flags)
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device)", str(name))
+            raise NotRegularFile(errno.EINVAL, "not a regular file (a FIFO or a device)", str(name))
         os.set_blocking(fd, True)
         return fd
 

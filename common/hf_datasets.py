@@ -11,7 +11,7 @@ import numpy as np
 
 from . import distributed
 from .errors import Preempted, UsageError
-from .folder_index import SPLIT_FILES
+from .folder_index import SPLIT_FILES, open_regular
 
 TRAIN_SPLITS, VAL_SPLITS = ("train",), ("validation", "val", "valid")
 # The columns trained on: the first of these names the split has, else its only column of the kind (timm's defaults)
@@ -215,7 +215,8 @@ class HFRows:
         if data is None:  # (empty bytes are an empty image, never a path to read from the working directory)
             if not path:
                 raise ValueError("the row has no image")
-            data = Path(path).read_bytes()
+            with open_regular(path) as file:  # (a FIFO: refused, not waited on forever)
+                data = file.read()
         return data, Path(path).suffix.lstrip(".") or "jpg"
 
     def name(self, index):

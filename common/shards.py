@@ -10,6 +10,7 @@ shards and in a folder train bitwise alike.
 import contextlib
 import hashlib
 import os
+import stat
 import zipfile
 from pathlib import Path
 
@@ -254,10 +255,10 @@ def split_index(root, split, cache=None, versions=(INDEX_VERSION,)):
         )
     if not shards:
         raise UsageError(f"--data {root} has train/ shards but no {split}/*.tar: give both splits")
-    special = next((shard for shard in shards if shard.exists() and not shard.is_file()), None)
-    if special is not None:  # (a FIFO: its reader would wait forever)
-        raise UsageError(f"{special} is not a regular file (a FIFO, a device or a socket): remove it from the shards")
     try:
+        special = next((shard for shard in shards if not stat.S_ISREG(os.stat(shard).st_mode)), None)
+        if special is not None:  # (a FIFO: its reader would wait forever)
+            raise UsageError(f"{special} is not a regular file: remove it from the shards")
         indexes = [shard_samples(shard, cache, versions) for shard in shards]
     except OSError as error:  # (a dangling link, no permission)
         raise UsageError(f"cannot read {error.filename}: {error.strerror}") from None

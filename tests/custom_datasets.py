@@ -197,6 +197,24 @@ def from_a_fifo(config):
     raise AssertionError("a writer opened the FIFO")
 
 
+def training_items_never_come(config):
+    """Training items that block a loader worker that reads them, as a read on a hung network file system does (a
+    pipe that no one writes: its write end is held open); the start-up's look at one item, and validation's items,
+    as uint8_tensors'."""
+    import os
+
+    from torch.utils.data import get_worker_info
+
+    def never(index):
+        if get_worker_info() is None:  # (the training process: the start-up's check of an item)
+            return pixels(index), index % 3
+        read_end, _write_end = os.pipe()
+        os.read(read_end, 1)
+        raise AssertionError("a pipe that no one writes was read")
+
+    return CLASSES, Items(TRAIN, never), Items(VAL, lambda index: (pixels(index), index % 3), offset=TRAIN)
+
+
 def two_classes(config):
     """uint8_tensors of two classes."""
     return (

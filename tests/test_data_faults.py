@@ -366,34 +366,17 @@ def test_a_loader_worker_killed_ends_the_run(killed_loader_workers, mode):
     assert no_traceback_of_ours(output), output[-3000:]
 
 
-@pytest.fixture(scope="module")
-def hung_data(tmp_path_factory):
-    return once(hung_data_folder, tmp_path_factory)
-
-
-def hung_data_folder(tmp_path_factory):
-    """Training files that block whoever opens them (FIFOs named .jpg: a hung network file system)."""
-    root = make_image_folder(tmp_path_factory.mktemp("hung"), train_per_class=1, val_per_class=1)
-    for index, folder in enumerate(sorted((root / "train").iterdir())):
-        for path in folder.iterdir():
-            path.unlink()
-        for number in range(2):
-            os.mkfifo(folder / f"blocks{index}{number}.jpg")
-    return root
-
-
 def side_by_side_runs(tmp_path_factory):
     """The module's runs, side by side, a thread each (most of their time is spent starting processes,
     and waiting): the runs on faulty data, the runs whose loader worker is killed, and the runs stopped
     while blocked on data. name -> what they gave, or the exception raised."""
-    faulty, tiny_data, long_epoch_data, hung_data = (
-        once(folder, tmp_path_factory)
-        for folder in (faulty_folder, tiny_folder, long_epoch_data_folder, hung_data_folder)
+    faulty, tiny_data, long_epoch_data = (
+        once(folder, tmp_path_factory) for folder in (faulty_folder, tiny_folder, long_epoch_data_folder)
     )
     groups = {
         "faulty": lambda out: runs_on_faulty_data(faulty, tiny_data, out),
         "killed": lambda out: runs_with_a_killed_loader_worker(long_epoch_data, out),
-        "blocked": lambda out: runs_stopped_while_blocked(hung_data, out),
+        "blocked": lambda out: runs_stopped_while_blocked(out),
     }
     folders = {name: tmp_path_factory.mktemp(name) for name in groups}
     with SideBySide(len(groups)) as pool:
@@ -426,6 +409,8 @@ def stopped_while_blocked(side_by_side):
     return outcome(side_by_side, "blocked")[0]
 
 
+HUNG = "tests.custom_datasets:training_items_never_come"  # (a hung network file system's reads)
+
 # name: (mode, signals); each signal is sent 3 s after the job said it asks for its first batch, a second
 # one 6 s after the first (copies of one request come within milliseconds: see the next test).
 BLOCKED = {
@@ -438,12 +423,12 @@ BLOCKED = {
 }
 
 
-def runs_stopped_while_blocked(hung_data, root):
+def runs_stopped_while_blocked(root):
     """Every job of BLOCKED, each waiting for data that never comes, stopped by its signals; started
     together, so that their waits (10 s of grace after a SIGTERM) overlap. name -> (returncode, output,
     processes left behind)."""
     jobs = {
-        name: Job(launch(mode, *RUN, "--data", hung_data, "-b", "2", "-j", "1", "--output-dir", root / name))
+        name: Job(launch(mode, *RUN, "--dataset", HUNG, "-b", "2", "-j", "1", "--output-dir", root / name))
         for name, (mode, _) in BLOCKED.items()
     }
     with killed_on_error(jobs):

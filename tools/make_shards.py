@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
 from common.errors import NO_ROOM, NoRoom, UsageError, printable
 from common.folder_index import (
+    NotRegularFile,
     mark_finished,
     mark_unfinished,
     open_regular,
@@ -100,7 +101,7 @@ def folder_samples(files, split_root):
     return samples
 
 
-GONE = (errno.ENOENT, errno.EACCES, errno.ELOOP, errno.EISDIR, errno.EINVAL)  # no rerun reads it: stored empty
+GONE = (errno.ENOENT, errno.EACCES, errno.ELOOP, errno.EISDIR)  # a file that no rerun reads: stored empty
 
 
 def read_sample(path, offset, size):
@@ -124,7 +125,8 @@ def write_shard(shard, samples, resize, quality):
                 try:
                     data = read_sample(*where)
                 except OSError as error:
-                    if where[1] is not None or error.errno not in GONE:  # (a disk's or a mount's failure: not for good)
+                    gone = error.errno in GONE or isinstance(error, NotRegularFile)  # (a FIFO: for good too)
+                    if where[1] is not None or not gone:  # (a disk's or a mount's failure: not for good)
                         raise UsageError(
                             f"cannot read {printable(where[0])} ({error.strerror}): run the same command again once "
                             "it reads (it carries on)"

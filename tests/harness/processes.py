@@ -168,12 +168,17 @@ def resident_bytes_returned_at_fork():
     return before - resident()
 
 
+class Blocked(BaseException):
+    """within()'s: a block that did not end in time."""
+
+
 @contextlib.contextmanager
 def within(seconds):
-    """The block ended by TimeoutError after `seconds` (a reader blocked in open(): the test fails, not the suite)."""
+    """The block ended by Blocked after `seconds` (a reader blocked in open(): the test fails, not the suite); SIGALRM's
+    timer, which the code under test must not use meanwhile."""
 
-    def expired(_signum, _frame):
-        raise TimeoutError(f"still blocked after {seconds} s")
+    def expired(_signum, _frame):  # (not an OSError, as TimeoutError: no handler of the code under test takes it)
+        raise Blocked(f"still blocked after {seconds} s")
 
     before = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)

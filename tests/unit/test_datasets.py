@@ -94,6 +94,9 @@ def test_a_fifo_named_like_an_image_is_an_unreadable_file_not_a_reader_blocked_f
         files = ImageFiles([(str(tmp_path / name), 0)])
         with within(10), pytest.raises(UnreadableFile, match=r"not a regular file \(a FIFO or a device\)"):
             files[0]
+    (tmp_path / "folder.png").mkdir()  # (a folder: open()'s IsADirectoryError, as before)
+    with pytest.raises(UnreadableFile, match=r"Is a directory"):
+        ImageFiles([(str(tmp_path / "folder.png"), 0)])[0]
 
 
 def test_a_jpeg_whose_header_claims_more_pixels_than_pil_decodes_is_refused_as_pil_refuses_it(tmp_path):
@@ -103,6 +106,13 @@ def test_a_jpeg_whose_header_claims_more_pixels_than_pil_decodes_is_refused_as_p
         encoded = io.BytesIO()
         Image.new("RGB", (300, 200)).save(encoded, "JPEG", **options)
         assert datasets_module.jpeg_pixels(memoryview(encoded.getvalue())) == 300 * 200, options
+    plain = encoded.getvalue()  # a fill byte before a marker, and a comment holding an SOF's bytes before the frame:
+    comment = b"\xff\xfe" + (2 + 9).to_bytes(2, "big") + b"\xff\xc0\x00\x11\x08\x7f\xff\x7f\xff"
+    for odd in (plain[:2] + b"\xff" + plain[2:], plain[:2] + comment + plain[2:]):
+        assert datasets_module.jpeg_pixels(memoryview(odd)) == 300 * 200 == Image.open(io.BytesIO(odd)).size[0] * 200
+    for cut in range(len(plain) // 4):  # (a header cut short: none found, never an exception)
+        datasets_module.jpeg_pixels(memoryview(plain[:cut]))
+    assert datasets_module.jpeg_pixels(memoryview(plain[:20])) is None
     bomb = bytearray(encoded.getvalue())
     frame = bomb.index(b"\xff\xc0")
     bomb[frame + 5 : frame + 9] = (20000).to_bytes(2, "big") * 2
