@@ -64,6 +64,13 @@ except KeyboardInterrupt:
   esac
 }
 
+slurm_endpoint() {  # MASTER_ADDR: the allocation's first host (not the submitting shell's); MASTER_PORT: 29500 unless set
+  MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)" || true
+  [ -n "$MASTER_ADDR" ] || fail "scontrol show hostnames $SLURM_JOB_NODELIST named no host"
+  MASTER_PORT="${MASTER_PORT:-29500}"
+  whole MASTER_PORT 1 65535
+}
+
 script_here() {  # script_here NAME: stop unless NAME is a training script of this repository (TRAIN_SCRIPT)
   [ -f "$REPO_DIR/$1" ] || fail "TRAIN_SCRIPT=$1 is not a script of this repository (train_ddp.py or train_fsdp.py)"
 }

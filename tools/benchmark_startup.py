@@ -159,10 +159,8 @@ def snapshot(token):
 def run(command, timeout, stop_at=None, **env):
     """Run command in a new session until it exits, or prints a line starting with stop_at; then kill it and
     everything it started. Returns ({"data:"/stop_at/"exit": seconds from launch}, output lines, snapshot)."""
-    token, what = (
-        uuid.uuid4().hex,
-        shlex.join(["python", *(["-c", "CHILD", *command[3:]] if command[1] == "-c" else command[1:])]),
-    )
+    token = uuid.uuid4().hex
+    what = shlex.join(["python", *(["-c", "CHILD", *command[3:]] if command[1] == "-c" else command[1:])])
     environ = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
     environ.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO, **env, **{MARK: token})
     lines, seen, output, start = queue.Queue(), {}, [], time.perf_counter()

@@ -187,15 +187,15 @@ def open_output(out, manifest, classes, splits, command):
     path = out / MANIFEST
     try:
         out.mkdir(parents=True, exist_ok=True)
-        try:
-            earlier = json.loads(path.read_bytes()) if path.exists() else None
-        except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
-            earlier = "damaged"
-        if path.exists() and not isinstance(earlier, dict):  # (this tool writes it whole, or not at all)
-            raise UsageError(
-                f"{path} is not a manifest this tool writes (empty, damaged or another's): give another OUT, or "
-                f"delete {out} to write the shards again"
-            )
+        earlier = None
+        if path.exists():
+            with contextlib.suppress(ValueError):  # (JSONDecodeError, UnicodeDecodeError: refused below)
+                earlier = json.loads(path.read_bytes())
+            if not isinstance(earlier, dict):  # (this tool writes it whole, or not at all)
+                raise UsageError(
+                    f"{path} is not a manifest this tool writes (empty, damaged or another's): give another OUT, or "
+                    f"delete {out} to write the shards again"
+                )
         changed = [name for name in manifest if name in (earlier or {}) and earlier[name] != manifest[name]]
         options = [f"{name} {earlier[name]} -> {manifest[name]}" for name in changed if name not in LISTED]
         if options:

@@ -266,9 +266,10 @@ def run_job(job, out_dir, resize, quality, redo=False):
                 if not decoded:
                     undecodable.append(f"{job.split}/{wnid}/{name}")
             images, total = images + 1, total + size
-        if job.split == "train" and (out_dir / "train" / job.args[0]).is_dir():
-            folders[out_dir / "train" / job.args[0]] = True  # (images gone from the source: not left to train on)
-            with os.scandir(out_dir / "train" / job.args[0]) as entries:
+        folder = out_dir / "train" / job.args[0] if job.split == "train" else None
+        if folder is not None and folder.is_dir():
+            folders[folder] = True  # (images gone from the source: not left to train on)
+            with os.scandir(folder) as entries:
                 for entry in entries:  # (a file of the user's own, or a folder, left as it is)
                     if stored_image(entry) and entry.name not in names:
                         os.unlink(entry.path)
@@ -685,10 +686,7 @@ def prepare_shards(args, train, val, labels):
     except (OSError, tarfile.TarError) as error:  # (a class's tar damaged, an archive unreadable)
         raise Failure(f"cannot read {train}: {error.strerror if isinstance(error, OSError) else error}") from None
     source = {"source": str(Path(args.archive_dir).resolve())}
-    try:
-        make_shards.write_all(Path(args.out_dir), classes, samples, source, args, locked=True)
-    except UsageError as error:
-        raise Failure(str(error), error.exit_code) from None  # (NoRoom's 1 for a full disk)
+    make_shards.write_all(Path(args.out_dir), classes, samples, source, args, locked=True)  # (its UsageError: main's)
 
 
 def prepare(args):
