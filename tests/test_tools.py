@@ -8,6 +8,8 @@ import re
 import signal
 import socket
 import sys
+import time
+from pathlib import Path
 from subprocess import CompletedProcess
 
 import pytest
@@ -261,3 +263,38 @@ def test_benchmark_startup_stopped_while_it_builds_its_tree_leaves_none(tmp_path
         job.kill()
     assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_startup.py ended by SIGTERM", output
     assert not root.exists() and no_traceback_of_ours(output)
+
+
+def test_benchmark_fsdp_measures_and_a_stop_ends_its_torchrun_and_ranks(tmp_path):
+    """A row of the table, measured by torchrun's ranks (was: each failed, since fsdp.Sharding read a flag the tool's
+    Config lacked). Then SIGTERM to the tool alone, once torchrun started the next row's ranks: torchrun and the ranks
+    trained on without it."""
+    command = [PYTHON, REPO / "tools" / "benchmark_fsdp.py", "--arch", "resnet18", "--processes", "1", "2"]
+    job = Job(command, prewarmed=False)
+    try:
+        row = job.wait_for(re.compile(r"^\| 1 process \|"), timeout=180).split("|")
+        held, share, ratio = (float(cell.split()[0].replace(",", "")) for cell in row[2:5])
+        assert 0.95 < ratio < 1.2 and share == pytest.approx(4 * 11_689_512 * 4 / 2**20, rel=1e-3), row
+        deadline = time.monotonic() + 120
+        while len(ranks_of(job)) < 2:  # (all: a stop while torchrun starts them leaves those started, in torch 2.15)
+            assert time.monotonic() < deadline and job.process.poll() is None, "".join(job.output)
+            time.sleep(0.05)
+        os.kill(job.process.pid, signal.SIGTERM)
+        code, output = job.finish(timeout=60, grace=3)
+    finally:
+        job.kill()
+    assert code == 143 and output.splitlines()[-1] == "stopped: benchmark_fsdp.py ended by SIGTERM", output
+    assert job.left_behind == [] and no_traceback_of_ours(output)
+
+
+def ranks_of(job):
+    """The processes of `job` that are benchmark_fsdp.py's ranks (not the torchrun that started them)."""
+    ranks = []
+    for pid in job.leftovers():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # (ended meanwhile)
+            continue
+        if b"--worker" in command and b"torch.distributed.run" not in command:
+            ranks.append(pid)
+    return ranks

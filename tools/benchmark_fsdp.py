@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from common.cli import Parser  # noqa: E402
-from shared import check_child, run_tool, torchvision_model, whole  # noqa: E402
+from shared import check_child, run_tool, torchvision_model, until_stopped, whole  # noqa: E402
 
 
 def train_steps(model, optimizer, device, steps=2):
@@ -59,7 +59,9 @@ def worker(arch):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    config = Config(cpu_offload=False, reshard_after_forward=True, activation_checkpointing=False, amp="none")
+    config = Config(
+        cpu_offload=False, reshard_after_forward=True, activation_checkpointing=False, compile=False, amp="none"
+    )
     sharding = fsdp.Sharding(config, Runtime("fsdp", device, rank, rank, world_size, world_size))
     torch.manual_seed(0)
     model = torchvision.models.get_model(arch, num_classes=1000)  # on the CPU: fully_shard moves each unit's shard
@@ -112,9 +114,21 @@ def measure(arch, processes):
         arch,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-    check_child(f"torchrun --nproc_per_node={processes}", result)
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate()
+    except BaseException:  # this tool stopped: torchrun stops its ranks, as on a stop of its own (killed, it
+        process.terminate()  # would leave them training, or starting up, without it)
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        raise
+    check_child(
+        f"torchrun --nproc_per_node={processes}",
+        subprocess.CompletedProcess(command, process.returncode, stdout, stderr),
+    )
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def main():
@@ -125,6 +139,12 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args.arch)
+    return until_stopped(print_table)(args)
+
+
+def print_table(args):
+    """The table of the measurements, a row per --processes. A stop of this tool stops the torchrun it runs, and so
+    its ranks."""
     print(
         f"| {args.arch}, AdamW | per rank: parameters + gradients + optimizer state | 1/N of the whole | ratio | "
         "peak memory per process | resident after the steps |"
