@@ -16,6 +16,7 @@ from harness.processes import PYTHON, REPO, clean_env
 
 sys.path.insert(0, str(REPO / "tools"))
 from benchmark_gpu import (
+    command,
     cpu_rows,
     gpu_rows,
     measure,
@@ -181,6 +182,27 @@ def test_a_row_s_limit_is_what_is_left_before_the_deadline_where_less():
     assert row_limit(False, None, time.monotonic()) == 420 and row_limit(True, None, time.monotonic()) == 300
     assert row_limit(False, 600, time.monotonic() - 500) == 100
     assert row_limit(False, 600, time.monotonic() - 570) < 60  # (too near: not started)
+
+
+def test_every_gpu_row_s_command_parses_with_its_script_s_parser(monkeypatch):
+    """A lent GPU's minutes are not spent on a flag renamed since: each row's train_dp.py or train_ddp.py arguments
+    are taken by that script's own parser here (a bare loop's row runs no script)."""
+    import train_ddp
+    import train_dp
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "EPOCHS", "LR", "BATCH_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    parsed = []
+    for bench in gpu_rows("/data/jpegs"):
+        if bench.mode != "bare":
+            line = [str(arg) for arg in command(bench, REPO, cpu=False)]
+            script = next(arg for arg in line if arg.endswith(".py"))
+            args = {"train_dp.py": train_dp, "train_ddp.py": train_ddp}[os.path.basename(script)].parse_args(
+                line[line.index(script) + 1 :]
+            )
+            assert args.batch_size == bench.batch and args.compile == ("--compile" in bench.args), bench.name
+            parsed.append(bench.name)
+    assert "resnet50 bf16 channels_last --compile, JPEGs, --decode gpu" in parsed and len(parsed) >= 15
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
