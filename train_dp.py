@@ -17,7 +17,7 @@ from common.errors import UsageError
 
 
 def parse_args(argv=None):
-    parser = cli.build_parser(__doc__.splitlines()[0])
+    parser = cli.build_parser(__doc__ and __doc__.splitlines()[0])
     parser.add_argument(
         "--gpus",
         type=cli.indices,

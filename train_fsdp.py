@@ -23,7 +23,7 @@ from train_ddp import setup  # the processes start and join the group as train_d
 
 
 def parse_args(argv=None):
-    parser = cli.build_parser(__doc__.splitlines()[0])
+    parser = cli.build_parser(__doc__ and __doc__.splitlines()[0])
     return cli.parse_args(parser, argv, mode="fsdp")
 
 

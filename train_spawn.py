@@ -26,7 +26,7 @@ CPU_PROCESSES = 2  # without a GPU and without --nproc-per-node
 
 
 def parse_args(argv=None):
-    parser = cli.build_parser(__doc__.splitlines()[0])
+    parser = cli.build_parser(__doc__ and __doc__.splitlines()[0])
     parser.add_argument(
         "--nproc-per-node",
         type=int,

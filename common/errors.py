@@ -1,11 +1,12 @@
 """The exceptions that end a run with one line instead of a traceback (common/launch.py reports them), that line
-written whole (say), and `package.module:name` on the command line imported or refused in one line. It imports
-nothing of this repository, nor torch.
+written whole (say) to a console whose failure ends nothing (console_never_fails), and `package.module:name` on the
+command line imported or refused in one line. It imports nothing of this repository, nor torch.
 """
 
 import errno
 import importlib
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -126,6 +127,58 @@ def say(message, file=None):
     stream = sys.stdout if file is None else file
     stream.write(f"{message}\n")
     stream.flush()
+
+
+class _Console:
+    """sys.stdout or sys.stderr, whose writes never end the run: once one fails (a pipe whose reader is gone, as after
+    `| head`; a full device; a closed file), the stream's descriptor is /dev/null's, and the run goes on without a
+    console (log.csv, summary.json and the checkpoints hold what it does). Anything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # (ValueError: a closed file)
+            self._to_null()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._to_null()
+
+    def _to_null(self):
+        try:  # (what the stream still buffers then goes there too: no error again, at exit either)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def console_never_fails():
+    """From now on, this process's console output cannot end it (_Console). A descriptor 0, 1 or 2 closed when it
+    started (`>&-`) is /dev/null's from now on: a file this process opens never gets its number, where a library's
+    C++ code could print into it."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != null:
+            try:
+                os.fstat(fd)
+            except OSError:
+                os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _Console):
+            setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w")))
 
 
 def replaces(cls, hook):

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from .errors import NO_ROOM, PREEMPTED_EXIT_CODE, Preempted, UsageError, say
+from .errors import NO_ROOM, PREEMPTED_EXIT_CODE, Preempted, UsageError, console_never_fails, say
 
 # A write the file system refused: full, over quota, read-only, or over the process's file size limit (RLIMIT_FSIZE).
 DISK_FULL = (*NO_ROOM, errno.EROFS)
@@ -400,6 +400,7 @@ def without_collections(make):
 
 def run_main(main, parse_args):
     """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one)."""
+    console_never_fails()
     try:
         try:
             stop_at_once_until_training()
@@ -424,6 +425,7 @@ def run_worker(rank, body, usage_errors):
     A usage error's line goes to `usage_errors` (a queue): the parent says the first one, once (every rank may
     raise the same one); any other line is said here, with the rank, and a bug's traceback too, so that the
     first cause is shown whichever process spawn reports."""
+    console_never_fails()
     try:
         try:
             stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -830,3 +831,20 @@ def test_a_spawn_worker_killed_by_a_signal_ends_the_job_with_128_plus_its_number
     assert re.search(r"^error: process \d exited \(SIGKILL\); see the errors above$", output, re.MULTILINE), output[
         -3000:
     ]
+
+
+def test_a_console_that_cannot_be_written_ends_nothing(tiny_data, tmp_path):
+    """stdout to a pipe whose reader is gone after the first line (`| head -1`), stderr to a full device: the run
+    trains to its end (was: a BrokenPipeError's traceback at its next line, the epoch lost). Bad input, stdout closed
+    and stderr so: exit code 2 still (was 1: the error line's own write failed)."""
+    out = tmp_path / "run"
+    train = shlex.join(
+        map(str, [PYTHON, REPO / "train_dp.py", "--data", tiny_data, *TINY_NET, "--epochs", "2", "-p", "1"])
+    )
+    result = run(
+        ["bash", "-c", f"{train} --output-dir {out} 2>/dev/full | head -1; exit ${{PIPESTATUS[0]}}"], prewarmed=False
+    )
+    assert result.returncode == 0 and len(result.stdout.splitlines()) == 1, result.stdout
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+    refused = run(["bash", "-c", f"{train} --data {tmp_path / 'nowhere'} >&- 2>/dev/full"], prewarmed=False)
+    assert refused.returncode == 2 and refused.stdout == ""

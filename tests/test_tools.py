@@ -5,6 +5,7 @@ process; a training script's own error line, given on by a benchmark that starte
 
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -181,6 +182,16 @@ def test_a_second_stop_signal_while_a_tool_stops_does_nothing():
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_a_tool_whose_console_cannot_be_written_finishes_its_work(tiny_data, tmp_path):
+    """tools/make_shards.py with stdout to a full device: its shards written, OUT marked finished, exit code 0 (was:
+    OSError's traceback at its first line of progress, OUT left unfinished)."""
+    out = tmp_path / "shards"
+    tool = shlex.join(map(str, [PYTHON, REPO / "tools" / "make_shards.py", tiny_data, out, "--workers", "1"]))
+    result = run(["bash", "-c", f"{tool} >/dev/full 2>&1"], prewarmed=False, timeout=120)
+    assert result.returncode == 0 and result.stdout == ""
+    assert (out / "shards.json").is_file() and not list(out.glob(".unfinished*")), sorted(out.iterdir())
 
 
 def test_the_command_a_tool_marks_its_output_with_runs_again_from_anywhere(tmp_path, monkeypatch):

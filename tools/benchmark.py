@@ -579,7 +579,7 @@ def jpeg_sizes(jpeg_dir):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument(
         "--gpu",
         action="store_true",

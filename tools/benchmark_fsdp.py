@@ -132,7 +132,7 @@ def measure(arch, processes):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("--arch", type=torchvision_model, default="vit_b_16")
     parser.add_argument("--processes", type=whole(1), nargs="+", default=[1, 2, 4])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

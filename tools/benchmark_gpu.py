@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jobs import CheckFailed, free_port, run  # noqa: E402
-from shared import folder, no_row, regex, scratch, seconds, until_stopped, write_replacing  # noqa: E402
+from shared import folder, no_row, regex, run_tool, scratch, seconds, until_stopped, write_replacing  # noqa: E402
 
 # Epoch 0's progress lines: step count, images/s since the epoch's start, and (where said) its input wait and GPU idle.
 PROGRESS = re.compile(
@@ -726,7 +726,7 @@ def row_limit(cpu, deadline, started):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("--only", type=regex, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--repo", default=str(REPO), help="the checkout whose scripts run (default: this one)")
     parser.add_argument(
@@ -800,4 +800,4 @@ def measure_rows(rows, args, started, out, workdir):
 
 
 if __name__ == "__main__":
-    sys.exit(until_stopped(main)())
+    sys.exit(run_tool(until_stopped(main)))

@@ -143,7 +143,7 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
 
 
 def main():
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__ and __doc__.split("\n\n")[0])
     parser.add_argument("--jpeg-dir", help="an ImageFolder (train/, val/) of JPEGs (default: 2 x 400 generated)")
     parser.add_argument(
         "--images", type=whole(1), default=800, help="images per loader-worker measurement (default 800)"

@@ -296,7 +296,7 @@ def table(rounds, nproc):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument(
         "--root",
         help="where the fake tree is built and kept (default /tmp/fake-imagenet, "

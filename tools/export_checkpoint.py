@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.errors import UsageError
+from common.errors import UsageError, console_never_fails
 from shared import Stopped, stop_on_signals
 
 
@@ -45,7 +45,7 @@ def file_to_write(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a sharded checkpoint's directory (OUTPUT/checkpoint: the latest)")
     parser.add_argument("out", help="the file to write (atomically)")
     args = parser.parse_args(argv)
@@ -84,4 +84,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    console_never_fails()  # (`| head`, a full device: ends nothing)
     sys.exit(main())

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmark_gpu import CPU_WITHIN, STEADY_WITHIN, TARGETS, at_window_rate, dummy_size, slug, steady  # noqa: E402
 from jobs import CheckFailed, free_port, run  # noqa: E402
-from shared import folder, no_row, regex, until_stopped, write_replacing  # noqa: E402
+from shared import folder, no_row, regex, run_tool, until_stopped, write_replacing  # noqa: E402
 
 ACC_LINE = re.compile(r"^ \* Acc@1 ([\d.]+)  Acc@5 ([\d.]+)  Loss (\S+)  \((\d+) images\)$", re.MULTILINE)
 LAUNCH_VARIABLES = (
@@ -649,7 +649,7 @@ def table(rows, failures):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="JPEG rows only (no synthetic ResNet-50)")
     parser.add_argument("--only", type=regex, metavar="REGEX", help="only the rows whose name matches")
     parser.add_argument("--cpu", action="store_true", help="self-test of this harness on the CPU (gloo, tiny model)")
@@ -750,4 +750,4 @@ def run_checks(setup, checks, out):
 
 
 if __name__ == "__main__":
-    sys.exit(until_stopped(main)())
+    sys.exit(run_tool(until_stopped(main)))

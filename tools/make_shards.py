@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import Parser
-from common.errors import NO_ROOM, NoRoom, UsageError, printable
+from common.errors import NO_ROOM, NoRoom, UsageError, console_never_fails, printable
 from common.folder_index import (
     NotRegularFile,
     mark_finished,
@@ -319,8 +319,8 @@ def written(jobs, args):
 
 def parse_args(argv=None):
     parser = Parser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__ and __doc__.split("\n\n")[0],
+        epilog=__doc__ and __doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("src", metavar="SRC", help="an image folder (train/, val/) or a folder with train.csv, val.csv")
@@ -360,4 +360,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    console_never_fails()  # (`| head`, a full device: ends nothing)
     sys.exit(main())

@@ -51,7 +51,7 @@ from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import Parser
-from common.errors import NO_ROOM, UsageError
+from common.errors import NO_ROOM, UsageError, console_never_fails
 from common.folder_index import IMG_EXTENSIONS, mark_finished, mark_unfinished
 from common.run_dir import atomic_write, link_or_copy
 from common.run_dir import fsync as sync
@@ -776,8 +776,8 @@ def summary(out_dir, jobs, seconds):
 
 def parse_args():
     parser = Parser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__ and __doc__.split("\n\n")[0],
+        epilog=__doc__ and __doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("archive_dir", metavar="ARCHIVE_DIR", help="the downloaded archives or extracted folders")
@@ -836,4 +836,5 @@ def main():
 
 
 if __name__ == "__main__":
+    console_never_fails()  # (`| head`, a full device: ends nothing)
     sys.exit(main())

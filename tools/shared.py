@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.errors import NO_ROOM, NoRoom, UsageError, say
+from common.errors import NO_ROOM, NoRoom, UsageError, console_never_fails, say
 from common.launch import end_with_launcher
 
 
@@ -180,7 +180,9 @@ def torchvision_model(text):
 
 def run_tool(main, *args):
     """main(*args)'s return value, for sys.exit; a UsageError said in one line on stderr (`error: ...`), its exit
-    code returned (2: bad input), never a traceback."""
+    code returned (2: bad input), never a traceback. A console that cannot be written (`| head`, a full device) ends
+    nothing (console_never_fails)."""
+    console_never_fails()
     try:
         return main(*args)
     except UsageError as error:

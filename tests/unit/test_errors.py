@@ -1,9 +1,11 @@
 """common/errors.py: the errors that end a run in one line; a console line is written whole, in one write, then
 flushed; `package.module:name` names code of your own on the command line (--arch, --dataset, --trainer)."""
 
+import os
+
 import pytest
 
-from common.errors import BadItem, UsageError, check_call, import_named, say
+from common.errors import BadItem, UsageError, _Console, check_call, import_named, say
 
 
 def test_an_error_raised_in_a_loader_worker_still_reads_as_its_one_line():
@@ -32,6 +34,26 @@ def test_a_console_line_is_written_whole_in_one_write():
     say("done: best acc@1 99.00", file=Stream())
     say("error: rank 1: two\nlines", file=Stream())
     assert writes == ["done: best acc@1 99.00\n", "<flush>", "error: rank 1: two\nlines\n", "<flush>"]
+
+
+def test_a_console_whose_reader_is_gone_takes_every_write_and_then_writes_to_dev_null():
+    """A pipe whose reader closed (`| head -1`): the first failed write puts /dev/null under the stream, and what it
+    buffered goes there too (Python's exit flushes it: no error then either)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream = open(write_end, "w")
+    console = _Console(stream)
+    try:
+        say("a line", file=console)
+        say("another", file=console)
+        console.write("x" * 100_000)
+        stream.flush()
+        assert os.path.samestat(os.fstat(write_end), os.stat(os.devnull))
+        assert console.fileno() == write_end and console.encoding == stream.encoding  # (the rest is the stream's)
+    finally:
+        stream.close()
+    console.write("after the stream closed\n")  # (ValueError: taken as well)
+    console.flush()
 
 
 def test_a_name_with_a_colon_is_imported_and_one_without_is_a_built_in_name():

@@ -3,6 +3,7 @@ concern per module with a unit file of its own, no import circle (in tools/ eith
 the scripts and tools alone."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,18 @@ def test_the_library_never_imports_the_command_line_or_a_script():
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda path: path.name)
 def test_a_script_shows_its_launch_mode_in_under_200_lines(path):
     assert len(path.read_text().splitlines()) < 200
+
+
+def test_every_entry_point_starts_under_python_oo():
+    """`python -OO` (PYTHONOPTIMIZE=2) drops the docstrings: a description read from __doc__ is read only where there
+    is one (was: an AttributeError at every script's and tool's start)."""
+    for path in [*MODULES, *SCRIPTS, *TOOLS, *sorted((COMMON.parent / "examples").glob("*.py"))]:
+        unguarded = re.findall(r"(?<!__doc__ and )__doc__\.\w+", path.read_text())
+        assert not unguarded, f"{path.name}: {unguarded[0]} where __doc__ may be None"
+    result = subprocess.run(
+        [sys.executable, "-OO", str(SCRIPTS[0]), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
 @pytest.mark.parametrize("command", [["format", "--check"], ["check"]], ids=["ruff format", "ruff check"])
