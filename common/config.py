@@ -404,7 +404,7 @@ def _pretrained(values):
     values["interpolation"] = values["interpolation"] or "bilinear"
     values["val_preprocessing"] = None
     if values["pretrained"]:
-        from .models import pretrained_weights
+        from .pretrained import pretrained_weights
 
         weights = pretrained_weights(values["arch"], values["weights"])
         values["weights"] = f"{type(weights).__name__}.{weights.name}"

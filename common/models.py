@@ -16,6 +16,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .errors import Preempted, UsageError, check_call, import_named
+from .pretrained import pretrained_model, pretrained_weights
 
 
 def classifiers(model, outputs):
@@ -131,33 +132,6 @@ def custom_builder(arch):
     return import_named(arch, "--arch")
 
 
-def pretrained_weights(arch, name=None):
-    """torchvision's weight set `name` of `arch` ("ResNet50_Weights.IMAGENET1K_V2", "IMAGENET1K_V2"; None: its
-    DEFAULT), from the registry alone (nothing is downloaded); a UsageError names the sets there are."""
-    if custom_builder(arch) is not None:
-        given = f"--weights {name}" if name else "--pretrained"
-        raise UsageError(f"{given} needs a torchvision --arch, not {arch} (a file of its weights: --init-from PATH)")
-    enum = torchvision.models.get_model_weights(arch)
-    key = (name or "DEFAULT").removeprefix(f"{enum.__name__}.")
-    try:
-        return enum[key]
-    except KeyError:
-        raise UsageError(
-            f"--weights {name}: {arch} has {', '.join(f'{enum.__name__}.{w.name}' for w in enum)} "
-            "(a file of weights: --init-from PATH)"
-        ) from None
-
-
-def offline_message(weights, error):
-    """The line for torchvision's `weights` that could not be read or downloaded: the file, and where it goes."""
-    name = weights.url.rsplit("/", 1)[-1]
-    folder = f"{torch.hub.get_dir()}/checkpoints"
-    return (
-        f"cannot get pretrained weights {weights} ({' '.join(str(error).split())[:200]}): put {name} (from "
-        f"{weights.url}) into {folder}, or train without --pretrained"
-    )
-
-
 _BUILT = weakref.WeakSet()  # the torchvision models build_model made (the Trainer adapts their first convolution)
 
 
@@ -186,10 +160,7 @@ def build_model(arch, num_classes, pretrained=False, dropout=None, weights=None)
     try:
         if pretrained:
             weights = pretrained_weights(arch, weights)
-            try:
-                model = torchvision.models.get_model(arch, weights=weights, **kwargs)
-            except (OSError, RuntimeError) as error:  # URLError is an OSError
-                raise UsageError(offline_message(weights, error))
+            model = pretrained_model(arch, weights, kwargs)
         else:
             model = torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
     except TypeError as error:

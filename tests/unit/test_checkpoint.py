@@ -459,18 +459,6 @@ def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_anot
         )
 
 
-def test_the_offline_pretrained_line_names_the_file_and_the_folder_it_goes_in(monkeypatch, tmp_path):
-    from common.models import offline_message
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
-    line = offline_message(torchvision.models.ResNet18_Weights.IMAGENET1K_V1, OSError("no network"))
-    assert line == (
-        f"cannot get pretrained weights ResNet18_Weights.IMAGENET1K_V1 (no network): put "
-        f"resnet18-f37072fd.pth (from https://download.pytorch.org/models/resnet18-f37072fd.pth) into "
-        f"{tmp_path}/home/hub/checkpoints, or train without --pretrained"
-    )
-
-
 SMALL = [
     "--train-crop-size",
     "16",
