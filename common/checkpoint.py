@@ -35,8 +35,8 @@ WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
 
 
 def strip_prefixes(state_dict):
-    """Parameter names without wrapper prefixes (checkpoints of pytorch/examples' main.py have `module.`)."""
-    return {WRAPPER_PREFIXES.sub("", name): value for name, value in state_dict.items()}
+    """Names without wrapper prefixes: `module.` (pytorch/examples' main.py), `features.module.` (its AlexNet, VGG)."""
+    return {re.sub(r"^features\.module\.", "features.", WRAPPER_PREFIXES.sub("", k)): v for k, v in state_dict.items()}
 
 
 def save_checkpoint(state, output_dir, is_best, keep_previous=False):

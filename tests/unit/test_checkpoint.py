@@ -168,6 +168,21 @@ def test_compile_and_wrapper_prefixes_are_stripped(tmp_path):
     ) == {"fc.weight": 1, "fc.bias": 2, "layer1.0.conv1.weight": 3}
 
 
+def test_pytorch_examples_alexnet_and_vgg_whose_features_alone_it_wrapped_load(tmp_path):
+    """pytorch/examples' main.py wraps AlexNet's and VGG's `features` alone in DataParallel: `features.module.0.weight`
+    (was: refused as weights the model lacks)."""
+    torch.manual_seed(0)
+    model = torchvision.models.alexnet(num_classes=3)
+    model.features = nn.DataParallel(model.features)
+    torch.save({"epoch": 90, "arch": "alexnet", "state_dict": model.state_dict()}, tmp_path / "alexnet.pth.tar")
+    assert "features.module.0.weight" in model.state_dict()
+    fresh = torchvision.models.alexnet(num_classes=3)
+    loaded = checkpoint.load_checkpoint(tmp_path / "alexnet.pth.tar")
+    checkpoint.load_weights(fresh, loaded, "alexnet", CLASSES3, tmp_path / "alexnet.pth.tar")
+    unwrapped = {name.replace("features.module.", "features."): value for name, value in model.state_dict().items()}
+    assert_same_weights(fresh.state_dict(), unwrapped)
+
+
 def test_load_weights_of_another_arch_raises_usage_error_naming_it(tmp_path):
     torch.manual_seed(0)
     other = torchvision.models.squeezenet1_1(num_classes=3)
