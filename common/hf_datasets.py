@@ -70,6 +70,8 @@ def _load(root):
             "pip install -r requirements-hf.txt"
         ) from None
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # (its log of a damaged file: the line below says it)
     try:
         if (Path(root) / "dataset_dict.json").is_file():  # (rows as dicts: not the format it was saved with)
             return datasets.load_from_disk(str(root)).with_format(None)
@@ -83,6 +85,8 @@ def _load(root):
     except Exception as error:  # damaged: a file cut short or missing, JSON or parquet that is not (pyarrow's, json's)
         reason = " ".join(str(error).split())[:200] or type(error).__name__
         raise UsageError(f"--data {root}: the Hugging Face dataset cannot be loaded ({reason})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def load_splits(root):
@@ -221,5 +225,8 @@ class HFRows:
 
     def name(self, index):
         """SPLIT[ROW], and the image's file name where the dataset keeps one: how a row that cannot be read is named."""
-        path = (self.rows[int(index)][self.image] or {}).get("path")
+        try:  # (a row whose file was rewritten under the run: damaged in the memory map, named by its place alone)
+            path = (self.rows[int(index)][self.image] or {}).get("path")
+        except Exception:
+            path = None
         return f"{self.where}[{index}]" + (f":{Path(path).name}" if path else "")

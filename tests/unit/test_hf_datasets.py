@@ -73,7 +73,7 @@ def test_parquet_files_inside_an_image_folder_or_shards_make_no_hugging_face_dat
     assert has_hf_dataset(hub) and len(build_datasets(parse("--data", hub))[1]) == 9
 
 
-def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
+def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path, capfd):
     disk = hf_copy(folder, tmp_path / "disk")
     arrow = next((disk / "train").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:200])
@@ -96,8 +96,10 @@ def test_a_damaged_hugging_face_dataset_is_one_line(folder, tmp_path):
     assert first_missing_part("/d", {"train": [f"/d/t-{i:05d}-of-00002-{i}f.parquet" for i in (0, 1)]}) is None
     (hub / "data" / "train-00000-of-00002.parquet").write_bytes(b"garbage")
     (hub / "data" / "train-00000-of-00002.parquet").rename(hub / "data" / "train-00000-of-00001.parquet")
+    capfd.readouterr()
     with pytest.raises(UsageError, match=r"the Hugging Face dataset cannot be loaded \(.+\)$"):
         load_splits(hub)
+    assert capfd.readouterr().err == ""  # (datasets' own log of it was a second line)
 
 
 def theirs_name(files, index):
@@ -281,6 +283,21 @@ def test_a_row_without_an_image_is_unreadable_and_named(folder, tmp_path):
     with pytest.raises(UnreadableFile, match="^the row has no image$"):
         train[1]
     assert train.name(1) == f"{tmp_path / 'holes'}/train[1]"
+
+
+def test_a_row_damaged_under_the_run_is_named_by_its_place(folder, tmp_path, monkeypatch):
+    """A save_to_disk dataset rewritten in place while a run reads it: its rows read from the memory map raise what
+    pyarrow raises there (SystemError, UnicodeDecodeError), and so did the name of the row skipped (a traceback)."""
+
+    class Rewritten:
+        def __getitem__(self, index):
+            raise SystemError("Negative size passed to PyBytes_FromStringAndSize")
+
+    _, train, _ = build_datasets(parse("--data", hf_copy(folder, tmp_path / "disk")))
+    monkeypatch.setattr(train.samples, "rows", Rewritten())
+    with pytest.raises(UnreadableFile, match="^Negative size"):  # (skipped and named, as any unreadable row)
+        train[1]
+    assert train.name(1) == f"{tmp_path / 'disk'}/train[1]"
 
 
 def test_a_row_of_empty_bytes_is_an_empty_image_never_a_file_of_the_working_directory(folder, tmp_path, monkeypatch):
