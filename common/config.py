@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import UsageError
+from .errors import UsageError, printable
 
 # Arguments that may differ between nodes (every other one must be alike on every rank: common/run.py):
 # loader workers, where a node holds its copy of the data (the same files: checked on their own), where it
@@ -140,6 +140,13 @@ def resolve(namespace, mode, own_data=False):
     if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
+    try:  # TensorBoard writes a path's text as UTF-8, strictly: a name of other bytes (or locale) is its traceback
+        values["output_dir"].encode()
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"--output-dir {printable(values['output_dir'])}: TensorBoard cannot write to a name Python does not read "
+            "as UTF-8 text (its bytes are not, or the locale is not UTF-8): choose another"
+        ) from None
     return Config(**values)
 
 
@@ -469,14 +476,19 @@ def check_arch(arch):
         raise UsageError(f"unknown --arch {arch!r}: {hint}")
 
 
+def folder_name(path):
+    """The name of the folder at `path`, as text (TensorBoard's paths must be UTF-8): bytes that are not, as \\xNN."""
+    return os.fsencode(Path(path).resolve().name).decode(errors="backslashreplace")
+
+
 def default_output_dir(values, mode):
     """A run name fixed by mode, arch and data, so --resume auto finds the last run again (your own
     package.module:name as its name, and --data's folder's with it; a --trainer's that builds its datasets)."""
     if values["dataset"] == "custom":
         dataset = (values["dataset_fn"] or values["trainer"]).replace(":", ".")
-        dataset += f"-{Path(values['data']).resolve().name}" if values["data"] else ""
+        dataset += f"-{folder_name(values['data'])}" if values["data"] else ""
     elif values["dataset"] == "imagenet":
-        dataset = Path(values["data"]).resolve().name
+        dataset = folder_name(values["data"])
     else:
         dataset = values["dataset"]
     root = env_default("WORKSPACE") or "runs"

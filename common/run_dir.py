@@ -151,14 +151,17 @@ class OutputLock:
     `hint`: the end of the refusal's line."""
 
     def __init__(self, output_dir, wait=0.0, say=None, hint=""):
-        self.directory, self.hint = Path(output_dir), hint
-        self.created = not self.directory.exists()
+        self.directory, self.hint, self.created = Path(output_dir), hint, False
         self.path, self.warning = self.directory / LOCK, None
         self.started, self.stopping = None, False
-        try:
+        try:  # (exists() too: a name longer than 255 bytes raises there)
+            self.created = not self.directory.exists()
             self.directory.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
+            if self.created:  # (made, but not to be written: under umask 0777, say)
+                with contextlib.suppress(OSError):
+                    self.directory.rmdir()
             raise self._unwritable(error) from None
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock

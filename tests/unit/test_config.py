@@ -3,6 +3,8 @@ the dataset's preset), checked (one line a broken rule), then frozen; the pretra
 preprocessing; the default output directory; the dataset presets and --preset's layers in their precedence, and the
 header line that says which preset set what."""
 
+import os
+
 import pytest
 from torchvision.models import get_model_weights
 
@@ -86,6 +88,15 @@ def test_without_environment_the_output_dir_is_under_runs():
     assert parse("--dataset", "examples.csv_dataset:build", "--data", "/d/annotations").output_dir == (
         "runs/dp-resnet18-examples.csv_dataset.build-annotations"
     )
+
+
+def test_an_output_dir_is_utf_8_text_which_tensorboard_can_write_to():
+    """A --data folder whose name is not UTF-8: its run's name has the bytes as \\xNN. An --output-dir so: one line
+    (both were TensorBoard's UnicodeEncodeError traceback, after the run had written args.json)."""
+    data = os.fsdecode(b"/d/lat\xe9n")
+    assert parse("--data", data).output_dir == "runs/dp-resnet18-lat\\xe9n"
+    with pytest.raises(UsageError, match=r"^--output-dir /o/lat\\xe9n: TensorBoard cannot write to a name Python"):
+        parse("--data", "/d/x", "--output-dir", os.fsdecode(b"/o/lat\xe9n"))
 
 
 def test_a_trainer_that_builds_its_datasets_gets_the_imagenet_preset_and_a_directory_of_its_own():

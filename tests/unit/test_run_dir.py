@@ -137,6 +137,24 @@ def test_a_run_that_ends_before_it_wrote_leaves_no_directory_it_made(tmp_path):
         OutputLock(tmp_path / "a-file" / "run")
 
 
+def test_an_output_dir_that_cannot_be_had_is_one_line_and_the_folder_it_made_is_removed(tmp_path, monkeypatch):
+    """A name longer than 255 bytes (was: OSError's traceback, from exists()); a folder made but then not writable
+    (umask 0777 for a user that is not root: made, mode 000) is removed (was: left behind)."""
+    with pytest.raises(UsageError, match=r"^cannot write to --output-dir \S+ \(File name too long\)"):
+        OutputLock(tmp_path / ("a" * 256))
+    real_open = os.open
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(run_dir.LOCK):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(UsageError, match=r"^cannot write to --output-dir \S+ \(Permission denied\)"):
+        OutputLock(tmp_path / "made")
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing_else(tmp_path):
     """Seen: a SIGKILL while a checkpoint was written left .checkpoint.pth.XXXXXXXX.tmp (65 MB for resnet50), which no
     later run removed."""
