@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import re
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -30,6 +31,10 @@ from .errors import PROGRAMMING_ERRORS, BadItem, Preempted, UnreadableFile, Usag
 from .folder_index import FolderIndex, rgb, scan_image_folder, scan_split_files, split_files
 from .hf_datasets import has_hf_dataset, load_splits
 from .shards import ShardIndex, ShardReader, has_shards, scan_shards
+
+# torchvision's deprecation of its decoders warns at each decode: under -W error (PYTHONWARNINGS=error) that made
+# every JPEG one that cannot be decoded.
+warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning)
 
 # JPEGs only: torchvision's PNG decoder crashes the process on a damaged PNG (SIGSEGV: torchvision 0.29), where PIL
 # raises an error that skips the file. A file is a JPEG by its first bytes.

@@ -99,6 +99,17 @@ def test_a_fifo_named_like_an_image_is_an_unreadable_file_not_a_reader_blocked_f
         ImageFiles([(str(tmp_path / "folder.png"), 0)])[0]
 
 
+def test_a_jpeg_decodes_under_w_error(tmp_path):
+    """python -W error (PYTHONWARNINGS=error): torchvision 0.29's deprecation of its decoders, warned at each decode,
+    was an error there, and every JPEG was skipped as one that cannot be decoded."""
+    Image.new("RGB", (8, 6), (200, 10, 10)).save(tmp_path / "a.jpg")
+    decode = f"from common.datasets import load_image; print(tuple(load_image({str(tmp_path / 'a.jpg')!r}).shape))"
+    result = subprocess.run(
+        [PYTHON, "-W", "error", "-c", decode], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout == "(3, 6, 8)\n", result.stderr[-2000:]
+
+
 def test_a_jpeg_whose_header_claims_more_pixels_than_pil_decodes_is_refused_as_pil_refuses_it(tmp_path):
     """A file of 600 bytes whose frame header says 20000 x 20000: torchvision decoded it (1.2 GB, grey: trained on,
     unsaid), where PIL, and so ImageFolder, refuse it (DecompressionBombError). Normal JPEGs: their size as PIL's."""
