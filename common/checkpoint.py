@@ -242,7 +242,7 @@ def init_from(model, path, arch, channels, num_classes):
     """--init-from: the weights at `path` loaded into the fresh `model`, as --pretrained's: a classifier of another
     number of classes keeps its new weights; a file trained on `channels` channels gets a first convolution for them.
     Anything else that differs is refused in one line. Returns what was changed, for the header."""
-    from .models import adapt_first_conv, classifiers, first_conv
+    from .models import NEW_HEAD, adapt_first_conv, classifiers, first_conv
 
     weights, changes = weights_file(path, "--init-from")["state_dict"], []
     first, _ = first_conv(model)
@@ -268,7 +268,7 @@ def init_from(model, path, arch, channels, num_classes):
         raise UsageError(f"--init-from {path} does not fit --arch {arch}: weights {'; '.join(problems)}")
     model.load_state_dict({key: value for key, value in weights.items() if key not in differ}, strict=False)
     return changes + [
-        f"{key.rsplit('.', 1)[0]}: {weights[key].shape[0]} -> {num_classes} classes, new weights"
+        f"{key.rsplit('.', 1)[0]}: {weights[key].shape[0]} -> {num_classes} {NEW_HEAD}"
         for key in differ
         if key.endswith(".weight")
     ]

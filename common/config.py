@@ -350,8 +350,12 @@ def _check(values):
         )
     if values["init_from"] and (values["pretrained"] or values["weights"]):
         raise UsageError("--init-from and --pretrained both give the starting weights: choose one")
-    if values["evaluate"] and not (values["resume"] or values["pretrained"] or values["weights"]):
-        raise UsageError("-e evaluates the weights of --resume PATH or --pretrained: give one of them")
+    if values["evaluate"] and not (
+        values["resume"] or values["pretrained"] or values["weights"] or values["init_from"]
+    ):
+        raise UsageError(
+            "-e evaluates the weights of --resume PATH, --init-from PATH or --pretrained: give one of them"
+        )
     if values["evaluate"] and values["profile"]:  # (was: nothing recorded, without a word)
         raise UsageError("--profile records training steps, and -e trains none: leave one of them out")
     check_arch(values["arch"])

@@ -35,6 +35,9 @@ def first_conv(model):
     return next(((name, layer) for name, layer in model.named_modules() if isinstance(layer, nn.Conv2d)), (None, None))
 
 
+NEW_HEAD = "classes, new weights"  # how the header's changes end for a head made anew (untrained)
+
+
 def replace_heads(model, categories, num_classes):
     """Swap every classifier of a pretrained model for `categories` classes (its head and its auxiliary heads) for
     a new one of `num_classes` outputs, with new weights. Returns what it did, for the run's header."""
@@ -48,7 +51,7 @@ def replace_heads(model, categories, num_classes):
         else:
             new = nn.Conv2d(module.in_channels, num_classes, kernel_size=1, **where)
         model.set_submodule(name, new)
-    return [f"{name}: {categories} -> {num_classes} classes, new weights" for name, _ in found]
+    return [f"{name}: {categories} -> {num_classes} {NEW_HEAD}" for name, _ in found]
 
 
 def adapt_first_conv(model, arch, channels, pretrained):

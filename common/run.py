@@ -14,6 +14,7 @@ from . import distributed, seeding
 from .checkpoint import CHECKPOINT, PREVIOUS, check_format, restore
 from .config import PER_NODE, evaluated_as_trained, flag
 from .errors import NoRoom, UsageError, say
+from .models import NEW_HEAD
 from .run_dir import LOCK_WAIT_ON_RESTART, OutputLock, holds
 from .sharded_checkpoint import LATEST
 from .sharded_checkpoint import PREVIOUS as SHARDED_PREVIOUS
@@ -81,9 +82,10 @@ def load_agreed_checkpoint(trainer):
     except UsageError as failure:
         error = str(failure)
     check_resume(resume_facts(path, checkpoint), error)
-    if config.evaluate and checkpoint is None and not config.pretrained:  # --resume auto found nothing
+    if config.evaluate and checkpoint is None and not (config.pretrained or config.init_from):  # (auto found nothing)
         raise UsageError(
-            f"-e: no checkpoint in {config.output_dir} to evaluate (--resume auto): give --resume PATH, or --pretrained"
+            f"-e: no checkpoint in {config.output_dir} to evaluate (--resume auto): give --resume PATH, --init-from "
+            "PATH or --pretrained"
         )
     return path, checkpoint
 
@@ -228,6 +230,11 @@ def start_run(trainer):
         if config.resume == "auto" and checkpoint is None and not config.evaluate:
             trainer.log.print(nothing_to_resume(config.output_dir))
         trainer.build(datasets, seed, resuming=checkpoint is not None)
+        if config.evaluate and (new := [change for change in trainer._model_changes if change.endswith(NEW_HEAD)]):
+            raise UsageError(  # (was: a head of new weights evaluated, its chance figures given)
+                f"-e of weights for other classes than the data's: the model's {new[0]}, which nothing trained: "
+                "evaluate on data of the weights' classes, or fine-tune first"
+            )
         if checkpoint is not None:
             restore(trainer, checkpoint, path)  # (its weights checked: another arch, other classes)
             refuse_a_finished_run_from_elsewhere(config, path, checkpoint)

@@ -16,6 +16,7 @@ import torch
 from common import distributed
 from common.errors import NoRoom, UsageError
 from common.header import start_lines, warnings
+from common.models import unwrap
 from common.run import (
     argument_difference,
     check_start,
@@ -167,14 +168,27 @@ def test_resume_auto_without_a_checkpoint_to_continue_does_not_replace_the_run_t
 def test_evaluate_needs_weights_to_evaluate(tmp_path):
     with pytest.raises(
         UsageError,
-        match=r"^-e: no checkpoint in \S+ to evaluate \(--resume auto\): give --resume PATH, "
+        match=r"^-e: no checkpoint in \S+ to evaluate \(--resume auto\): give --resume PATH, --init-from PATH "
         r"or --pretrained$",
     ):
         started("-e", "--resume", "auto", "--output-dir", tmp_path / "empty")
     with pytest.raises(
-        UsageError, match=r"^-e evaluates the weights of --resume PATH or --pretrained: give one of them$"
+        UsageError,
+        match=r"^-e evaluates the weights of --resume PATH, --init-from PATH or --pretrained: give one of them$",
     ):
         parse(*SMALL, "-e")
+
+
+def test_evaluate_takes_the_weights_of_init_from_and_refuses_a_head_nothing_trained(finished, tmp_path):
+    """-e --init-from FILE evaluates the file's weights (a torchvision references' checkpoint, whose Namespace --resume
+    refuses, is evaluated so; was: refused). Weights of another class count: refused in one line (was: a head of new
+    weights evaluated, its chance figures given, exit code 0)."""
+    weights = torch.load(finished / "checkpoint.pth", weights_only=True)["state_dict"]
+    evaluated = started("-e", "--init-from", finished / "checkpoint.pth", "--output-dir", tmp_path / "e1")
+    assert all(torch.equal(value, weights[name]) for name, value in unwrap(evaluated.model).state_dict().items())
+    torch.save({**weights, "12.weight": torch.zeros(5, 64), "12.bias": torch.zeros(5)}, tmp_path / "five.pth")
+    with pytest.raises(UsageError, match=r"^-e of weights for other classes than the data's: the model's 12: 5 -> 3 "):
+        started("-e", "--init-from", tmp_path / "five.pth", "--output-dir", tmp_path / "e2")
 
 
 def test_evaluate_with_model_ema_says_where_the_weights_have_no_ema(finished, tmp_path):
