@@ -82,7 +82,7 @@ def epoch_row(epoch, start, lrs, train, val, ema_val, bad_images):
     speed = train["images_per_second"]
     row = {
         "epoch": epoch,
-        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start)),  # (a resume in another zone)
         "seconds": round(time.time() - start, 3),
         "lr": lrs[0],
         "train_loss": train["loss"],

@@ -3,6 +3,7 @@ resume), TensorBoard's per-step scalars equal to the progress lines and shown on
 and summary.json; only the writer rank writes."""
 
 import csv
+import datetime
 import re
 import resource
 import signal
@@ -115,6 +116,9 @@ def test_an_epoch_s_row_holds_the_run_s_columns_then_the_ema_s_then_the_named_va
         70.0,
     )
     assert [row[name] for name in DIAGNOSTICS] == list(range(len(DIAGNOSTICS)))
+    # With its zone's offset, as run.lock's times: a run resumed on a node of another zone (was: epoch 1 began 8 h
+    # before epoch 0, without a word)
+    assert datetime.datetime.strptime(row["start_time"], "%Y-%m-%dT%H:%M:%S%z").timestamp() == 0.0
     assert "ema_val_loss" not in epoch_row(3, 0.0, [0.1], train, val, None, [])
     by_group = epoch_row(3, 0.0, [0.1, 0.01, 0.1], train, val, None, [])  # lr_groupN: each group's, where they differ
     assert (by_group["lr"], by_group["lr_group1"], by_group["lr_group2"]) == (0.1, 0.01, 0.1)
