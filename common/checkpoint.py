@@ -232,8 +232,8 @@ def weights_file(path, flag):
             f"{flag} {path}: a directory; give a weights file (a checkpoint.pth or model_best.pth; a sharded "
             "checkpoint as tools/export_checkpoint.py writes it)"
         )
-    if not Path(path).is_file():
-        raise UsageError(f"{flag} {path}: no such file")
+    if not Path(path).is_file():  # (a device, a FIFO: not a weights file either)
+        raise UsageError(f"{flag} {path}: {'not a file' if Path(path).exists() else 'no such file'}")
     with torch.serialization.safe_globals([argparse.Namespace]):  # (torchvision's references save their args so)
         return load_checkpoint(path, foreign=True)
 

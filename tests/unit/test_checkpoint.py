@@ -468,6 +468,8 @@ def test_init_from_takes_a_file_of_the_data_s_channels_as_it_is_and_refuses_anot
         )
     with pytest.raises(UsageError, match=r"^--init-from \S+: a directory; give a weights file \("):
         built_trainer("-a", "resnet18", "--init-from", str(tmp_path), *flags, datasets=tensor_datasets(channels=1))
+    with pytest.raises(UsageError, match=r"^--init-from /dev/null: not a file$"):  # (it said "no such file")
+        built_trainer("-a", "resnet18", "--init-from", "/dev/null", *flags, datasets=tensor_datasets(channels=1))
     with pytest.raises(UsageError, match=r"^--init-from and --pretrained both give the starting weights: choose one$"):
         built_trainer(
             "-a", "resnet18", "--init-from", str(path), "--pretrained", *flags, datasets=tensor_datasets(channels=1)
