@@ -9,6 +9,7 @@ killed loader worker) one line and 1. Anything else is a bug, and its traceback 
 import contextlib
 import ctypes
 import errno
+import faulthandler
 import gc
 import importlib
 import multiprocessing
@@ -399,8 +400,10 @@ def without_collections(make):
 
 
 def run_main(main, parse_args):
-    """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one)."""
+    """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one). A process
+    a signal kills at a fault (SIGSEGV; SIGBUS: a memory-mapped file made shorter) says where (faulthandler)."""
     console_never_fails()
+    faulthandler.enable()
     try:
         try:
             stop_at_once_until_training()
@@ -426,6 +429,7 @@ def run_worker(rank, body, usage_errors):
     raise the same one); any other line is said here, with the rank, and a bug's traceback too, so that the
     first cause is shown whichever process spawn reports."""
     console_never_fails()
+    faulthandler.enable()
     try:
         try:
             stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too

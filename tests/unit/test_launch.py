@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -225,6 +226,20 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
         "error: --lr must be positive",
         "error: rank 3: another process of this job ended, see its error; this one stops too",
     ], result.stderr
+
+
+def test_a_process_killed_at_a_fault_says_where():
+    """SIGBUS (a Hugging Face dataset's memory-mapped file made shorter while -j 0 read it), SIGSEGV: Python's stack
+    where it happened (faulthandler), where the process ended without a word (exit code 135)."""
+    crash = (
+        "import os, signal\nfrom common.launch import run_main\n"
+        "def reads_a_row(args): os.kill(os.getpid(), signal.SIGBUS)\nrun_main(reads_a_row, lambda: None)"
+    )
+    result = subprocess.run(
+        [PYTHON, "-c", crash], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == -signal.SIGBUS and "Fatal Python error: Bus error" in result.stderr, result.stderr
+    assert re.search(r'File "<string>", line 3 in reads_a_row', result.stderr), result.stderr
 
 
 def test_a_stop_signal_before_training_ends_the_process_at_once_with_preempted():
