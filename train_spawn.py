@@ -88,7 +88,7 @@ def setup(config):
             names = ("--dist-url",) * 2 if config.dist_url else ("--master-addr", "--master-port")
             check_port_free(distributed.rendezvous_host(url), port, names)
     elif url.startswith("file://"):
-        claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank)
+        claim_rendezvous_file(Path(url[len("file://") :]), config.node_rank, config.nnodes)
     elif url == "env://":
         for name, value in (("MASTER_ADDR", config.master_addr), ("MASTER_PORT", str(config.master_port))):
             os.environ[name] = os.environ.get(name) or value  # (an empty one as unset)

@@ -332,6 +332,11 @@ def known_failure(error):
             f"error: cannot listen on port {listening[1]} (Address already in use): the port is in use; choose "
             "another (MASTER_PORT, --master-port)"
         )
+    if "connectFullMesh failed" in text:  # (gloo's RuntimeError: the ranks met at the store, not on their sockets)
+        return (
+            "error: this job's processes could not connect to each other (gloo: a connect timed out): a firewall "
+            "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?"
+        )
     if "Expected more than 1 value per channel when training" in text:  # (BatchNorm's ValueError; DP's wraps it)
         return (
             "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "

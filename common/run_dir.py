@@ -237,11 +237,11 @@ class OutputLock:
 _rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life
 
 
-def claim_rendezvous_file(path, node_rank):
+def claim_rendezvous_file(path, node_rank, nnodes=1):
     """Every node of a file:// rendezvous holds a shared POSIX lock on PATH.owner for the job's life. Node 0 first
     tries it exclusively: when no node of any job holds it, a non-empty rendezvous file is a killed job's, which would
-    hand this job the dead one's addresses, so it is removed (said in a note). On a file system that does not lock, a
-    non-empty file is refused."""
+    hand this job the dead one's addresses, so it is removed (said in a note); a job of one node refuses a file another
+    job holds (was: it joined that job's store). On a file system that does not lock, a non-empty file is refused."""
     global _rendezvous_owner
     try:
         owner = os.open(f"{path}.owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -254,6 +254,12 @@ def claim_rendezvous_file(path, node_rank):
             except OSError as error:
                 if error.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
+                if nnodes == 1:  # (with several nodes, the holder may be one of this job's, started before node 0)
+                    os.close(owner)
+                    raise UsageError(
+                        f"rendezvous file {path} is in use by a running job (it holds {path}.owner): give this job "
+                        "a --dist-url of its own"
+                    ) from None
             else:
                 if path.exists() and path.stat().st_size:
                     path.unlink()

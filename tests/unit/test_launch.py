@@ -54,6 +54,17 @@ from harness.processes import PYTHON, REPO, clean_env
             RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
             (1, "error: another process of this job ended, see its error; this one stops too"),
         ),
+        (  # (the ranks met at the rendezvous store, but not on their own sockets: was a traceback)
+            RuntimeError(
+                "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.h:311] Connect "
+                "timeout [none]"
+            ),
+            (
+                1,
+                "error: this job's processes could not connect to each other (gloo: a connect timed out): a firewall "
+                "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?",
+            ),
+        ),
         # A full disk while log.csv or summary.json is written (a checkpoint's is CheckpointWriteError): one line, not a
         # traceback; another OSError is a bug's.
         (

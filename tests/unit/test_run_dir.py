@@ -155,6 +155,27 @@ def test_an_output_dir_that_cannot_be_had_is_one_line_and_the_folder_it_made_is_
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_a_file_rendezvous_a_running_job_holds_is_refused_to_a_second_job_of_one_node(tmp_path):
+    """Two train_spawn.py jobs of a sweep given one --dist-url file://PATH: the second joined the first's store (a
+    hang, a traceback, or a line about another process's error). With several nodes it takes its shared lock, as
+    its own nodes started before node 0 hold theirs."""
+    path = tmp_path / "rendezvous"
+    hold = f"import fcntl, os, time; fd = os.open({str(path)!r} + '.owner', os.O_RDWR | os.O_CREAT); "
+    hold += "fcntl.lockf(fd, fcntl.LOCK_SH); print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([PYTHON, "-c", hold], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UsageError, match=rf"^rendezvous file {path} is in use by a running job \(it holds "):
+            run_dir.claim_rendezvous_file(path, 0, nnodes=1)
+        run_dir.claim_rendezvous_file(path, 0, nnodes=2)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+        if run_dir._rendezvous_owner is not None:
+            os.close(run_dir._rendezvous_owner)
+            run_dir._rendezvous_owner = None
+
+
 def test_the_lock_s_holder_removes_the_temporaries_a_killed_run_left_and_nothing_else(tmp_path):
     """Seen: a SIGKILL while a checkpoint was written left .checkpoint.pth.XXXXXXXX.tmp (65 MB for resnet50), which no
     later run removed."""
