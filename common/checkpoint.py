@@ -118,8 +118,7 @@ def load_resume(resume, output_dir, warn):
 
 
 def first_readable(paths, load, warn):
-    """(path, load(path)) of the first of `paths` that loads, or (None, None) when there is none; a damaged one is
-    reported through warn() and the next is tried."""
+    """(path, load(path)) of the first of `paths` that loads, else (None, None); a damaged one warned of (warn)."""
     for index, path in enumerate(paths):
         try:
             return path, load(path)
@@ -153,9 +152,11 @@ def check_crcs(path):
                 return
 
 
-def unsafe_global(error):
-    """The Python object that torch.load(weights_only=True) refused to build, as its UnpicklingError names it."""
-    return found[1] if (found := re.search(r"GLOBAL (\S+)", str(error))) else None
+def unsafe_global(error, path=None):
+    """The Python object that torch.load(weights_only=True) refused to build, as its UnpicklingError names it; None
+    for a file at `path` that is no pickle (a text whose first letter, c, reads as pickle's GLOBAL opcode)."""
+    pickled = path is None or zipfile.is_zipfile(path) or Path(path).read_bytes()[:1] == b"\x80"  # (a pickle's PROTO)
+    return found[1] if pickled and (found := re.search(r"GLOBAL (\S+)", str(error))) else None
 
 
 def load_checkpoint(path, mmap=False, weights=True, foreign=False):
@@ -167,7 +168,7 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
-        unsafe = "Unsupported global" in str(error) and unsafe_global(error)
+        unsafe = "Unsupported global" in str(error) and unsafe_global(error, path)
         if unsafe:
             raise UsageError(
                 f"refusing to load {path}: it holds a Python object ({unsafe}), "
@@ -371,8 +372,7 @@ def samples(trainer):
 
 def assemble(trainer, epoch, step_in_epoch, metrics=None):
     """The checkpoint of `trainer` after `step_in_epoch` steps of `epoch`, with the partial epoch's `metrics`. A
-    collective (it gathers the ranks' random streams, unreadable files and metric sums); the writer rank saves what it
-    returns."""
+    collective (it gathers the ranks' random streams, unreadable files, metric sums); the writer rank saves it."""
     ema = {"best_ema_acc1": trainer._best_ema_acc1} if trainer.ema else {}
     checkpoint = {
         "format_version": FORMAT_VERSION,

@@ -243,6 +243,19 @@ def test_checkpoint_holding_an_ordered_dict_subclass_is_refused(tmp_path):
         checkpoint.load_checkpoint(tmp_path / "sub.pth")
 
 
+def test_a_text_file_is_no_checkpoint_even_where_pickle_reads_its_first_letter_as_an_object(tmp_path):
+    """A list of classes (classes.txt: `circle`...): pickle reads its `c` as the opcode of a global, `ircle.cross`; it
+    was refused as a file that holds a Python object. A legacy torch.save file (a pickle) still is."""
+    (tmp_path / "classes.txt").write_text("circle\ncross\ndiamond\n")
+    with pytest.raises(UsageError, match=r"^cannot read checkpoint \S+classes\.txt: not a PyTorch checkpoint$"):
+        checkpoint.load_checkpoint(tmp_path / "classes.txt")
+    payload = {"state_dict": small_resnet().state_dict(), "payload": CreatesMarkerWhenUnpickled(tmp_path / "ran")}
+    torch.save(payload, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    with pytest.raises(UsageError, match=r"^refusing to load \S+legacy\.pth: it holds a Python object \("):
+        checkpoint.load_checkpoint(tmp_path / "legacy.pth")
+    assert not (tmp_path / "ran").exists()
+
+
 def test_truncated_checkpoint_raises_usage_error(tmp_path):
     checkpoint.save_checkpoint({"epoch": 1, "state_dict": small_resnet().state_dict()}, tmp_path, is_best=False)
     data = (tmp_path / "checkpoint.pth").read_bytes()
