@@ -133,6 +133,8 @@ def test_the_benchmarks_take_an_imagenet_folder_of_jpeg_files(tmp_path):
         benchmark.jpeg_sizes(tmp_path)
     with pytest.raises(UsageError, match=rf"^--jpeg-dir: cannot decode {tmp_path}/train/n01440764/a.JPEG \("):
         benchmark.resize_compare(tmp_path, 8)  # (its files are not images: was a PIL traceback)
+    with pytest.raises(UsageError, match=rf"^--jpeg-dir: cannot decode {tmp_path}/train/n01440764/a.JPEG \("):
+        benchmark.pipeline_rates(tmp_path, 8)  # (was: a loader worker's traceback)
 
 
 def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():

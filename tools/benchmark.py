@@ -68,6 +68,20 @@ def jpegs(folder):
     )
 
 
+def decodable(paths):
+    """`paths`, each decoded once (PIL): a UsageError names the first that cannot be (a file cut short, not an
+    image), which a measurement's loader worker would end in a traceback."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except (OSError, SyntaxError, ValueError) as error:
+            raise UsageError(f"--jpeg-dir: cannot decode {path} ({error}): remove it, or give another") from None
+    return paths
+
+
 def make_jpegs(root, per_class, classes=2, seed=0):
     """An ImageFolder of photo-like 500x375 JPEGs (smooth colour fields, edges and grain; about
     the size and decode cost of ImageNet's)."""
@@ -102,7 +116,7 @@ def pipeline_rates(jpeg_dir, images, batch=64):
     from torchvision import transforms
     from torchvision.io import decode_jpeg, read_file
 
-    paths = [str(path) for path in jpegs(Path(jpeg_dir, "train"))]
+    paths = [str(path) for path in decodable(jpegs(Path(jpeg_dir, "train"))[:images])]
     paths = (paths * math.ceil(images / len(paths)))[:images]
     ours = TrainPreset(224)
     classic = transforms.Compose(
