@@ -312,7 +312,12 @@ def _run_flags(add):
         metavar="STEPS",
         help="also checkpoint every STEPS optimizer steps, not only at the end of each epoch (0: off)",
     )
-    add("-e", "--evaluate", action="store_true", help="only evaluate (the weights of --resume or --pretrained)")
+    add(
+        "-e",
+        "--evaluate",
+        action="store_true",
+        help="only evaluate (the weights of --resume, --init-from or --pretrained)",
+    )
     add(
         "--seed",
         type=int,

@@ -332,11 +332,6 @@ def known_failure(error):
             f"error: cannot listen on port {listening[1]} (Address already in use): the port is in use; choose "
             "another (MASTER_PORT, --master-port)"
         )
-    if "connectFullMesh failed" in text:  # (gloo's RuntimeError: the ranks met at the store, not on their sockets)
-        return (
-            "error: this job's processes could not connect to each other (gloo: a connect timed out): a firewall "
-            "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?"
-        )
     if "Expected more than 1 value per channel when training" in text:  # (BatchNorm's ValueError; DP's wraps it)
         return (
             "error: a BatchNorm layer got one value per channel (a single image on a device, its activations 1x1 "
@@ -351,6 +346,12 @@ def known_failure(error):
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
+    meshed = re.search(r"connectFullMesh failed with \[[^\]]*\] ([^\[\n]+)", text)
+    if meshed:  # (gloo's RuntimeError: the ranks met at the store, not on their sockets)
+        return (
+            f"error: this job's processes could not connect to each other (gloo: {meshed[1].strip()}): a firewall "
+            "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?"
+        )
     return None
 
 

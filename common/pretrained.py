@@ -56,10 +56,14 @@ def pretrained_model(arch, weights, kwargs):
     previous = socket.getdefaulttimeout()
     try:
         socket.setdefaulttimeout(DOWNLOAD_TIMEOUT)
-        try:
-            weights.get_state_dict(progress=True, check_hash=True, weights_only=True)
-        finally:
-            socket.setdefaulttimeout(previous)
-        return torchvision.models.get_model(arch, weights=weights, **kwargs)
+        weights.get_state_dict(progress=True, check_hash=True, weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # URLError is an OSError
+        raise UsageError(offline_message(weights, error)) from None
+    finally:
+        socket.setdefaulttimeout(previous)
+    try:
+        return torchvision.models.get_model(arch, weights=weights, **kwargs)
+    except RuntimeError as error:  # (another model's weights under its name; not a failure of the host: its own)
+        if "Error(s) in loading state_dict" not in str(error):
+            raise
         raise UsageError(offline_message(weights, error)) from None

@@ -230,7 +230,8 @@ def start_run(trainer):
         if config.resume == "auto" and checkpoint is None and not config.evaluate:
             trainer.log.print(nothing_to_resume(config.output_dir))
         trainer.build(datasets, seed, resuming=checkpoint is not None)
-        if config.evaluate and (new := [change for change in trainer._model_changes if change.endswith(NEW_HEAD)]):
+        new = [change for change in trainer._model_changes if change.endswith(NEW_HEAD)]
+        if config.evaluate and checkpoint is None and new:  # (a checkpoint's weights replace them: a fine-tuned run's)
             raise UsageError(  # (was: a head of new weights evaluated, its chance figures given)
                 f"-e of weights for other classes than the data's: the model's {new[0]}, which nothing trained: "
                 "evaluate on data of the weights' classes, or fine-tune first"

@@ -138,7 +138,8 @@ def index_listing(workdir, samples=1_281_167, per_shard=2500):
     start = time.perf_counter()
     classes, train, val = scan_shards(root)
     seconds = time.perf_counter() - start
-    assert (len(classes), len(train), len(val)) == (1000, samples, 50_000)
+    if (len(classes), len(train), len(val)) != (1000, samples, 50_000):  # (not an assert: python -O drops those)
+        raise RuntimeError(f"listed {len(classes)} classes, {len(train)} + {len(val)} samples: not what was written")
     return seconds, sum(path.stat().st_size for path in root.rglob("*.idx"))
 
 

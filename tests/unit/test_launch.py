@@ -61,9 +61,15 @@ from harness.processes import PYTHON, REPO, clean_env
             ),
             (
                 1,
-                "error: this job's processes could not connect to each other (gloo: a connect timed out): a firewall "
+                "error: this job's processes could not connect to each other (gloo: Connect timeout): a firewall "
                 "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?",
             ),
+        ),
+        (  # (another rank ended while they connected: its error is the cause)
+            RuntimeError(
+                "Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+            ),
+            (1, "error: another process of this job ended, see its error; this one stops too"),
         ),
         # A full disk while log.csv or summary.json is written (a checkpoint's is CheckpointWriteError): one line, not a
         # traceback; another OSError is a bug's.

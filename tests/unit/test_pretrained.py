@@ -77,6 +77,16 @@ def test_a_file_in_the_cache_that_holds_code_is_refused_and_nothing_in_it_runs(m
     assert not (tmp_path / "ran").exists()
 
 
+def test_another_model_s_weights_under_the_name_are_one_line_that_says_to_delete_them(monkeypatch, tmp_path):
+    """Weights alone, but not this model's (a head of 10 classes): one line (was: load_state_dict's traceback)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
+    cached = tmp_path / "home" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
+    cached.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), cached)
+    with pytest.raises(UsageError, match=r"^cannot read pretrained weights \S+ from \S+ \(Error\(s\) in loading"):
+        pretrained.pretrained_model("resnet18", WEIGHTS, {})
+
+
 def test_weights_in_the_cache_are_the_model_s(monkeypatch, tmp_path):
     """The file put where the offline line says (here a state dict of ours in its place): read, and the model's."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
 from common import distributed
 from common.errors import NoRoom, UsageError
@@ -189,6 +190,20 @@ def test_evaluate_takes_the_weights_of_init_from_and_refuses_a_head_nothing_trai
     torch.save({**weights, "12.weight": torch.zeros(5, 64), "12.bias": torch.zeros(5)}, tmp_path / "five.pth")
     with pytest.raises(UsageError, match=r"^-e of weights for other classes than the data's: the model's 12: 5 -> 3 "):
         started("-e", "--init-from", tmp_path / "five.pth", "--output-dir", tmp_path / "e2")
+
+
+def test_evaluate_of_a_fine_tuned_pretrained_run_takes_its_checkpoint(tmp_path, monkeypatch):
+    """The fine-tuning command with -e and the run's checkpoint: its weights, whose head was trained (was: refused,
+    as the head --pretrained makes anew); without a checkpoint, refused."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "home/hub/checkpoints/resnet18-f37072fd.pth")
+    trained("-a", "resnet18", "--pretrained", "--epochs", "1", "--output-dir", tmp_path / "tuned")
+    weights = torch.load(tmp_path / "tuned" / "checkpoint.pth", weights_only=True)["state_dict"]
+    evaluated = started("-a", "resnet18", "--pretrained", "-e", "--resume", tmp_path / "tuned" / "checkpoint.pth")
+    assert all(torch.equal(value, weights[name]) for name, value in unwrap(evaluated.model).state_dict().items())
+    with pytest.raises(UsageError, match=r"^-e of weights for other classes than the data's: the model's fc: 1000 "):
+        started("-a", "resnet18", "--pretrained", "-e", "--output-dir", tmp_path / "e")
 
 
 def test_evaluate_with_model_ema_says_where_the_weights_have_no_ema(finished, tmp_path):
