@@ -132,34 +132,49 @@ def say(message, file=None):
 class _Console:
     """sys.stdout or sys.stderr, whose writes never end the run: once one fails (a pipe whose reader is gone, as after
     `| head`; a full device; a closed file), the stream's descriptor is /dev/null's, and the run goes on without a
-    console (log.csv, summary.json and the checkpoints hold what it does). Anything else is the stream's own."""
+    console (log.csv, summary.json and the checkpoints hold what it does); stdout's loss but to a closed pipe is said
+    on stderr. Anything else is the stream's own."""
 
-    def __init__(self, stream):
-        self._stream = stream
+    def __init__(self, stream, name):
+        self._stream, self._name, self.lost = stream, name, None
 
     def write(self, text):
         try:
             return self._stream.write(text)
-        except (OSError, ValueError):  # (ValueError: a closed file)
-            self._to_null()
+        except (OSError, ValueError) as error:  # (ValueError: a closed file)
+            self._lose(error)
             return len(text)
 
     def flush(self):
         try:
             self._stream.flush()
-        except (OSError, ValueError):
-            self._to_null()
+        except (OSError, ValueError) as error:
+            self._lose(error)
 
-    def _to_null(self):
+    def _lose(self, error):
+        if self.lost is not None:
+            return
+        self.lost = error
         try:  # (what the stream still buffers then goes there too: no error again, at exit either)
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self._stream.fileno())
             os.close(null)
         except (OSError, ValueError):
             pass
+        if lost_output(self) is not None:
+            say(f"warning: cannot write to {self._name} ({lost_output(self)}): going on without it", file=sys.stderr)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+def lost_output(stream=None):
+    """Why `stream` (sys.stdout) could not be written, where it was not a reader that left (a closed pipe, `| head`:
+    its reader wants no more), else None."""
+    error = getattr(sys.stdout if stream is None else stream, "lost", None)
+    if error is None or isinstance(error, (BrokenPipeError, ValueError)):
+        return None
+    return error.strerror or str(error)
 
 
 def console_never_fails():
@@ -178,7 +193,7 @@ def console_never_fails():
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, _Console):
-            setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w")))
+            setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w"), name))
 
 
 def replaces(cls, hook):

@@ -186,6 +186,19 @@ def test_a_second_stop_signal_while_a_tool_stops_does_nothing():
             signal.signal(signum, handler)
 
 
+def test_a_tool_whose_output_a_full_device_lost_ends_with_exit_code_1(capsys, monkeypatch):
+    """A benchmark's table to a full device (`> table.md` there) was lost with exit code 0 (console_never_fails);
+    to a pipe whose reader left (`| head`), the reader wanted no more: exit code 0."""
+    from common.errors import _Console
+
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", _Console(full, "stdout"))
+        assert run_tool(lambda: print("| a | table |")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the output could not be written to stdout (No space left on device)"
+    )
+
+
 def test_a_tool_whose_console_cannot_be_written_finishes_its_work(tiny_data, tmp_path):
     """tools/make_shards.py with stdout to a full device: its shards written, OUT marked finished, exit code 0 (was:
     OSError's traceback at its first line of progress, OUT left unfinished)."""

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.errors import NO_ROOM, NoRoom, UsageError, console_never_fails, say
+from common.errors import NO_ROOM, NoRoom, UsageError, console_never_fails, lost_output, say
 from common.launch import end_with_launcher
 
 
@@ -181,13 +181,18 @@ def torchvision_model(text):
 def run_tool(main, *args):
     """main(*args)'s return value, for sys.exit; a UsageError said in one line on stderr (`error: ...`), its exit
     code returned (2: bad input), never a traceback. A console that cannot be written (`| head`, a full device) ends
-    nothing (console_never_fails)."""
+    nothing (console_never_fails); output lost to a full device or a failing disk, exit code 1."""
     console_never_fails()
     try:
-        return main(*args)
+        code = main(*args)
     except UsageError as error:
         say(f"error: {error}", file=sys.stderr)
         return error.exit_code
+    sys.stdout.flush()  # (what it buffers fails here, not at the exit: after the exit code)
+    if code in (0, None) and lost_output() is not None:
+        say(f"error: the output could not be written to stdout ({lost_output()})", file=sys.stderr)
+        return 1
+    return code
 
 
 def check_child(what, result):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from common.errors import BadItem, UsageError, _Console, check_call, import_named, say
+from common.errors import BadItem, UsageError, _Console, check_call, import_named, lost_output, say
 
 
 def test_an_error_raised_in_a_loader_worker_still_reads_as_its_one_line():
@@ -36,13 +36,13 @@ def test_a_console_line_is_written_whole_in_one_write():
     assert writes == ["done: best acc@1 99.00\n", "<flush>", "error: rank 1: two\nlines\n", "<flush>"]
 
 
-def test_a_console_whose_reader_is_gone_takes_every_write_and_then_writes_to_dev_null():
+def test_a_console_whose_reader_is_gone_takes_every_write_and_then_writes_to_dev_null(capsys):
     """A pipe whose reader closed (`| head -1`): the first failed write puts /dev/null under the stream, and what it
-    buffered goes there too (Python's exit flushes it: no error then either)."""
+    buffered goes there too (Python's exit flushes it: no error then either). Quietly: the reader wanted no more."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     stream = open(write_end, "w")
-    console = _Console(stream)
+    console = _Console(stream, "stdout")
     try:
         say("a line", file=console)
         say("another", file=console)
@@ -54,6 +54,18 @@ def test_a_console_whose_reader_is_gone_takes_every_write_and_then_writes_to_dev
         stream.close()
     console.write("after the stream closed\n")  # (ValueError: taken as well)
     console.flush()
+    assert lost_output(console) is None and capsys.readouterr().err == ""
+
+
+def test_a_console_on_a_full_device_goes_on_and_says_so_on_stderr(capsys):
+    """stdout to a full disk (`> run.log` there): the run goes on, and says on stderr that its console is lost; a
+    tool, whose output is its product, then ends with exit code 1 (tools/shared.py run_tool)."""
+    with open("/dev/full", "w") as full:
+        console = _Console(full, "stdout")
+        say("a table", file=console)
+        say("more", file=console)
+    assert lost_output(console) == "No space left on device"
+    assert capsys.readouterr().err == "warning: cannot write to stdout (No space left on device): going on without it\n"
 
 
 def test_a_name_with_a_colon_is_imported_and_one_without_is_a_built_in_name():
