@@ -1,8 +1,7 @@
 """Checkpoints: their files (checkpoint.pth, checkpoint_prev.pth, model_best.pth), written atomically by one process
 and read with weights_only=True, and their format, assembled (assemble) and restored (restore) in one place each.
 Weights from elsewhere load too: pytorch/examples' (`module.` keys), torchvision's references' (`model`), a bare
-state_dict. docs/reference.md, "Checkpoint format", says what each key holds.
-"""
+state_dict. docs/reference.md, "Checkpoint format", says what each key holds."""
 
 import argparse
 import collections
@@ -30,13 +29,13 @@ PREVIOUS = "checkpoint_prev.pth"  # the checkpoint before the latest, kept in ca
 BEST = "model_best.pth"
 OWN_PARTS = ("args", "optimizer", "scheduler", "criterion", "trainer_state")  # (those a researcher's code fills)
 PLAIN = (str, int, float, bool, type(None))  # (a value of another type in args: its str(), as in args.json)
-# Added to parameter names by DataParallel / DistributedDataParallel and torch.compile, each once or more.
-WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")
+WRAPPER_PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # DataParallel's, DDP's, torch.compile's: once or more
 
 
-def strip_prefixes(state_dict):
-    """Names without wrapper prefixes: `module.` (pytorch/examples' main.py), `features.module.` (its AlexNet, VGG)."""
-    return {re.sub(r"^features\.module\.", "features.", WRAPPER_PREFIXES.sub("", k)): v for k, v in state_dict.items()}
+def strip_prefixes(state_dict, features=False):
+    """Names without wrapper prefixes (`module.`); `features.module.` too with `features` (a model's own, else)."""
+    strip = re.compile(r"^features\.module\." if features else r"(?!)")  # ((?!): matches nothing)
+    return {strip.sub("features.", WRAPPER_PREFIXES.sub("", k)): v for k, v in state_dict.items()}
 
 
 def save_checkpoint(state, output_dir, is_best, keep_previous=False):
@@ -194,7 +193,8 @@ def load_checkpoint(path, mmap=False, weights=True, foreign=False):
         checkpoint["state_dict"] = checkpoint["model"]
     if not isinstance(checkpoint.get("state_dict"), dict):
         raise not_a_checkpoint
-    checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"])
+    features = str(checkpoint.get("arch")).startswith(("alexnet", "vgg"))  # (pytorch/examples' own wrapping)
+    checkpoint["state_dict"] = strip_prefixes(checkpoint["state_dict"], features)
     return checkpoint
 
 

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from .errors import UsageError, printable
+from .errors import UsageError
+from .run_dir import check_names
 
 # Arguments that may differ between nodes (every other one must be alike on every rank: common/run.py):
 # loader workers, where a node holds its copy of the data (the same files: checked on their own), where it
@@ -140,13 +141,7 @@ def resolve(namespace, mode, own_data=False):
     if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
-    try:  # TensorBoard writes a path's text as UTF-8, strictly: a name of other bytes (or locale) is its traceback
-        values["output_dir"].encode()
-    except UnicodeEncodeError:
-        raise UsageError(
-            f"--output-dir {printable(values['output_dir'])}: TensorBoard cannot write to a name Python does not read "
-            "as UTF-8 text (its bytes are not, or the locale is not UTF-8): choose another"
-        ) from None
+    check_names(values)
     return Config(**values)
 
 

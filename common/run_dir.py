@@ -8,6 +8,7 @@ final name, then the folder is fsynced. OutputLock (run.lock) lets one run at a 
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .errors import UsageError, say, unwritable_output
+from .errors import UsageError, printable, say, unwritable_output
 
 LOCK = "run.lock"
 SHARD_INDEXES = "shard-indexes"  # where a run keeps the indexes of shards in a folder it cannot write to
@@ -144,6 +145,29 @@ def _describe_holder(path):
         return "which has not written who it is yet", False
 
 
+NAME_MAX = 255  # bytes of one name in a path, on Linux's file systems (a longer one: OSError, "File name too long")
+
+
+def check_names(values):
+    """One line, before anything is read or written, for a path flag in `values` (the resolved flags) holding a name
+    longer than NAME_MAX bytes (was: the OSError's traceback where -e or --init-from first looked at it), and for an
+    --output-dir that is not UTF-8 text, which TensorBoard cannot write to (was: its traceback after args.json)."""
+    for name in ("output_dir", "data", "resume", "init_from"):
+        parts = [part for part in Path(values.get(name) or "").parts if len(os.fsencode(part)) > NAME_MAX]
+        if parts:
+            raise UsageError(
+                f"--{name.replace('_', '-')} {printable(values[name])[:80]}...: a name in it is longer than "
+                f"{NAME_MAX} bytes ({printable(parts[0])[:40]}...): choose a shorter one"
+            )
+    try:
+        values["output_dir"].encode()
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"--output-dir {printable(values['output_dir'])}: TensorBoard cannot write to a name Python does not read "
+            "as UTF-8 text (its bytes are not, or the locale is not UTF-8): choose another"
+        ) from None
+
+
 class OutputLock:
     """The output directory's lock (run.lock), which the kernel drops when the process ends: a second run that would
     write the directory is refused in one line naming the first. A POSIX lock (lockf): it works over NFS, and a forked
@@ -151,18 +175,21 @@ class OutputLock:
     `hint`: the end of the refusal's line."""
 
     def __init__(self, output_dir, wait=0.0, say=None, hint=""):
-        self.directory, self.hint, self.created = Path(output_dir), hint, False
+        self.directory, self.hint, made = Path(output_dir), hint, []
         self.path, self.warning = self.directory / LOCK, None
         self.started, self.stopping = None, False
         try:  # (exists() too: a name longer than 255 bytes raises there)
-            self.created = not self.directory.exists()
+            made = list(
+                itertools.takewhile(lambda folder: not folder.exists(), [self.directory, *self.directory.parents])
+            )
             self.directory.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
-            if self.created:  # (made, but not to be written: under umask 0777, say)
+            for folder in made:  # (made, but not to be written: under umask 0777, say), deepest first
                 with contextlib.suppress(OSError):
-                    self.directory.rmdir()
+                    folder.rmdir()
             raise self._unwritable(error) from None
+        self.created = bool(made)
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()

@@ -181,6 +181,8 @@ def test_pytorch_examples_alexnet_and_vgg_whose_features_alone_it_wrapped_load(t
     checkpoint.load_weights(fresh, loaded, "alexnet", CLASSES3, tmp_path / "alexnet.pth.tar")
     unwrapped = {name.replace("features.module.", "features."): value for name, value in model.state_dict().items()}
     assert_same_weights(fresh.state_dict(), unwrapped)
+    # Only theirs: a model of yours may hold a module named `module` in its `features` (a QuantWrapper, say)
+    assert checkpoint.strip_prefixes({"module.features.module.0.weight": 1}) == {"features.module.0.weight": 1}
 
 
 def test_load_weights_of_another_arch_raises_usage_error_naming_it(tmp_path):

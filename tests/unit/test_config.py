@@ -99,6 +99,21 @@ def test_an_output_dir_is_utf_8_text_which_tensorboard_can_write_to():
         parse("--data", "/d/x", "--output-dir", os.fsdecode(b"/o/lat\xe9n"))
 
 
+def test_a_path_with_a_name_longer_than_255_bytes_is_one_line_before_anything_is_read():
+    """(was: the OSError's traceback where -e, which takes no lock, or --init-from first looked at it; a --data folder
+    of a long name made the default run name too long too)"""
+    long = "a" * 256
+    for flags, flag in [
+        (["--output-dir", f"/o/{long}"], "--output-dir"),
+        (["-e", "--resume", f"/r/{long}.pth"], "--resume"),
+        (["--init-from", f"/w/{long}"], "--init-from"),
+        (["--data", f"/d/{'b' * 250}"], "--output-dir"),  # (runs/dp-resnet18-bbb...)
+    ]:
+        with pytest.raises(UsageError, match=rf"^{flag} \S+\.\.\.: a name in it is longer than 255 bytes \("):
+            parse(*flags)
+    assert parse("--output-dir", f"/o/{'a' * 255}").output_dir == f"/o/{'a' * 255}"
+
+
 def test_a_trainer_that_builds_its_datasets_gets_the_imagenet_preset_and_a_directory_of_its_own():
     """(was: the demo preset, said to be the built-in demo set's, and the demo run's directory, which a run of it
     then refused as another run's, or resumed)"""
