@@ -140,8 +140,9 @@ def resolve(namespace, mode, own_data=False):
     _check_val_sizes(values)
     if values["deterministic"]:  # read by cuBLAS when it starts: before anything touches CUDA
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    derived = not values["output_dir"]
     values["output_dir"] = values["output_dir"] or default_output_dir(values, mode)
-    check_names(values)
+    check_names(values, derived)
     return Config(**values)
 
 

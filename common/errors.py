@@ -133,10 +133,10 @@ class _Console:
     """sys.stdout or sys.stderr, whose writes never end the run: once one fails (a pipe whose reader is gone, as after
     `| head`; a full device; a closed file), the stream's descriptor is /dev/null's, and the run goes on without a
     console (log.csv, summary.json and the checkpoints hold what it does); stdout's loss but to a closed pipe is said
-    on stderr. Anything else is the stream's own."""
+    on stderr (`warn`). Anything else is the stream's own."""
 
-    def __init__(self, stream, name):
-        self._stream, self._name, self.lost = stream, name, None
+    def __init__(self, stream, name, warn=True):
+        self._stream, self._name, self._warn, self.lost = stream, name, warn, None
 
     def write(self, text):
         try:
@@ -161,7 +161,7 @@ class _Console:
             os.close(null)
         except (OSError, ValueError):
             pass
-        if lost_output(self) is not None:
+        if self._warn and lost_output(self) is not None:
             say(f"warning: cannot write to {self._name} ({lost_output(self)}): going on without it", file=sys.stderr)
 
     def __getattr__(self, name):
@@ -172,15 +172,17 @@ def lost_output(stream=None):
     """Why `stream` (sys.stdout) could not be written, where it was not a reader that left (a closed pipe, `| head`:
     its reader wants no more), else None."""
     error = getattr(sys.stdout if stream is None else stream, "lost", None)
-    if error is None or isinstance(error, (BrokenPipeError, ValueError)):
+    closed = isinstance(error, ValueError) and not isinstance(error, UnicodeError)  # (a file closed under it)
+    if error is None or closed or isinstance(error, BrokenPipeError):
         return None
-    return error.strerror or str(error)
+    return getattr(error, "strerror", None) or str(error)
 
 
-def console_never_fails():
-    """From now on, this process's console output cannot end it (_Console). A descriptor 0, 1 or 2 closed when it
-    started (`>&-`) is /dev/null's from now on: a file this process opens never gets its number, where a library's
-    C++ code could print into it."""
+def console_never_fails(warn=True):
+    """From now on, this process's console output cannot end it (_Console; `warn`: stdout's loss said on stderr). A
+    descriptor 0, 1 or 2 closed when it started (`>&-`) is /dev/null's from now on: a file this process opens never
+    gets its number, where a library's C++ code could print into it. Text the console's encoding lacks (a file name
+    that is not UTF-8) is written with backslashes, as on stderr (was: an error that lost the console)."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         if fd != null:
@@ -193,7 +195,9 @@ def console_never_fails():
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, _Console):
-            setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w"), name))
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="backslashreplace")
+            setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w"), name, warn))
 
 
 def replaces(cls, hook):

@@ -346,11 +346,12 @@ def known_failure(error):
     if any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "rank 0 failed")):
         # A collective lost a process of the job: that one failed (or was stopped) first and said why.
         return "error: another process of this job ended, see its error; this one stops too"
-    meshed = re.search(r"connectFullMesh failed with \[[^\]]*\] ([^\[\n]+)", text)
-    if meshed:  # (gloo's RuntimeError: the ranks met at the store, not on their sockets)
+    meshed = re.search(r"connectFullMesh failed with \[[^\]]*\] ?(.*)", text)
+    if meshed:  # (gloo's RuntimeError: the ranks met at the store, not on their sockets; "no error": a timeout)
+        reason = meshed[1].strip() if meshed[1].strip() not in ("", "no error") else "a connect timed out"
         return (
-            f"error: this job's processes could not connect to each other (gloo: {meshed[1].strip()}): a firewall "
-            "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?"
+            f"error: this job's processes could not connect to each other (gloo: {reason}): a firewall between the "
+            "nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?"
         )
     return None
 
@@ -409,7 +410,8 @@ def run_main(main, parse_args):
     """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one). A process
     a signal kills at a fault (SIGSEGV; SIGBUS: a memory-mapped file made shorter) says where (faulthandler)."""
     console_never_fails()
-    faulthandler.enable()
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stderr without a descriptor)
+        faulthandler.enable()
     try:
         try:
             stop_at_once_until_training()
@@ -435,7 +437,8 @@ def run_worker(rank, body, usage_errors):
     raise the same one); any other line is said here, with the rank, and a bug's traceback too, so that the
     first cause is shown whichever process spawn reports."""
     console_never_fails()
-    faulthandler.enable()
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stderr without a descriptor)
+        faulthandler.enable()
     try:
         try:
             stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too

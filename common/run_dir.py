@@ -148,16 +148,20 @@ def _describe_holder(path):
 NAME_MAX = 255  # bytes of one name in a path, on Linux's file systems (a longer one: OSError, "File name too long")
 
 
-def check_names(values):
+def check_names(values, derived=False):
     """One line, before anything is read or written, for a path flag in `values` (the resolved flags) holding a name
-    longer than NAME_MAX bytes (was: the OSError's traceback where -e or --init-from first looked at it), and for an
-    --output-dir that is not UTF-8 text, which TensorBoard cannot write to (was: its traceback after args.json)."""
-    for name in ("output_dir", "data", "resume", "init_from"):
+    longer than NAME_MAX bytes (was: the OSError's traceback where -e or --init-from first looked at it; `derived`:
+    --output-dir is the default, named after --data's folder), and for an --output-dir that is not UTF-8 text, which
+    TensorBoard cannot write to (was: its traceback after args.json)."""
+    for name in ("data", "resume", "init_from", "output_dir"):  # (--data's first: the default --output-dir's cause)
         parts = [part for part in Path(values.get(name) or "").parts if len(os.fsencode(part)) > NAME_MAX]
         if parts:
+            given = f"--{name.replace('_', '-')}"
+            if derived and name == "output_dir":  # (the default: named after --data's folder)
+                given = "the default --output-dir, after --data's folder,"
             raise UsageError(
-                f"--{name.replace('_', '-')} {printable(values[name])[:80]}...: a name in it is longer than "
-                f"{NAME_MAX} bytes ({printable(parts[0])[:40]}...): choose a shorter one"
+                f"{given} {printable(values[name])[:80]}...: a name in it is longer than {NAME_MAX} bytes "
+                f"({printable(parts[0])[:40]}...): give {'--output-dir' if given[0] != '-' else 'a shorter one'}"
             )
     try:
         values["output_dir"].encode()
@@ -189,7 +193,7 @@ class OutputLock:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
             raise self._unwritable(error) from None
-        self.created = bool(made)
+        self.created, self.made = bool(made), made
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
@@ -257,8 +261,9 @@ class OutputLock:
         if self.created and {entry.name for entry in self.directory.iterdir()} <= {LOCK, SHARD_INDEXES}:
             shutil.rmtree(self.directory / SHARD_INDEXES, ignore_errors=True)
             self.path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                self.directory.rmdir()
+            for folder in self.made:  # (and the folders above it it made: runs/ at a first run), deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
 
 _rendezvous_owner = None  # this node's lock on PATH.owner of its file:// rendezvous, held for the job's life

@@ -135,6 +135,13 @@ def test_the_benchmarks_take_an_imagenet_folder_of_jpeg_files(tmp_path):
         benchmark.resize_compare(tmp_path, 8)  # (its files are not images: was a PIL traceback)
     with pytest.raises(UsageError, match=rf"^--jpeg-dir: cannot decode {tmp_path}/train/n01440764/a.JPEG \("):
         benchmark.pipeline_rates(tmp_path, 8)  # (was: a loader worker's traceback)
+    from PIL import Image  # a PNG named .JPEG (ImageNet's train set holds one): PIL reads it, decode_jpeg does not
+
+    for name in ("a.JPEG", "b.jpeg"):
+        Image.new("RGB", (8, 8)).save(tmp_path / "train/n01440764" / name, format="JPEG" if name == "a.JPEG" else "PNG")
+    (tmp_path / "train/n01440764/g.jpg").unlink()
+    with pytest.raises(UsageError, match=rf"^--jpeg-dir: cannot decode {tmp_path}/train/n01440764/b.jpeg \(.*JPEG"):
+        benchmark.pipeline_rates(tmp_path, 8)
 
 
 def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():

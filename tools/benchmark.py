@@ -50,7 +50,7 @@ from common.config import flag  # noqa: E402
 from common.data import SkipUnreadable  # noqa: E402
 from common.datasets import ImageFiles, load_image  # noqa: E402
 from common.device_loader import Collate  # noqa: E402
-from common.errors import UsageError  # noqa: E402
+from common.errors import UsageError, printable  # noqa: E402
 from common.transforms import IMAGENET_MEAN, IMAGENET_STD, SeededTransform, TrainPreset  # noqa: E402
 from shared import check_child, run_tool, scratch, torchvision_model, until_stopped, whole  # noqa: E402
 
@@ -69,16 +69,21 @@ def jpegs(folder):
 
 
 def decodable(paths):
-    """`paths`, each decoded once (PIL): a UsageError names the first that cannot be (a file cut short, not an
-    image), which a measurement's loader worker would end in a traceback."""
+    """`paths`, each decoded once, by PIL and by torchvision's decode_jpeg (the pipelines measured): a UsageError names
+    the first that cannot be (a file cut short, a PNG named .JPEG), which a loader worker would end in a traceback."""
     from PIL import Image
+    from torchvision.io import decode_jpeg, read_file
 
     for path in paths:
         try:
             with Image.open(path) as image:
                 image.load()
-        except (OSError, SyntaxError, ValueError) as error:
-            raise UsageError(f"--jpeg-dir: cannot decode {path} ({error}): remove it, or give another") from None
+            decode_jpeg(read_file(str(path)))
+        except (OSError, SyntaxError, ValueError, RuntimeError) as error:
+            reason = " ".join(str(error).split())[:200]
+            raise UsageError(
+                f"--jpeg-dir: cannot decode {printable(path)} ({reason}): remove it, or give another"
+            ) from None
     return paths
 
 

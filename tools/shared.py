@@ -182,7 +182,7 @@ def run_tool(main, *args):
     """main(*args)'s return value, for sys.exit; a UsageError said in one line on stderr (`error: ...`), its exit
     code returned (2: bad input), never a traceback. A console that cannot be written (`| head`, a full device) ends
     nothing (console_never_fails); output lost to a full device or a failing disk, exit code 1."""
-    console_never_fails()
+    console_never_fails(warn=False)  # (its output lost: the error below, once)
     try:
         code = main(*args)
     except UsageError as error:

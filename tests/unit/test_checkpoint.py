@@ -183,6 +183,8 @@ def test_pytorch_examples_alexnet_and_vgg_whose_features_alone_it_wrapped_load(t
     assert_same_weights(fresh.state_dict(), unwrapped)
     # Only theirs: a model of yours may hold a module named `module` in its `features` (a QuantWrapper, say)
     assert checkpoint.strip_prefixes({"module.features.module.0.weight": 1}) == {"features.module.0.weight": 1}
+    torch.save({"arch": "mine:Net", "state_dict": model.state_dict()}, tmp_path / "mine.pth")
+    assert "features.module.0.weight" in checkpoint.load_checkpoint(tmp_path / "mine.pth")["state_dict"]
 
 
 def test_load_weights_of_another_arch_raises_usage_error_naming_it(tmp_path):

@@ -107,10 +107,15 @@ def test_a_path_with_a_name_longer_than_255_bytes_is_one_line_before_anything_is
         (["--output-dir", f"/o/{long}"], "--output-dir"),
         (["-e", "--resume", f"/r/{long}.pth"], "--resume"),
         (["--init-from", f"/w/{long}"], "--init-from"),
-        (["--data", f"/d/{'b' * 250}"], "--output-dir"),  # (runs/dp-resnet18-bbb...)
     ]:
-        with pytest.raises(UsageError, match=rf"^{flag} \S+\.\.\.: a name in it is longer than 255 bytes \("):
+        with pytest.raises(UsageError, match=rf"^{flag} \S+\.\.\.: a name in it is longer than 255 bytes \(.+: give a"):
             parse(*flags)
+    with pytest.raises(
+        UsageError,
+        match=r"^the default --output-dir, after --data's folder, runs/dp-resnet18-bbb.*"
+        r": give --output-dir$",
+    ):
+        parse("--data", f"/d/{'b' * 250}")
     assert parse("--output-dir", f"/o/{'a' * 255}").output_dir == f"/o/{'a' * 255}"
 
 

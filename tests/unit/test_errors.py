@@ -1,11 +1,22 @@
 """common/errors.py: the errors that end a run in one line; a console line is written whole, in one write, then
 flushed; `package.module:name` names code of your own on the command line (--arch, --dataset, --trainer)."""
 
+import io
 import os
+import sys
 
 import pytest
 
-from common.errors import BadItem, UsageError, _Console, check_call, import_named, lost_output, say
+from common.errors import (
+    BadItem,
+    UsageError,
+    _Console,
+    check_call,
+    console_never_fails,
+    import_named,
+    lost_output,
+    say,
+)
 
 
 def test_an_error_raised_in_a_loader_worker_still_reads_as_its_one_line():
@@ -66,6 +77,24 @@ def test_a_console_on_a_full_device_goes_on_and_says_so_on_stderr(capsys):
         say("more", file=console)
     assert lost_output(console) == "No space left on device"
     assert capsys.readouterr().err == "warning: cannot write to stdout (No space left on device): going on without it\n"
+
+
+def test_text_the_console_s_encoding_lacks_is_written_with_backslashes(monkeypatch):
+    """A --data folder whose name is not UTF-8, printed to a console of strict UTF-8 (a UTF-8 locale but C.UTF-8,
+    PYTHONIOENCODING=utf-8): its UnicodeEncodeError, a ValueError, was taken for a closed file and the console was
+    lost without a word, exit code 0."""
+    written = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    console_never_fails()
+    print("data: /d/lat\udce9n", flush=True)
+    assert written.getvalue() == b"data: /d/lat\\udce9n\n" and lost_output() is None
+    unencodable = _Console(io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="strict"), "stdout", warn=False)
+    unencodable.write("caf\u00e9")  # (a stream that cannot be told to: its loss is no reader's leaving)
+    assert (
+        lost_output(unencodable)
+        == "'ascii' codec can't encode character '\\xe9' in position 3: ordinal not in range(128)"
+    )
 
 
 def test_a_name_with_a_colon_is_imported_and_one_without_is_a_built_in_name():

@@ -61,7 +61,28 @@ from harness.processes import PYTHON, REPO, clean_env
             ),
             (
                 1,
-                "error: this job's processes could not connect to each other (gloo: Connect timeout): a firewall "
+                "error: this job's processes could not connect to each other (gloo: Connect timeout [none]): a "
+                "firewall between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?",
+            ),
+        ),
+        (  # (gloo's other forms: the peer it tried; "no error", what it says of a timeout)
+            RuntimeError(
+                "Gloo connectFullMesh failed with [../pair.cc:144] Connection refused, remote=[10.0.0.2]:17308"
+            ),
+            (
+                1,
+                "error: this job's processes could not connect to each other (gloo: Connection refused, "
+                "remote=[10.0.0.2]:17308): a firewall between the nodes, or an interface the others cannot reach "
+                "(GLOO_SOCKET_IFNAME)?",
+            ),
+        ),
+        (
+            RuntimeError(
+                "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:144] no error"
+            ),
+            (
+                1,
+                "error: this job's processes could not connect to each other (gloo: a connect timed out): a firewall "
                 "between the nodes, or an interface the others cannot reach (GLOO_SOCKET_IFNAME)?",
             ),
         ),

@@ -124,11 +124,11 @@ def test_a_restarted_job_waits_for_the_lock_of_the_one_it_replaces(held):
 def test_a_run_that_ends_before_it_wrote_leaves_no_directory_it_made(tmp_path):
     """Also where it indexed read-only shards before their bad label stopped it (was: run.lock and shard-indexes/
     left in it)."""
-    lock = OutputLock(tmp_path / "new")
-    (tmp_path / "new" / "shard-indexes").mkdir()
-    (tmp_path / "new" / "shard-indexes" / "train-000000-0123456789abcdef.idx").write_bytes(b"PK")
+    lock = OutputLock(tmp_path / "runs" / "new")  # (runs/ too, made by it: a first run's)
+    (tmp_path / "runs" / "new" / "shard-indexes").mkdir()
+    (tmp_path / "runs" / "new" / "shard-indexes" / "train-000000-0123456789abcdef.idx").write_bytes(b"PK")
     lock.abandon()
-    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "runs").exists()
     (tmp_path / "old").mkdir()
     OutputLock(tmp_path / "old").abandon()
     assert (tmp_path / "old").exists()  # not made by this run: left as it was
