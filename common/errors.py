@@ -3,6 +3,7 @@ written whole (say) to a console whose failure ends nothing (console_never_fails
 command line imported or refused in one line. It imports nothing of this repository, nor torch.
 """
 
+import contextlib
 import errno
 import importlib
 import inspect
@@ -195,7 +196,7 @@ def console_never_fails(warn=True):
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, _Console):
-            if hasattr(stream, "reconfigure"):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # (a stream that cannot: strict, said)
                 stream.reconfigure(errors="backslashreplace")
             setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w"), name, warn))
 
