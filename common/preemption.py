@@ -7,7 +7,11 @@ a third of --stop-grace after the signal, or given another signal SECOND_SIGNAL_
 
 import contextlib
 import multiprocessing
+import os
+import select
 import signal
+import struct
+import sys
 import threading
 import time
 
@@ -16,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from . import distributed
-from .errors import Preempted
+from .errors import Preempted, say
 from .launch import STOP_SIGNALS, launcher_ended, training_starts
 
 SECOND_SIGNAL_AFTER = 5  # seconds
@@ -39,13 +43,20 @@ class StopNow(Preempted):
     """A stop signal that could not wait for the end of a step: no checkpoint of this step."""
 
 
-def ignore_stop_signals(_worker_id=None):
+def ignore_stop_signals(worker_id=None):
     """DataLoader workers leave stopping to the training process (as worker_init_fn): the stop signals ignored, then
-    let through (a worker is born with them held back: SafeLoader)."""
+    let through (a worker is born with them held back: SafeLoader); a worker then says it started (SafeLoader)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if worker_id is not None and _started_fd is not None:
+        os.write(_started_fd, struct.pack("i", os.getpid()))
+
+
+WORKER_START_WAIT = 60  # seconds a forked loader worker may take to start before it is taken for one stuck in fork
+WORKER_STARTS = 3  # the loader's tries to start its workers
+_started_fd = None  # the pipe's end a forked worker says it started on (SafeLoader's, while it forks them)
 
 
 class SafeLoader(DataLoader):
@@ -57,8 +68,35 @@ class SafeLoader(DataLoader):
     handler of yours reaps it."""
 
     def __iter__(self):
+        """The iterator, its workers started. A worker forked while another thread of this process made a thread
+        state (a gloo thread taking the GIL) can hang in fork before it runs any code, in Python before 3.11.10
+        (CPython gh-112275): it is killed and the workers started again, with a warning (was: a hang without end)."""
         if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
             return super().__iter__()
+        global _started_fd
+        for _ in range(WORKER_STARTS):
+            before = {child.pid for child in multiprocessing.active_children()}
+            started, _started_fd = os.pipe()
+            try:
+                iterator = self._started()
+            finally:
+                os.close(_started_fd)
+                _started_fd = None
+            with open(started, "rb") as said:
+                stuck = _stuck_workers(said, before)
+            if not stuck:
+                return iterator
+            for process in stuck:
+                process.kill()
+            del iterator  # (its other workers stopped)
+            say(
+                f"warning: {len(stuck)} loader worker(s) hung as they started (a fork in Python before 3.11.10, "
+                "while another thread started: CPython gh-112275): killed, and the loader started again",
+                file=sys.stderr,
+            )
+        raise RuntimeError(f"the loader's workers hung as they started, {WORKER_STARTS} times")
+
+    def _started(self):
         main = threading.current_thread() is threading.main_thread()
         if main:  # (ignored, a dead worker would be reaped at once, and never found; None: not set from Python)
             sigchld = signal.getsignal(signal.SIGCHLD)
@@ -71,6 +109,21 @@ class SafeLoader(DataLoader):
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
             if main:
                 signal.signal(signal.SIGCHLD, sigchld)
+
+
+def _stuck_workers(said, before):
+    """The loader workers (daemonic children not in `before`) alive that did not say they started (on `said`, a pipe's
+    read end) within WORKER_START_WAIT seconds; a dead one is the loader's to report."""
+    new = [child for child in multiprocessing.active_children() if child.daemon and child.pid not in before]
+    ready, deadline = set(), time.monotonic() + WORKER_START_WAIT
+    while True:
+        waiting = [child for child in new if child.pid not in ready and child.is_alive()]
+        left = deadline - time.monotonic()
+        if not waiting or left <= 0:
+            return waiting
+        if select.select([said], [], [], min(1.0, left))[0]:
+            data = os.read(said.fileno(), 4 * len(new))  # (whole pids: a pipe's writes of 4 bytes are atomic)
+            ready.update(struct.unpack(f"{len(data) // 4}i", data))
 
 
 def before_exit():

@@ -1,8 +1,10 @@
 """common/preemption.py: a stop signal is a flag the ranks agree on at a step; a second one a few seconds later, or a
 wait for data longer than its share of the grace, stops at once; the handlers are put back when the run ends."""
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from torch.utils.data import Dataset
 from common import preemption
 from common.launch import STOP_SIGNALS
 from common.preemption import StopNow, StopSignal, waiting_for_data
+from harness.processes import PYTHON, REPO, clean_env
 
 
 def test_a_stop_that_never_comes_installs_nothing():
@@ -119,3 +122,46 @@ def test_loader_workers_are_born_with_the_stop_signals_held_and_the_process_keep
                 assert (signal.getsignal(signal.SIGCHLD), signal.pthread_sigmask(signal.SIG_BLOCK, [])) == (after, mask)
         finally:
             signal.signal(signal.SIGCHLD, previous)
+
+
+STUCK_AT_FORK = """
+import os, sys, time
+from common import preemption
+preemption.WORKER_START_WAIT = 3
+armed, block = [True], [False]
+def before():
+    block[0] = bool(armed) and armed.pop()
+os.register_at_fork(before=before, after_in_child=lambda: block[0] and time.sleep(3600))  # the first fork's child
+loader = preemption.SafeLoader(
+    list(range(10)), batch_size=2, num_workers=2, worker_init_fn=preemption.ignore_stop_signals,
+    multiprocessing_context="fork",
+)
+for _ in range(2):
+    print([batch.tolist() for batch in loader], flush=True)
+"""
+
+
+def test_a_loader_worker_stuck_as_it_was_forked_is_killed_and_the_workers_started_again():
+    """Python before 3.11.10 (CPython gh-112275) can leave a forked worker stuck before it runs any code, where another
+    thread made a thread state as it forked (a gloo thread taking the GIL): a multi-process run hung without end at an
+    epoch's start. Here the first fork's child blocks as that one did; the loader starts its workers again, once."""
+    process = subprocess.Popen(
+        [PYTHON, "-c", STUCK_AT_FORK],
+        cwd=REPO,
+        env=clean_env(),
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = process.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (whatever of it is left: a worker asleep)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert out.splitlines() == ["[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]"] * 2, out + err
+    assert err.splitlines() == [
+        "warning: 1 loader worker(s) hung as they started (a fork in Python before 3.11.10, while another thread "
+        "started: CPython gh-112275): killed, and the loader started again"
+    ], err
