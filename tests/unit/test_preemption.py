@@ -1,10 +1,8 @@
 """common/preemption.py: a stop signal is a flag the ranks agree on at a step; a second one a few seconds later, or a
 wait for data longer than its share of the grace, stops at once; the handlers are put back when the run ends."""
 
-import contextlib
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -14,7 +12,8 @@ from torch.utils.data import Dataset
 from common import preemption
 from common.launch import STOP_SIGNALS
 from common.preemption import StopNow, StopSignal, waiting_for_data
-from harness.processes import PYTHON, REPO, clean_env
+from harness.jobs import Job
+from harness.processes import PYTHON
 
 
 def test_a_stop_that_never_comes_installs_nothing():
@@ -145,23 +144,11 @@ def test_a_loader_worker_stuck_as_it_was_forked_is_killed_and_the_workers_starte
     """Python before 3.11.10 (CPython gh-112275) can leave a forked worker stuck before it runs any code, where another
     thread made a thread state as it forked (a gloo thread taking the GIL): a multi-process run hung without end at an
     epoch's start. Here the first fork's child blocks as that one did; the loader starts its workers again, once."""
-    process = subprocess.Popen(
-        [PYTHON, "-c", STUCK_AT_FORK],
-        cwd=REPO,
-        env=clean_env(),
-        start_new_session=True,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = process.communicate(timeout=120)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # (whatever of it is left: a worker asleep)
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert out.splitlines() == ["[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]"] * 2, out + err
-    assert err.splitlines() == [
+    job = Job([PYTHON, "-c", STUCK_AT_FORK], prewarmed=False)  # (killed with its processes, a worker asleep)
+    code, output = job.finish(timeout=120)
+    batches = "[[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]"
+    warning = (
         "warning: 1 loader worker(s) hung as they started (a fork in Python before 3.11.10, while another thread "
         "started: CPython gh-112275): killed, and the loader started again"
-    ], err
+    )
+    assert code == 0 and output.splitlines() == [warning, batches, batches] and job.left_behind == [], output
