@@ -73,6 +73,9 @@ class SafeLoader(DataLoader):
         (CPython gh-112275): it is killed and the workers started again, with a warning (was: a hang without end)."""
         if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
             return super().__iter__()
+        forked = (self.multiprocessing_context or multiprocessing).get_start_method() == "fork"
+        if not forked or self.worker_init_fn is not ignore_stop_signals:  # (no worker of these would say it started)
+            return self._started()
         global _started_fd
         for _ in range(WORKER_STARTS):
             before = {child.pid for child in multiprocessing.active_children()}
