@@ -196,7 +196,7 @@ def console_never_fails(warn=True):
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, _Console):
-            with contextlib.suppress(AttributeError, OSError, ValueError):  # (a stream that cannot: strict, said)
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # (a stream that cannot: its loss is said)
                 stream.reconfigure(errors="backslashreplace")
             setattr(sys, name, _Console(stream if stream is not None else open(os.devnull, "w"), name, warn))
 

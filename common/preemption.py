@@ -32,11 +32,11 @@ _waiting_since = None  # when the main thread began waiting for a batch; None wh
 @contextlib.contextmanager
 def waiting_for_data():
     global _waiting_since
-    _waiting_since = time.monotonic()
+    waiting_since, _waiting_since = _waiting_since, _waiting_since or time.monotonic()
     try:
         yield
     finally:
-        _waiting_since = None
+        _waiting_since = waiting_since  # (None, but where one waits within another)
 
 
 class StopNow(Preempted):
@@ -74,24 +74,36 @@ class SafeLoader(DataLoader):
         if not self.num_workers or not hasattr(signal, "pthread_sigmask"):
             return super().__iter__()
         forked = (self.multiprocessing_context or multiprocessing).get_start_method() == "fork"
-        if not forked or self.worker_init_fn is not ignore_stop_signals:  # (no worker of these would say it started)
-            return self._started()
+        if not forked or self.worker_init_fn is not ignore_stop_signals or self.persistent_workers:
+            return self._started()  # (no worker of these would say it started; persistent ones start once)
         global _started_fd
+        seeds = self.generator.get_state() if self.generator is not None else None  # (a retry draws the same seed)
         for _ in range(WORKER_STARTS):
             before = {child.pid for child in multiprocessing.active_children()}
             started, _started_fd = os.pipe()
-            try:
-                iterator = self._started()
-            finally:
-                os.close(_started_fd)
-                _started_fd = None
             with open(started, "rb") as said:
-                stuck = _stuck_workers(said, before)
+                try:
+                    iterator = self._started()
+                finally:
+                    os.close(_started_fd)
+                    _started_fd = None
+                new = [child for child in multiprocessing.active_children() if child.daemon and child.pid not in before]
+                try:
+                    with waiting_for_data():  # (a stop signal meanwhile: at once after the data wait, as in a batch's)
+                        stuck = _stuck_workers(said, new)
+                except (
+                    BaseException
+                ):  # (a stop: the loader left, its workers killed now, not waited for, stuck ones too)
+                    for process in new:
+                        process.kill()
+                    raise
             if not stuck:
                 return iterator
             for process in stuck:
                 process.kill()
             del iterator  # (its other workers stopped)
+            if seeds is not None:
+                self.generator.set_state(seeds)
             say(
                 f"warning: {len(stuck)} loader worker(s) hung as they started (a fork in Python before 3.11.10, "
                 "while another thread started: CPython gh-112275): killed, and the loader started again",
@@ -114,19 +126,18 @@ class SafeLoader(DataLoader):
                 signal.signal(signal.SIGCHLD, sigchld)
 
 
-def _stuck_workers(said, before):
-    """The loader workers (daemonic children not in `before`) alive that did not say they started (on `said`, a pipe's
-    read end) within WORKER_START_WAIT seconds; a dead one is the loader's to report."""
-    new = [child for child in multiprocessing.active_children() if child.daemon and child.pid not in before]
+def _stuck_workers(said, new):
+    """The loader workers `new` (the daemonic children it started) alive that did not say they started (on `said`, a
+    pipe's read end) within WORKER_START_WAIT seconds; a dead one is the loader's to report."""
     ready, deadline = set(), time.monotonic() + WORKER_START_WAIT
     while True:
-        waiting = [child for child in new if child.pid not in ready and child.is_alive()]
-        left = deadline - time.monotonic()
-        if not waiting or left <= 0:
-            return waiting
-        if select.select([said], [], [], min(1.0, left))[0]:
+        left = deadline - time.monotonic()  # (past it, the pipe still read once: a process stopped for long, SIGSTOP)
+        if select.select([said], [], [], max(0.0, min(1.0, left)))[0]:
             data = os.read(said.fileno(), 4 * len(new))  # (whole pids: a pipe's writes of 4 bytes are atomic)
             ready.update(struct.unpack(f"{len(data) // 4}i", data))
+        waiting = [child for child in new if child.pid not in ready and child.is_alive()]
+        if not waiting or left <= 0:
+            return waiting
 
 
 def before_exit():

@@ -152,3 +152,20 @@ def test_a_loader_worker_stuck_as_it_was_forked_is_killed_and_the_workers_starte
         "started: CPython gh-112275): killed, and the loader started again"
     )
     assert code == 0 and output.splitlines() == [warning, batches, batches] and job.left_behind == [], output
+
+
+def test_a_stop_signal_while_the_loader_waits_for_its_workers_to_start_stops_after_the_data_wait():
+    """The wait for a stuck worker (up to 60 s) is a wait for data: a SIGTERM then stops the process after a third of
+    --stop-grace, as in a batch's wait (was: not before the wait ended, past Slurm's KillWait)."""
+    stop = STUCK_AT_FORK.split("for _ in range(2):")[0] + (
+        "import signal, threading\npreemption.WORKER_START_WAIT = 60\n"
+        "stop = preemption.StopSignal(stop_grace=3)\n"
+        "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()\n"
+        "started = time.monotonic()\n"
+        "try:\n    iter(loader)\nexcept preemption.StopNow as error:\n"
+        "    print(f'{type(error).__name__} after {time.monotonic() - started:.0f} s', flush=True)\n"
+        "preemption.before_exit()\n"  # (as the scripts end: the stuck worker killed)
+    )
+    job = Job([PYTHON, "-c", stop], prewarmed=False)
+    code, output = job.finish(timeout=120)
+    assert output.splitlines()[-1] in ("StopNow after 1 s", "StopNow after 2 s", "StopNow after 3 s"), output
