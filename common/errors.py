@@ -162,8 +162,9 @@ class _Console:
             os.close(null)
         except (OSError, ValueError):
             pass
-        if self._warn and lost_output(self) is not None:
-            say(f"warning: cannot write to {self._name} ({lost_output(self)}): going on without it", file=sys.stderr)
+        reason = lost_output(self)
+        if self._warn and reason is not None:
+            say(f"warning: cannot write to {self._name} ({reason}): going on without it", file=sys.stderr)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -406,12 +406,17 @@ def without_collections(make):
             gc.enable()
 
 
-def run_main(main, parse_args):
-    """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one). A process
-    a signal kills at a fault (SIGSEGV; SIGBUS: a memory-mapped file made shorter) says where (faulthandler)."""
+def _process_starts():
+    """What a training process does first: its console, whose failure ends nothing (console_never_fails); and a
+    signal that kills it at a fault (SIGSEGV; SIGBUS: a memory-mapped file made shorter) says where (faulthandler)."""
     console_never_fails()
     with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stderr without a descriptor)
         faulthandler.enable()
+
+
+def run_main(main, parse_args):
+    """main(parse_args()), its end through the ladder: the exit code (a line on stderr where there is one)."""
+    _process_starts()
     try:
         try:
             stop_at_once_until_training()
@@ -436,9 +441,7 @@ def run_worker(rank, body, usage_errors):
     A usage error's line goes to `usage_errors` (a queue): the parent says the first one, once (every rank may
     raise the same one); any other line is said here, with the rank, and a bug's traceback too, so that the
     first cause is shown whichever process spawn reports."""
-    console_never_fails()
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # (a stderr without a descriptor)
-        faulthandler.enable()
+    _process_starts()
     try:
         try:
             stop_at_once_until_training()  # a new interpreter: a stop signal in its start-up ends it with 75 too

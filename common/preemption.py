@@ -88,12 +88,12 @@ class SafeLoader(DataLoader):
                     os.close(_started_fd)
                     _started_fd = None
                 new = [child for child in multiprocessing.active_children() if child.daemon and child.pid not in before]
+                # A stop signal meanwhile: at once after the data wait, as in a batch's; the loader then left, its
+                # workers killed now, not waited for (stuck ones too).
                 try:
-                    with waiting_for_data():  # (a stop signal meanwhile: at once after the data wait, as in a batch's)
+                    with waiting_for_data():
                         stuck = _stuck_workers(said, new)
-                except (
-                    BaseException
-                ):  # (a stop: the loader left, its workers killed now, not waited for, stuck ones too)
+                except BaseException:
                     for process in new:
                         process.kill()
                     raise

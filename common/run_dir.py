@@ -156,12 +156,11 @@ def check_names(values, derived=False):
     for name in ("data", "resume", "init_from", "output_dir"):  # (--data's first: the default --output-dir's cause)
         parts = [part for part in Path(values.get(name) or "").parts if len(os.fsencode(part)) > NAME_MAX]
         if parts:
-            given = f"--{name.replace('_', '-')}"
-            if derived and name == "output_dir":  # (the default: named after --data's folder)
-                given = "the default --output-dir, after --data's folder,"
+            default = derived and name == "output_dir"  # (the default: named after --data's folder)
+            given = "the default --output-dir, after --data's folder," if default else f"--{name.replace('_', '-')}"
             raise UsageError(
                 f"{given} {printable(values[name])[:80]}...: a name in it is longer than {NAME_MAX} bytes "
-                f"({printable(parts[0])[:40]}...): give {'--output-dir' if given[0] != '-' else 'a shorter one'}"
+                f"({printable(parts[0])[:40]}...): give {'--output-dir' if default else 'a shorter one'}"
             )
     try:
         values["output_dir"].encode()
@@ -193,7 +192,7 @@ class OutputLock:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
             raise self._unwritable(error) from None
-        self.created, self.made = bool(made), made
+        self.made = made  # (the folders it made, deepest first: none where the output directory was there)
         if self._take(wait, say):
             self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # when it took the lock
             self._write_holder()
@@ -258,7 +257,7 @@ class OutputLock:
 
     def abandon(self):
         """A run that ended before it wrote anything (but read-only shards' indexes) leaves no directory it created."""
-        if self.created and {entry.name for entry in self.directory.iterdir()} <= {LOCK, SHARD_INDEXES}:
+        if self.made and {entry.name for entry in self.directory.iterdir()} <= {LOCK, SHARD_INDEXES}:
             shutil.rmtree(self.directory / SHARD_INDEXES, ignore_errors=True)
             self.path.unlink(missing_ok=True)
             for folder in self.made:  # (and the folders above it it made: runs/ at a first run), deepest first
