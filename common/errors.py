@@ -50,6 +50,12 @@ class OutOfMemory(UsageError):
     exit_code = 1
 
 
+class NotFinite(UsageError):
+    """The weights became NaN or infinite (the loss diverged): one line, exit code 1, and no checkpoint of them."""
+
+    exit_code = 1
+
+
 class WorkerUsageError(UsageError):
     """A UsageError that may be raised in a DataLoader worker, and still reads as one line."""
 

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import Preempted, UsageError, check_call, import_named
+from . import distributed
+from .errors import NotFinite, Preempted, UsageError, check_call, import_named, printable
 from .pretrained import pretrained_model, pretrained_weights
 
 
@@ -499,6 +500,32 @@ def step_result(result, method, classes=None):
 
 
 # --model-ema
+
+
+def check_finite(model, device, epoch, step, output_dir):
+    """Refuse to checkpoint weights that hold a NaN or an infinity (a parameter or a BatchNorm statistic; a sharded
+    model's, on any rank): training on cannot mend them, and their checkpoint would replace the last good one. A
+    collective, with one read back from the device."""
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith(BATCHNORM_STATISTICS))]
+    flags = {}  # by device (a model offloaded in part): one stack each
+    for name, tensor in named:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor: this rank's shard)
+        flags.setdefault(local.device, []).append((name, torch.isfinite(local).all()))
+    found = []
+    for pairs in flags.values():
+        finite = torch.stack([flag for _, flag in pairs]).tolist()
+        found += [name for (name, _), ok in zip(pairs, finite) if not ok]
+    if distributed.max_over_ranks(len(found), device):
+        where = f"after epoch {epoch - 1}" if not step else f"at epoch {epoch} step {step}"
+        named_here = (found[0] + (f" and {len(found) - 1} more" if found[1:] else "")) if found else "another rank's"
+        raise NotFinite(
+            f"{where} the model's weights are NaN or infinite ({named_here}): the loss diverged, and training on "
+            f"cannot mend them. Nothing of them is saved; the run's earlier checkpoints in {printable(output_dir)} "
+            "are kept. Start again, or --resume auto, with a lower --lr, --warmup-epochs or --clip-grad-norm"
+        )
+
+
+BATCHNORM_STATISTICS = ("running_mean", "running_var")
 
 
 def adjusted_decay(decay, global_batch, every, epochs):

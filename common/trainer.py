@@ -558,6 +558,7 @@ class Trainer:
         common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
         with self._stop_signal.no_stop_now():
+            models.check_finite(self.model, self.runtime.device, epoch, step_in_epoch, self.config.output_dir)
             checkpoint = assemble(self, epoch, step_in_epoch, metrics)
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:

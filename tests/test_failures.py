@@ -23,7 +23,7 @@ import torchvision
 
 from conftest import TINY, make_image_folder
 from harness.ahead import SideBySide, ahead, once
-from harness.jobs import Job, assert_ok, run, run_prewarmed, run_script, torchrun_command
+from harness.jobs import Job, assert_ok, no_traceback_of_ours, run, run_prewarmed, run_script, torchrun_command
 from harness.prewarm import PrewarmedProcess
 from harness.processes import PYTHON, REPO, alive, clean_env, free_port, process_stat, processes_marked
 
@@ -735,6 +735,27 @@ def test_a_final_summary_json_that_a_failed_write_lost_is_written_again_on_resum
         assert written[key] == original[key], key
     assert written["final_val_loss"] == pytest.approx(original["final_val_loss"], abs=1e-6)
     assert written["train_images_per_second"] == pytest.approx(original["train_images_per_second"], abs=0.051)
+
+
+def test_weights_gone_nan_end_the_run_in_one_line_and_the_checkpoint_before_them_stays(data, tmp_path):
+    """A loss that diverges in epoch 1 (DivergingNet: its logits infinite from the 16th step on) leaves NaN weights:
+    every rank stops at the epoch's save in one line, exit code 1, and checkpoint.pth stays epoch 0's; log.csv keeps
+    the NaN epoch's row, which says where it went wrong (was: trained on, and saved NaN over the last good weights)."""
+    out, env = tmp_path / "run", dict(clean_env(), DIVERGE_AFTER="15")
+    command = torchrun_command("train_ddp.py", 2, *TINY, "-a", "tests.tiny_models:DivergingNet", "-b", "8")
+    result = run([*command, "--epochs", "3", "--data", data, "--output-dir", out], env=env)
+    returncode, output = result.returncode, result.stdout
+    assert returncode == 1, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and len(set(lines)) == 1, output[-3000:]  # (one a rank)
+    assert lines[0].startswith(
+        "error: after epoch 1 the model's weights are NaN or infinite (0.0.weight and 7 more): the loss diverged"
+    ), lines
+    assert no_traceback_of_ours(output), output[-3000:]
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert saved["epoch"] == 1 and all(tensor.isfinite().all() for tensor in saved["state_dict"].values())
+    rows = (out / "log.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["0", "1"] and rows[1].split(",")[4] == "nan", rows
 
 
 def test_a_checkpoint_that_cannot_be_written_under_spawn_ends_in_its_one_line_too(finished_run):

@@ -1,5 +1,6 @@
 """Small models for the tests, given to the scripts as `--arch tests.tiny_models:TinyNet`."""
 
+import math
 import os
 import time
 
@@ -29,6 +30,23 @@ def TinyNet(num_classes, dropout=0.0):
         nn.Dropout(dropout),
         nn.Linear(64, num_classes),
     )
+
+
+class Diverges(nn.Module):
+    """Its input times infinity from its training forward number DIVERGE_AFTER + 1 on: a loss that diverges."""
+
+    def __init__(self):
+        super().__init__()
+        self.after, self.calls = int(os.environ.get("DIVERGE_AFTER", "0")), 0
+
+    def forward(self, logits):
+        self.calls += self.training
+        return logits * math.inf if self.training and self.calls > self.after else logits
+
+
+def DivergingNet(num_classes, dropout=0.0):
+    """TinyNet whose loss diverges after DIVERGE_AFTER training steps (Diverges): its weights become NaN."""
+    return nn.Sequential(TinyNet(num_classes, dropout), Diverges())
 
 
 def RegroupNet(num_classes, dropout=0.0):
