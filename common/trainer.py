@@ -181,9 +181,8 @@ class Trainer:
         if self.config.clip_grad_norm:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             # Sharded gradients (DTensors): the norm is taken over all shards, each rank clips its own.
-            nn.utils.clip_grad_norm_(
-                [*self.model.parameters(), *self._criterion_parameters], self.config.clip_grad_norm
-            )
+            parameters = [*self.model.parameters(), *self._criterion_parameters]
+            nn.utils.clip_grad_norm_(parameters, self.config.clip_grad_norm)
 
     def evaluate_step(self, model, images, target):
         """One validation batch's forward (eval mode, no grad, autocast): (loss, logits) or (loss, logits,
@@ -281,11 +280,10 @@ class Trainer:
 
     def _built_metrics(self, split):
         """build_metrics(split, classes), checked: {name: SummedMetric}."""
-        metrics = returned(
-            self.build_metrics(split, self.classes), dict, f"build_metrics({split!r}, classes)", "a dict"
-        )
+        hook = f"build_metrics({split!r}, classes)"
+        metrics = returned(self.build_metrics(split, self.classes), dict, hook, "a dict")
         for name, metric in metrics.items():
-            returned(metric, SummedMetric, f"build_metrics({split!r}, classes)[{name!r}]", "a SummedMetric")
+            returned(metric, SummedMetric, f"{hook}[{name!r}]", "a SummedMetric")
         return metrics
 
     def _built_optimizer(self):
@@ -418,7 +416,7 @@ class Trainer:
             self.optimizer_step(model, lambda: self._forward_backward(model, micro_batches, epoch, step, zero=True))
             done, self._steps_done = step + 1, self._steps_done + 1
             if done % self.config.print_freq == 0 or done == self.steps_per_epoch:
-                self._progress_line(progress, metrics, step)  # (its lr: the one this step used)
+                self._progress_line(progress, metrics, epoch, step)  # (its lr: the one this step used)
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.after_step(step, epoch, self.steps_per_epoch)  # (by step in the epoch, as a resumed run)
@@ -497,7 +495,7 @@ class Trainer:
         # (the closure's: the step's loss over all ranks, as DataParallel's, on which a line search branches)
         return distributed.weighted_mean(step_loss, total) if zero else step_loss
 
-    def _progress_line(self, progress, metrics, step):
+    def _progress_line(self, progress, metrics, epoch, step):
         """The progress line after `step`, its values logged first (whoever reads the line finds them logged)."""
         summary = metrics.summary()  # a collective, at the same steps on every rank (so is the input wait's)
         lr, speed = self.optimizer.param_groups[0]["lr"], progress.speed(step, summary)
@@ -514,6 +512,8 @@ class Trainer:
             },
         )
         progress.display(step, summary, lr=lr, speed=speed, wait=said)
+        if not math.isfinite(summary["loss"]):  # weights gone NaN stop the run now, as its next save would (every rank)
+            models.check_finite(self.model, self.runtime.device, epoch, step + 1, self.config.output_dir)
 
     def evaluate(self, model, label="", epoch=None):
         """The metrics of evaluate_step over this rank's shard of the val set, summed over all ranks: each image

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
-from common.errors import UsageError
+from common.errors import NotFinite, UsageError
 from common.trainer import Trainer, trainer_class
 from conftest import FAMILIES, built_trainer, cpu_runtime, parse, tensor_datasets
 
@@ -662,3 +662,15 @@ def test_the_distillation_and_csv_examples_say_their_mistakes_in_one_line_and_ta
         config = parse("--dataset", "examples.csv_dataset:build", *(["--data", data] if data else []))
         with pytest.raises(UsageError, match=says):
             build_datasets(config)
+
+
+def test_weights_gone_nan_stop_training_at_the_first_progress_line_or_save_that_sees_them(monkeypatch, tmp_path):
+    """DivergingNet's second step makes the weights NaN: the progress line after it (-p 1), whose loss is NaN, stops
+    the run; without one there, the save of --checkpoint-interval 2 does, and writes nothing."""
+    monkeypatch.setenv("DIVERGE_AFTER", "1")
+    arch, out = ["-a", "tests.tiny_models:DivergingNet"], ["--output-dir", tmp_path / "out"]
+    for flags in ([], ["-p", "100", "--checkpoint-interval", "2"]):
+        trainer = built_trainer(*SMALL, *arch, *out, *flags, datasets=tensor_datasets())
+        with pytest.raises(NotFinite, match=r"^at epoch 0 step 2 the model's weights are NaN or infinite \(0\.0\."):
+            trainer.train_one_epoch(trainer.model, 0)
+        assert not (tmp_path / "out").exists()
