@@ -428,7 +428,7 @@ def weighted_mean(value, weight):
     rank, as DataParallel's one process computes it. `value` itself without a process group."""
     if not is_initialized():
         return value
-    both = all_reduce_sum(torch.stack([value.float() * weight, value.new_tensor(weight, dtype=torch.float32)]))
+    both = all_reduce_sum(torch.stack([value.float() * weight, value.new_full((), weight, dtype=torch.float32)]))
     return both[0] / both[1]
 
 

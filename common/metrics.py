@@ -118,7 +118,7 @@ class MetricSums:
                 raise UsageError(
                     f"logged value {name!r} is a {type(value).__name__}: log a number or a scalar tensor"
                 ) from None
-            return torch.tensor(number, dtype=torch.float64, device=self.device)
+            return torch.full((), number, dtype=torch.float64, device=self.device)  # (torch.tensor: a copy, a sync)
         if value.numel() != 1:
             raise UsageError(f"logged value {name!r} has shape {list(value.shape)}: log a scalar (the batch's mean)")
         return value.detach().reshape(()).to(self.device, torch.float64)

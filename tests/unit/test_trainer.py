@@ -5,6 +5,7 @@ optimizer and scheduler steps, the sums, the progress line), for the smallest mo
 import copy
 import os
 import re
+import traceback
 
 import numpy as np
 import pytest
@@ -13,10 +14,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.errors import NotFinite, UsageError
 from common.trainer import Trainer, trainer_class
 from conftest import FAMILIES, built_trainer, cpu_runtime, parse, tensor_datasets
+from harness.processes import REPO
 
 SMALL = [
     "--train-crop-size",
@@ -674,3 +677,46 @@ def test_weights_gone_nan_stop_training_at_the_first_progress_line_or_save_that_
         with pytest.raises(NotFinite, match=r"^at epoch 0 step 2 the model's weights are NaN or infinite \(0\.0\."):
             trainer.train_one_epoch(trainer.model, 0)
         assert not (tmp_path / "out").exists()
+
+
+class ReadBacks(TorchDispatchMode):
+    """Counts the reads of a tensor's value into Python (.item(), float(t), bool(t), .tolist(): on a GPU, each waits
+    for the device) that this repository's code makes itself: torch's and torchvision's are theirs (on a GPU, most
+    read CPU tensors: MixUp's draws, the optimizers' step counts; fp16's scaler and the EMA's count wait)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_PLUMBING)]
+            self.count += frames[-1].filename.startswith(str(REPO / "common"))  # (the frame that reads)
+        return func(*args, **(kwargs or {}))
+
+
+# Between a Tensor method that reads and its caller: this mode's dispatch (run with torch.compile off), Tensor's own
+# Python methods (__format__)
+TORCH_PLUMBING = tuple(
+    os.path.join(os.path.dirname(torch.__file__), name)
+    for name in ("utils/_python_dispatch.py", "_compile.py", "_dynamo/eval_frame.py", "_tensor.py")
+)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--model-ema", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1"],
+        ["--grad-accum-steps", "2", "--label-smoothing", "0.1", "--opt", "adamw", "--lr-schedule", "cosine"],
+    ],
+)
+def test_a_training_step_reads_nothing_back_from_the_device(flags):
+    """No per-step host sync: our code's reads in an epoch of 6 steps are those of an epoch of 3 (its progress line,
+    its summary), the batches made before it (the loader's CPU transforms read their own draws)."""
+    counted = []
+    for images in (12, 24):
+        trainer = built_trainer(*SMALL, *TINY_NET, "-p", "100", *flags, datasets=tensor_datasets(train=images))
+        trainer._train_batches = list(trainer._train_batches)  # (the epoch's batches, made outside the count)
+        with ReadBacks() as reads:
+            trainer.train_one_epoch(trainer.model, 0)
+        counted.append(reads.count)
+    assert counted[0] == counted[1] and counted[0] > 0, counted
