@@ -156,6 +156,16 @@ def test_benchmark_fsdp_trains_a_model_with_auxiliary_heads():
     assert not torch.equal(before, model.aux1.fc2.weight)  # (its auxiliary head trained too)
 
 
+def test_benchmark_fsdp_runs_a_rank_per_gpu_and_no_more():
+    """Its default rows, 1, 2 and 4 processes, on a machine of one GPU: the row of 1 alone (was: an invalid device
+    ordinal in rank 1 of the second row); more processes than GPUs asked for, one line."""
+    assert benchmark_fsdp.process_counts(None, 0) == [1, 2, 4]  # (the CPU: as many as asked)
+    assert benchmark_fsdp.process_counts(None, 1) == [1] and benchmark_fsdp.process_counts(None, 8) == [1, 2, 4]
+    assert benchmark_fsdp.process_counts([3, 1], 0) == [3, 1] and benchmark_fsdp.process_counts([2], 2) == [2]
+    with pytest.raises(UsageError, match=r"^--processes 4: this machine has 2 GPU\(s\), a process on each$"):
+        benchmark_fsdp.process_counts([1, 4], 2)
+
+
 def test_benchmark_shards_lists_its_imagenet_sized_indexes(tmp_path):
     """Its sparse shards hold their first and last members' tar headers, which read_index checks (without them, every
     index was refused and the listing ended in `UsageError: ... hold no sample`)."""

@@ -1,5 +1,6 @@
 """What FSDP saves: per process, the bytes of parameters, gradients and optimizer state it holds, and its peak
-memory, for a model with AdamW at 1, 2 and 4 processes (torchrun, gloo on the CPU or NCCL on GPUs).
+memory, for a model with AdamW at 1, 2 and 4 processes (torchrun, gloo on the CPU or NCCL on GPUs: a process per GPU,
+as many rows as the GPUs allow).
 
     python tools/benchmark_fsdp.py --arch vit_b_16 --processes 1 2 4
     python tools/benchmark_fsdp.py --arch vit_l_16 --processes 1 2 4
@@ -24,6 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from common.cli import Parser  # noqa: E402
+from common.errors import UsageError  # noqa: E402
 from shared import check_child, run_tool, torchvision_model, until_stopped, whole  # noqa: E402
 
 
@@ -134,12 +136,25 @@ def measure(arch, processes):
 def main():
     parser = Parser(description=__doc__ and __doc__.splitlines()[0])
     parser.add_argument("--arch", type=torchvision_model, default="vit_b_16")
-    parser.add_argument("--processes", type=whole(1), nargs="+", default=[1, 2, 4])
+    parser.add_argument("--processes", type=whole(1), nargs="+", help="default: 1 2 4 (on GPUs: up to their count)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.arch)
+    import torch
+
+    args.processes = process_counts(args.processes, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return until_stopped(print_table)(args)
+
+
+def process_counts(requested, gpus):
+    """The rows' process counts: --processes, or 1, 2 and 4; on `gpus` GPUs (a rank on each) those up to their count,
+    and more refused in one line (was: an invalid device ordinal in the rank past them, after the first rows)."""
+    if requested is None:
+        return [count for count in (1, 2, 4) if not gpus or count <= gpus]
+    if gpus and max(requested) > gpus:
+        raise UsageError(f"--processes {max(requested)}: this machine has {gpus} GPU(s), a process on each")
+    return requested
 
 
 def print_table(args):
