@@ -198,6 +198,24 @@ def test_a_parameter_ddp_never_saw_a_gradient_for_is_named_in_one_line():
     )
 
 
+def test_an_op_without_a_deterministic_kernel_under_deterministic_is_one_line_naming_it():
+    """torch's own error (put_ has none on the CPU; VGG's and AlexNet's adaptive pooling backward none on a GPU),
+    raised in the model's forward or backward: was a traceback."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            torch.zeros(4).put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert outcome(raised.value) == (
+        1,
+        "error: --deterministic: torch has no deterministic kernel for put_, which this model uses on this device: "
+        "run without --deterministic (docs/concepts.md, repeatable runs)",
+    )
+    cuda = "adaptive_avg_pool2d_backward_cuda does not have a deterministic implementation, but you set 'torch.use_d"
+    assert "kernel for adaptive_avg_pool2d_backward_cuda, which" in known_failure(RuntimeError(cuda))
+
+
 def test_a_view_that_channels_last_memory_cannot_take_keeps_its_traceback_with_a_hint():
     """L-BFGS flattens NHWC gradients with .view(-1): a traceback (the view may be the researcher's own code, which it
     locates) with a note naming --channels-last off (was: the traceback alone)."""
