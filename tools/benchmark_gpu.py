@@ -526,6 +526,8 @@ def run_bare_loop(arch, amp, layout, batch, steps, cpu):
         optimizer.step()
 
     warm = steps // 3
+    if not cpu:  # (from the first step, as the Trainer rows' peak: cuDNN's autotuning workspaces included)
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(warm):
         step()
     if cpu:
@@ -535,7 +537,6 @@ def run_bare_loop(arch, amp, layout, batch, steps, cpu):
         return {"images_per_second": (steps - warm) * batch / (time.perf_counter() - start)}
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     begin.record()
     for _ in range(steps - warm):
         step()
