@@ -201,7 +201,7 @@ class ShardedCheckpoints:
     def load_weights(self, model, checkpoint, arch, classes, path, key="state_dict"):
         """The checkpoint's weights (or the EMA's: key model_ema) into the sharded `model`; from a single file
         (model_best.pth, weights from elsewhere) each rank takes its shard of the whole."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         check_weights(checkpoint, arch, classes, path)
         model = unwrap(model)
@@ -214,7 +214,7 @@ class ShardedCheckpoints:
             return
         weights = checkpoint["state_dict"] if key == "state_dict" else checkpoint[key]["state_dict"]
         try:
-            set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+            _load_whole(model, weights)
         except (RuntimeError, KeyError, ValueError) as error:
             detail = " ".join(str(error).split())
             raise UsageError(f"{path} does not fit {arch} with these classes: {detail[:300]}") from None
@@ -405,3 +405,24 @@ def export(directory, out, check=True):
         }
     atomic_write(Path(out), lambda file: torch.save(exported, file))
     return exported
+
+
+def _load_whole(model, weights):
+    """A single file's whole `weights` into the sharded `model`: each rank takes its shard of each parameter (DCP's
+    full-state load), and copies the buffers, which every rank holds whole (under --cpu-offload on the GPU beside the
+    parameters' shards in host memory, which DCP's full-state load refuses: "Multiple devices found")."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    saved = set(model.state_dict())  # (the persistent buffers)
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name in saved}
+    parameters = {name: value for name, value in weights.items() if name not in buffers}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(model, parameters, options=options)
+    missing = [name for name in [*result.missing_keys, *buffers] if name not in weights]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"Missing key(s): {', '.join(missing)}; unexpected key(s): {', '.join(result.unexpected_keys)}"
+        )
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            buffer.copy_(weights[name])

@@ -21,6 +21,7 @@ Then, on the JPEG data:
   - a run stopped after epoch 1 and resumed (--resume auto, --deterministic) ends with weights
     bitwise equal to those of the same run made in one go;
   - FSDP's training losses per epoch are DDP's (--deterministic, float32; within 1e-3 relative);
+  - FSDP's --cpu-offload evaluates a single file's weights (its cpu-offload row's model_best.pth);
   - on a one-GPU machine, torchrun with 2 processes is refused with one line (two ranks, one GPU);
     on several GPUs, train_dp.py --compile is refused with one line.
 What a run says of itself (common/diagnostics.py): every GPU row logs its GPU idle share (CUDA events), peak GPU
@@ -339,6 +340,18 @@ def check_validation_world_sizes(setup, row):
     if abs(acc1 - acc1_n) > 100.0 / count + 1e-9:
         raise CheckFailed(f"acc@1 {acc1} with 1 process, {acc1_n} with {setup.world}")
     row.result = f"PASS ({count} images, acc@1 {acc1:.2f} / {acc1_n:.2f})"
+
+
+def check_offload_evaluates_a_single_file(setup, row):
+    """The cpu-offload row's model_best.pth evaluated under --cpu-offload: its parameters' shards in host memory, its
+    BatchNorm statistics on the GPU, which torch's full-state load refuses ("Multiple devices found")."""
+    best = setup.workdir / "fsdp_jpeg_cpu-offload" / "model_best.pth"
+    if not best.is_file():
+        raise CheckFailed("needs the 'fsdp jpeg cpu-offload' row's model_best.pth, which it did not leave")
+    output = train(setup, "fsdp", "jpeg", ("--cpu-offload",), setup.workdir / "eval-offload", ["-e", "--resume", best])
+    if not ACC_LINE.findall(output):
+        raise CheckFailed(f"no validation line in:\n{output[-1500:]}")
+    row.result = f"PASS (acc@1 {ACC_LINE.findall(output)[-1][0]})"
 
 
 def check_exact_resume(setup, row):
@@ -706,6 +719,10 @@ def all_checks(setup, quick):
         (Row("decode-gpu while the stream is busy", "dp1", "jpeg"), check_decode_while_busy),
         (Row("decode-gpu through the loader's thread", "dp1", "jpeg"), check_decode_through_the_loader),
     ]
+    if not setup.cpu:
+        checks.append(
+            (Row("fsdp cpu-offload -e of model_best.pth", "fsdp", "jpeg"), check_offload_evaluates_a_single_file)
+        )
     if setup.gpus > 1:
         checks.append((Row("nccl timeout: flight recorder", "ddp", "jpeg"), check_flight_recorder))
     if setup.gpus == 1:

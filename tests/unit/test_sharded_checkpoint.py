@@ -555,3 +555,27 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
         output
     )
     assert list(out.iterdir()) == []
+
+
+def test_a_single_file_s_weights_load_into_a_sharded_model_parameters_as_shards_and_buffers_copied(group_of_one):
+    """(_load_whole) Each parameter's shard from the whole file, the BatchNorm statistics copied as they are (under
+    --cpu-offload they and the parameters' shards are on two devices, which torch's full-state load refuses: gpu-check's
+    row `fsdp cpu-offload -e of model_best.pth`); a key missing or too many, named."""
+    from torch.distributed.fsdp import fully_shard
+
+    from common.sharded_checkpoint import _load_whole
+    from tests.tiny_models import NormBlockNet
+
+    torch.manual_seed(1)
+    source = NormBlockNet(3)
+    for module in source.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(), module.running_var.uniform_(1, 2), module.num_batches_tracked.fill_(7)
+    weights = source.state_dict()
+    model = fully_shard(NormBlockNet(3))
+    _load_whole(model, weights)
+    loaded = {name: getattr(value, "full_tensor", lambda v=value: v)() for name, value in model.state_dict().items()}
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[name], weights[name]) for name in weights)
+    buffer = next(name for name in weights if name.endswith("running_var"))
+    with pytest.raises(RuntimeError, match=rf"^Missing key\(s\): {re.escape(buffer)}; unexpected key\(s\): extra$"):
+        _load_whole(model, {**{k: v for k, v in weights.items() if k != buffer}, "extra": torch.zeros(1)})
