@@ -332,7 +332,7 @@ def known_failure(error):
             f"error: cannot listen on port {listening[1]} (Address already in use): the port is in use; choose "
             "another (MASTER_PORT, --master-port)"
         )
-    kernel = re.search(r"(\S+) does not have a deterministic implementation, but you set", text)
+    kernel = re.search(r"(?m)^(?:\w+: )?(.+?) does not have a deterministic implementation, but you set", text)
     if kernel:  # (torch.use_deterministic_algorithms: VGG's and AlexNet's adaptive pooling backward on a GPU, put_)
         return (
             f"error: --deterministic: torch has no deterministic kernel for {kernel[1]}, which this model uses on "

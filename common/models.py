@@ -502,7 +502,7 @@ def step_result(result, method, classes=None):
 # --model-ema
 
 
-def check_finite(model, device, epoch, step, output_dir):
+def check_finite(model, config, device, epoch, step):
     """Refuse to checkpoint weights that hold a NaN or an infinity (a parameter or a BatchNorm statistic; a sharded
     model's, on any rank): training on cannot mend them, and their checkpoint would replace the last good one. A
     collective, with one read back from the device."""
@@ -518,10 +518,11 @@ def check_finite(model, device, epoch, step, output_dir):
     if distributed.max_over_ranks(len(found), device):
         where = f"after epoch {epoch - 1}" if not step else f"at epoch {epoch} step {step}"
         named_here = (found[0] + (f" and {len(found) - 1} more" if found[1:] else "")) if found else "another rank's"
+        clip = "" if getattr(config, "cpu_offload", False) else " or --clip-grad-norm"  # (refused with it)
         raise NotFinite(
             f"{where} the model's weights are NaN or infinite ({named_here}): the loss diverged, and training on "
-            f"cannot mend them. Nothing of them is saved; the run's earlier checkpoints in {printable(output_dir)} "
-            "are kept. Start again, or --resume auto, with a lower --lr, --warmup-epochs or --clip-grad-norm"
+            f"cannot mend them. Nothing of them is saved (the checkpoints in {printable(config.output_dir)}, if any, "
+            f"stay as they were). Start again, or --resume auto, with a lower --lr, --warmup-epochs{clip}"
         )
 
 

@@ -408,21 +408,27 @@ def export(directory, out, check=True):
 
 
 def _load_whole(model, weights):
-    """A single file's whole `weights` into the sharded `model`: each rank takes its shard of each parameter (DCP's
-    full-state load), and copies the buffers, which every rank holds whole (under --cpu-offload on the GPU beside the
-    parameters' shards in host memory, which DCP's full-state load refuses: "Multiple devices found")."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    """A single file's whole `weights` into the sharded `model`: each rank copies its shard of each parameter and the
+    buffers whole; a key missing or too many, or a size that differs, refused. (DCP's full-state load refuses a model
+    whose tensors are on two devices: --cpu-offload's parameters in host memory, its buffers on the GPU.)"""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    saved = set(model.state_dict())  # (the persistent buffers)
-    buffers = {name: buffer for name, buffer in model.named_buffers() if name in saved}
-    parameters = {name: value for name, value in weights.items() if name not in buffers}
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    result = set_model_state_dict(model, parameters, options=options)
-    missing = [name for name in [*result.missing_keys, *buffers] if name not in weights]
-    if missing or result.unexpected_keys:
+    own = model.state_dict()  # (this rank's shards of the parameters, DTensors; the buffers whole)
+    missing, unexpected = [name for name in own if name not in weights], [name for name in weights if name not in own]
+    sizes = [
+        f"{name} {list(weights[name].shape)} (the model's {list(own[name].shape)})"
+        for name in own
+        if name in weights and weights[name].shape != own[name].shape
+    ]
+    if missing or unexpected or sizes:
         raise RuntimeError(
-            f"Missing key(s): {', '.join(missing)}; unexpected key(s): {', '.join(result.unexpected_keys)}"
+            f"missing key(s): {', '.join(missing) or '-'}; unexpected key(s): {', '.join(unexpected) or '-'}; "
+            f"size mismatch: {', '.join(sizes) or '-'}"
         )
     with torch.no_grad():
-        for name, buffer in buffers.items():
-            buffer.copy_(weights[name])
+        for name, mine in own.items():
+            if isinstance(mine, DTensor):  # (its shard of the whole, taken here: src_data_rank None, no collective)
+                shard = distribute_tensor(weights[name], mine.device_mesh, mine.placements, src_data_rank=None)
+                mine.to_local().copy_(shard.to_local())
+            else:
+                mine.copy_(weights[name])

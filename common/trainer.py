@@ -513,7 +513,7 @@ class Trainer:
         )
         progress.display(step, summary, lr=lr, speed=speed, wait=said)
         if not math.isfinite(summary["loss"]):  # weights gone NaN stop the run now, as its next save would (every rank)
-            models.check_finite(self.model, self.runtime.device, epoch, step + 1, self.config.output_dir)
+            models.check_finite(self.model, self.config, self.runtime.device, epoch, step + 1)
 
     def evaluate(self, model, label="", epoch=None):
         """The metrics of evaluate_step over this rank's shard of the val set, summed over all ranks: each image
@@ -558,7 +558,7 @@ class Trainer:
         common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
         with self._stop_signal.no_stop_now():
-            models.check_finite(self.model, self.runtime.device, epoch, step_in_epoch, self.config.output_dir)
+            models.check_finite(self.model, self.config, self.runtime.device, epoch, step_in_epoch)
             checkpoint = assemble(self, epoch, step_in_epoch, metrics)
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:

@@ -557,10 +557,10 @@ def test_export_checkpoint_refuses_an_out_that_is_not_a_file_of_its_own(group_of
     assert list(out.iterdir()) == []
 
 
-def test_a_single_file_s_weights_load_into_a_sharded_model_parameters_as_shards_and_buffers_copied(group_of_one):
-    """(_load_whole) Each parameter's shard from the whole file, the BatchNorm statistics copied as they are (under
-    --cpu-offload they and the parameters' shards are on two devices, which torch's full-state load refuses: gpu-check's
-    row `fsdp cpu-offload -e of model_best.pth`); a key missing or too many, named."""
+def test_a_single_file_s_weights_load_into_a_sharded_model_each_rank_copying_its_shard(group_of_one):
+    """(_load_whole) Each parameter's shard from the whole file and the BatchNorm statistics, copied (DCP's full-state
+    load refuses --cpu-offload's parameters in host memory beside the buffers on the GPU: gpu-check's row `fsdp
+    cpu-offload -e of model_best.pth`); a key missing (a parameter's too) or too many, or another size, named."""
     from torch.distributed.fsdp import fully_shard
 
     from common.sharded_checkpoint import _load_whole
@@ -576,6 +576,11 @@ def test_a_single_file_s_weights_load_into_a_sharded_model_parameters_as_shards_
     _load_whole(model, weights)
     loaded = {name: getattr(value, "full_tensor", lambda v=value: v)() for name, value in model.state_dict().items()}
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[name], weights[name]) for name in weights)
-    buffer = next(name for name in weights if name.endswith("running_var"))
-    with pytest.raises(RuntimeError, match=rf"^Missing key\(s\): {re.escape(buffer)}; unexpected key\(s\): extra$"):
+    buffer, parameter = (next(name for name in weights if name.endswith(end)) for end in ("running_var", ".weight"))
+    wrong = {**weights, parameter: torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=rf"^missing key\(s\): {re.escape(buffer)}; unexpected key\(s\): extra; "):
         _load_whole(model, {**{k: v for k, v in weights.items() if k != buffer}, "extra": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match=rf"^missing key\(s\): -; .* size mismatch: {re.escape(parameter)} \[1\] "):
+        _load_whole(model, wrong)
+    with pytest.raises(RuntimeError, match=rf"^missing key\(s\): {re.escape(parameter)}; unexpected key\(s\): -; "):
+        _load_whole(model, {k: v for k, v in weights.items() if k != parameter})

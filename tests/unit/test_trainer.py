@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.errors import NotFinite, UsageError
 from common.trainer import Trainer, trainer_class
 from conftest import FAMILIES, built_trainer, cpu_runtime, parse, tensor_datasets
+from examples.sam import SAM
 from harness.processes import REPO
 
 SMALL = [
@@ -680,19 +681,25 @@ def test_weights_gone_nan_stop_training_at_the_first_progress_line_or_save_that_
 
 
 class ReadBacks(TorchDispatchMode):
-    """Counts the reads of a tensor's value into Python (.item(), float(t), bool(t), .tolist(): on a GPU, each waits
-    for the device) that this repository's code makes itself: torch's and torchvision's are theirs (on a GPU, most
-    read CPU tensors: MixUp's draws, the optimizers' step counts; fp16's scaler and the EMA's count wait)."""
+    """Counts what this repository's code does in torch that, on a GPU, waits for the device: a read of a tensor's
+    value into Python (.item(), float(t), bool(t), .tolist()), a tensor made of Python data (torch.tensor(x,
+    device=...) copies it from the host), a boolean mask's indexing or nonzero (their sizes read back). Torch's and
+    torchvision's own are theirs (on a GPU, most are of CPU tensors: MixUp's draws, the optimizers' step counts; fp16's
+    scaler and the EMA's count wait, docs/concepts.md says so)."""
 
     count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        masked = func is torch.ops.aten.index.Tensor and any(
+            index is not None and index.dtype == torch.bool for index in args[1]
+        )
+        if masked or func in WAITS:
             frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH_PLUMBING)]
-            self.count += frames[-1].filename.startswith(str(REPO / "common"))  # (the frame that reads)
+            self.count += frames[-1].filename.startswith(str(REPO / "common"))  # (the frame that calls it)
         return func(*args, **(kwargs or {}))
 
 
+WAITS = {getattr(torch.ops.aten, name).default for name in ("_local_scalar_dense", "lift_fresh", "nonzero")}
 # Between a Tensor method that reads and its caller: this mode's dispatch (run with torch.compile off), Tensor's own
 # Python methods (__format__)
 TORCH_PLUMBING = tuple(
@@ -701,22 +708,35 @@ TORCH_PLUMBING = tuple(
 )
 
 
+class LogsANumber(SAM):
+    """SAM (its closure: the step's loss averaged over the ranks), logging a Python number."""
+
+    def train_step(self, model, images, labels):
+        loss, logits = super().train_step(model, images, labels)
+        return loss, logits, {"half": 0.5}
+
+
 @pytest.mark.parametrize(
     "flags",
     [
         [],
         ["--model-ema", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--clip-grad-norm", "1"],
         ["--grad-accum-steps", "2", "--label-smoothing", "0.1", "--opt", "adamw", "--lr-schedule", "cosine"],
+        ["--trainer", "examples.sam:SAM"],
     ],
 )
-def test_a_training_step_reads_nothing_back_from_the_device(flags):
-    """No per-step host sync: our code's reads in an epoch of 6 steps are those of an epoch of 3 (its progress line,
-    its summary), the batches made before it (the loader's CPU transforms read their own draws)."""
+def test_a_training_step_waits_for_nothing_on_the_device(flags, group_of_one):
+    """No per-step host sync: what our code does that would wait for a GPU (ReadBacks) in an epoch of 6 steps is what
+    it does in an epoch of 3 (its progress line, its summary), the batches made before it (the loader's transforms read
+    their CPU draws). In a process group, whose collectives the closure's loss goes through."""
     counted = []
     for images in (12, 24):
-        trainer = built_trainer(*SMALL, *TINY_NET, "-p", "100", *flags, datasets=tensor_datasets(train=images))
+        trainer = LogsANumber if "--trainer" in flags else None
+        trainer = built_trainer(
+            *SMALL, *TINY_NET, "-p", "100", *flags, trainer=trainer, datasets=tensor_datasets(train=images)
+        )
         trainer._train_batches = list(trainer._train_batches)  # (the epoch's batches, made outside the count)
-        with ReadBacks() as reads:
+        with ReadBacks() as waits:
             trainer.train_one_epoch(trainer.model, 0)
-        counted.append(reads.count)
+        counted.append(waits.count)
     assert counted[0] == counted[1] and counted[0] > 0, counted
