@@ -7,6 +7,7 @@ a third of --stop-grace after the signal, or given another signal SECOND_SIGNAL_
 
 import contextlib
 import multiprocessing
+import multiprocessing.util
 import os
 import select
 import signal
@@ -118,6 +119,9 @@ class SafeLoader(DataLoader):
             sigchld = signal.SIG_DFL if sigchld in (signal.SIG_IGN, None) else sigchld
             signal.signal(signal.SIGCHLD, sigchld)
         held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (this thread's: the one that forks them)
+        # Forked workers make their sockets in this process's temporary folder, which it removes as it exits (their
+        # own, one each, stayed in /tmp where before_exit killed them: each stop left a pymp-* folder a worker).
+        multiprocessing.util.get_temp_dir()
         try:
             return super().__iter__()
         finally:
