@@ -395,7 +395,7 @@ def export(directory, out, check=True):
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, checkpoint_id=str(directory), no_dist=True)
     kept = ("epoch", "step_in_epoch", "arch", "num_classes", "classes", "seed", "best_acc1", "best_ema_acc1", "args")
-    kept += ("checkpoint_id",)
+    kept += ("best_epoch", "checkpoint_id")
     exported = {key: state[key] for key in kept if key in state}
     exported.update(exported_from=str(directory), state_dict=template["state_dict"])
     if "model_ema" in template:

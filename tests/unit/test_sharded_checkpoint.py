@@ -176,6 +176,7 @@ def test_what_is_no_sharded_checkpoint_is_refused_in_one_line(group_of_one, tmp_
 
 def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_one, tmp_path):
     trainer = trained(tmp_path)
+    trainer._best_epoch = 1  # (as the epoch loop sets it)
     trainer.save(1, is_best=True)
     for exported in (
         torch.load(tmp_path / "model_best.pth", weights_only=True),
@@ -187,6 +188,7 @@ def test_the_export_is_a_plain_file_of_the_whole_weights_and_the_ema(group_of_on
         model.load_state_dict(exported["model_ema"]["state_dict"])
         assert all(torch.equal(value, model.state_dict()[name]) for name, value in whole(trainer.ema.module).items())
         assert exported["arch"] == "tests.tiny_models:BlockNet" and "optimizer" not in exported
+        assert exported["best_epoch"] == 1  # (as train_ddp.py's model_best.pth: was left out)
 
 
 def test_an_export_of_a_checkpoint_mid_epoch_keeps_its_step_and_stays_weights_from_elsewhere(group_of_one, tmp_path):
