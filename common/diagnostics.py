@@ -1,6 +1,7 @@
 """What limits a run, said in its own output: the loop's wait for batches, the model's FLOPs, rate and utilisation,
 peak memory per epoch, a profiler trace (--profile), and the evidence a GPU job leaves when it dies (an allocator
-snapshot on out-of-memory, NCCL's Flight Recorder dump). Nothing reads a value back from the device per step.
+snapshot on out-of-memory, NCCL's Flight Recorder dump), and the end of a run whose weights went NaN (check_finite).
+Nothing reads a value back from the device per step.
 """
 
 import bisect
@@ -17,7 +18,7 @@ import torch.nn as nn
 from . import distributed
 from .config import profile_steps
 from .distributed import flight_recorder_files
-from .errors import OutOfMemory, Preempted, UsageError
+from .errors import NotFinite, OutOfMemory, Preempted, UsageError, printable
 from .models import meta_copy
 from .run_dir import atomic_export
 
@@ -503,3 +504,44 @@ class StepProfiler:
             f"profile: steps {self.start} to {min(self.done, self.start + self.steps) - 1} in {self.path.parent}/"
             "rank*.json (open in https://ui.perfetto.dev); training goes on"
         )
+
+
+def check_finite(trainer, epoch, step):
+    """Refuse to checkpoint what training cannot mend: a NaN or an infinity in a trained parameter or a BatchNorm
+    statistic (the model's, the EMA's) or in the optimizer's state; a sharded model's on any rank. The checkpoint
+    would replace the last one. A collective, with one read back from the device."""
+    named, flags = [*_trained(trainer.model), *(_trained(trainer.ema.module, "the EMA's ") if trainer.ema else [])], {}
+    names = {id(parameter): name for name, parameter in trainer.model.named_parameters()}
+    for parameter, state in trainer.optimizer.state.items():
+        named += [
+            (f"the optimizer's {key} of {names.get(id(parameter), 'a parameter')}", value)
+            for key, value in state.items()
+            if torch.is_tensor(value) and value.is_floating_point()
+        ]
+    for name, tensor in named:  # by device (a model offloaded in part): one stack each
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor: this rank's shard)
+        flags.setdefault(local.device, []).append((name, torch.isfinite(local).all()))
+    found = []
+    for pairs in flags.values():
+        finite = torch.stack([flag for _, flag in pairs]).tolist()
+        found += [name for (name, _), ok in zip(pairs, finite) if not ok]
+    if distributed.max_over_ranks(len(found), trainer.runtime.device):
+        where = f"after epoch {epoch - 1}" if not step else f"at epoch {epoch} step {step}"
+        what = (found[0] + (f" (and {len(found) - 1} more)" if found[1:] else "")) if found else "another rank's state"
+        clip = "" if getattr(trainer.config, "cpu_offload", False) else " or --clip-grad-norm"  # (refused with it)
+        raise NotFinite(
+            f"{where} {what} is NaN or infinite, which training on cannot mend: the loss diverged (too high an --lr or "
+            "--wd, no warmup), or a batch held NaN or infinite values. Nothing of it is saved; the checkpoints in "
+            f"{printable(trainer.config.output_dir)}, if any, stay as they were: start again, or resume one whose "
+            f"log.csv loss is still sound (--resume auto, checkpoint_prev), with a lower --lr, --warmup-epochs{clip}"
+        )
+
+
+def _trained(model, prefix=""):
+    """(name, tensor) of `model`'s trained parameters (a frozen one may hold an infinity on purpose) and BatchNorm
+    statistics."""
+    return [
+        (prefix + name, value)
+        for name, value in [*model.named_parameters(), *model.named_buffers()]
+        if getattr(value, "requires_grad", False) or name.endswith(("running_mean", "running_var"))
+    ]

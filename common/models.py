@@ -12,11 +12,10 @@ import torch
 import torch.nn as nn
 import torchvision
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import distributed
-from .errors import NotFinite, Preempted, UsageError, check_call, import_named, printable
+from .errors import Preempted, UsageError, check_call, import_named
 from .pretrained import pretrained_model, pretrained_weights
 
 
@@ -502,33 +501,6 @@ def step_result(result, method, classes=None):
 # --model-ema
 
 
-def check_finite(model, config, device, epoch, step):
-    """Refuse to checkpoint weights that hold a NaN or an infinity (a parameter or a BatchNorm statistic; a sharded
-    model's, on any rank): training on cannot mend them, and their checkpoint would replace the last good one. A
-    collective, with one read back from the device."""
-    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith(BATCHNORM_STATISTICS))]
-    flags = {}  # by device (a model offloaded in part): one stack each
-    for name, tensor in named:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor: this rank's shard)
-        flags.setdefault(local.device, []).append((name, torch.isfinite(local).all()))
-    found = []
-    for pairs in flags.values():
-        finite = torch.stack([flag for _, flag in pairs]).tolist()
-        found += [name for (name, _), ok in zip(pairs, finite) if not ok]
-    if distributed.max_over_ranks(len(found), device):
-        where = f"after epoch {epoch - 1}" if not step else f"at epoch {epoch} step {step}"
-        named_here = (found[0] + (f" and {len(found) - 1} more" if found[1:] else "")) if found else "another rank's"
-        clip = "" if getattr(config, "cpu_offload", False) else " or --clip-grad-norm"  # (refused with it)
-        raise NotFinite(
-            f"{where} the model's weights are NaN or infinite ({named_here}): the loss diverged, and training on "
-            f"cannot mend them. Nothing of them is saved (the checkpoints in {printable(config.output_dir)}, if any, "
-            f"stay as they were). Start again, or --resume auto, with a lower --lr, --warmup-epochs{clip}"
-        )
-
-
-BATCHNORM_STATISTICS = ("running_mean", "running_var")
-
-
 def adjusted_decay(decay, global_batch, every, epochs):
     """The decay per update, as torchvision's train.py adjusts --model-ema-decay (after pycls): the EMA
     spans about the same share of the run whatever the batch, the update interval and the epochs.
@@ -536,17 +508,22 @@ def adjusted_decay(decay, global_batch, every, epochs):
     return 1.0 - min(1.0, (1.0 - decay) * (global_batch * every / epochs))
 
 
-def by_kind(update):
-    """`update` (a multi_avg_fn) called apart for sharded tensors (DTensors: a sharded model's parameters) and plain
-    ones (its buffers): one foreach call cannot take both."""
+def ema_update(decay):
+    """torchvision's EMA update, decay x average + (1 - decay) x weights (its ExponentialMovingAverage), a foreach
+    call for sharded tensors (DTensors) and one for plain ones (one call cannot take both); torch's
+    get_ema_multi_avg_fn lerps, which made an infinity (an attention mask's -inf) NaN."""
 
-    def split(averaged, current, count):
+    def update(averaged, current, _count):  # (AveragedModel gives tensors of one device and dtype)
         for sharded in (True, False):
-            pairs = [(mine, theirs) for mine, theirs in zip(averaged, current) if hasattr(mine, "to_local") == sharded]
-            if pairs:
-                update([mine for mine, _ in pairs], [theirs for _, theirs in pairs], count)
+            mine = [(a, c) for a, c in zip(averaged, current) if hasattr(a, "to_local") == sharded]
+            if mine and torch.is_floating_point(mine[0][0]):
+                torch._foreach_mul_([a for a, _ in mine], decay)
+                torch._foreach_add_([a for a, _ in mine], torch._foreach_mul([c for _, c in mine], 1 - decay))
+            elif mine:
+                for a, c in mine:
+                    a.copy_(a * decay + c * (1 - decay))
 
-    return split
+    return update
 
 
 class ModelEma:
@@ -557,7 +534,7 @@ class ModelEma:
         self.model, self.decay, self.every, self.warmup_epochs = model, decay, every, warmup_epochs
         # device=None: the copy stays where the model is, n_averaged on the CPU. An update waits for the
         # GPU once (AveragedModel copies n_averaged there), as torchvision's does: once per --model-ema-steps.
-        self.averaged = AveragedModel(model, multi_avg_fn=by_kind(get_ema_multi_avg_fn(decay)), use_buffers=True)
+        self.averaged = AveragedModel(model, multi_avg_fn=ema_update(decay), use_buffers=True)
 
     @property
     def module(self):

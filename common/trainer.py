@@ -20,7 +20,7 @@ from .augment import batch_mix_key, build_batch_mix, transformed_batch
 from .checkpoint import SingleFile, assemble, init_from
 from .datasets import build_datasets
 from .device_loader import device_batches, validation_batches
-from .diagnostics import Diagnostics
+from .diagnostics import Diagnostics, check_finite
 from .errors import Preempted, UsageError, import_named, returned, wrong_return
 from .header import run_summary, start_lines, trained_already, training_lines, warnings
 from .logger import RunLogger, epoch_row
@@ -513,7 +513,7 @@ class Trainer:
         )
         progress.display(step, summary, lr=lr, speed=speed, wait=said)
         if not math.isfinite(summary["loss"]):  # weights gone NaN stop the run now, as its next save would (every rank)
-            models.check_finite(self.model, self.config, self.runtime.device, epoch, step + 1)
+            check_finite(self, epoch, step + 1)
 
     def evaluate(self, model, label="", epoch=None):
         """The metrics of evaluate_step over this rank's shard of the val set, summed over all ranks: each image
@@ -558,7 +558,7 @@ class Trainer:
         common/checkpoint.py. A collective: every rank calls it; the writer rank(s) write. Returns the epoch's
         unreadable files over all ranks."""
         with self._stop_signal.no_stop_now():
-            models.check_finite(self.model, self.config, self.runtime.device, epoch, step_in_epoch)
+            check_finite(self, epoch, step_in_epoch)
             checkpoint = assemble(self, epoch, step_in_epoch, metrics)
             self._checkpoints.write(checkpoint, self.config.output_dir, is_best, self.log.writes)
             if self.log.writes:

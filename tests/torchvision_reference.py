@@ -1,8 +1,9 @@
 """torchvision's own code that the torchvision package does not ship, for the tests that compare against it.
 
-set_weight_decay: copied verbatim from torchvision's references/classification/utils.py (BSD 3-Clause License,
-Copyright (c) Soumith Chintala 2016); torchvision_parameter_groups: the lines of references/classification/train.py
-that call it from the --weight-decay, --norm-weight-decay and --bias-weight-decay flags.
+set_weight_decay and ExponentialMovingAverage: copied verbatim from torchvision's references/classification/utils.py
+(BSD 3-Clause License, Copyright (c) Soumith Chintala 2016); torchvision_parameter_groups: the lines of
+references/classification/train.py that call it from the --weight-decay, --norm-weight-decay and --bias-weight-decay
+flags.
 """
 
 from typing import List, Optional, Tuple
@@ -82,3 +83,17 @@ def torchvision_parameter_groups(model, weight_decay, norm_weight_decay=None, bi
         norm_weight_decay=norm_weight_decay,
         custom_keys_weight_decay=custom_keys_weight_decay if len(custom_keys_weight_decay) > 0 else None,
     )
+
+
+class ExponentialMovingAverage(torch.optim.swa_utils.AveragedModel):
+    """Maintains moving averages of model parameters using an exponential decay.
+    ``ema_avg = decay * avg_model_param + (1 - decay) * model_param``
+    `torch.optim.swa_utils.AveragedModel <https://pytorch.org/docs/stable/optim.html#custom-averaging-strategies>`_
+    is used to compute the EMA.
+    """
+
+    def __init__(self, model, decay, device="cpu"):
+        def ema_avg(avg_model_param, model_param, num_averaged):
+            return decay * avg_model_param + (1 - decay) * model_param
+
+        super().__init__(model, device, ema_avg, use_buffers=True)

@@ -3,9 +3,11 @@ by its name, the input wait, the memory read from /proc, the profiler's trace, t
 Flight Recorder settings; and the figures a built Trainer's epoch reports."""
 
 import json
+import math
 import mmap
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from common.diagnostics import (
     INPUT_BOUND,
     Diagnostics,
     StepProfiler,
+    check_finite,
     forward_flops,
     input_bound,
     loader_workers,
@@ -26,9 +29,10 @@ from common.diagnostics import (
     peak_tflops,
     reset_peak_rss,
 )
-from common.errors import OutOfMemory, UsageError
-from common.models import build_model, check_input_size
+from common.errors import NotFinite, OutOfMemory, UsageError
+from common.models import ModelEma, build_model, check_input_size
 from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
+from tests.torchvision_reference import ExponentialMovingAverage
 
 pytestmark = pytest.mark.usefixtures("no_platform_env")
 SMALL = [
@@ -416,3 +420,84 @@ def test_one_slow_rank_among_fast_ones_is_input_bound():
     assert input_bound(34.0, 34.0, 1, 0, 8).startswith(
         "input-bound: the training loop waited for its batches 34% of epoch 0's time, its devices idle meanwhile"
     )
+
+
+def model_with_infinities():
+    """A convolution, a BatchNorm, a buffer of -inf (an attention mask's) and a frozen parameter of inf (a clamp's):
+    neither is trained, both hold their infinity on purpose."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+    model[2].register_buffer("mask", torch.full((4,), -math.inf))
+    model[2].limit = nn.Parameter(torch.full((1,), math.inf), requires_grad=False)
+    return model
+
+
+def run_of(model, ema=False, cpu_offload=False):
+    """What check_finite reads of a trainer: its model (and EMA), optimizer (a step taken: its state), flags, device."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(torch.randn(2, 3, 5, 5)).sum().backward()
+    optimizer.step()
+    return SimpleNamespace(
+        model=model,
+        ema=ModelEma(model, 0.5) if ema else None,
+        optimizer=optimizer,
+        config=SimpleNamespace(output_dir="runs/x", cpu_offload=cpu_offload),
+        runtime=SimpleNamespace(device=torch.device("cpu")),
+    )
+
+
+def test_a_state_that_training_cannot_mend_ends_the_run_in_one_line_naming_it():
+    """A diverged loss leaves NaN weights (tests/test_failures.py runs it), or NaN BatchNorm statistics, EMA weights or
+    optimizer state (Adam's second moment overflowed by one huge loss: every update 0 after, the run frozen). Their
+    checkpoint would replace the last one. What holds an infinity on purpose, and is not trained, is left alone."""
+    check_finite(run_of(model_with_infinities(), ema=True), 2, 0)  # finite where it counts: nothing said
+    for spoil, named in [
+        (lambda run: run.model[0].weight.data.__setitem__((0, 0, 0, 0), math.nan), r"0\.weight"),
+        (lambda run: run.model[1].running_var.__setitem__(3, math.inf), r"1\.running_var"),
+        (lambda run: run.ema.module[0].bias.data.__setitem__(1, -math.inf), r"the EMA's 0\.bias"),
+        (
+            lambda run: run.optimizer.state[run.model[0].weight]["exp_avg_sq"].fill_(math.inf),
+            r"the optimizer's exp_avg_sq of 0\.weight",
+        ),
+    ]:
+        run = run_of(model_with_infinities(), ema=True)
+        spoil(run)
+        with pytest.raises(NotFinite, match=rf"^after epoch 1 {named} is NaN or infinite, which training on cannot"):
+            check_finite(run, 2, 0)
+    run = run_of(model_with_infinities())
+    run.model[0].bias.data[1] = run.model[0].weight.data[1, 0, 0, 0] = math.nan
+    with pytest.raises(NotFinite, match=r"^at epoch 2 step 5 0\.weight \(and 1 more\) .* runs/x, if any, .*--clip-gr"):
+        check_finite(run, 2, 5)
+    run = run_of(model_with_infinities(), cpu_offload=True)
+    run.model[0].bias.data[1] = math.nan
+    with pytest.raises(NotFinite, match=r"--warmup-epochs$"):  # (--cpu-offload refuses --clip-grad-norm)
+        check_finite(run, 2, 5)
+    assert NotFinite.exit_code == 1  # no bad input: the run's own
+
+
+def test_a_sharded_model_s_state_is_checked_in_this_rank_s_shards(group_of_one):
+    from torch.distributed.fsdp import fully_shard
+
+    run = run_of(fully_shard(model_with_infinities()))
+    check_finite(run, 1, 0)
+    with torch.no_grad():
+        run.model[0].weight.to_local()[1, 2, 0, 0] = math.nan  # (a DTensor: its shard, whose isfinite would gather it)
+    with pytest.raises(NotFinite, match=r"^after epoch 0 0\.weight is NaN"):
+        check_finite(run, 1, 0)
+
+
+def test_the_ema_is_torchvision_s_and_keeps_an_infinity():
+    """ModelEma's update is torchvision's ExponentialMovingAverage's, bit for bit, buffers too (torch's lerp made an
+    attention mask's -inf NaN, which the EMA's validation then gave as its loss)."""
+    torch.manual_seed(0)
+    model = model_with_infinities()
+    ours, theirs = ModelEma(model, 0.75), ExponentialMovingAverage(model, 0.75)
+    for _ in range(3):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter)) if parameter.requires_grad else None
+        model(torch.randn(2, 3, 5, 5))  # (training mode: new BatchNorm statistics)
+        ours.after_step(0, epoch=0)
+        theirs.update_parameters(model)
+    mine, reference = ours.module.state_dict(), theirs.module.state_dict()
+    assert all(torch.equal(mine[name], reference[name]) for name in reference) and mine.keys() == reference.keys()
+    assert torch.equal(mine["2.mask"], model[2].mask)  # -inf kept

@@ -4,16 +4,14 @@ faster, a patch embedding computed as a matrix product, the bare model inside it
 (--model-ema) as torchvision's train.py keeps it."""
 
 import copy
-import math
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torchvision
 
-from common.errors import NotFinite, UsageError
+from common.errors import UsageError
 from common.models import (
     AutocastForward,
     ModelEma,
@@ -21,7 +19,6 @@ from common.models import (
     adapt_first_conv,
     adjusted_decay,
     build_model,
-    check_finite,
     check_input_size,
     compiled,
     gradient_sync,
@@ -434,45 +431,3 @@ def test_the_ema_state_loads_with_weights_only_into_a_plain_model(tmp_path):
     plain.load_state_dict(saved["state_dict"])  # strict: the bare model's keys
     assert saved["n_averaged"] == 1
     assert torch.equal(plain.fc.weight, model.fc.weight)  # the first update copies the weights
-
-
-FINITE_CONFIG = SimpleNamespace(output_dir="runs/x", cpu_offload=False)
-
-
-def model_with_a_mask():
-    """A convolution, a BatchNorm and a buffer of -inf that is no weight (an attention mask's)."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
-    model[2].register_buffer("mask", torch.full((4,), -math.inf))
-    return model
-
-
-def test_weights_that_are_nan_or_infinite_are_refused_in_one_line_that_names_them():
-    """A diverged loss leaves NaN weights: their checkpoint would replace the last good one (tests/test_failures.py
-    runs it). A buffer of infinities that is no weight nor BatchNorm statistic is left alone."""
-    model = model_with_a_mask()
-    check_finite(model, FINITE_CONFIG, "cpu", 2, 0)  # finite: nothing said
-    with torch.no_grad():
-        model[0].weight[0, 0, 0, 0] = math.nan
-    with pytest.raises(NotFinite, match=r"^after epoch 1 the model's weights are NaN or infinite \(0\.weight\): "):
-        check_finite(model, FINITE_CONFIG, "cpu", 2, 0)
-    model = model_with_a_mask()
-    model[1].running_var[3], model[0].bias.data[1] = math.inf, -math.inf
-    with pytest.raises(
-        NotFinite,
-        match=r"^at epoch 2 step 5 .* \(0\.bias and 1 more\): .* runs/x, if any, .* --warmup-epochs or --clip-grad-n",
-    ):
-        check_finite(model, FINITE_CONFIG, "cpu", 2, 5)
-    assert NotFinite.exit_code == 1  # no bad input: the run's own
-    with pytest.raises(NotFinite, match=r"--warmup-epochs$"):  # (--cpu-offload refuses --clip-grad-norm)
-        check_finite(model, SimpleNamespace(output_dir="runs/x", cpu_offload=True), "cpu", 2, 5)
-
-
-def test_a_sharded_model_s_weights_are_checked_in_this_rank_s_shards(group_of_one):
-    from torch.distributed.fsdp import fully_shard
-
-    model = fully_shard(model_with_a_mask())
-    check_finite(model, FINITE_CONFIG, "cpu", 1, 0)
-    with torch.no_grad():
-        model[0].weight.to_local()[1, 2, 0, 0] = math.nan  # (a DTensor: its shard, whose isfinite would gather it)
-    with pytest.raises(NotFinite, match=r"\(0\.weight\)"):
-        check_finite(model, FINITE_CONFIG, "cpu", 1, 0)
