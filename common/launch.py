@@ -59,36 +59,19 @@ def worker_ended(error, passed):
     return line, 128 - error.exit_code if error.exit_code < 0 else error.exit_code or 1
 
 
-def _stop_during_start_up(signum, frame):
+def _stop_during_start_up(signum, _frame):
     if _watch is not None:
         if _watch.taken:  # a second one (Slurm signals every process, torchrun passes its own on): one stop
             return
         _watch.taken = signal.Signals(signum).name
-        if _deferred(frame):
-            return
+        _watch.handled.set()
     raise Preempted(_start_up_stop_line(signal.Signals(signum).name))
 
 
-def _interrupted_during_start_up(signum, frame):
+def _interrupted_during_start_up(_signum, _frame):
     if _watch is not None:
-        _watch.taken = _watch.taken or signal.Signals(signum).name
-        if _deferred(frame):
-            return
+        _watch.handled.set()
     raise KeyboardInterrupt
-
-
-def _deferred(frame):
-    """Whether the signal taken in `frame` waits: inside an import, whose importer may catch what the handler raises
-    (torch's C code importing numpy; an `except Exception` around an optional import) and go on with the module half
-    done (numpy.linalg: a RecursionError later), the watch ends the process (STOP_UNHANDLED_AFTER), or training's
-    start does; elsewhere the handler raises at once (the watch told)."""
-    while frame is not None and not frame.f_code.co_filename.startswith("<frozen importlib"):
-        frame = frame.f_back
-    if frame is not None:
-        _watch.in_import = True
-        return True
-    _watch.handled.set()
-    return False
 
 
 def stop_at_once_until_training():
@@ -114,7 +97,6 @@ class _Watch:
         os.set_blocking(self.write, False)
         self.handled, self.ended = threading.Event(), threading.Event()
         self.taken = None  # the stop signal the main thread took (its Preempted), if one did
-        self.in_import = False  # took it inside an import: the watch ends the process (_deferred)
 
     @classmethod
     def start(cls):
@@ -147,11 +129,7 @@ class _Watch:
             # The main thread took it before this thread read its number, and has since set the handlers aside (the
             # clean-up on the way out ignores stop signals): it must still end.
             handler = _interrupted_during_start_up if signum == signal.SIGINT else _stop_during_start_up
-        why = (
-            "in an import, which it would leave half done"
-            if self.in_import
-            else "waiting outside Python: a rendezvous, a collective or a read"
-        )
+        why = "waiting outside Python: a rendezvous, a collective or a read"
         if self.handled.wait(STOP_UNHANDLED_AFTER) or signal.getsignal(signum) is not handler:
             # The main thread took it (Preempted, KeyboardInterrupt) and ends the process; one that has not ended
             # within STOP_HANDLED_WITHIN s (its clean-up waiting in C++) is ended here. (Two signals at once: one
@@ -178,8 +156,6 @@ def training_starts():
     Ctrl-C Python's KeyboardInterrupt again. A stop signal the start-up took, but whose Preempted some code caught
     (an `except Exception` of a dataset, say), is raised again here: the run stops before its first step."""
     taken = _end_watch()
-    if taken == "SIGINT":  # (in an import: _deferred)
-        raise KeyboardInterrupt
     if taken:
         raise Preempted(f"{_start_up_stop_line(taken)} (its start-up went on after it)")
 

@@ -404,32 +404,6 @@ def test_start_up_s_watch_ends_a_process_whose_main_thread_cannot_take_a_stop_si
     assert len(two.stderr.splitlines()) == 1 and two.stderr.startswith("stopped on SIG"), two.stderr
 
 
-# A stop signal inside an import whose importer catches what it raises (torch's C code importing numpy: seen, the run
-# then ended in a RecursionError, numpy.linalg half imported): the import finishes, the watch ends the process.
-IN_AN_IMPORT = """import os, signal, sys, time
-from common import launch
-launch.STOP_UNHANDLED_AFTER = 0.5
-launch.stop_at_once_until_training()
-sys.path.insert(0, sys.argv[1])
-try:
-    import halfway
-except Exception as error:
-    print("caught", type(error).__name__, flush=True)
-print("whole" if sys.modules["halfway"].done else "half", flush=True)
-time.sleep(5)
-print("went on", flush=True)
-"""
-HALFWAY = "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.05)\ndone = True\n"
-
-
-def test_a_stop_signal_inside_an_import_lets_it_finish_and_ends_the_process_with_its_line(tmp_path):
-    (tmp_path / "halfway.py").write_text(HALFWAY)
-    command = [PYTHON, "-c", IN_AN_IMPORT, tmp_path]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stdout) == (75, "whole\n"), result.stdout + result.stderr
-    assert result.stderr.splitlines() == [f"{STOP}was started (in an import, which it would leave half done)"]
-
-
 class StoppedInForward(torch.nn.Module):
     """A model whose forward is where a stop signal's handler runs (it raises Preempted there)."""
 
