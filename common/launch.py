@@ -84,6 +84,10 @@ def stop_at_once_until_training():
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_during_start_up)
     _Watch.start()
+    # numpy imported here, where a stop's Preempted raised inside its import reaches the caller: torch's C code imports
+    # it too and catches what is raised there (numpy.linalg was left half imported: a RecursionError, exit code 1).
+    with contextlib.suppress(ImportError):
+        import numpy  # noqa: F401
 
 
 class _Watch:

@@ -118,10 +118,10 @@ class SafeLoader(DataLoader):
             sigchld = signal.getsignal(signal.SIGCHLD)
             sigchld = signal.SIG_DFL if sigchld in (signal.SIG_IGN, None) else sigchld
             signal.signal(signal.SIGCHLD, sigchld)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (this thread's: the one that forks them)
         # Forked workers make their sockets in this process's temporary folder, which it removes as it exits (their
         # own, one each, stayed in /tmp where before_exit killed them: each stop left a pymp-* folder a worker).
         multiprocessing.util.get_temp_dir()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (this thread's: the one that forks them)
         try:
             return super().__iter__()
         finally:

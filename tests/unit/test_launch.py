@@ -287,6 +287,23 @@ def test_run_main_and_run_worker_end_a_process_through_the_ladder():
     ], result.stderr
 
 
+def test_numpy_is_imported_where_a_stop_signal_raised_inside_its_import_ends_the_process():
+    """torch's C code imports numpy and catches what is raised there: a SIGTERM in that import (the start-up's
+    Preempted) left numpy.linalg half imported, and the run ended in a RecursionError traceback, exit code 1. The
+    start-up imports it itself, from Python, once its handlers are set: a stop there ends the process with 75."""
+    spy = (
+        "import os, signal, sys\nfrom common import launch\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+        "class Stop:\n    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'numpy.linalg': os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "def main(args): print('trained', flush=True)\n"
+        "sys.exit(launch.run_main(main, lambda: print('torch' in sys.modules, flush=True)))"
+    )
+    result = subprocess.run([PYTHON, "-c", spy], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (75, ""), result.stdout + result.stderr
+    assert result.stderr.startswith("stopped on SIGTERM before training started: nothing was trained"), result.stderr
+
+
 def test_a_process_killed_at_a_fault_says_where():
     """SIGBUS (a Hugging Face dataset's memory-mapped file made shorter while -j 0 read it), SIGSEGV: Python's stack
     where it happened (faulthandler), where the process ended without a word (exit code 135)."""
