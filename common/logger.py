@@ -8,6 +8,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -234,7 +235,7 @@ class RunLogger:
             tables = MetricSums.tables(summary)
             if self.writes and tables:
                 (self.output_dir / "metrics").mkdir(exist_ok=True)
-                text = json.dumps({name: table.tolist() for name, table in tables.items()})
+                text = strict_json({name: table.tolist() for name, table in tables.items()})
                 write_text(self.output_dir / "metrics" / f"{split}_epoch{epoch}.json", text)
 
     def write_bad_images(self, found):
@@ -253,7 +254,21 @@ class RunLogger:
     def finish(self, summary):
         if not self.writes:
             return
-        write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2))
+        write_text(self.output_dir / "summary.json", strict_json(summary, indent=2))
         for writer in (self.tensorboard, self.step_tensorboard):
             if writer:
                 writer.close()
+
+
+def strict_json(value, **options):
+    """`value` as JSON that every reader parses: NaN and infinities as null (Python's NaN, Infinity are not JSON: a
+    loss of NaN, a masked criterion's batch with no image counted, made summary.json unreadable to JSON.parse)."""
+
+    def finite(item):
+        if isinstance(item, dict):
+            return {key: finite(entry) for key, entry in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite(entry) for entry in item]
+        return None if isinstance(item, float) and not math.isfinite(item) else item
+
+    return json.dumps(finite(value), allow_nan=False, **options)

@@ -4,6 +4,8 @@ and summary.json; only the writer rank writes."""
 
 import csv
 import datetime
+import json
+import math
 import re
 import resource
 import signal
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import NoRoom, UsageError
-from common.logger import CSV_FIELDS, DIAGNOSTICS, EMA_FIELDS, STEP_TAGS, RunLogger, epoch_row
+from common.logger import CSV_FIELDS, DIAGNOSTICS, EMA_FIELDS, STEP_TAGS, RunLogger, epoch_row, strict_json
 from common.run import start_run
 from common.trainer import Trainer
 from conftest import cpu_runtime, parse
@@ -369,3 +371,11 @@ def test_a_run_begun_with_its_step_scalars_beside_the_epochs_keeps_them_when_res
     steps = EventAccumulator(str(tmp_path / "tensorboard" / "steps"), size_guidance={"scalars": 0})
     steps.Reload()
     assert [event.step for event in steps.Scalars("step/train_loss")] == [21, 26]
+
+
+def test_summary_json_is_json_that_every_reader_parses_a_nan_as_null():
+    """A loss of NaN (a masked criterion's validation batch with no image counted), an infinite one: null, as a missing
+    figure is (was: Python's NaN and Infinity, which JSON.parse and a strict json.loads refuse)."""
+    text = strict_json({"final_val_loss": math.nan, "loss": -math.inf, "rows": [1.5, math.inf], "mfu_pct": None})
+    strict = json.loads(text, parse_constant=lambda constant: pytest.fail(f"not JSON: {constant}"))
+    assert strict == {"final_val_loss": None, "loss": None, "rows": [1.5, None], "mfu_pct": None}
