@@ -387,7 +387,9 @@ class ItemCheck:
             if image.is_floating_point():
                 image = image.float()
                 low, high = torch.aminmax(image) if image.numel() else (torch.tensor(0.0), torch.tensor(1.0))
-                if not (low >= -FLOAT_SLACK and high <= 1 + FLOAT_SLACK):  # (nan: neither)
+                if not torch.isfinite(image).all():
+                    raise BadItem(f"{where}: a float image holding NaN or infinite values; expected 0-1")
+                if not (low >= -FLOAT_SLACK and high <= 1 + FLOAT_SLACK):
                     raise BadItem(
                         f"{where}: a float image of values {low:.4g} to {high:.4g}; expected 0-1: divide a 0-255 image "
                         "by 255 (or give it as uint8), and leave normalising to --mean/--std (it would be done twice)"

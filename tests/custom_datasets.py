@@ -82,6 +82,17 @@ def nan_images(config):
     return splits(lambda i: (torch.full((3, 20, 6), float("nan")), i % 3))
 
 
+def one_nan_pixel(config):
+    """Float images in 0-1, one pixel of each NaN (was said as "values nan to nan", and to divide by 255)."""
+
+    def item(i):
+        image = pixels(i).float() / 255
+        image[0, 3, 3] = float("nan")
+        return image, i % 3
+
+    return splits(item)
+
+
 def gray_tensors(config):
     return splits(lambda i: (pixels(i, channels=1), i % 3))
 

@@ -284,7 +284,8 @@ REFUSED = {
     "uint16_images": "an image of dtype torch.int16; expected uint8 (0-255) or float (0-1)",
     "gray_tensors": "the images have 1 channel(s): give --mean and --std with 1 value(s) each",
     "float_0_255": "a float image of values 20 to 60; expected 0-1: divide a 0-255 image by 255",
-    "nan_images": "a float image of values nan to nan; expected 0-1",
+    "nan_images": "a float image holding NaN or infinite values; expected 0-1",
+    "one_nan_pixel": "a float image holding NaN or infinite values; expected 0-1",
     "length_too_large": "the train set's last item, 15, raises IndexError (list index out of range): does its "
     "__len__, 16, count more items than it has?",
 }
