@@ -507,17 +507,22 @@ class StepProfiler:
 
 
 def check_finite(trainer, epoch, step):
-    """Refuse to checkpoint what training cannot mend: a NaN or an infinity in a trained parameter or a BatchNorm
-    statistic (the model's, the EMA's) or in the optimizer's state; a sharded model's on any rank. The checkpoint
-    would replace the last one. A collective, with one read back from the device."""
-    named, flags = [*_trained(trainer.model), *(_trained(trainer.ema.module, "the EMA's ") if trainer.ema else [])], {}
-    names = {id(parameter): name for name, parameter in trainer.model.named_parameters()}
+    """Refuse to checkpoint what training cannot mend: a NaN or an infinity in a parameter the optimizer trains, a
+    BatchNorm statistic (the model's, the EMA's) or the optimizer's state; a sharded model's on any rank. The
+    checkpoint would replace the last one. A collective, with one read back from the device."""
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    names.update({id(p): f"the criterion's {name}" for name, p in trainer.criterion.named_parameters()})
+    held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    named, flags = [(names.get(id(p), "a parameter of the optimizer's"), p) for p in held], {}
+    named += _statistics(trainer.model)
+    if trainer.ema is not None:  # (the EMA's copies of the trained parameters, and its statistics)
+        trained = {names.get(id(p)) for p in held}
+        named += [(f"the EMA's {n}", p) for n, p in trainer.ema.module.named_parameters() if n in trained]
+        named += _statistics(trainer.ema.module, "the EMA's ")
     for parameter, state in trainer.optimizer.state.items():
-        named += [
-            (f"the optimizer's {key} of {names.get(id(parameter), 'a parameter')}", value)
-            for key, value in state.items()
-            if torch.is_tensor(value) and value.is_floating_point()
-        ]
+        for key, value in state.items() if isinstance(state, dict) else ():
+            if (type(value) is torch.Tensor or hasattr(value, "to_local")) and value.is_floating_point():
+                named.append((f"the optimizer's {key} of {names.get(id(parameter), 'a parameter')}", value))
     for name, tensor in named:  # by device (a model offloaded in part): one stack each
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # (a DTensor: this rank's shard)
         flags.setdefault(local.device, []).append((name, torch.isfinite(local).all()))
@@ -537,11 +542,10 @@ def check_finite(trainer, epoch, step):
         )
 
 
-def _trained(model, prefix=""):
-    """(name, tensor) of `model`'s trained parameters (a frozen one may hold an infinity on purpose) and BatchNorm
-    statistics."""
+def _statistics(model, prefix=""):
+    """(name, tensor) of `model`'s BatchNorm statistics."""
     return [
         (prefix + name, value)
-        for name, value in [*model.named_parameters(), *model.named_buffers()]
-        if getattr(value, "requires_grad", False) or name.endswith(("running_mean", "running_var"))
+        for name, value in model.named_buffers()
+        if name.endswith(("running_mean", "running_var"))
     ]

@@ -509,19 +509,20 @@ def adjusted_decay(decay, global_batch, every, epochs):
 
 
 def ema_update(decay):
-    """torchvision's EMA update, decay x average + (1 - decay) x weights (its ExponentialMovingAverage), a foreach
-    call for sharded tensors (DTensors) and one for plain ones (one call cannot take both); torch's
-    get_ema_multi_avg_fn lerps, which made an infinity (an attention mask's -inf) NaN."""
+    """torchvision's EMA update, decay x average + (1 - decay) x weights (its ExponentialMovingAverage), as two
+    foreach calls in place (its product of the weights fused into the add: to rounding), for sharded tensors
+    (DTensors) apart from plain ones (one call cannot take both). Torch's get_ema_multi_avg_fn lerps, which made an
+    infinity (an attention mask's -inf) NaN; decay 0 copies the weights (0 x -inf is NaN too), 1 keeps the EMA."""
 
     def update(averaged, current, _count):  # (AveragedModel gives tensors of one device and dtype)
         for sharded in (True, False):
-            mine = [(a, c) for a, c in zip(averaged, current) if hasattr(a, "to_local") == sharded]
-            if mine and torch.is_floating_point(mine[0][0]):
-                torch._foreach_mul_([a for a, _ in mine], decay)
-                torch._foreach_add_([a for a, _ in mine], torch._foreach_mul([c for _, c in mine], 1 - decay))
-            elif mine:
-                for a, c in mine:
-                    a.copy_(a * decay + c * (1 - decay))
+            pairs = [(a, c) for a, c in zip(averaged, current) if hasattr(a, "to_local") == sharded]
+            if pairs and decay < 1 and torch.is_floating_point(pairs[0][0]) and decay > 0:
+                torch._foreach_mul_([a for a, _ in pairs], decay)
+                torch._foreach_add_([a for a, _ in pairs], [c for _, c in pairs], alpha=1 - decay)
+            elif decay < 1:
+                for a, c in pairs:
+                    a.copy_(c if decay == 0 else a * decay + c * (1 - decay))
 
     return update
 

@@ -2,6 +2,7 @@
 by its name, the input wait, the memory read from /proc, the profiler's trace, the out-of-memory line and NCCL's
 Flight Recorder settings; and the figures a built Trainer's epoch reports."""
 
+import copy
 import json
 import math
 import mmap
@@ -440,6 +441,7 @@ def run_of(model, ema=False, cpu_offload=False):
         model=model,
         ema=ModelEma(model, 0.5) if ema else None,
         optimizer=optimizer,
+        criterion=nn.CrossEntropyLoss(),
         config=SimpleNamespace(output_dir="runs/x", cpu_offload=cpu_offload),
         runtime=SimpleNamespace(device=torch.device("cpu")),
     )
@@ -450,6 +452,10 @@ def test_a_state_that_training_cannot_mend_ends_the_run_in_one_line_naming_it():
     optimizer state (Adam's second moment overflowed by one huge loss: every update 0 after, the run frozen). Their
     checkpoint would replace the last one. What holds an infinity on purpose, and is not trained, is left alone."""
     check_finite(run_of(model_with_infinities(), ema=True), 2, 0)  # finite where it counts: nothing said
+    run = run_of(model_with_infinities())
+    run.optimizer.param_groups[0]["params"].pop(0)  # (a weight the optimizer does not train: left alone)
+    run.model[0].weight.data[0, 0, 0, 0] = math.inf
+    check_finite(run, 2, 0)
     for spoil, named in [
         (lambda run: run.model[0].weight.data.__setitem__((0, 0, 0, 0), math.nan), r"0\.weight"),
         (lambda run: run.model[1].running_var.__setitem__(3, math.inf), r"1\.running_var"),
@@ -486,18 +492,27 @@ def test_a_sharded_model_s_state_is_checked_in_this_rank_s_shards(group_of_one):
 
 
 def test_the_ema_is_torchvision_s_and_keeps_an_infinity():
-    """ModelEma's update is torchvision's ExponentialMovingAverage's, bit for bit, buffers too (torch's lerp made an
-    attention mask's -inf NaN, which the EMA's validation then gave as its loss)."""
+    """ModelEma's update is torchvision's ExponentialMovingAverage's to float rounding, buffers too (torch's lerp made
+    an attention mask's -inf NaN, which the EMA's validation then gave as its loss); at decay 0 (adjusted_decay's
+    floor) it is the weights, at 1 it stays, -inf kept in each."""
     torch.manual_seed(0)
     model = model_with_infinities()
-    ours, theirs = ModelEma(model, 0.75), ExponentialMovingAverage(model, 0.75)
-    for _ in range(3):
+    emas = {decay: ModelEma(model, decay) for decay in (0.0, 0.75, 1.0)}
+    theirs = ExponentialMovingAverage(model, 0.75)
+    for update in range(3):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter)) if parameter.requires_grad else None
         model(torch.randn(2, 3, 5, 5))  # (training mode: new BatchNorm statistics)
-        ours.after_step(0, epoch=0)
+        if update == 0:  # (AveragedModel's first update copies the weights)
+            first = copy.deepcopy(model.state_dict())
+        for ema in emas.values():
+            ema.after_step(0, epoch=0)
         theirs.update_parameters(model)
-    mine, reference = ours.module.state_dict(), theirs.module.state_dict()
-    assert all(torch.equal(mine[name], reference[name]) for name in reference) and mine.keys() == reference.keys()
-    assert torch.equal(mine["2.mask"], model[2].mask)  # -inf kept
+    reference = theirs.module.state_dict()
+    for decay, expected, tolerance in [(0.0, model.state_dict(), 0), (0.75, reference, 1e-6), (1.0, first, 0)]:
+        mine = emas[decay].module.state_dict()
+        assert mine.keys() == expected.keys(), decay
+        for name, value in expected.items():
+            assert torch.allclose(mine[name].double(), value.double(), rtol=tolerance, atol=0), (decay, name)
+        assert torch.equal(mine["2.mask"], model[2].mask)  # -inf kept
