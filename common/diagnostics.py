@@ -507,12 +507,13 @@ class StepProfiler:
 
 
 def check_finite(trainer, epoch, step):
-    """Refuse to checkpoint what training cannot mend: a NaN or an infinity in a parameter the optimizer trains, a
-    BatchNorm statistic (the model's, the EMA's) or the optimizer's state; a sharded model's on any rank. The
-    checkpoint would replace the last one. A collective, with one read back from the device."""
+    """Refuse to checkpoint what training cannot mend: a NaN or an infinity in a parameter the optimizer trains (a
+    frozen one may hold one on purpose), a BatchNorm statistic (the model's, the EMA's) or the optimizer's state; a
+    sharded model's on any rank. The checkpoint would replace the last one. A collective, one read back."""
     names = {id(p): name for name, p in trainer.model.named_parameters()}
-    names.update({id(p): f"the criterion's {name}" for name, p in trainer.criterion.named_parameters()})
-    held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    for name, p in trainer.criterion.named_parameters():  # (one the model shares keeps the model's name)
+        names.setdefault(id(p), f"the criterion's {name}")
+    held = [p for group in trainer.optimizer.param_groups for p in group["params"] if p.requires_grad]
     named, flags = [(names.get(id(p), "a parameter of the optimizer's"), p) for p in held], {}
     named += _statistics(trainer.model)
     if trainer.ema is not None:  # (the EMA's copies of the trained parameters, and its statistics)

@@ -227,3 +227,20 @@ def _local_bytes(tensors):
 
 def _mib(size):
     return f"{size / 2**20:.1f} MiB"
+
+
+def check_trained(model, criterion, optimizer):
+    """train_fsdp.py trains the sharded model's parameters alone: its optimizer's checkpoint is the model's
+    (get_optimizer_state_dict), which a criterion's parameters, or a tensor of the optimizer's that is no parameter of
+    the model, failed at the first save (a KeyError, after an epoch): refused in one line."""
+    if any(parameter.requires_grad for parameter in criterion.parameters()):
+        raise UsageError(
+            "train_fsdp.py: the criterion (build_criterion) has parameters, which FSDP neither shards nor checkpoints "
+            "with its optimizer: make them the model's (build_model)"
+        )
+    own = {id(parameter) for parameter in model.parameters()}
+    if any(id(tensor) not in own for group in optimizer.param_groups for tensor in group["params"]):
+        raise UsageError(
+            "train_fsdp.py: the optimizer (build_optimizer) holds tensors that are not the model's parameters, which "
+            "FSDP's checkpoint of its state cannot save: make them the model's (build_model)"
+        )

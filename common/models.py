@@ -510,14 +510,15 @@ def adjusted_decay(decay, global_batch, every, epochs):
 
 def ema_update(decay):
     """torchvision's EMA update, decay x average + (1 - decay) x weights (its ExponentialMovingAverage), as two
-    foreach calls in place (its product of the weights fused into the add: to rounding), for sharded tensors
+    foreach calls in place (float32, float64: its product of the weights fused into the add, to rounding; in half
+    precision that rounding differed with a tensor's layout, so its own formula), for sharded tensors
     (DTensors) apart from plain ones (one call cannot take both). Torch's get_ema_multi_avg_fn lerps, which made an
     infinity (an attention mask's -inf) NaN; decay 0 copies the weights (0 x -inf is NaN too), 1 keeps the EMA."""
 
     def update(averaged, current, _count):  # (AveragedModel gives tensors of one device and dtype)
         for sharded in (True, False):
             pairs = [(a, c) for a, c in zip(averaged, current) if hasattr(a, "to_local") == sharded]
-            if pairs and decay < 1 and torch.is_floating_point(pairs[0][0]) and decay > 0:
+            if pairs and 0 < decay < 1 and pairs[0][0].dtype in (torch.float32, torch.float64):
                 torch._foreach_mul_([a for a, _ in pairs], decay)
                 torch._foreach_add_([a for a, _ in pairs], [c for _, c in pairs], alpha=1 - decay)
             elif decay < 1:

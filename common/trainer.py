@@ -309,13 +309,10 @@ class Trainer:
 
     def _train_criterion(self, optimizer):
         """The criterion's trainable parameters, in `optimizer`: a group of their own unless build_optimizer put them
-        in one. train_fsdp.py refuses them: its optimizer's checkpoint is the sharded model's."""
+        in one. train_fsdp.py refuses them (fsdp.check_trained)."""
         parameters = [parameter for parameter in self.criterion.parameters() if parameter.requires_grad]
-        if parameters and self.shard is not None:
-            raise UsageError(
-                "train_fsdp.py: the criterion (build_criterion) has parameters, which FSDP neither shards "
-                "nor checkpoints with its optimizer: make them the model's (build_model)"
-            )
+        if self.shard is not None:
+            fsdp.check_trained(self.model, self.criterion, optimizer)
         held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
         missing = [parameter for parameter in parameters if id(parameter) not in held]
         if missing:

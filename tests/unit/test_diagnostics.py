@@ -31,7 +31,7 @@ from common.diagnostics import (
     reset_peak_rss,
 )
 from common.errors import NotFinite, OutOfMemory, UsageError
-from common.models import ModelEma, build_model, check_input_size
+from common.models import ModelEma, build_model, check_input_size, ema_update
 from conftest import built_trainer, cpu_runtime, parse, tensor_datasets
 from tests.torchvision_reference import ExponentialMovingAverage
 
@@ -456,6 +456,14 @@ def test_a_state_that_training_cannot_mend_ends_the_run_in_one_line_naming_it():
     run.optimizer.param_groups[0]["params"].pop(0)  # (a weight the optimizer does not train: left alone)
     run.model[0].weight.data[0, 0, 0, 0] = math.inf
     check_finite(run, 2, 0)
+    run.optimizer = torch.optim.SGD(run.model.parameters())  # (the frozen limit held too, as build_optimizer may)
+    run.optimizer.param_groups[0]["params"].pop(0)
+    check_finite(run, 2, 0)
+    run = run_of(model_with_infinities(), ema=True)  # a criterion sharing a model's weight: checked by its own name
+    run.criterion.scale = run.model[1].weight
+    run.ema.module[1].weight.data[0] = math.nan
+    with pytest.raises(NotFinite, match=r"^after epoch 1 the EMA's 1\.weight is NaN"):
+        check_finite(run, 2, 0)
     for spoil, named in [
         (lambda run: run.model[0].weight.data.__setitem__((0, 0, 0, 0), math.nan), r"0\.weight"),
         (lambda run: run.model[1].running_var.__setitem__(3, math.inf), r"1\.running_var"),
@@ -516,3 +524,12 @@ def test_the_ema_is_torchvision_s_and_keeps_an_infinity():
         for name, value in expected.items():
             assert torch.allclose(mine[name].double(), value.double(), rtol=tolerance, atol=0), (decay, name)
         assert torch.equal(mine["2.mask"], model[2].mask)  # -inf kept
+    # In half precision torchvision's own formula (a fused add rounded by where an element lies: FSDP's shards and
+    # DDP's whole tensors differed)
+    average, weights = (torch.randn(10007, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    for dtype in (torch.float16, torch.bfloat16):
+        whole, pieces = average.to(dtype), list(average.to(dtype).split(7))
+        ema_update(0.7)([whole], [weights.to(dtype)], None)
+        ema_update(0.7)(pieces, list(weights.to(dtype).split(7)), None)
+        expected = 0.7 * average.to(dtype) + (1 - 0.7) * weights.to(dtype)
+        assert torch.equal(whole, torch.cat(pieces)) and torch.equal(whole, expected)

@@ -10,6 +10,7 @@ import torchvision
 from common import models
 from common.errors import UsageError
 from common.fsdp import Sharding, default_units, describe_units, optimizer_slots, state_bytes
+from common.trainer import Trainer
 from conftest import cpu_runtime, parse, sharded_trainer
 from tests.tiny_models import BlockNet, TinyNet
 
@@ -91,6 +92,21 @@ def test_a_criterion_with_parameters_is_refused_in_one_line(group_of_one):
             "examples.learned_temperature:LearnedTemperature",
             trainer=LearnedTemperature,
         )
+
+
+class HoldsAnotherModule(Trainer):
+    """An optimizer over the model and another module's parameters (a learned augmentation, say)."""
+
+    def build_optimizer(self, model):
+        self.extra = nn.Linear(1, 1)
+        return torch.optim.SGD([*model.parameters(), *self.extra.parameters()], lr=0.1)
+
+
+def test_an_optimizer_holding_what_is_not_the_model_s_is_refused_in_one_line(group_of_one):
+    """FSDP's checkpoint of the optimizer's state is the model's: another tensor failed at the first save, a KeyError
+    after an epoch's training (was)."""
+    with pytest.raises(UsageError, match=r"^train_fsdp.py: the optimizer \(build_optimizer\) holds tensors that are "):
+        sharded_trainer("-a", "tests.tiny_models:BlockNet", trainer=HoldsAnotherModule)
 
 
 def test_cpu_offload_is_refused_on_the_cpu():
