@@ -51,7 +51,7 @@ class OutOfMemory(UsageError):
 
 
 class NotFinite(UsageError):
-    """The weights became NaN or infinite (the loss diverged): one line, exit code 1, and no checkpoint of them."""
+    """The weights (or the optimizer's state) became NaN or infinite: one line, exit code 1, no checkpoint of them."""
 
     exit_code = 1
 
