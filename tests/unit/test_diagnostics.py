@@ -424,9 +424,9 @@ def test_one_slow_rank_among_fast_ones_is_input_bound():
 
 
 def model_with_infinities():
-    """A convolution, a BatchNorm, a buffer of -inf (an attention mask's) and a frozen parameter of inf (a clamp's):
-    neither is trained, both hold their infinity on purpose."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+    """A convolution, a BatchNorm, a head, a buffer of -inf (an attention mask's) and a frozen parameter of inf (a
+    clamp's): neither is trained, both hold their infinity on purpose."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 2))
     model[2].register_buffer("mask", torch.full((4,), -math.inf))
     model[2].limit = nn.Parameter(torch.full((1,), math.inf), requires_grad=False)
     return model
